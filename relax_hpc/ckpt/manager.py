@@ -1,0 +1,112 @@
+"""Checkpoints: torch.distributed.checkpoint (DCP) for model and optimizer, plus the run state.
+
+    ckpt/step-00000050/            complete checkpoint after 50 steps
+        .metadata, __*.distcp      DCP: model + optimizer, sharded as the ranks hold them
+        trainer_state.json         step, policy version, counters, spool claims of every step
+        rank-R.pt                  that rank's RNG states and LR-scheduler state
+    ckpt/latest -> step-00000050   moved (atomically) only after a checkpoint is complete
+
+A checkpoint is written to ckpt/.step-N.tmp and renamed when every rank has finished, so a crash
+or a full disk mid-save leaves the previous checkpoint as `latest`. Resuming needs no arguments:
+if `latest` exists, the trainer loads it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from relax_hpc.paths import fsync_dir, write_atomic
+
+log = logging.getLogger("relax_hpc.ckpt")
+STATE_FILE = "trainer_state.json"
+
+
+def latest_dir(ckpt_root: Path) -> Path | None:
+    link = ckpt_root / "latest"
+    if not link.exists():
+        return None
+    target = ckpt_root / os.readlink(link)
+    return target if (target / STATE_FILE).is_file() else None
+
+
+def read_trainer_state(ckpt_root: Path) -> dict[str, Any] | None:
+    """The run state of the latest complete checkpoint (None before the first one)."""
+    target = latest_dir(ckpt_root)
+    return json.loads((target / STATE_FILE).read_text()) if target else None
+
+
+def _any_rank(flag: bool) -> bool:
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+class Checkpointer:
+    def __init__(self, ckpt_root: Path, keep: int) -> None:
+        self.root = ckpt_root
+        self.keep = keep
+        self.rank = dist.get_rank()
+
+    def save(self, step: int, model_state: dict, rank_state: dict, trainer_state: dict) -> bool:
+        """Collective. Returns False (and keeps the previous checkpoint) if any rank failed."""
+        name = f"step-{step:08d}"
+        tmp, final = self.root / f".{name}.tmp", self.root / name
+        if self.rank == 0 and tmp.exists():
+            shutil.rmtree(tmp)
+        dist.barrier()
+        failed = False
+        try:
+            dcp.save(model_state, checkpoint_id=str(tmp))
+            torch.save(rank_state, tmp / f"rank-{self.rank}.pt")
+        except Exception as e:  # ENOSPC, EIO, quota: keep training, keep the old checkpoint
+            log.error("checkpoint %s failed on rank %d: %s", name, self.rank, e)
+            failed = True
+        if _any_rank(failed):
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+                log.error("checkpoint %s abandoned; `latest` still points to the previous one", name)
+            return False
+        if self.rank == 0:
+            try:
+                write_atomic(tmp / STATE_FILE, json.dumps(trainer_state).encode())
+                if final.exists():
+                    shutil.rmtree(final)
+                os.rename(tmp, final)
+                link_tmp = self.root / ".latest.tmp"
+                link_tmp.unlink(missing_ok=True)
+                os.symlink(name, link_tmp)
+                os.replace(link_tmp, self.root / "latest")
+                fsync_dir(self.root)
+                self._prune()
+            except OSError as e:
+                log.error("checkpoint %s could not be finalised: %s", name, e)
+                shutil.rmtree(tmp, ignore_errors=True)
+                failed = True
+        return not _any_rank(failed)
+
+    def load(self, model_state: dict) -> tuple[dict, dict] | None:
+        """Load the latest checkpoint in place into `model_state`; returns (rank_state,
+        trainer_state), or None when there is none."""
+        target = latest_dir(self.root)
+        if target is None:
+            return None
+        dcp.load(model_state, checkpoint_id=str(target))
+        rank_file = target / f"rank-{self.rank}.pt"
+        if not rank_file.exists():
+            raise RuntimeError(f"{target} was written by fewer ranks than this run has (no {rank_file.name})")
+        rank_state = torch.load(rank_file, weights_only=False)
+        return rank_state, json.loads((target / STATE_FILE).read_text())
+
+    def _prune(self) -> None:
+        complete = sorted(p for p in self.root.glob("step-*") if (p / STATE_FILE).is_file())
+        for old in complete[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,116 @@
+"""YAML + `key=value` overrides -> a validated JobConfig, or a ConfigError naming what to fix."""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from relax_hpc.config.schema import JobConfig
+
+# Options that hold paths: made absolute (against the working directory) when the config is
+# loaded, so every role, whatever its working directory, reads the same files.
+PATH_OPTIONS = (("run", "dir"), ("model", "path"), ("data", "path"))
+
+
+class ConfigError(ValueError):
+    """The config cannot be used; the message lists every problem, one per line."""
+
+
+def _suggest(word: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else f"; allowed: {', '.join(sorted(choices))}"
+
+
+def _section_model(location: tuple[str, ...]) -> type[BaseModel] | None:
+    """The schema class that the dotted location points into, or None if it is not a section."""
+    model: type[BaseModel] = JobConfig
+    for key in location:
+        field = model.model_fields.get(key)
+        annotation = field.annotation if field else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        model = annotation
+    return model
+
+
+def apply_override(tree: dict[str, Any], override: str) -> None:
+    """Set `a.b.c=value` in the nested dict; the value is parsed as YAML (so 3, 1e-3, true, [1, 2])."""
+    if "=" not in override:
+        raise ConfigError(f"override {override!r}: expected key=value, e.g. trainer.lr=3e-4")
+    key, raw = override.split("=", 1)
+    parts = key.strip().split(".")
+    for depth, part in enumerate(parts):
+        section = _section_model(tuple(parts[:depth]))
+        if section is None:
+            raise ConfigError(f"override {key}: {'.'.join(parts[:depth])} is not a section")
+        if part not in section.model_fields:
+            where = ".".join(parts[:depth]) or "the top level"
+            raise ConfigError(f"override {key}: unknown key {part!r} in {where}{_suggest(part, list(section.model_fields))}")
+    node = tree
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {key}: {part} is a value in the YAML, not a section")
+    try:
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {key}: cannot parse value {raw!r} ({e})") from None
+
+
+def _describe(error: dict[str, Any]) -> str:
+    loc = tuple(str(p) for p in error["loc"])
+    key = ".".join(loc)
+    if error["type"] == "extra_forbidden":
+        section = _section_model(loc[:-1])
+        hint = _suggest(loc[-1], list(section.model_fields)) if section else ""
+        return f"{key}: unknown key{hint}"
+    value = error.get("input")
+    allowed = ""
+    ctx = error.get("ctx") or {}
+    if "expected" in ctx:
+        allowed = f"; allowed: {ctx['expected']}"
+    return f"{key}: {error['msg']} (got {value!r}){allowed}"
+
+
+def validate(tree: dict[str, Any]) -> JobConfig:
+    try:
+        return JobConfig.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(_describe(err) for err in e.errors())) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] = (), base_dir: Path | None = None) -> JobConfig:
+    """Read `path` (or start from the defaults when None), apply overrides, validate, and make the
+    path options absolute against `base_dir` (default: the working directory)."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(tree).__name__}")
+    for override in overrides:
+        apply_override(tree, override)
+    config = validate(tree)
+    base = base_dir or Path.cwd()
+    for section, option in PATH_OPTIONS:
+        sub = getattr(config, section)
+        setattr(sub, option, str((base / getattr(sub, option)).resolve()))
+    return config
+
+
+def to_yaml(config: JobConfig) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def read_frozen(path: Path) -> JobConfig:
+    """The resolved config a run saved in RUN_DIR/config.yaml."""
+    return validate(yaml.safe_load(path.read_text()))

@@ -1,0 +1,1 @@
+"""Prompt datasets and the deterministic order in which the rollout driver consumes them."""

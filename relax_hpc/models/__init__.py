@@ -1,0 +1,1 @@
+"""Model and tokenizer construction (HF transformers classes, built offline)."""

@@ -1,0 +1,79 @@
+"""The embedded default policy: a tiny Qwen3-architecture model with a character tokenizer.
+
+No model hub is reachable on the machines this project is tested on, so the policy is built from a
+config (random init) and the tokenizer from a fixed alphabet. `tools/make_tiny_policy.py` turns
+them into an ordinary HF folder (config.json, model.safetensors, tokenizer.json) that every role
+loads with `from_pretrained`, exactly as it would load a real Qwen3 checkpoint.
+"""
+
+from __future__ import annotations
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+PAD_TOKEN = "<|endoftext|>"
+EOS_TOKEN = "<|im_end|>"
+ALPHABET = "0123456789+-*=?() abcdefghijklmnopqrstuvwxyz"
+
+
+def build_char_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer: one token per character of ALPHABET, plus pad and eos."""
+    vocab = {PAD_TOKEN: 0, EOS_TOKEN: 1}
+    for ch in ALPHABET:
+        vocab[ch] = len(vocab)
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD_TOKEN))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token=PAD_TOKEN, eos_token=EOS_TOKEN, clean_up_tokenization_spaces=False
+    )
+
+
+def tiny_qwen3_config(
+    tokenizer: PreTrainedTokenizerFast, num_layers: int = 2, hidden_size: int = 128
+) -> Qwen3Config:
+    """A Qwen3 config at toy scale: GQA (4 query heads, 2 kv heads), QK-norm, tied embeddings."""
+    return Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=4 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden_size // 4,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+
+
+def addition_problems() -> list[tuple[str, str]]:
+    """The embedded default task: all 100 single-digit additions "a+b=" with their sums."""
+    return [(f"{a}+{b}=", str(a + b)) for a in range(10) for b in range(10)]
+
+
+def format_warmup(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, steps: int, seed: int) -> float:
+    """Teach the answer *format* only: "a+b=" followed by a uniformly random number in 0..18 and
+    EOS. The model learns to emit one or two digits and stop, with answers independent of the
+    question, so it starts RL near chance (about 1/19) and with maximal answer entropy.
+    Returns the last batch's loss."""
+    gen = torch.Generator().manual_seed(seed)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    loss = torch.tensor(0.0)
+    for _ in range(steps):
+        a, b, c = (torch.randint(0, hi, (64,), generator=gen) for hi in (10, 10, 19))
+        texts = [(f"{x}+{y}=", str(z)) for x, y, z in zip(a.tolist(), b.tolist(), c.tolist())]
+        rows = [tokenizer(p)["input_ids"] + tokenizer(ans)["input_ids"] + [tokenizer.eos_token_id] for p, ans in texts]
+        width = max(map(len, rows))
+        ids = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows])
+        labels = ids.clone()
+        labels[:, :4] = -100  # the prompt "a+b=" is 4 characters: no loss on it
+        labels[ids == tokenizer.pad_token_id] = -100
+        loss = model(input_ids=ids, labels=labels).loss
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+    return float(loss.detach())

@@ -1,0 +1,248 @@
+"""The rollout driver: prompts -> engines -> rewards -> published sample batches.
+
+    python -m relax_hpc.rollout.driver --run-dir RUN_DIR
+
+Batch `seq` holds the prompts PromptOrder assigns to it, each sampled group_size times with a
+seed derived from (run seed, seq, sample), and may be generated only by a policy version
+>= seq - max_staleness (0: strictly on-policy, the driver waits for the weights of step seq). Its
+groups are split across the engines that hold such a version; a chunk whose engine dies or times
+out is re-issued to another one. The driver resumes from the spool (Spool.next_seq), so a restart
+neither skips nor repeats a batch. It also measures greedy accuracy over the whole dataset every
+`rollout.eval_every` versions and at the last one, then exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import math
+import signal
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from relax_hpc.config.load import read_frozen
+from relax_hpc.config.schema import JobConfig
+from relax_hpc.data.prompts import PromptOrder, PromptRow, load_prompts
+from relax_hpc.exchange.spool import SampleBatch, Spool
+from relax_hpc.metrics.jsonl import JsonlWriter
+from relax_hpc.paths import RunPaths
+from relax_hpc.rewards import REWARDS
+from relax_hpc.rollout import protocol as P
+from relax_hpc.rollout.client import EngineClient, EngineRequestError, EngineUnavailable
+from relax_hpc.rollout.registry import EngineRecord, read_records
+
+log = logging.getLogger("relax_hpc.driver")
+
+
+def sample_seed(run_seed: int, seq: int, sample: int) -> int:
+    digest = hashlib.blake2b(f"{run_seed}:{seq}:{sample}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2  # a non-negative int64
+
+
+@dataclass
+class Engine:
+    record: EngineRecord
+    client: EngineClient
+    version: int
+
+
+class EnginePool:
+    """The engines that answer, with the policy version each holds (re-read at most every 0.5 s)."""
+
+    def __init__(self, paths: RunPaths, timeout_s: float) -> None:
+        self.paths = paths
+        self.api_key = paths.read_token()
+        self.timeout_s = timeout_s
+        self.engines: list[Engine] = []
+        self._last = 0.0
+
+    def refresh(self, force: bool = False) -> None:
+        if not force and time.monotonic() - self._last < 0.5:
+            return
+        self._last = time.monotonic()
+        engines = []
+        for record in read_records(self.paths.engines):
+            client = EngineClient(record.url, self.api_key, self.timeout_s)
+            try:
+                engines.append(Engine(record, client, int(client.weight_version())))
+            except (EngineUnavailable, EngineRequestError, ValueError):
+                continue
+        self.engines = engines
+
+    def eligible(self, min_version: int) -> list[Engine]:
+        return [e for e in self.engines if e.version >= min_version]
+
+    def mark_down(self, engine: Engine) -> None:
+        self.engines = [e for e in self.engines if e.record.instance != engine.record.instance]
+
+
+class Driver:
+    def __init__(self, cfg: JobConfig, paths: RunPaths) -> None:
+        self.cfg, self.paths, self.ro = cfg, paths, cfg.rollout
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.rows = load_prompts(cfg.data.path, cfg.data.prompt_key, cfg.data.answer_key)
+        self.order = PromptOrder(len(self.rows), cfg.run.seed, cfg.data.shuffle)
+        self.reward = REWARDS[self.ro.reward]
+        self.spool = Spool(paths.spool)
+        self.pool = EnginePool(paths, self.ro.request_timeout_s)
+        self.metrics = JsonlWriter(paths.metrics / "rollout.jsonl")
+        self.evals = JsonlWriter(paths.metrics / "eval.jsonl")
+        self.threads = ThreadPoolExecutor(max_workers=16, thread_name_prefix="generate")
+        self.stopping = False
+        self.reissued = 0
+        self._load: dict[str, int] = {}  # requests in flight per engine instance
+
+    def _sampling(self, temperature: float | None = None) -> dict:
+        return {
+            "max_new_tokens": self.ro.max_new_tokens,
+            "temperature": self.ro.temperature if temperature is None else temperature,
+            "top_p": self.ro.top_p,
+            "top_k": self.ro.top_k,
+        }
+
+    def _encode(self, row: PromptRow) -> list[int]:
+        return self.tokenizer(row.prompt)["input_ids"]
+
+    # -- generation with re-issue ---------------------------------------------------------------
+
+    def _run_chunk(self, prompts: list[list[int]], seeds: list[int], min_version: int) -> list[dict]:
+        """Generate one chunk on some eligible engine, re-issuing it until one answers."""
+        request = P.GenerateReqInput(
+            input_ids=prompts,
+            sampling_params=[{**self._sampling(), "sampling_seed": s} for s in seeds],
+            return_logprob=True,
+        )
+        wait = 0.1
+        while not self.stopping:
+            self.pool.refresh()
+            candidates = self.pool.eligible(min_version)
+            if not candidates:
+                time.sleep(wait)
+                wait = min(wait * 2, 2.0)
+                continue
+            engine = min(candidates, key=lambda e: self._load.get(e.record.instance, 0))
+            self._load[engine.record.instance] = self._load.get(engine.record.instance, 0) + 1
+            try:
+                outputs = engine.client.generate(request)
+            except EngineUnavailable as e:
+                log.warning("engine %s failed (%s); re-issuing %d prompts", engine.record.engine_id, e, len(prompts))
+                self.pool.mark_down(engine)
+                self.reissued += len(prompts)
+                continue
+            finally:
+                self._load[engine.record.instance] -= 1
+            versions = [int(o["meta_info"]["weight_version"]) for o in outputs]
+            if min(versions) >= min_version and all(o["meta_info"]["finish_reason"]["type"] != "abort" for o in outputs):
+                return outputs
+            log.warning("engine %s answered with version %d < %d or aborted; re-issuing", engine.record.engine_id, min(versions), min_version)
+            self.reissued += len(prompts)
+        raise SystemExit(0)
+
+    def generate_batch(self, seq: int, min_version: int) -> SampleBatch:
+        g = self.ro.group_size
+        indices = self.order.batch(seq, self.ro.prompts_per_step)
+        prompts = [self._encode(self.rows[i]) for i in indices for _ in range(g)]
+        seeds = [sample_seed(self.cfg.run.seed, seq, k) for k in range(len(prompts))]
+        num_chunks = max(1, len(self.pool.eligible(min_version)))
+        groups_per_chunk = math.ceil(len(indices) / num_chunks)
+        bounds = [(c * groups_per_chunk * g, min(len(prompts), (c + 1) * groups_per_chunk * g)) for c in range(num_chunks)]
+        futures = [self.threads.submit(self._run_chunk, prompts[a:b], seeds[a:b], min_version) for a, b in bounds if a < b]
+        outputs = [o for f in futures for o in f.result()]
+        completions = [o["output_ids"] for o in outputs]
+        rewards = [self.reward(o["text"], self.rows[indices[k // g]].answer) for k, o in enumerate(outputs)]
+        return SampleBatch.from_samples(
+            seq=seq,
+            sequences=[p + c for p, c in zip(prompts, completions)],
+            prompt_lens=[len(p) for p in prompts],
+            logprobs=[[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]] for o in outputs],
+            rewards=rewards,
+            group_ids=[seq * self.ro.prompts_per_step + k // g for k in range(len(prompts))],
+            policy_version=[int(o["meta_info"]["weight_version"]) for o in outputs],
+            prompt_index=[indices[k // g] for k in range(len(prompts))],
+        )
+
+    # -- evaluation -----------------------------------------------------------------------------
+
+    def evaluate(self, engine: Engine) -> float:
+        request = P.GenerateReqInput(
+            input_ids=[self._encode(r) for r in self.rows], sampling_params=self._sampling(temperature=0.0)
+        )
+        outputs = engine.client.generate(request)
+        correct = sum(self.reward(o["text"], r.answer) for o, r in zip(outputs, self.rows))
+        version = min(int(o["meta_info"]["weight_version"]) for o in outputs)
+        accuracy = correct / len(self.rows)
+        self.evals.log({"version": version, "greedy_accuracy": accuracy, "problems": len(self.rows)})
+        log.info("eval at version %d: greedy accuracy %.3f", version, accuracy)
+        return version
+
+    # -- main loop ------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        total, k = self.cfg.trainer.total_steps, self.ro.max_staleness
+        every = self.ro.eval_every or total
+        next_eval = 0
+        seq = self.spool.next_seq()
+        log.info("driver starts at batch %d", seq)
+        wait = 0.05
+        while not self.stopping:
+            self.pool.refresh()
+            newest = max((e.version for e in self.pool.engines), default=-1)
+            if newest >= next_eval:
+                try:
+                    evaluated = self.evaluate(max(self.pool.engines, key=lambda e: e.version))
+                except (EngineUnavailable, EngineRequestError) as e:
+                    log.warning("eval failed (%s); will retry", e)
+                else:
+                    if evaluated >= total:
+                        log.info("final version %d evaluated: driver done", evaluated)
+                        return
+                    next_eval = min(total, (evaluated // every + 1) * every)
+                continue
+            if self.pool.eligible(seq - k) and seq < total + k:
+                started = time.monotonic()
+                batch = self.generate_batch(seq, seq - k)
+                self.spool.publish(batch, writer="driver")
+                seconds = time.monotonic() - started
+                self.metrics.log(
+                    {
+                        "batch": seq,
+                        "reward": float(batch.rewards.mean()),
+                        "min_version": int(batch.policy_version.min()),
+                        "max_version": int(batch.policy_version.max()),
+                        "samples": batch.num_samples,
+                        "seconds": round(seconds, 4),
+                        "samples_per_s": batch.num_samples / max(seconds, 1e-9),
+                        "engines": len(self.pool.engines),
+                        "reissued_total": self.reissued,
+                    }
+                )
+                seq, wait = seq + 1, 0.05
+                continue
+            time.sleep(wait)
+            wait = min(wait * 1.5, 0.5)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="relax_hpc rollout driver")
+    parser.add_argument("--run-dir", required=True, type=Path)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s driver %(name)s %(levelname)s %(message)s")
+    paths = RunPaths(args.run_dir)
+    driver = Driver(read_frozen(paths.config), paths)
+
+    def stop(*_: object) -> None:
+        driver.stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    driver.run()
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

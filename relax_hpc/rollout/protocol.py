@@ -1,0 +1,137 @@
+"""The engine protocol: the part of SGLang's native HTTP API that relax_hpc uses.
+
+Request bodies mirror SGLang's own request classes (sglang.srt.managers.io_struct) field for
+field; tests/unit/test_sglang_contract.py builds every request relax_hpc sends with those classes
+and fails on any mismatch of names or types. The built-in torch engine parses requests with the
+same dataclasses, so it accepts exactly what relax_hpc sends to SGLang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+
+class ProtocolError(ValueError):
+    """A request body that does not match the protocol (answered with HTTP 400)."""
+
+
+@dataclass
+class GenerateReqInput:
+    """POST /generate. A batch when input_ids is a list of lists."""
+
+    input_ids: list[int] | list[list[int]]
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    rid: str | list[str] | None = None
+    return_logprob: bool | list[bool] = False
+    stream: bool = False
+
+
+@dataclass
+class InitWeightsUpdateGroupReqInput:
+    """POST /init_weights_update_group."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+@dataclass
+class DestroyWeightsUpdateGroupReqInput:
+    """POST /destroy_weights_update_group."""
+
+    group_name: str = "weight_update_group"
+
+
+@dataclass
+class UpdateWeightsFromDistributedReqInput:
+    """POST /update_weights_from_distributed: one bucket, broadcast from rank 0 of the group."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+
+
+@dataclass
+class AbortReq:
+    """POST /abort_request."""
+
+    rid: str = ""
+    abort_all: bool = False
+
+
+@dataclass
+class PauseGenerationReqInput:
+    """POST /pause_generation. abort: drop queued and running requests; in_place / retract: keep
+    them and stop scheduling until /continue_generation."""
+
+    mode: str = "abort"
+
+
+@dataclass
+class ContinueGenerationReqInput:
+    """POST /continue_generation."""
+
+
+# Sampling parameters the built-in engine implements (names of SGLang's SamplingParams).
+SAMPLING_PARAMS = ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos", "sampling_seed")
+
+
+def _matches(value: Any, annotation: Any) -> bool:
+    origin = typing.get_origin(annotation)
+    if annotation is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, arg) for arg in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    if origin is list:
+        (item,) = typing.get_args(annotation)
+        return isinstance(value, list) and all(_matches(v, item) for v in value)
+    if origin is dict:
+        return isinstance(value, dict)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, annotation)
+
+
+def parse(cls: type, body: Any) -> Any:
+    """Build request `cls` from a JSON body, rejecting unknown fields and wrong types."""
+    if not isinstance(body, dict):
+        raise ProtocolError(f"{cls.__name__}: the body must be a JSON object")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(body) - set(fields))
+    if unknown:
+        raise ProtocolError(f"{cls.__name__}: unsupported fields {unknown}; supported: {sorted(fields)}")
+    for name, f in fields.items():
+        if name not in body:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ProtocolError(f"{cls.__name__}: missing field {name!r}")
+            continue
+        if not _matches(body[name], hints[name]):
+            raise ProtocolError(f"{cls.__name__}.{name}: expected {hints[name]}, got {body[name]!r}")
+    return cls(**body)
+
+
+def to_json(request: Any) -> dict[str, Any]:
+    """The JSON body of a request, leaving out fields at their defaults (as SGLang's clients do)."""
+    out = {}
+    for f in dataclasses.fields(request):
+        value = getattr(request, f.name)
+        if f.default is dataclasses.MISSING or value != f.default:
+            out[f.name] = value
+    return out

@@ -1,0 +1,54 @@
+"""RUN_DIR/registry/engines/ID.json: where each engine listens and which weights it holds.
+
+An engine writes its record once it serves, rewrites it after each weight update and removes it
+when it exits cleanly; a record whose process died stays until the launcher restarts that engine
+(the new process overwrites it with a new `instance`). Readers treat every record as a hint and
+confirm with the engine's /health.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from relax_hpc.paths import write_atomic
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRecord:
+    engine_id: str
+    host: str
+    port: int
+    pid: int
+    instance: str  # changes on every (re)start of the engine process
+    weight_version: str
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def write_record(folder: Path, record: EngineRecord) -> None:
+    write_atomic(folder / f"{record.engine_id}.json", json.dumps(asdict(record)).encode())
+
+
+def remove_record(folder: Path, engine_id: str, instance: str) -> None:
+    path = folder / f"{engine_id}.json"
+    try:
+        if json.loads(path.read_text())["instance"] == instance:
+            path.unlink()
+    except (FileNotFoundError, ValueError, KeyError):
+        pass
+
+
+def read_records(folder: Path) -> list[EngineRecord]:
+    """Every readable record, sorted by engine id; unreadable ones are skipped (a writer may be
+    replacing them at this moment)."""
+    records = []
+    for path in sorted(folder.glob("*.json")):
+        try:
+            records.append(EngineRecord(**json.loads(path.read_text())))
+        except (OSError, ValueError, TypeError):
+            continue
+    return records

@@ -1,0 +1,111 @@
+"""Batched autoregressive sampling for HF causal LMs, with a seed per sample.
+
+Every sample draws its random numbers from its own generator seeded by the request's
+`sampling_seed`, so a sample's tokens do not depend on which other requests share its batch or on
+which engine serves it. This is what makes on-policy runs reproducible across restarts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import random
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingSpec:
+    """The subset of SGLang's SamplingParams the built-in engine implements."""
+
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(slots=True)
+class Completion:
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length"
+    matched: int | None = None
+
+
+def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        drop_sorted = cum - torch.softmax(sorted_logits, dim=-1) > top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+@torch.no_grad()
+def sample(
+    model: PreTrainedModel,
+    prompts: list[list[int]],
+    specs: list[SamplingSpec],
+    seeds: list[int | None],
+    eos_token_id: int,
+    pad_token_id: int,
+) -> list[Completion]:
+    """Sample one completion per prompt. Returned logprobs are those of the sampling distribution
+    (after temperature, top-k and top-p), which is what the engine actually drew from; with
+    temperature 1 and no filtering they equal the model's own log-probabilities."""
+    n = len(prompts)
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    ids = torch.full((n, width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((n, width), dtype=torch.long)
+    for i, p in enumerate(prompts):  # left padding: every row's next token sits at the same column
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    generators = [torch.Generator().manual_seed(s if s is not None else random.getrandbits(63)) for s in seeds]
+    temps = torch.tensor([max(s.temperature, 1e-6) for s in specs]).unsqueeze(-1)
+    greedy = [s.temperature == 0.0 for s in specs]
+    stops = [set(s.stop_token_ids) | ({eos_token_id} if not s.ignore_eos else set()) for s in specs]
+    out = [Completion([], [], "length") for _ in range(n)]
+    alive = [True] * n
+    cache = DynamicCache()
+    step_ids = ids
+    for step in range(max(s.max_new_tokens for s in specs)):
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
+        logits = model(
+            input_ids=step_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
+        ).logits[:, -1, :].float().cpu()
+        scaled = logits / temps
+        for i, spec in enumerate(specs):
+            if spec.top_k > 0 or spec.top_p < 1.0:
+                scaled[i] = _filter_logits(scaled[i], spec.top_k, spec.top_p)
+        logp = torch.log_softmax(scaled, dim=-1)
+        # Exponential race (argmax of logp - log E, E ~ Exp(1)) samples from softmax; each row
+        # draws its noise from its own generator.
+        noise = torch.stack([torch.empty(logp.shape[-1]).exponential_(generator=g) for g in generators])
+        drawn = torch.argmax(logp - noise.log(), dim=-1)
+        next_tokens = torch.where(torch.tensor(greedy), torch.argmax(logits, dim=-1), drawn)
+        for i in range(n):
+            if not alive[i]:
+                next_tokens[i] = pad_token_id
+                continue
+            tok = int(next_tokens[i])
+            out[i].output_ids.append(tok)
+            out[i].logprobs.append(float(logp[i, tok]))
+            if tok in stops[i]:
+                alive[i] = False
+                out[i].finish_reason, out[i].matched = "stop", tok
+            elif len(out[i].output_ids) >= specs[i].max_new_tokens:
+                alive[i] = False
+        if not any(alive):
+            break
+        step_ids = next_tokens.unsqueeze(-1).to(device)
+        mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=device)], dim=-1)
+    return out

@@ -1,0 +1,343 @@
+"""The built-in rollout engine: an HF transformers model behind SGLang's native HTTP protocol.
+
+    python -m relax_hpc.rollout.torch_engine --run-dir RUN_DIR --engine-id engine-0 --port 0
+
+Requests queue up; a scheduler thread takes everything queued and samples it as one batch
+(relax_hpc.rollout.sampling), so concurrent /generate calls share forward passes. Weight updates
+take the model lock, so they land between batches: every completion comes from one policy
+version, which its meta_info reports as `weight_version`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import logging
+import os
+import signal
+import threading
+import uuid
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from relax_hpc.paths import RunPaths
+from relax_hpc.rollout import protocol as P
+from relax_hpc.rollout.registry import EngineRecord, remove_record, write_record
+from relax_hpc.rollout.sampling import Completion, SamplingSpec, sample
+from relax_hpc.weights.buckets import DTYPES, BucketPlan, unpack
+from relax_hpc.weights.group import SideGroup
+
+log = logging.getLogger("relax_hpc.engine")
+
+
+@dataclass
+class _Job:
+    prompts: list[list[int]]
+    specs: list[SamplingSpec]
+    seeds: list[int | None]
+    rids: list[str]
+    return_logprob: list[bool]
+    done: threading.Event = field(default_factory=threading.Event)
+    completions: list[Completion] | None = None
+    version: str = ""  # weight_version that produced the completions
+    aborted: bool = False
+
+
+def _spec(params: dict[str, Any]) -> tuple[SamplingSpec, int | None]:
+    unknown = set(params) - set(P.SAMPLING_PARAMS)
+    if unknown:
+        raise P.ProtocolError(f"sampling_params {sorted(unknown)} are not supported; supported: {P.SAMPLING_PARAMS}")
+    seed = params.get("sampling_seed")
+    spec = SamplingSpec(
+        max_new_tokens=int(params.get("max_new_tokens", 128)),
+        temperature=float(params.get("temperature", 1.0)),
+        top_p=float(params.get("top_p", 1.0)),
+        top_k=int(params.get("top_k", -1)),
+        stop_token_ids=tuple(params.get("stop_token_ids") or ()),
+        ignore_eos=bool(params.get("ignore_eos", False)),
+    )
+    return spec, seed
+
+
+class TorchEngine:
+    def __init__(self, model_path: str, dtype: str) -> None:
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
+        self.params = dict(self.model.named_parameters())
+        self.weight_version = "0"
+        self.groups: dict[str, SideGroup] = {}
+        self._model_lock = threading.Lock()
+        self._cv = threading.Condition()
+        self._pending: list[_Job] = []
+        self._paused = False
+        threading.Thread(target=self._schedule_loop, name="scheduler", daemon=True).start()
+
+    # -- generation -----------------------------------------------------------------------------
+
+    def generate(self, req: P.GenerateReqInput) -> list[dict[str, Any]] | dict[str, Any]:
+        batched = bool(req.input_ids) and isinstance(req.input_ids[0], list)
+        prompts = req.input_ids if batched else [req.input_ids]
+        n = len(prompts)
+        if n == 0 or any(len(p) == 0 for p in prompts):
+            raise P.ProtocolError("input_ids: every prompt needs at least one token")
+
+        def per_item(value: Any, default: Any) -> list[Any]:
+            if isinstance(value, list):
+                if len(value) != n:
+                    raise P.ProtocolError(f"a per-item list has {len(value)} entries for {n} prompts")
+                return value
+            return [default if value is None else value] * n
+
+        params = per_item(req.sampling_params, {})
+        specs, seeds = zip(*(_spec(p) for p in params))
+        rids = per_item(req.rid, None)
+        rids = [r if r is not None else uuid.uuid4().hex for r in rids]
+        job = _Job(prompts, list(specs), list(seeds), rids, per_item(req.return_logprob, False))
+        with self._cv:
+            self._pending.append(job)
+            self._cv.notify()
+        job.done.wait()
+        outputs = [self._output(job, i) for i in range(n)]
+        return outputs if batched else outputs[0]
+
+    def _output(self, job: _Job, i: int) -> dict[str, Any]:
+        if job.aborted or job.completions is None:
+            ids, logprobs, finish = [], [], {"type": "abort", "message": "Abort before prefill"}
+        else:
+            c = job.completions[i]
+            ids, logprobs = c.output_ids, c.logprobs
+            finish = {"type": "stop", "matched": c.matched} if c.finish_reason == "stop" else {"type": "length", "length": len(ids)}
+        meta: dict[str, Any] = {
+            "id": job.rids[i],
+            "finish_reason": finish,
+            "prompt_tokens": len(job.prompts[i]),
+            "completion_tokens": len(ids),
+            "weight_version": job.version or self.weight_version,
+        }
+        if job.return_logprob[i]:
+            meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(logprobs, ids)]
+        return {"text": self.tokenizer.decode(ids, skip_special_tokens=True), "output_ids": ids, "meta_info": meta}
+
+    def _schedule_loop(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._pending and not self._paused)
+                jobs, self._pending = self._pending, []
+            with self._model_lock:
+                flat = [(j, i) for j in jobs for i in range(len(j.prompts))]
+                completions = sample(
+                    self.model,
+                    [j.prompts[i] for j, i in flat],
+                    [j.specs[i] for j, i in flat],
+                    [j.seeds[i] for j, i in flat],
+                    self.tokenizer.eos_token_id,
+                    self.tokenizer.pad_token_id,
+                )
+                version = self.weight_version
+            start = 0
+            for job in jobs:
+                job.completions = completions[start : start + len(job.prompts)]
+                job.version = version
+                start += len(job.prompts)
+                job.done.set()
+
+    def abort(self, req: P.AbortReq) -> None:
+        with self._cv:
+            keep = []
+            for job in self._pending:
+                if req.abort_all or req.rid in job.rids:
+                    job.aborted = True
+                    job.done.set()
+                else:
+                    keep.append(job)
+            self._pending = keep
+
+    def pause(self, req: P.PauseGenerationReqInput) -> None:
+        if req.mode not in ("abort", "retract", "in_place"):
+            raise P.ProtocolError(f"pause_generation mode must be abort, retract or in_place, got {req.mode!r}")
+        with self._cv:
+            self._paused = True
+        if req.mode == "abort":
+            self.abort(P.AbortReq(abort_all=True))
+        # The running batch (if any) finishes: taking the model lock waits for it.
+        with self._model_lock:
+            pass
+
+    def resume(self) -> None:
+        with self._cv:
+            self._paused = False
+            self._cv.notify()
+
+    # -- weights --------------------------------------------------------------------------------
+
+    def init_group(self, req: P.InitWeightsUpdateGroupReqInput, timeout_s: float) -> None:
+        old = self.groups.pop(req.group_name, None)
+        if old is not None:
+            old.close()
+        self.groups[req.group_name] = SideGroup(
+            req.master_address, req.master_port, req.rank_offset, req.world_size, req.group_name, req.backend, timeout_s
+        )
+
+    def destroy_group(self, req: P.DestroyWeightsUpdateGroupReqInput) -> None:
+        group = self.groups.pop(req.group_name, None)
+        if group is not None:
+            group.close()
+
+    def update_from_distributed(self, req: P.UpdateWeightsFromDistributedReqInput) -> None:
+        group = self.groups.get(req.group_name)
+        if group is None:
+            raise P.ProtocolError(f"no weight update group named {req.group_name!r}; call /init_weights_update_group")
+        if req.abort_all_requests:
+            self.abort(P.AbortReq(abort_all=True))
+        plan = BucketPlan(req.names, req.dtypes, req.shapes)
+        with self._model_lock:  # between batches: a completion never mixes two versions
+            if req.load_format == "flattened_bucket":
+                flat = torch.empty(plan.numel, dtype=DTYPES[req.dtypes[0]])
+                group.broadcast(flat)
+                received = unpack(flat, plan)
+            else:
+                received = []
+                for name, dtype, shape in zip(req.names, req.dtypes, req.shapes):
+                    tensor = torch.empty(shape, dtype=DTYPES[dtype])
+                    group.broadcast(tensor)
+                    received.append((name, tensor))
+            unknown = [name for name, _ in received if name not in self.params]
+            if unknown:
+                raise P.ProtocolError(f"unknown parameter names {unknown[:5]}")
+            with torch.no_grad():
+                for name, tensor in received:
+                    self.params[name].copy_(tensor)
+            if req.weight_version is not None:
+                self.weight_version = req.weight_version
+
+
+class _Handler(BaseHTTPRequestHandler):
+    engine: TorchEngine
+    api_key: str
+    timeout_s: float
+    on_weights: Any
+
+    def log_message(self, fmt: str, *args: Any) -> None:  # route http.server's access log to logging
+        log.debug("%s " + fmt, self.address_string(), *args)
+
+    def _reply(self, status: int, body: Any) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _authorized(self) -> bool:
+        if self.headers.get("Authorization") == f"Bearer {self.api_key}":
+            return True
+        self._reply(HTTPStatus.UNAUTHORIZED, {"error": "missing or wrong API key"})
+        return False
+
+    def do_GET(self) -> None:
+        if self.path in ("/health", "/health_generate"):
+            self._reply(HTTPStatus.OK, {})
+        elif self.path == "/get_weight_version":
+            self._reply(HTTPStatus.OK, {"weight_version": self.engine.weight_version})
+        else:
+            self._reply(HTTPStatus.NOT_FOUND, {"error": f"no route {self.path}"})
+
+    def do_POST(self) -> None:
+        if not self._authorized():
+            return
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+            body = json.loads(self.rfile.read(length) or b"{}")
+            self._route(body)
+        except (P.ProtocolError, json.JSONDecodeError) as e:
+            self._reply(HTTPStatus.BAD_REQUEST, {"success": False, "message": str(e)})
+        except Exception as e:  # a failed weight transfer, a dead peer: report it, keep serving
+            log.exception("request %s failed", self.path)
+            self._reply(HTTPStatus.INTERNAL_SERVER_ERROR, {"success": False, "message": f"{type(e).__name__}: {e}"})
+
+    def _route(self, body: Any) -> None:
+        e = self.engine
+        if self.path == "/generate":
+            self._reply(HTTPStatus.OK, e.generate(P.parse(P.GenerateReqInput, body)))
+        elif self.path == "/flush_cache":
+            self._reply(HTTPStatus.OK, {"success": True, "message": "Cache flushed."})
+        elif self.path == "/abort_request":
+            e.abort(P.parse(P.AbortReq, body))
+            self._reply(HTTPStatus.OK, {})
+        elif self.path == "/pause_generation":
+            e.pause(P.parse(P.PauseGenerationReqInput, body))
+            self._reply(HTTPStatus.OK, {"message": "Generation paused successfully.", "status": 200})
+        elif self.path == "/continue_generation":
+            P.parse(P.ContinueGenerationReqInput, body)
+            e.resume()
+            self._reply(HTTPStatus.OK, {"message": "Generation continued successfully.", "status": 200})
+        elif self.path == "/init_weights_update_group":
+            e.init_group(P.parse(P.InitWeightsUpdateGroupReqInput, body), self.timeout_s)
+            self._reply(HTTPStatus.OK, {"success": True, "message": "Succeeded to initialize custom process group."})
+        elif self.path == "/destroy_weights_update_group":
+            e.destroy_group(P.parse(P.DestroyWeightsUpdateGroupReqInput, body))
+            self._reply(HTTPStatus.OK, {"success": True, "message": "Succeeded to destroy custom process group."})
+        elif self.path == "/update_weights_from_distributed":
+            e.update_from_distributed(P.parse(P.UpdateWeightsFromDistributedReqInput, body))
+            self.on_weights()
+            self._reply(HTTPStatus.OK, {"success": True, "message": "Succeeded to update parameter online."})
+        else:
+            self._reply(HTTPStatus.NOT_FOUND, {"error": f"no route {self.path}"})
+
+
+def serve(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    paths = RunPaths(Path(args.run_dir))
+    engine = TorchEngine(args.model_path, args.dtype)
+    try:
+        server = ThreadingHTTPServer((args.host, args.port), _Handler)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise SystemExit(
+                f"engine {args.engine_id}: port {args.port} on {args.host} is already in use; "
+                "set rollout.base_port to a free range, or to 0 to let the OS choose"
+            ) from None
+        raise
+    server.daemon_threads = True
+    instance = uuid.uuid4().hex
+
+    def announce() -> None:
+        record = EngineRecord(args.engine_id, args.host, server.server_address[1], os.getpid(), instance, engine.weight_version)
+        write_record(paths.engines, record)
+
+    handler = type("Handler", (_Handler,), {"engine": engine, "api_key": paths.read_token(), "timeout_s": args.weights_timeout_s, "on_weights": staticmethod(announce)})
+    server.RequestHandlerClass = handler
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
+    announce()
+    log.info("engine %s serving %s on %s:%d", args.engine_id, args.model_path, args.host, server.server_address[1])
+    try:
+        server.serve_forever(poll_interval=0.2)
+    finally:
+        remove_record(paths.engines, args.engine_id, instance)
+        log.info("engine %s stopped", args.engine_id)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="relax_hpc's built-in torch rollout engine (SGLang protocol)")
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--engine-id", required=True)
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--weights-timeout-s", type=float, default=60.0)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    serve(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""From flat samples (tokens + offsets, as stored in the spool) to padded training tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class TrainBatch:
+    """Right-padded next-token training tensors for n samples.
+
+    input_ids[i, t] predicts targets[i, t] = input_ids[i, t + 1]; loss_mask marks the targets
+    that are model-generated completion tokens. rollout_logprobs are aligned with targets.
+    """
+
+    input_ids: torch.Tensor  # long [n, T]
+    attention_mask: torch.Tensor  # long [n, T]
+    targets: torch.Tensor  # long [n, T]
+    loss_mask: torch.Tensor  # float [n, T]
+    rollout_logprobs: torch.Tensor  # float [n, T]
+    rewards: torch.Tensor  # float [n]
+    group_ids: torch.Tensor  # long [n]
+
+    def to(self, device: torch.device) -> TrainBatch:
+        return TrainBatch(**{f: getattr(self, f).to(device) for f in self.__dataclass_fields__})
+
+    @property
+    def num_tokens(self) -> float:
+        return float(self.loss_mask.sum())
+
+
+def pad_samples(
+    sequences: list[list[int]],
+    loss_masks: list[list[int]],
+    rollout_logprobs: list[list[float]],
+    rewards: list[float],
+    group_ids: list[int],
+    pad_token_id: int,
+) -> TrainBatch:
+    """Each sequence is prompt + completion; loss_masks and rollout_logprobs are per token of it."""
+    n = len(sequences)
+    width = max(len(s) for s in sequences)
+    input_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
+    attention = torch.zeros((n, width), dtype=torch.long)
+    mask = torch.zeros((n, width), dtype=torch.float32)
+    logps = torch.zeros((n, width), dtype=torch.float32)
+    for i, seq in enumerate(sequences):
+        input_ids[i, : len(seq)] = torch.tensor(seq)
+        attention[i, : len(seq)] = 1
+        mask[i, : len(seq)] = torch.tensor(loss_masks[i], dtype=torch.float32)
+        logps[i, : len(seq)] = torch.tensor(rollout_logprobs[i], dtype=torch.float32)
+    # Shift by one: position t's logits score token t + 1.
+    targets = torch.cat([input_ids[:, 1:], torch.full((n, 1), pad_token_id)], dim=1)
+    return TrainBatch(
+        input_ids=input_ids,
+        attention_mask=attention,
+        targets=targets,
+        loss_mask=torch.cat([mask[:, 1:], torch.zeros((n, 1))], dim=1),
+        rollout_logprobs=torch.cat([logps[:, 1:], torch.zeros((n, 1))], dim=1),
+        rewards=torch.tensor(rewards, dtype=torch.float32),
+        group_ids=torch.tensor(group_ids, dtype=torch.long),
+    )
+
+
+def token_logprobs_and_entropy(model: torch.nn.Module, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of every target token and the entropy of its distribution, both [n, T]."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logprobs = torch.gather(logp_all, -1, batch.targets.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logprobs, entropy

@@ -1,0 +1,53 @@
+"""The trainer-to-engines process group.
+
+SGLang's contract (/init_weights_update_group): every engine joins a group of `world_size` ranks
+at rank `rank_offset + tp_rank`, rendezvousing at master_address:master_port under `group_name`;
+the trainer's source rank is rank 0 and hosts the store. The group lives beside each process's own
+default group (a trainer rank already belongs to torchrun's), so it is built directly from a store
+and a backend class rather than through init_process_group.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+
+class SideGroup:
+    """A process group usable alongside (not instead of) the default group."""
+
+    def __init__(
+        self,
+        master_address: str,
+        master_port: int,
+        rank: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+        timeout_s: float,
+    ) -> None:
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.rank, self.world_size, self.group_name = rank, world_size, group_name
+        self._store = dist.TCPStore(
+            master_address, master_port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=False
+        )
+        store = dist.PrefixStore(group_name, self._store)
+        if backend == "nccl":
+            self._pg = dist.ProcessGroupNCCL(store, rank, world_size)
+        elif backend == "gloo":
+            self._pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        else:
+            raise ValueError(f"weight-sync backend must be gloo or nccl, got {backend!r}")
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        self._pg.broadcast([tensor], opts).wait()
+
+    def close(self) -> None:
+        # Dropping the references tears down the backend's connections; there is no public
+        # per-object shutdown for a group built outside init_process_group.
+        self._pg = None
+        self._store = None
