@@ -188,6 +188,7 @@ class Trainer:
         write_atomic(self.paths.weights / "version", f"{self.state.version} {engines}\n".encode())
 
     def train(self, command: dict, started: float) -> None:
+        t0 = time.monotonic()
         batch, stats = load_share(command["path"], command["trained"], self.rank, self.world, self.pad_id)
         totals = torch.tensor([batch.num_tokens], dtype=torch.float64)
         dist.all_reduce(totals)  # host sync: the global token count normalises every rank's loss
@@ -200,6 +201,7 @@ class Trainer:
         self.state.step += 1
         self.state.version += 1
         self.state.trained_samples += stats["num_samples"]
+        t1 = time.monotonic()
         self.sync()
         if self.rank == 0:
             tokens = float(totals[0])
@@ -224,6 +226,8 @@ class Trainer:
                     "quarantined_files_total": self.state.quarantined_files,
                     "engines": len(self.sender.members),
                     "step_seconds": time.monotonic() - started,
+                    "train_seconds": t1 - t0,
+                    "sync_seconds": time.monotonic() - t1,
                 }
             )
 

@@ -1,0 +1,35 @@
+"""Staleness: which samples a trainer step may use, decided per prompt group."""
+
+import pytest
+
+from relax_hpc.exchange.spool import Spool, SpoolFormatError
+from relax_hpc.trainer.claims import claim_next, fresh_samples
+from tests.unit.test_spool import make_batch
+
+
+def test_groups_with_any_too_old_sample_are_set_aside():
+    batch = make_batch(0, n_groups=3, group_size=2)
+    batch.policy_version[:] = [5, 5, 3, 5, 4, 4]  # group 1 holds a version-3 sample
+    trainable, stale = fresh_samples(batch, version=6, max_staleness=2)
+    assert trainable == [0, 1, 4, 5] and stale == [2, 3]
+    trainable, stale = fresh_samples(batch, version=6, max_staleness=0)
+    assert trainable == [] and stale == [0, 1, 2, 3, 4, 5]
+
+
+def test_samples_newer_than_the_trainer_are_rejected():
+    with pytest.raises(SpoolFormatError, match="newer"):
+        fresh_samples(make_batch(0, version=3), version=2, max_staleness=1)
+
+
+def test_claim_skips_stale_and_corrupt_batches_and_records_them(tmp_path):
+    spool = Spool(tmp_path)
+    spool.publish(make_batch(0, version=0), writer="t")
+    bad = spool.publish(make_batch(1, version=4), writer="t")
+    bad.write_bytes(b"not hdf5")
+    spool.publish(make_batch(2, version=4), writer="t")
+    claim = claim_next(spool, step=4, version=4, max_staleness=1)
+    assert claim.trained_file.endswith("b000000002.h5") and claim.quarantined == 1
+    assert [f["name"] for f in claim.files] == ["b000000000.h5", "b000000002.h5"]
+    assert claim.files[0]["stale"] == [0, 1, 2, 3] and claim.files[0]["trained"] == []
+    assert (spool.claimed / "step-00000004" / "b000000000.h5.json").exists()
+    assert claim_next(spool, step=5, version=5, max_staleness=1) is None

@@ -1,0 +1,68 @@
+"""Config validation: errors name the key, the bad value and what is allowed."""
+
+from pathlib import Path
+
+import pytest
+
+from relax_hpc.config import ConfigError, load_config
+from relax_hpc.config.load import read_frozen, to_yaml
+from relax_hpc.paths import RunPaths
+from relax_hpc.submit import check_inputs, freeze
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_validates_and_its_inputs_exist(path):
+    cfg = load_config(path, base_dir=REPO)
+    check_inputs(cfg)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("trainer.lrr=1e-3", "unknown key 'lrr' in trainer; did you mean 'lr'?"),
+        ("trainr.lr=1", "unknown key 'trainr' in the top level; did you mean 'trainer'?"),
+        ("trainer.loss.entropy_coeff=0.1", "did you mean 'entropy_coef'?"),
+        ("trainer.lr=-1", "trainer.lr: Input should be greater than 0 (got -1)"),
+        ("rollout.engine=vllm", "rollout.engine: Input should be 'torch' (got 'vllm')"),
+        ("rollout.group_size=1", "rollout.group_size: Input should be greater than or equal to 2 (got 1)"),
+        ("rollout.num_engines=two", "rollout.num_engines: Input should be a valid integer"),
+        ("trainer.lr.x=1", "trainer.lr is not a section"),
+        ("trainer.lr", "expected key=value"),
+    ],
+)
+def test_bad_overrides_are_named(override, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert message in str(info.value)
+
+
+def test_unknown_yaml_key_gets_a_suggestion(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("rollout:\n  num_engine: 2\n")
+    with pytest.raises(ConfigError, match="rollout.num_engine: unknown key; did you mean 'num_engines'"):
+        load_config(path)
+
+
+def test_overrides_parse_yaml_values_and_paths_become_absolute(tmp_path):
+    cfg = load_config(None, ["trainer.lr=3e-4", "trainer.betas=[0.9, 0.95]", "run.dir=x/y"], base_dir=tmp_path)
+    assert cfg.trainer.lr == 3e-4 and cfg.trainer.betas == (0.9, 0.95)
+    assert cfg.run.dir == str(tmp_path / "x" / "y")
+
+
+def test_resolved_config_round_trips_and_resume_refuses_a_changed_experiment(tmp_path):
+    paths = RunPaths(tmp_path / "run")
+    cfg = load_config(None, [f"run.dir={paths.root}"])
+    freeze(cfg, paths)
+    assert read_frozen(paths.config) == cfg and (paths.root.stat().st_mode & 0o777) == 0o700
+    freeze(load_config(None, [f"run.dir={paths.root}", "trainer.total_steps=999"]), paths)  # allowed
+    with pytest.raises(ConfigError, match=r"trainer.lr: 0.001 -> 0.5"):
+        freeze(load_config(None, [f"run.dir={paths.root}", "trainer.lr=0.5"]), paths)
+    assert "total_steps: 999" in to_yaml(read_frozen(paths.config))
+
+
+def test_missing_model_folder_is_reported_before_start(tmp_path):
+    cfg = load_config(None, [f"model.path={tmp_path}"], base_dir=REPO)
+    with pytest.raises(ConfigError, match="not an HF model folder"):
+        check_inputs(cfg)

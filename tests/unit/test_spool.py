@@ -1,0 +1,120 @@
+"""The spool's file format and claim protocol, on real HDF5 files."""
+
+import threading
+
+import h5py
+import numpy as np
+import pytest
+
+from relax_hpc.exchange.spool import SampleBatch, Spool, SpoolFormatError, read_batch
+
+
+def make_batch(seq: int, version: int = 0, n_groups: int = 2, group_size: int = 2) -> SampleBatch:
+    n = n_groups * group_size
+    rng = np.random.default_rng(seq)
+    prompts = [[5, 12, 6, 15]] * n
+    completions = [rng.integers(2, 12, size=int(rng.integers(1, 4))).tolist() for _ in range(n)]
+    return SampleBatch.from_samples(
+        seq=seq,
+        sequences=[p + c for p, c in zip(prompts, completions)],
+        prompt_lens=[4] * n,
+        logprobs=[[-0.5] * len(c) for c in completions],
+        rewards=[float(i % 2) for i in range(n)],
+        group_ids=[seq * 10 + i // group_size for i in range(n)],
+        policy_version=[version] * n,
+        prompt_index=[i // group_size for i in range(n)],
+    )
+
+
+def test_round_trip_keeps_every_array(tmp_path):
+    spool = Spool(tmp_path)
+    batch = make_batch(3, version=2)
+    path = spool.publish(batch, writer="test")
+    assert path.name == "b000000003.h5"
+    back = read_batch(path)
+    assert back.seq == 3 and back.attrs["writer"] == "test"
+    for name in ("tokens", "offsets", "prompt_lens", "loss_mask", "rollout_logprobs", "rewards", "group_ids"):
+        np.testing.assert_array_equal(getattr(back, name), getattr(batch, name))
+    # The loss mask covers exactly the completion tokens, and their logprobs sit under the mask.
+    for i in range(back.num_samples):
+        mask = back.loss_mask[back.offsets[i] : back.offsets[i + 1]]
+        assert mask[:4].sum() == 0 and mask[4:].all()
+
+
+def test_truncated_file_is_a_format_error(tmp_path):
+    path = Spool(tmp_path).publish(make_batch(0), writer="test")
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(SpoolFormatError, match="unreadable"):
+        read_batch(path)
+
+
+def test_modified_data_fails_the_checksum(tmp_path):
+    path = Spool(tmp_path).publish(make_batch(0), writer="test")
+    with h5py.File(path, "r+") as f:
+        f["rewards"][0] = 7.0
+    with pytest.raises(SpoolFormatError, match="checksum"):
+        read_batch(path)
+
+
+def test_foreign_files_are_quarantined_with_a_reason(tmp_path):
+    spool = Spool(tmp_path)
+    spool.publish(make_batch(0), writer="test")
+    (spool.ready / "notes.txt").write_text("hello")
+    (spool.ready / ".b000000001.123.tmp").write_bytes(b"partial")  # in-progress write: left alone
+    ready = spool.list_ready()
+    assert [p.name for p in ready] == ["b000000000.h5"]
+    assert (spool.quarantine_dir / "notes.txt").read_text() == "hello"
+    assert "foreign" in (spool.quarantine_dir / "notes.txt.reason").read_text()
+    assert spool.remove_partial() == 1
+
+
+def test_claim_rollback_and_next_seq(tmp_path):
+    spool = Spool(tmp_path)
+    for seq in range(4):
+        spool.publish(make_batch(seq), writer="test")
+    for step, path in enumerate(spool.list_ready()[:3]):
+        claimed = spool.claim(path, step)
+        spool.write_manifest(claimed, {"trained": [0, 1, 2, 3], "stale": []})
+    assert [p.name for p in spool.list_ready()] == ["b000000003.h5"]
+    assert spool.next_seq() == 4
+    # A checkpoint after 1 step: the claims of steps 1 and 2 go back to ready, manifests vanish.
+    assert spool.rollback_claims(from_step=1) == 2
+    assert [p.name for p in spool.list_ready()] == ["b000000001.h5", "b000000002.h5", "b000000003.h5"]
+    assert sorted(p.name for p in (spool.claimed / "step-00000000").iterdir()) == ["b000000000.h5", "b000000000.h5.json"]
+    assert not (spool.claimed / "step-00000001").exists()
+    assert spool.next_seq() == 4
+
+
+def test_batches_from_a_rolled_back_version_are_orphaned_and_regenerated(tmp_path):
+    spool = Spool(tmp_path)
+    spool.publish(make_batch(0, version=0), writer="test")
+    spool.publish(make_batch(1, version=1), writer="test")
+    spool.publish(make_batch(2, version=2), writer="test")
+    assert spool.orphan_newer_than(version=1) == 1
+    assert [p.name for p in spool.orphaned.iterdir()] == ["b000000002.h5"]
+    assert spool.next_seq() == 2  # batch 2 is generated again
+
+
+def test_a_concurrent_reader_never_sees_a_partial_batch(tmp_path):
+    spool = Spool(tmp_path)
+    errors, stop = [], threading.Event()
+
+    def reader():
+        while not stop.is_set():
+            for path in spool.list_ready():
+                try:
+                    read_batch(path)
+                except FileNotFoundError:
+                    pass
+                except SpoolFormatError as e:  # pragma: no cover - the failure this test looks for
+                    errors.append(str(e))
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    for seq in range(40):
+        spool.publish(make_batch(seq, n_groups=8), writer="test")
+    stop.set()
+    thread.join()
+    assert errors == []
+    assert len(spool.list_ready()) == 40
