@@ -64,6 +64,14 @@ class UpdateWeightsFromDistributedReqInput:
 
 
 @dataclass
+class GetWeightsByNameReqInput:
+    """POST /get_weights_by_name: the first `truncate_size` rows of a parameter, as nested lists."""
+
+    name: str
+    truncate_size: int = 100
+
+
+@dataclass
 class AbortReq:
     """POST /abort_request."""
 

@@ -190,6 +190,13 @@ class TorchEngine:
         if group is not None:
             group.close()
 
+    def weights_by_name(self, req: P.GetWeightsByNameReqInput) -> list:
+        if req.name not in self.params:
+            raise P.ProtocolError(f"no parameter named {req.name!r}")
+        with self._model_lock:
+            param = self.params[req.name].detach()
+            return param[: req.truncate_size].tolist() if param.dim() else param.item()
+
     def update_from_distributed(self, req: P.UpdateWeightsFromDistributedReqInput) -> None:
         group = self.groups.get(req.group_name)
         if group is None:
@@ -284,6 +291,8 @@ class _Handler(BaseHTTPRequestHandler):
         elif self.path == "/destroy_weights_update_group":
             e.destroy_group(P.parse(P.DestroyWeightsUpdateGroupReqInput, body))
             self._reply(HTTPStatus.OK, {"success": True, "message": "Succeeded to destroy custom process group."})
+        elif self.path == "/get_weights_by_name":
+            self._reply(HTTPStatus.OK, e.weights_by_name(P.parse(P.GetWeightsByNameReqInput, body)))
         elif self.path == "/update_weights_from_distributed":
             e.update_from_distributed(P.parse(P.UpdateWeightsFromDistributedReqInput, body))
             self.on_weights()

@@ -1,0 +1,158 @@
+"""Real processes for integration tests: engines, torchrun ranks, whole jobs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from relax_hpc.config import load_config
+from relax_hpc.launch.local import child_env, role_commands
+from relax_hpc.metrics.jsonl import read_jsonl
+from relax_hpc.paths import RunPaths
+from relax_hpc.rollout.registry import read_records
+from relax_hpc.submit import freeze
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "configs" / "tiny-grpo.yaml"
+
+
+def make_run(run_dir: Path, *overrides: str) -> tuple:
+    cfg = load_config(CONFIG, [f"run.dir={run_dir}", *overrides], base_dir=REPO)
+    paths = RunPaths(run_dir)
+    freeze(cfg, paths)
+    return cfg, paths
+
+
+class Engines:
+    """Engine processes started from the launcher's own command lines."""
+
+    def __init__(self, cfg, paths: RunPaths) -> None:
+        self.cfg, self.paths = cfg, paths
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, engine_id: str) -> None:
+        argv = role_commands(self.cfg, self.paths)[engine_id]
+        log = (self.paths.root / f"{engine_id}.log").open("ab")
+        self.procs[engine_id] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=child_env(self.cfg))
+
+    def wait_registered(self, count: int, timeout_s: float = 120.0) -> list:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            records = read_records(self.paths.engines)
+            if len(records) >= count:
+                return records
+            dead = {k: p.returncode for k, p in self.procs.items() if p.poll() is not None}
+            assert not dead, f"engines exited: {dead}"
+            time.sleep(0.2)
+        raise TimeoutError(f"{count} engines did not register within {timeout_s}s")
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@pytest.fixture
+def engines():
+    started: list[Engines] = []
+
+    def factory(cfg, paths, count: int) -> Engines:
+        group = Engines(cfg, paths)
+        started.append(group)
+        for i in range(count):
+            group.start(f"engine-{i}")
+        group.wait_registered(count)
+        return group
+
+    yield factory
+    for group in started:
+        group.stop()
+
+
+class Job:
+    """`python -m relax_hpc.submit` as a user runs it, in the background."""
+
+    def __init__(self, run_dir: Path, *overrides: str) -> None:
+        self.run_dir = run_dir
+        self.argv = [sys.executable, "-m", "relax_hpc.submit", "--config", str(CONFIG), f"run.dir={run_dir}", *overrides]
+        self.output = run_dir.parent / f"{run_dir.name}-submit.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> Job:
+        out = self.output.open("ab")
+        self.proc = subprocess.Popen(self.argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def wait(self, timeout_s: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill_all()
+            raise AssertionError(f"job did not finish in {timeout_s}s; output:\n{self.text()[-3000:]}") from None
+
+    def run(self, timeout_s: float) -> int:
+        return self.start().wait(timeout_s)
+
+    def text(self) -> str:
+        return self.output.read_text(errors="replace")
+
+    def steps(self) -> list[dict]:
+        return [r for r in read_jsonl(self.run_dir / "metrics" / "train.jsonl") if "step" in r and "loss" in r]
+
+    def wait_for_step(self, step: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            done = self.steps()
+            if done and done[-1]["step"] >= step:
+                return
+            if self.proc.poll() is not None:
+                raise AssertionError(f"job exited ({self.proc.returncode}) before step {step}:\n{self.text()[-3000:]}")
+            time.sleep(0.1)
+        raise AssertionError(f"step {step} not reached in {timeout_s}s")
+
+    def kill_all(self) -> None:
+        """kill -9 the launcher and every role it started (their sessions: recorded PIDs only)."""
+        pids = {self.proc.pid}
+        for path in (self.run_dir / "registry" / "engines").glob("*.json"):
+            pids.add(json.loads(path.read_text())["pid"])
+        pids |= _descendants(self.proc.pid)
+        for pid in pids:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
+        time.sleep(0.5)
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return out

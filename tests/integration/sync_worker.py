@@ -1,0 +1,56 @@
+"""torchrun worker for test_weight_sync: perturb the sharded model, push it, record what to expect."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from relax_hpc.config.load import read_frozen
+from relax_hpc.models.tiny import addition_problems
+from relax_hpc.paths import RunPaths
+from relax_hpc.rollout.sampling import SamplingSpec, sample
+from relax_hpc.trainer.torch_backend import TorchBackend
+from relax_hpc.weights.buckets import plan_buckets
+from relax_hpc.weights.sender import WeightSender, push
+
+
+def main() -> None:
+    paths, out, version = RunPaths(Path(sys.argv[1])), Path(sys.argv[2]), int(sys.argv[3])
+    cfg = read_frozen(paths.config)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(100 + rank)
+    backend = TorchBackend(cfg.model.path, cfg.model.dtype, cfg.trainer, torch.device("cpu"))
+    with torch.no_grad():
+        for p in backend.model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    buckets = plan_buckets(backend.parameter_specs(), int(cfg.weights.bucket_mb * 2**20))
+    sender = WeightSender(paths.engines, paths.read_token(), "gloo", 30.0) if rank == 0 else None
+    engines = push(sender, buckets, backend.full_parameters, version)
+    full = dict(backend.full_parameters())
+    if rank == 0:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        reference = AutoModelForCausalLM.from_pretrained(cfg.model.path).eval()
+        reference.load_state_dict(full, strict=False)
+        prompts = [tokenizer(p)["input_ids"] for p, _ in addition_problems()]
+        spec = SamplingSpec(max_new_tokens=4, temperature=0.0)
+        greedy = sample(reference, prompts, [spec] * len(prompts), [None] * len(prompts), tokenizer.eos_token_id, tokenizer.pad_token_id)
+        out.write_text(
+            json.dumps(
+                {
+                    "engines": engines,
+                    "buckets": len(buckets),
+                    "greedy": [c.output_ids for c in greedy],
+                    "weights": {name: t[:2].tolist() for name, t in full.items()},
+                }
+            )
+        )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
