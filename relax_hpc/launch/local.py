@@ -24,6 +24,7 @@ from pathlib import Path
 
 from relax_hpc.config.schema import JobConfig
 from relax_hpc.launch.recover import recover
+from relax_hpc.metrics.jsonl import read_jsonl
 from relax_hpc.metrics.progress import Progress
 from relax_hpc.paths import RunPaths, write_atomic
 
@@ -186,11 +187,19 @@ class LocalLauncher:
                                f"{trainer.log_path}:\n{trainer.log_tail()}\n")
                 return EXIT_FAILED
             trainer_done_at = trainer_done_at or time.monotonic()
+            completed = self._training_completed()
             # Training is over: give the driver time for its final evaluation, then stop.
-            if self.stop_requested or not driver.alive() or time.monotonic() - trainer_done_at > 120:
+            if not completed or not driver.alive() or time.monotonic() - trainer_done_at > 120:
                 progress.show(sum(r.alive() for r in engines), len(engines), force=True)
                 progress.finish()
-                return EXIT_STOPPED if self.stop_requested else EXIT_COMPLETED
+                if not completed:
+                    self.out.write("stopped with a checkpoint; run the same command to resume\n")
+                return EXIT_COMPLETED if completed else EXIT_STOPPED
+
+    def _training_completed(self) -> bool:
+        """The trainer's own verdict: its last record says whether it reached total_steps."""
+        ends = [r for r in read_jsonl(self.paths.metrics / "train.jsonl") if r.get("event") == "end"]
+        return bool(ends and ends[-1]["completed"])
 
     def _stop_all(self, roles) -> None:
         roles = list(roles)

@@ -1,0 +1,66 @@
+"""An engine that dies mid-generation: its prompts are re-issued to another engine, and a killed
+engine in a running job is restarted and receives the current weights."""
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from relax_hpc.config.load import read_frozen
+from relax_hpc.rollout import protocol as P
+from relax_hpc.rollout.client import EngineClient
+from relax_hpc.rollout.driver import Driver
+from tests.integration.conftest import Job, make_run
+
+pytestmark = pytest.mark.integration
+
+
+def test_prompts_of_a_killed_engine_are_reissued(tmp_path, engines):
+    cfg, paths = make_run(tmp_path / "run", "rollout.request_timeout_s=20")
+    group = engines(cfg, paths, 2)
+    records = {r.engine_id: r for r in group.wait_registered(2)}
+    victim = records["engine-0"]
+    # Hold engine-0's scheduler so the driver's request is in flight there when it dies.
+    EngineClient(victim.url, paths.read_token(), 10).post("/pause_generation", P.PauseGenerationReqInput(mode="in_place"))
+    driver = Driver(read_frozen(paths.config), paths)
+    driver.pool.refresh(force=True)
+    driver._load = {records["engine-1"].instance: 5}  # make engine-0 the least loaded: it gets the chunk
+    prompts = [driver._encode(driver.rows[i]) for i in range(6)]
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(out=driver._run_chunk(prompts, list(range(6)), 0)))
+    thread.start()
+    time.sleep(1.0)
+    assert thread.is_alive()  # waiting on the paused engine
+    os.kill(victim.pid, signal.SIGKILL)
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert driver.reissued == 6
+    assert len(result["out"]) == 6 and all(o["meta_info"]["finish_reason"]["type"] != "abort" for o in result["out"])
+
+
+def test_a_killed_engine_is_restarted_and_rejoins_weight_sync(tmp_path):
+    job = Job(tmp_path / "run", "trainer.total_steps=400", "ckpt.every_steps=1000", "rollout.prompts_per_step=8").start()
+    job.wait_for_step(6, timeout_s=240)
+    record_path = job.run_dir / "registry" / "engines" / "engine-0.json"
+    killed = json.loads(record_path.read_text())
+    os.kill(killed["pid"], signal.SIGKILL)
+    # The launcher restarts it; the trainer notices the new instance and pushes the current weights.
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        record = json.loads(record_path.read_text()) if record_path.exists() else killed
+        if record["instance"] != killed["instance"] and int(record["weight_version"]) > 0:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError(f"restarted engine never received weights:\n{job.text()[-2000:]}")
+    steps_at_rejoin = job.steps()[-1]["step"]
+    (job.run_dir / "control" / "stop").write_text("stop")  # a clean stop, as on Ctrl-C
+    assert job.wait(timeout_s=120) == 75, job.text()[-3000:]
+    assert "engine-0 exited (-9); restarting (1/5)" in job.text()
+    assert int(record["weight_version"]) >= steps_at_rejoin - 1
+    trainer_log = (job.run_dir / "logs" / "0" / "trainer.log").read_text()
+    assert trainer_log.count("formed with 2 engine(s)") >= 2  # the group was re-formed with the new engine
+    assert [s["step"] for s in job.steps()] == list(range(1, job.steps()[-1]["step"] + 1))
