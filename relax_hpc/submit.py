@@ -16,13 +16,10 @@ import sys
 from pathlib import Path
 
 from relax_hpc.config.load import ConfigError, load_config, read_frozen, to_yaml
-from relax_hpc.config.schema import JobConfig
+from relax_hpc.config.schema import RESUMABLE_CHANGES, JobConfig
 from relax_hpc.data.prompts import DatasetError, load_prompts
 from relax_hpc.paths import RunPaths, write_atomic
 
-# Options a resumed run may change; any other difference would silently change the experiment.
-RESUMABLE_CHANGES = ("trainer.total_steps", "ckpt.", "metrics.", "launch.", "rollout.eval_every",
-                     "rollout.request_timeout_s", "rollout.max_engine_restarts", "weights.timeout_s")  # fmt: skip
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:

@@ -8,6 +8,20 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 
+# Options a resumed run may change (prefixes); any other difference would silently change the
+# experiment, so resuming with it is refused.
+RESUMABLE_CHANGES = (
+    "trainer.total_steps",
+    "ckpt.",
+    "metrics.",
+    "launch.",
+    "rollout.eval_every",
+    "rollout.request_timeout_s",
+    "rollout.max_engine_restarts",
+    "weights.timeout_s",
+)
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
 
@@ -48,9 +62,9 @@ class RolloutConfig(Section):
     """Address the engines bind to and announce in RUN_DIR/registry."""
     base_port: int = Field(0, ge=0, le=65535)
     """Port of engine 0 (engine i uses base_port + i); 0 lets the OS pick free ports."""
-    prompts_per_step: int = Field(32, ge=1)
+    prompts_per_step: int = Field(64, ge=1)
     """Prompts per trainer step (one published batch)."""
-    group_size: int = Field(8, ge=2)
+    group_size: int = Field(16, ge=2)
     """Samples per prompt (the GRPO group; at least 2, or there is no baseline)."""
     max_new_tokens: int = Field(4, ge=1)
     """Completion length limit."""
@@ -84,9 +98,12 @@ class LossConfig(Section):
     """PPO clip epsilon above 1 (raise it for clip-higher)."""
     entropy_coef: float = Field(0.01, ge=0.0)
     """Weight of the entropy bonus."""
-    old_logprobs: Literal["recompute", "rollout"] = "recompute"
-    """Denominator of the PPO ratio: `recompute` = the trainer's own log-probabilities before the
-    update (ratio 1, on-policy gradient; bitwise reproducible), `rollout` = the engines'."""
+    old_logprobs: Literal["auto", "recompute", "rollout"] = "auto"
+    """Denominator of the PPO ratio. `recompute`: the trainer's own log-probabilities before the
+    update (ratio 1: the on-policy gradient, bitwise reproducible). `rollout`: the engines'
+    log-probabilities, so samples from an older policy are importance-weighted and clipped.
+    `auto`: recompute when rollout.max_staleness is 0, rollout otherwise (uncorrected stale
+    samples made 2 of 3 seeds of the embedded default stall or collapse)."""
 
 
 class TrainerConfig(Section):
@@ -94,9 +111,9 @@ class TrainerConfig(Section):
     """Trainer backend. `torch`: HF transformers model under FSDP2 (CPU/gloo or GPU/nccl)."""
     num_ranks: int = Field(2, ge=1)
     """torchrun ranks (processes) of the trainer."""
-    total_steps: int = Field(300, ge=1)
+    total_steps: int = Field(400, ge=1)
     """Optimizer steps of the whole run (one published batch each)."""
-    lr: float = Field(1e-3, gt=0)
+    lr: float = Field(5e-4, gt=0)
     """AdamW learning rate (peak)."""
     warmup_steps: int = Field(0, ge=0)
     """Linear learning-rate warm-up steps; constant afterwards."""
@@ -120,7 +137,7 @@ class WeightsConfig(Section):
 
 
 class CheckpointConfig(Section):
-    every_steps: int = Field(50, ge=1)
+    every_steps: int = Field(100, ge=1)
     """Save a DCP checkpoint every N steps (and always at the end and on a stop request)."""
     keep: int = Field(2, ge=2)
     """Complete checkpoints kept (at least 2: the newest may be the one being replaced)."""

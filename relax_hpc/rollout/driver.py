@@ -28,7 +28,7 @@ from transformers import AutoTokenizer
 
 from relax_hpc.config.load import read_frozen
 from relax_hpc.config.schema import JobConfig
-from relax_hpc.data.prompts import PromptOrder, PromptRow, load_prompts
+from relax_hpc.data.prompts import PromptOrder, load_prompts
 from relax_hpc.exchange.spool import SampleBatch, Spool
 from relax_hpc.metrics.jsonl import JsonlWriter
 from relax_hpc.paths import RunPaths
@@ -87,6 +87,7 @@ class Driver:
         self.cfg, self.paths, self.ro = cfg, paths, cfg.rollout
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.rows = load_prompts(cfg.data.path, cfg.data.prompt_key, cfg.data.answer_key)
+        self.prompt_ids = [self.tokenizer(r.prompt)["input_ids"] for r in self.rows]  # tokenized once
         self.order = PromptOrder(len(self.rows), cfg.run.seed, cfg.data.shuffle)
         self.reward = REWARDS[self.ro.reward]
         self.spool = Spool(paths.spool)
@@ -105,9 +106,6 @@ class Driver:
             "top_p": self.ro.top_p,
             "top_k": self.ro.top_k,
         }
-
-    def _encode(self, row: PromptRow) -> list[int]:
-        return self.tokenizer(row.prompt)["input_ids"]
 
     # -- generation with re-issue ---------------------------------------------------------------
 
@@ -147,7 +145,7 @@ class Driver:
     def generate_batch(self, seq: int, min_version: int) -> SampleBatch:
         g = self.ro.group_size
         indices = self.order.batch(seq, self.ro.prompts_per_step)
-        prompts = [self._encode(self.rows[i]) for i in indices for _ in range(g)]
+        prompts = [self.prompt_ids[i] for i in indices for _ in range(g)]
         seeds = [sample_seed(self.cfg.run.seed, seq, k) for k in range(len(prompts))]
         num_chunks = max(1, len(self.pool.eligible(min_version)))
         groups_per_chunk = math.ceil(len(indices) / num_chunks)
@@ -171,7 +169,7 @@ class Driver:
 
     def evaluate(self, engine: Engine) -> float:
         request = P.GenerateReqInput(
-            input_ids=[self._encode(r) for r in self.rows], sampling_params=self._sampling(temperature=0.0)
+            input_ids=self.prompt_ids, sampling_params=self._sampling(temperature=0.0)
         )
         outputs = engine.client.generate(request)
         correct = sum(self.reward(o["text"], r.answer) for o, r in zip(outputs, self.rows))

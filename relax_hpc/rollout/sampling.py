@@ -57,9 +57,9 @@ def sample(
     eos_token_id: int,
     pad_token_id: int,
 ) -> list[Completion]:
-    """Sample one completion per prompt. Returned logprobs are those of the sampling distribution
-    (after temperature, top-k and top-p), which is what the engine actually drew from; with
-    temperature 1 and no filtering they equal the model's own log-probabilities."""
+    """Sample one completion per prompt. Returned logprobs follow SGLang: log-softmax of the logits
+    divided by the temperature, before top-k/top-p filtering; with temperature 1 they are the
+    model's own log-probabilities, which the trainer's importance ratios compare against."""
     n = len(prompts)
     device = next(model.parameters()).device
     width = max(len(p) for p in prompts)
@@ -83,14 +83,15 @@ def sample(
             input_ids=step_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
         ).logits[:, -1, :].float().cpu()
         scaled = logits / temps
+        logp = torch.log_softmax(scaled, dim=-1)  # reported: after temperature, before filtering (as SGLang)
         for i, spec in enumerate(specs):
             if spec.top_k > 0 or spec.top_p < 1.0:
                 scaled[i] = _filter_logits(scaled[i], spec.top_k, spec.top_p)
-        logp = torch.log_softmax(scaled, dim=-1)
+        draw_logp = torch.log_softmax(scaled, dim=-1)
         # Exponential race (argmax of logp - log E, E ~ Exp(1)) samples from softmax; each row
         # draws its noise from its own generator.
         noise = torch.stack([torch.empty(logp.shape[-1]).exponential_(generator=g) for g in generators])
-        drawn = torch.argmax(logp - noise.log(), dim=-1)
+        drawn = torch.argmax(draw_logp - noise.log(), dim=-1)
         next_tokens = torch.where(torch.tensor(greedy), torch.argmax(logits, dim=-1), drawn)
         for i in range(n):
             if not alive[i]:

@@ -101,7 +101,12 @@ class Trainer:
     def __init__(self, cfg: JobConfig, paths: RunPaths) -> None:
         self.cfg, self.paths = cfg, paths
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.backend = TorchBackend(cfg.model.path, cfg.model.dtype, cfg.trainer, torch.device("cpu"))
+        old_logprobs = cfg.trainer.loss.old_logprobs
+        if old_logprobs == "auto":
+            old_logprobs = "rollout" if cfg.rollout.max_staleness > 0 else "recompute"
+        self.backend = TorchBackend(
+            cfg.model.path, cfg.model.dtype, cfg.trainer, torch.device("cpu"), old_logprobs == "rollout"
+        )
         self.pad_id = self.backend.model.config.pad_token_id
         self.ckpt = Checkpointer(paths.ckpt, cfg.ckpt.keep)
         self.buckets = plan_buckets(self.backend.parameter_specs(), int(cfg.weights.bucket_mb * 2**20))

@@ -27,8 +27,11 @@ class NonFiniteLossError(RuntimeError):
 
 
 class TorchBackend:
-    def __init__(self, model_path: str, dtype: str, cfg: TrainerConfig, device: torch.device) -> None:
+    def __init__(
+        self, model_path: str, dtype: str, cfg: TrainerConfig, device: torch.device, use_rollout_logprobs: bool
+    ) -> None:
         self.cfg = cfg
+        self.use_rollout_logprobs = use_rollout_logprobs
         self.device = device
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device)
         for layer in model.model.layers:
@@ -50,7 +53,7 @@ class TorchBackend:
         batch = batch.to(self.device)
         advantages = group_advantages(batch.rewards, batch.group_ids, self.cfg.loss.normalize_std)
         logprobs, entropy = token_logprobs_and_entropy(self.model, batch)
-        old = logprobs.detach() if self.cfg.loss.old_logprobs == "recompute" else batch.rollout_logprobs
+        old = batch.rollout_logprobs if self.use_rollout_logprobs else logprobs.detach()
         loss, metrics = policy_loss(logprobs, old, advantages, entropy, batch.loss_mask, global_tokens, self.loss_cfg)
         loss_value = loss.detach().clone()
         dist.all_reduce(loss_value)  # host sync: the whole batch's loss, to refuse a NaN step everywhere

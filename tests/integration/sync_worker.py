@@ -24,7 +24,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(100 + rank)
-    backend = TorchBackend(cfg.model.path, cfg.model.dtype, cfg.trainer, torch.device("cpu"))
+    backend = TorchBackend(cfg.model.path, cfg.model.dtype, cfg.trainer, torch.device("cpu"), False)
     with torch.no_grad():
         for p in backend.model.parameters():
             p.add_(0.3 * torch.randn_like(p))

@@ -28,7 +28,7 @@ def test_prompts_of_a_killed_engine_are_reissued(tmp_path, engines):
     driver = Driver(read_frozen(paths.config), paths)
     driver.pool.refresh(force=True)
     driver._load = {records["engine-1"].instance: 5}  # make engine-0 the least loaded: it gets the chunk
-    prompts = [driver._encode(driver.rows[i]) for i in range(6)]
+    prompts = driver.prompt_ids[:6]
     result: dict = {}
     thread = threading.Thread(target=lambda: result.update(out=driver._run_chunk(prompts, list(range(6)), 0)))
     thread.start()

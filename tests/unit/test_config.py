@@ -57,7 +57,7 @@ def test_resolved_config_round_trips_and_resume_refuses_a_changed_experiment(tmp
     freeze(cfg, paths)
     assert read_frozen(paths.config) == cfg and (paths.root.stat().st_mode & 0o777) == 0o700
     freeze(load_config(None, [f"run.dir={paths.root}", "trainer.total_steps=999"]), paths)  # allowed
-    with pytest.raises(ConfigError, match=r"trainer.lr: 0.001 -> 0.5"):
+    with pytest.raises(ConfigError, match=r"trainer.lr: 0.0005 -> 0.5"):
         freeze(load_config(None, [f"run.dir={paths.root}", "trainer.lr=0.5"]), paths)
     assert "total_steps: 999" in to_yaml(read_frozen(paths.config))
 

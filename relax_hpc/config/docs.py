@@ -1,0 +1,57 @@
+"""Render docs/config.md from the schema: every option, its type, default and docstring.
+
+    python -m relax_hpc.config.docs > docs/config.md
+
+tests/unit/test_config_docs.py fails when the checked-in file is stale.
+"""
+
+from __future__ import annotations
+
+import typing
+
+from pydantic import BaseModel
+
+from relax_hpc.config.schema import RESUMABLE_CHANGES, JobConfig
+
+HEADER = """# Configuration reference
+
+Generated from `relax_hpc/config/schema.py` by `python -m relax_hpc.config.docs`; do not edit.
+
+A job config is YAML with the sections below. Any option can be overridden on the command line
+as `section.key=value` (the value is parsed as YAML: `3`, `1e-3`, `true`, `[0.9, 0.95]`).
+Unknown keys and invalid values are rejected before anything starts, with the key, the bad value
+and what is allowed. The resolved config is frozen in `RUN_DIR/config.yaml`; resuming a run may
+change only these options (a trailing dot means the whole section): {resumable}.
+"""
+
+
+def _type_name(annotation: object) -> str:
+    if typing.get_origin(annotation) is typing.Literal:
+        return " \\| ".join(f"`{a}`" for a in typing.get_args(annotation))
+    return getattr(annotation, "__name__", str(annotation)).replace("|", "\\|")
+
+
+def _section(model: type[BaseModel], prefix: str) -> list[str]:
+    lines = [f"\n## `{prefix.rstrip('.')}`\n" if prefix else "\n## top level\n", "| key | type | default | meaning |", "|---|---|---|---|"]
+    nested = []
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            nested.append((annotation, f"{prefix}{name}."))
+            continue
+        doc = " ".join((field.description or "").split())
+        lines.append(f"| `{prefix}{name}` | {_type_name(annotation)} | `{field.default!r}` | {doc} |")
+    if len(lines) == 3:
+        lines = []
+    for sub, sub_prefix in nested:
+        lines += _section(sub, sub_prefix)
+    return lines
+
+
+def render() -> str:
+    header = HEADER.format(resumable=", ".join(f"`{k}`" for k in RESUMABLE_CHANGES))
+    return header + "\n".join(_section(JobConfig, "")) + "\n"
+
+
+if __name__ == "__main__":
+    print(render(), end="")

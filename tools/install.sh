@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Create .venv and install relax_hpc with the exact versions in constraints.txt.
+#   bash tools/install.sh          # the package and its test tools
+# torch is pinned to a CPU build (2.13.0); an unpinned torch would pull a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+export PIP_CONSTRAINT="$PWD/constraints.txt" PIP_DISABLE_PIP_VERSION_CHECK=1
+.venv/bin/python -m pip install --quiet --upgrade "pip>=24"
+.venv/bin/python -m pip install --quiet torch==2.13.0
+.venv/bin/python -m pip install --quiet -e ".[test]"
+.venv/bin/python -c "import relax_hpc, torch, transformers, h5py; print(f'relax_hpc {relax_hpc.__version__} ready (torch {torch.__version__}, transformers {transformers.__version__}, h5py {h5py.__version__})')"
