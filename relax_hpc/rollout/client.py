@@ -52,7 +52,7 @@ class EngineClient:
             return False
 
     def weight_version(self) -> str:
-        return str(self._call("GET", "/get_weight_version", timeout_s=5.0)["weight_version"])
+        return str(self._call("GET", "/model_info", timeout_s=5.0)["weight_version"])
 
     def generate(self, request: P.GenerateReqInput) -> Any:
         return self.post("/generate", request)

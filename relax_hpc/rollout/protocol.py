@@ -1,9 +1,12 @@
 """The engine protocol: the part of SGLang's native HTTP API that relax_hpc uses.
 
-Request bodies mirror SGLang's own request classes (sglang.srt.managers.io_struct) field for
-field; tests/unit/test_sglang_contract.py builds every request relax_hpc sends with those classes
-and fails on any mismatch of names or types. The built-in torch engine parses requests with the
-same dataclasses, so it accepts exactly what relax_hpc sends to SGLang.
+Request bodies mirror SGLang's own request classes (sglang.srt.managers.io_struct, read from
+sglang 0.5.23): the names, types and defaults below are a subset of theirs. The built-in torch
+engine parses requests with these same dataclasses, and rejects fields it does not implement
+rather than ignoring them (SGLang ignores unknown top-level keys). The weight-update sequence is
+0.5.23's: pause_generation, begin_weight_update, update_weights_from_distributed per bucket
+(weight_version on the last), end_weight_update, continue_generation. The live weight version
+is read from GET /model_info.
 """
 
 from __future__ import annotations
@@ -51,7 +54,8 @@ class DestroyWeightsUpdateGroupReqInput:
 
 @dataclass
 class UpdateWeightsFromDistributedReqInput:
-    """POST /update_weights_from_distributed: one bucket, broadcast from rank 0 of the group."""
+    """POST /update_weights_from_distributed: one bucket, broadcast from rank 0 of the group; with
+    load_format "flattened_bucket" as one uint8 tensor holding the tensors' bytes back to back."""
 
     names: list[str]
     dtypes: list[str]
@@ -69,6 +73,18 @@ class GetWeightsByNameReqInput:
 
     name: str
     truncate_size: int = 100
+
+
+@dataclass
+class BeginWeightUpdateReqInput:
+    """POST /begin_weight_update: required before /update_weights_from_distributed (SGLang >= 0.5.21)."""
+
+    selector: str = "all"
+
+
+@dataclass
+class EndWeightUpdateReqInput:
+    """POST /end_weight_update."""
 
 
 @dataclass
@@ -90,6 +106,8 @@ class PauseGenerationReqInput:
 @dataclass
 class ContinueGenerationReqInput:
     """POST /continue_generation."""
+
+    torch_empty_cache: bool = True
 
 
 # Sampling parameters the built-in engine implements (names of SGLang's SamplingParams).

@@ -71,7 +71,9 @@ class TorchEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
         self.params = dict(self.model.named_parameters())
+        self.model_path = model_path
         self.weight_version = "0"
+        self.updating = False  # between /begin_weight_update and /end_weight_update
         self.groups: dict[str, SideGroup] = {}
         self._model_lock = threading.Lock()
         self._cv = threading.Condition()
@@ -197,7 +199,17 @@ class TorchEngine:
             param = self.params[req.name].detach()
             return param[: req.truncate_size].tolist() if param.dim() else param.item()
 
+    def begin_update(self, req: P.BeginWeightUpdateReqInput) -> None:
+        if req.selector not in ("all", "target"):
+            raise P.ProtocolError(f"selector {req.selector!r}: the torch engine has one model (all or target)")
+        self.updating = True
+
+    def end_update(self) -> None:
+        self.updating = False
+
     def update_from_distributed(self, req: P.UpdateWeightsFromDistributedReqInput) -> None:
+        if not self.updating:
+            raise P.ProtocolError("call /begin_weight_update before /update_weights_from_distributed")
         group = self.groups.get(req.group_name)
         if group is None:
             raise P.ProtocolError(f"no weight update group named {req.group_name!r}; call /init_weights_update_group")
@@ -206,7 +218,7 @@ class TorchEngine:
         plan = BucketPlan(req.names, req.dtypes, req.shapes)
         with self._model_lock:  # between batches: a completion never mixes two versions
             if req.load_format == "flattened_bucket":
-                flat = torch.empty(plan.numel, dtype=DTYPES[req.dtypes[0]])
+                flat = torch.empty(plan.nbytes, dtype=torch.uint8)
                 group.broadcast(flat)
                 received = unpack(flat, plan)
             else:
@@ -251,8 +263,10 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self.path in ("/health", "/health_generate"):
             self._reply(HTTPStatus.OK, {})
-        elif self.path == "/get_weight_version":
-            self._reply(HTTPStatus.OK, {"weight_version": self.engine.weight_version})
+        elif self.path in ("/model_info", "/get_model_info"):
+            e = self.engine
+            info = {"model_path": e.model_path, "tokenizer_path": e.model_path, "is_generation": True}
+            self._reply(HTTPStatus.OK, {**info, "weight_version": e.weight_version})
         else:
             self._reply(HTTPStatus.NOT_FOUND, {"error": f"no route {self.path}"})
 
@@ -280,17 +294,24 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(HTTPStatus.OK, {})
         elif self.path == "/pause_generation":
             e.pause(P.parse(P.PauseGenerationReqInput, body))
-            self._reply(HTTPStatus.OK, {"message": "Generation paused successfully.", "status": 200})
+            self._reply(HTTPStatus.OK, {"message": "Generation paused successfully.", "status": "ok"})
         elif self.path == "/continue_generation":
             P.parse(P.ContinueGenerationReqInput, body)
             e.resume()
-            self._reply(HTTPStatus.OK, {"message": "Generation continued successfully.", "status": 200})
+            self._reply(HTTPStatus.OK, {"message": "Generation continued successfully.", "status": "ok"})
         elif self.path == "/init_weights_update_group":
             e.init_group(P.parse(P.InitWeightsUpdateGroupReqInput, body), self.timeout_s)
             self._reply(HTTPStatus.OK, {"success": True, "message": "Succeeded to initialize custom process group."})
         elif self.path == "/destroy_weights_update_group":
             e.destroy_group(P.parse(P.DestroyWeightsUpdateGroupReqInput, body))
             self._reply(HTTPStatus.OK, {"success": True, "message": "Succeeded to destroy custom process group."})
+        elif self.path == "/begin_weight_update":
+            e.begin_update(P.parse(P.BeginWeightUpdateReqInput, body))
+            self._reply(HTTPStatus.OK, {"success": True, "message": "Weight update begun."})
+        elif self.path == "/end_weight_update":
+            P.parse(P.EndWeightUpdateReqInput, body)
+            e.end_update()
+            self._reply(HTTPStatus.OK, {"success": True, "message": "Weight update ended."})
         elif self.path == "/get_weights_by_name":
             self._reply(HTTPStatus.OK, e.weights_by_name(P.parse(P.GetWeightsByNameReqInput, body)))
         elif self.path == "/update_weights_from_distributed":

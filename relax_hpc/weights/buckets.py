@@ -1,8 +1,9 @@
 """Flat buckets of parameters: the unit of one weight-sync broadcast.
 
-A bucket holds tensors of one dtype, packed back to back into a 1-D buffer, at most `max_bytes`
-(a tensor larger than that travels alone). Its metadata (names, dtypes, shapes) is exactly what
-SGLang's UpdateWeightsFromDistributedReqInput carries, so the receiver can split it again.
+A bucket holds tensors of one dtype (so every tensor starts at an offset aligned to its element
+size), packed as raw bytes back to back into one uint8 buffer of at most `max_bytes` (a tensor
+larger than that travels alone): SGLang's "flattened_bucket" load format. Its metadata (names,
+dtypes, shapes) is what UpdateWeightsFromDistributedReqInput carries, so the receiver can split it.
 """
 
 from __future__ import annotations
@@ -23,12 +24,8 @@ class BucketPlan:
     shapes: list[list[int]]
 
     @property
-    def numel(self) -> int:
-        return sum(int(torch.Size(s).numel()) for s in self.shapes)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return DTYPES[self.dtypes[0]]
+    def nbytes(self) -> int:
+        return sum(torch.Size(s).numel() * DTYPES[d].itemsize for s, d in zip(self.shapes, self.dtypes))
 
 
 def plan_buckets(params: Iterable[tuple[str, torch.Size, torch.dtype]], max_bytes: int) -> list[BucketPlan]:
@@ -56,21 +53,18 @@ def _plan(entries: list[tuple[str, torch.Size, torch.dtype]]) -> BucketPlan:
     )
 
 
-def pack(tensors: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
-    """Concatenate flattened tensors into one 1-D buffer (reusing `out` when given)."""
-    if out is None:
-        return torch.cat([t.reshape(-1) for t in tensors])
-    torch.cat([t.reshape(-1) for t in tensors], out=out)
-    return out
+def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors' bytes back to back in one 1-D uint8 buffer."""
+    return torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in tensors])
 
 
 def unpack(flat: torch.Tensor, plan: BucketPlan) -> list[tuple[str, torch.Tensor]]:
-    """Split a received buffer back into named tensors (views of `flat`)."""
+    """Split a received uint8 buffer back into named tensors (views of `flat`)."""
     out, start = [], 0
-    for name, shape in zip(plan.names, plan.shapes):
-        n = int(torch.Size(shape).numel())
-        out.append((name, flat[start : start + n].view(shape)))
-        start += n
+    for name, dtype, shape in zip(plan.names, plan.dtypes, plan.shapes):
+        nbytes = torch.Size(shape).numel() * DTYPES[dtype].itemsize
+        out.append((name, flat[start : start + nbytes].view(DTYPES[dtype]).view(shape)))
+        start += nbytes
     if start != flat.numel():
-        raise ValueError(f"bucket holds {flat.numel()} elements, its metadata describes {start}")
+        raise ValueError(f"bucket holds {flat.numel()} bytes, its metadata describes {start}")
     return out

@@ -1,9 +1,10 @@
 """Trainer side of weight sync (rank 0 of the trainer is rank 0 of the group).
 
-For each bucket: POST /update_weights_from_distributed to every engine (which then waits in the
-broadcast), broadcast the flat bucket, collect the answers. Generation is paused around the whole
-update (mode in_place) so no completion mixes buckets of two versions, and `weight_version` goes
-with the last bucket only, so an engine reports the new version only once it holds all of it.
+SGLang 0.5.23's sequence: pause_generation (in_place, so no completion mixes buckets of two
+versions), begin_weight_update, then for each bucket POST /update_weights_from_distributed to
+every engine (which then waits in the broadcast) and broadcast the flat bucket, end_weight_update,
+continue_generation. `weight_version` goes with the last bucket only, so an engine reports the new
+version only once it holds all of it.
 
 The group is formed once and reused until the set of engines changes (an engine restarted or
 died); a failed transfer drops the group, and the next push forms a new one with the engines that
@@ -97,13 +98,19 @@ class WeightSender:
         log.info("weight-sync group %s formed with %d engine(s)", req.group_name, len(engines))
 
     def drop_group(self) -> None:
+        """Leave the group; engines that still answer are un-paused (a failed push may have left
+        them between begin and end of an update)."""
         if self.group is not None:
-            name = self.group.group_name
-            for f in self._fan_out("/destroy_weights_update_group", P.DestroyWeightsUpdateGroupReqInput(name)):
-                try:
-                    f.result()
-                except (EngineUnavailable, EngineRequestError):
-                    pass
+            for route, request in (
+                ("/end_weight_update", P.EndWeightUpdateReqInput()),
+                ("/continue_generation", P.ContinueGenerationReqInput()),
+                ("/destroy_weights_update_group", P.DestroyWeightsUpdateGroupReqInput(self.group.group_name)),
+            ):
+                for f in self._fan_out(route, request):
+                    try:
+                        f.result()
+                    except (EngineUnavailable, EngineRequestError):
+                        pass
             self.group.close()
         self.group, self.members = None, []
 
@@ -115,8 +122,12 @@ class WeightSender:
                 self.drop_group()
                 return 0
             self._form_group(engines)
-        for f in self._fan_out("/pause_generation", P.PauseGenerationReqInput(mode="in_place")):
-            f.result()
+        for route, request in (
+            ("/pause_generation", P.PauseGenerationReqInput(mode="in_place")),
+            ("/begin_weight_update", P.BeginWeightUpdateReqInput()),
+        ):
+            for f in self._fan_out(route, request):
+                f.result()
         return len(self.members)
 
     def send_bucket(self, plan: BucketPlan, tensors: list[torch.Tensor], version: str | None) -> None:
@@ -136,8 +147,12 @@ class WeightSender:
             f.result()
 
     def end(self) -> None:
-        for f in self._fan_out("/continue_generation", P.ContinueGenerationReqInput()):
-            f.result()
+        for route, request in (
+            ("/end_weight_update", P.EndWeightUpdateReqInput()),
+            ("/continue_generation", P.ContinueGenerationReqInput()),
+        ):
+            for f in self._fan_out(route, request):
+                f.result()
 
 
 def push(

@@ -1,0 +1,47 @@
+"""Checkpoint faults on a real filesystem: a full disk mid-save keeps the previous checkpoint."""
+
+import os
+import subprocess
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from relax_hpc.ckpt.manager import Checkpointer, latest_dir, read_trainer_state
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2 MiB tmpfs: real ENOSPC, not a mocked one (the tests run as root, as CI does)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], check=True)
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+@pytest.fixture
+def process_group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_full_disk_keeps_the_previous_checkpoint(small_disk, process_group):
+    ckpt = Checkpointer(small_disk, keep=2)
+    small = {"w": torch.arange(1000, dtype=torch.float32)}
+    assert ckpt.save(1, small, {"rng": torch.get_rng_state()}, {"step": 1, "version": 1})
+    huge = {"w": torch.zeros(1_000_000)}  # 4 MB > the disk
+    assert not ckpt.save(2, huge, {"rng": torch.get_rng_state()}, {"step": 2, "version": 2})
+    assert latest_dir(small_disk).name == "step-00000001"
+    assert read_trainer_state(small_disk) == {"step": 1, "version": 1}
+    assert sorted(os.listdir(small_disk)) == ["latest", "step-00000001"]  # the partial one is gone
+    loaded = {"w": torch.zeros(1000)}
+    rank_state, state = ckpt.load(loaded)
+    assert torch.equal(loaded["w"], small["w"]) and state["step"] == 1
+    # Space is free again: the next save succeeds and older ones are pruned to `keep`.
+    for step in (3, 4):
+        assert ckpt.save(step, small, {}, {"step": step, "version": step})
+    assert sorted(os.listdir(small_disk)) == ["latest", "step-00000003", "step-00000004"]
