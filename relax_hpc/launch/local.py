@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from relax_hpc.config.schema import JobConfig
@@ -40,7 +40,6 @@ class Role:
     max_restarts: int
     proc: subprocess.Popen | None = None
     restarts: int = 0
-    exit_codes: list[int] = field(default_factory=list)
 
     def start(self, env: dict[str, str]) -> None:
         with self.log_path.open("ab") as out:
@@ -123,6 +122,8 @@ class LocalLauncher:
         commands = role_commands(self.cfg, self.paths)
         ro = self.cfg.rollout
         roles = {
+            # A driver resumes from the spool, so restarting it is cheap; a few tries cover a crash
+            # without hiding a driver that cannot run at all.
             name: Role(name, argv, logs / f"{name}.log", ro.max_engine_restarts if name.startswith("engine") else 3)
             for name, argv in commands.items()
         }

@@ -15,7 +15,7 @@ import dataclasses
 import types
 import typing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 
 class ProtocolError(ValueError):
@@ -29,7 +29,7 @@ class GenerateReqInput:
     input_ids: list[int] | list[list[int]]
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     rid: str | list[str] | None = None
-    return_logprob: bool | list[bool] = False
+    return_logprob: bool | list[bool] | None = None
     stream: bool = False
 
 
@@ -79,7 +79,7 @@ class GetWeightsByNameReqInput:
 class BeginWeightUpdateReqInput:
     """POST /begin_weight_update: required before /update_weights_from_distributed (SGLang >= 0.5.21)."""
 
-    selector: str = "all"
+    selector: Literal["target", "draft", "all"] = "all"
 
 
 @dataclass
@@ -91,7 +91,7 @@ class EndWeightUpdateReqInput:
 class AbortReq:
     """POST /abort_request."""
 
-    rid: str = ""
+    rid: str | None = None
     abort_all: bool = False
 
 
@@ -100,7 +100,7 @@ class PauseGenerationReqInput:
     """POST /pause_generation. abort: drop queued and running requests; in_place / retract: keep
     them and stop scheduling until /continue_generation."""
 
-    mode: str = "abort"
+    mode: Literal["abort", "retract", "in_place"] = "abort"
 
 
 @dataclass
@@ -118,6 +118,8 @@ def _matches(value: Any, annotation: Any) -> bool:
     origin = typing.get_origin(annotation)
     if annotation is Any:
         return True
+    if origin is Literal:
+        return value in typing.get_args(annotation)
     if origin in (typing.Union, types.UnionType):
         return any(_matches(value, arg) for arg in typing.get_args(annotation))
     if annotation is type(None):

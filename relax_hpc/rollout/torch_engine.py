@@ -101,7 +101,7 @@ class TorchEngine:
         specs, seeds = zip(*(_spec(p) for p in params))
         rids = per_item(req.rid, None)
         rids = [r if r is not None else uuid.uuid4().hex for r in rids]
-        job = _Job(prompts, list(specs), list(seeds), rids, per_item(req.return_logprob, False))
+        job = _Job(prompts, list(specs), list(seeds), rids, [bool(x) for x in per_item(req.return_logprob, False)])
         with self._cv:
             self._pending.append(job)
             self._cv.notify()
@@ -162,8 +162,6 @@ class TorchEngine:
             self._pending = keep
 
     def pause(self, req: P.PauseGenerationReqInput) -> None:
-        if req.mode not in ("abort", "retract", "in_place"):
-            raise P.ProtocolError(f"pause_generation mode must be abort, retract or in_place, got {req.mode!r}")
         with self._cv:
             self._paused = True
         if req.mode == "abort":
@@ -200,8 +198,8 @@ class TorchEngine:
             return param[: req.truncate_size].tolist() if param.dim() else param.item()
 
     def begin_update(self, req: P.BeginWeightUpdateReqInput) -> None:
-        if req.selector not in ("all", "target"):
-            raise P.ProtocolError(f"selector {req.selector!r}: the torch engine has one model (all or target)")
+        if req.selector == "draft":
+            raise P.ProtocolError("selector 'draft': the torch engine has no draft model")
         self.updating = True
 
     def end_update(self) -> None:

@@ -186,9 +186,9 @@ class Trainer:
         if self.rank == 0:
             if engines:
                 self.delivered = self.state.version
-                self.spool_weights_note(engines)
+                self.announce_version(engines)
 
-    def spool_weights_note(self, engines: int) -> None:
+    def announce_version(self, engines: int) -> None:
         """Announce the delivered version in RUN_DIR/weights (a record for humans and tools)."""
         write_atomic(self.paths.weights / "version", f"{self.state.version} {engines}\n".encode())
 

@@ -5,8 +5,8 @@ import subprocess
 
 import pytest
 
-from tests.integration.conftest import make_run
 from relax_hpc.launch.local import child_env, role_commands
+from tests.integration.conftest import make_run
 
 pytestmark = pytest.mark.integration
 
