@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from relax_hpc.paths import fsync_dir, write_atomic
 
@@ -67,7 +68,9 @@ class Checkpointer:
         try:
             dcp.save(model_state, checkpoint_id=str(tmp))
             torch.save(rank_state, tmp / f"rank-{self.rank}.pt")
-        except Exception as e:  # ENOSPC, EIO, quota: keep training, keep the old checkpoint
+        # ENOSPC, EIO, quota: keep training, keep the old checkpoint. DCP wraps a rank's failure
+        # in CheckpointException, which derives from BaseException, not Exception.
+        except (Exception, CheckpointException) as e:
             log.error("checkpoint %s failed on rank %d: %s", name, self.rank, e)
             failed = True
         if _any_rank(failed):
