@@ -276,10 +276,11 @@ def main() -> None:
     torch.manual_seed(cfg.run.seed + rank)
     trainer = Trainer(cfg, paths)
     trainer.resume()
-    try:
-        trainer.run()
-    finally:
-        dist.destroy_process_group()
+    trainer.run()
+    # Leave together: a rank that tears gloo down while a peer still uses it can abort
+    # ("terminate called without an active exception").
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
