@@ -49,6 +49,7 @@ def main() -> None:
                 }
             )
         )
+    dist.barrier()
     dist.destroy_process_group()
 
 
