@@ -77,7 +77,7 @@ def sample(
     alive = [True] * n
     cache = DynamicCache()
     step_ids = ids
-    for step in range(max(s.max_new_tokens for s in specs)):
+    for _ in range(max(s.max_new_tokens for s in specs)):
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
         logits = model(
             input_ids=step_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True

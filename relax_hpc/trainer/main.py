@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import logging
-import os
 import random
 import signal
 import time
