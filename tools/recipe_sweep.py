@@ -7,7 +7,9 @@ settings x seeds can run side by side, one CPU thread each:
     python tools/recipe_sweep.py --policy assets/tiny-qwen3-addition --data assets/addition.jsonl \
         --grid '{"lr": [3e-4, 1e-3], "group_size": [8, 16]}' --seeds 0 1 2 --max-seconds 300
 
-Prints one JSON line per (setting, seed) with the reward curve and the final greedy accuracy.
+Prints one JSON line per (setting, seed): the batch reward of every step (`rewards`), greedy
+accuracy every --greedy-every steps (`greedy_curve`) and at the end. --grid may also be a JSON list
+of such dicts (the union of their products). BENCHMARKS.md's recipe table came from this script.
 """
 
 from __future__ import annotations
@@ -49,8 +51,8 @@ def greedy_accuracy(model, tokenizer, rows) -> float:
     return sum(exact_match(t, r.answer) for t, r in zip(texts, rows)) / len(rows)
 
 
-def run_one(args: tuple[dict, int, str, str, float, int]) -> dict:
-    setting, seed, policy, data, max_seconds, max_steps = args
+def run_one(args: tuple[dict, int, str, str, float, int, int]) -> dict:
+    setting, seed, policy, data, max_seconds, max_steps, greedy_every = args
     cfg = {**DEFAULTS, **setting}
     torch.set_num_threads(1)
     torch.manual_seed(seed)
@@ -64,6 +66,7 @@ def run_one(args: tuple[dict, int, str, str, float, int]) -> dict:
     loss_cfg = PolicyLossConfig(entropy_coef=cfg["entropy_coef"])
     spec = SamplingSpec(max_new_tokens=cfg["max_new_tokens"], temperature=cfg["temperature"])
     curve, start, step = [], time.perf_counter(), 0
+    fine, greedy = [], []
     g = cfg["group_size"]
     while time.perf_counter() - start < max_seconds and step < max_steps:
         idx = order.batch(step, cfg["prompts_per_step"])
@@ -90,8 +93,11 @@ def run_one(args: tuple[dict, int, str, str, float, int]) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["max_grad_norm"])
         optim.step()
         step += 1
+        fine.append(round(float(batch.rewards.mean()), 3))
         if step % 25 == 0:
             curve.append((step, round(time.perf_counter() - start, 1), round(float(batch.rewards.mean()), 3)))
+            if greedy_every and step % greedy_every == 0:
+                greedy.append((step, greedy_accuracy(model, tokenizer, rows)))
     return {
         "setting": setting,
         "seed": seed,
@@ -100,6 +106,8 @@ def run_one(args: tuple[dict, int, str, str, float, int]) -> dict:
         "curve": curve,
         "final_reward": curve[-1][2] if curve else None,
         "greedy_accuracy": greedy_accuracy(model, tokenizer, rows),
+        "rewards": fine,
+        "greedy_curve": greedy,
     }
 
 
@@ -111,11 +119,13 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--max-seconds", type=float, default=300.0, help="wall budget of each run")
     parser.add_argument("--max-steps", type=int, default=10**9, help="step budget of each run")
+    parser.add_argument("--greedy-every", type=int, default=50, help="greedy accuracy every N steps (multiple of 25)")
     parser.add_argument("--workers", type=int, default=mp.cpu_count(), help="runs side by side")
     args = parser.parse_args()
     grid = json.loads(args.grid)
-    settings = [dict(zip(grid, values)) for values in itertools.product(*grid.values())] or [{}]
-    jobs = [(s, seed, args.policy, args.data, args.max_seconds, args.max_steps) for s in settings for seed in args.seeds]
+    grids = grid if isinstance(grid, list) else [grid]  # a list of grids: the union of their products
+    settings = [dict(zip(g, values)) for g in grids for values in itertools.product(*g.values())] or [{}]
+    jobs = [(s, seed, args.policy, args.data, args.max_seconds, args.max_steps, args.greedy_every) for s in settings for seed in args.seeds]
     with mp.get_context("spawn").Pool(args.workers) as pool:
         for result in pool.imap_unordered(run_one, jobs):
             print(json.dumps(result), flush=True)
