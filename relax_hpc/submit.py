@@ -3,8 +3,10 @@
     python -m relax_hpc.submit --config configs/tiny-grpo.yaml [key=value ...] [--dry-run]
 
 Validates the config and its inputs before anything starts, freezes the resolved config in
-RUN_DIR/config.yaml, and runs the job with the configured executor. Running the same command on
-an existing RUN_DIR resumes it from its latest checkpoint.
+RUN_DIR/config.yaml, and runs the job with the configured executor: `local` runs every role here;
+`slurm` submits one job through submitit and returns (`--wait` follows it to the end). Inside a
+Slurm allocation (sbatch recipes), `--in-allocation` runs the roles as its job steps. Running the
+same command on an existing RUN_DIR resumes it from its latest checkpoint.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 from relax_hpc.config.load import ConfigError, load_config, read_frozen, to_yaml
 from relax_hpc.config.schema import RESUMABLE_CHANGES, JobConfig
 from relax_hpc.data.prompts import DatasetError, load_prompts
+from relax_hpc.launch.allocation import AllocationError
 from relax_hpc.paths import RunPaths, write_atomic
 
 
@@ -66,29 +69,81 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, help="YAML job config (default: built-in defaults)")
     parser.add_argument("--dry-run", action="store_true", help="validate, print the resolved config and commands, run nothing")
+    parser.add_argument("--wait", action="store_true", help="slurm: wait for the job to finish (through every requeue)")
+    parser.add_argument(
+        "--in-allocation", action="store_true",
+        help="run the roles as job steps of the Slurm allocation this command runs in (what sbatch recipes use)",
+    )  # fmt: skip
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. trainer.lr=3e-4 rollout.num_engines=4")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         cfg = load_config(args.config, args.overrides)
         check_inputs(cfg)
-    except ConfigError as e:
+        paths = RunPaths(Path(cfg.run.dir))
+        slurm = cfg.launch.executor == "slurm" and not args.in_allocation
+        if slurm:
+            from relax_hpc.launch import submission  # imports submitit: only for this executor
+
+            submission.preflight(cfg, paths)
+        if args.dry_run:
+            return dry_run(cfg, paths, slurm)
+        freeze(cfg, paths)
+        if args.in_allocation:
+            from relax_hpc.launch.slurm import run_in_allocation
+
+            return run_in_allocation(cfg, paths)
+        if slurm:
+            return submit_to_slurm(cfg, paths, args.wait)
+    except (ConfigError, AllocationError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    paths = RunPaths(Path(cfg.run.dir))
-    from relax_hpc.launch.local import LocalLauncher, role_commands  # heavy imports after validation
+    from relax_hpc.launch.local import run_local  # heavy imports after validation
 
-    if args.dry_run:
-        print(to_yaml(cfg))
-        for name, argv_ in role_commands(cfg, paths).items():
-            print(f"{name}: {shlex.join(argv_)}")
+    return run_local(cfg, paths)
+
+
+def dry_run(cfg: JobConfig, paths: RunPaths, slurm: bool) -> int:
+    print(to_yaml(cfg))
+    if slurm:
+        from relax_hpc.launch import submission
+        from relax_hpc.launch.allocation import example_allocation
+        from relax_hpc.launch.commands import step_commands
+
+        print("# submission file (sbatch)\n" + submission.submission_text(submission.make_executor(cfg, paths)))
+        alloc = example_allocation(cfg)
+        print(f"# job steps, for an allocation on nodes {alloc.groups}")
+        commands = step_commands(cfg, paths, alloc)
+    else:
+        from relax_hpc.launch.commands import local_commands
+
+        commands = local_commands(cfg, paths)
+    for name, argv in commands.items():
+        print(f"{name}: {shlex.join(argv)}")
+    return 0
+
+
+def submit_to_slurm(cfg: JobConfig, paths: RunPaths, wait: bool) -> int:
+    from relax_hpc.launch import submission
+
+    job = submission.submit(cfg, paths)
+    write_atomic(paths.root / "slurm" / "job_id", f"{job.job_id}\n".encode())
+    root = paths.root.resolve()
+    print(
+        f"submitted job {job.job_id} ({cfg.launch.slurm.job_name})\n"
+        f"run dir: {root}\n"
+        f"follow:  tail -F {job.paths.stdout}   (progress; each role's log in {root}/logs/)\n"
+        f"status:  squeue -j {job.job_id}; sacct -j {job.job_id}\n"
+        f"stop:    scancel --batch --signal=USR2 {job.job_id}   (checkpoint and requeue); scancel {job.job_id} (end)"
+    )
+    if not wait:
         return 0
     try:
-        freeze(cfg, paths)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return LocalLauncher(cfg, paths).run()
+        print(job.result())
+    except Exception as e:  # submitit re-raises the job's failure, whatever its type
+        print(f"job {job.job_id} did not complete: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

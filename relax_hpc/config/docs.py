@@ -31,16 +31,19 @@ def _type_name(annotation: object) -> str:
     return getattr(annotation, "__name__", str(annotation)).replace("|", "\\|")
 
 
-def _section(model: type[BaseModel], prefix: str) -> list[str]:
+def _section(defaults: BaseModel, prefix: str) -> list[str]:
+    """One table per section; defaults come from the instance, since a nested section's default
+    may differ from its class's (launch.slurm.rollout.nodes is 0, trainer.nodes 1)."""
+    model = type(defaults)
     lines = [f"\n## `{prefix.rstrip('.')}`\n" if prefix else "\n## top level\n", "| key | type | default | meaning |", "|---|---|---|---|"]
     nested = []
     for name, field in model.model_fields.items():
         annotation = field.annotation
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            nested.append((annotation, f"{prefix}{name}."))
+            nested.append((getattr(defaults, name), f"{prefix}{name}."))
             continue
         doc = " ".join((field.description or "").split())
-        lines.append(f"| `{prefix}{name}` | {_type_name(annotation)} | `{field.default!r}` | {doc} |")
+        lines.append(f"| `{prefix}{name}` | {_type_name(annotation)} | `{getattr(defaults, name)!r}` | {doc} |")
     if len(lines) == 3:
         lines = []
     for sub, sub_prefix in nested:
@@ -50,7 +53,7 @@ def _section(model: type[BaseModel], prefix: str) -> list[str]:
 
 def render() -> str:
     header = HEADER.format(resumable=", ".join(f"`{k}`" for k in RESUMABLE_CHANGES))
-    return header + "\n".join(_section(JobConfig, "")) + "\n"
+    return header + "\n".join(_section(JobConfig(), "")) + "\n"
 
 
 if __name__ == "__main__":

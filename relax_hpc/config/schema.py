@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 # Options a resumed run may change (prefixes); any other difference would silently change the
@@ -148,14 +148,84 @@ class MetricsConfig(Section):
     """Seconds between progress-line updates (a full line each time when not on a terminal)."""
 
 
+class SlurmRoleConfig(Section):
+    nodes: int = Field(1, ge=0)
+    """Nodes of this role. For rollout, 0 places the engines on the trainer nodes (one node split
+    between training and rollout, e.g. 4 GPUs each on an 8-GPU node)."""
+    gpus_per_node: int = Field(0, ge=0)
+    """GPUs this role uses on each of its nodes (0 on CPU clusters). When rollout shares the
+    trainer nodes, the trainer takes the first ones and the engines the next ones."""
+    partition: str | None = None
+    """Partition of this role's component of a heterogeneous job (default: slurm.partition)."""
+    constraint: str | None = None
+    """Node features this role's component needs in a heterogeneous job, e.g. `h200`."""
+
+
+class SlurmConfig(Section):
+    partition: str | None = None
+    """`--partition` (default: the cluster's default partition)."""
+    account: str | None = None
+    """`--account` to charge."""
+    qos: str | None = None
+    """`--qos`."""
+    time_min: int = Field(60, ge=1)
+    """`--time` of each allocation in minutes. A run longer than this requeues itself and resumes
+    from the checkpoint written at the pre-timeout signal (`signal_lead_s` before the end)."""
+    cpus_per_node: int | None = Field(None, ge=1)
+    """CPUs requested on every node (`--cpus-per-task` of the one task per node). Every job step
+    on a node may use all of them."""
+    mem_gb: float | None = Field(None, gt=0)
+    """Memory per node in GB (`--mem`); default: the partition's default."""
+    constraint: str | None = None
+    """`--constraint` (node features)."""
+    exclusive: bool = False
+    """`--exclusive`: whole nodes, shared with no other job."""
+    heterogeneous: bool = False
+    """Submit a heterogeneous job: component 0 = trainer nodes, component 1 = rollout nodes, each
+    with its own partition, constraint and GPUs (needs rollout.nodes >= 1)."""
+    trainer: SlurmRoleConfig = SlurmRoleConfig(nodes=1)
+    """Trainer nodes: one torchrun per node, trainer.num_ranks divided evenly between them."""
+    rollout: SlurmRoleConfig = SlurmRoleConfig(nodes=0)
+    """Rollout nodes: rollout.num_engines engines spread over them round-robin."""
+    signal_lead_s: int = Field(120, ge=10)
+    """Seconds before the time limit at which Slurm signals the job (`--signal=B:USR2@N`); the
+    trainer then finishes its step and checkpoints. Allow one step plus one checkpoint write.
+    Slurm checks this about every 30 s, so the signal may come up to a minute early."""
+    max_timeouts: int = Field(1000, ge=0)
+    """Times the job may hit its time limit and requeue itself before giving up. Preemptions
+    do not count."""
+    job_name: str = "relax_hpc"
+    """`--job-name`."""
+    extra_sbatch: dict[str, str] = {}
+    """Any other sbatch option, e.g. `{mail-type: END, reservation: rl}` (written as
+    `#SBATCH --KEY=VALUE`; an empty value writes the bare flag)."""
+    setup: list[str] = []
+    """Shell lines run in the job before the launcher, e.g. `module load cuda/12.8`."""
+    rdzv_port: int = Field(0, ge=0, le=65535)
+    """Port of the trainer's torchrun rendezvous on the first trainer node; 0 derives it from
+    the job id (20000 + id mod 20000)."""
+
+
 class LaunchConfig(Section):
-    executor: Literal["local"] = "local"
-    """`local`: every role is a subprocess of this machine (the launcher supervises them)."""
+    executor: Literal["local", "slurm"] = "local"
+    """`local`: every role is a subprocess of this machine (the launcher supervises them).
+    `slurm`: `submit` hands one job to Slurm (through submitit); inside its allocation the same
+    launcher runs every role as a job step (srun) and requeues the job on a time limit or a
+    preemption."""
     threads_per_process: int = Field(1, ge=1)
     """torch threads of each role process. On a small machine, more threads than free cores make
     these tiny models slower, not faster."""
     max_wall_s: float = Field(0.0, ge=0)
     """Stop (with a checkpoint) after this many seconds of wall time; 0 = no limit."""
+    container: str | None = None
+    """Run every role inside this container image (an Apptainer .sif file, or a charliecloud
+    image directory), with RUN_DIR, the model, the data and the working directory bound."""
+    container_runtime: Literal["apptainer", "charliecloud"] = "apptainer"
+    """`apptainer`: `apptainer exec --nv`. `charliecloud`: `ch-run` on a directory image."""
+    container_binds: list[str] = []
+    """More host paths to bind into the container (`SRC` or `SRC:DST`)."""
+    slurm: SlurmConfig = SlurmConfig()
+    """Slurm resources and behaviour (used when executor is `slurm`)."""
 
 
 class JobConfig(Section):
@@ -170,3 +240,19 @@ class JobConfig(Section):
     ckpt: CheckpointConfig = CheckpointConfig()
     metrics: MetricsConfig = MetricsConfig()
     launch: LaunchConfig = LaunchConfig()
+
+    @model_validator(mode="after")
+    def _slurm_layout(self) -> JobConfig:
+        sl = self.launch.slurm
+        if self.launch.executor != "slurm":
+            return self
+        if sl.trainer.nodes < 1:
+            raise ValueError("launch.slurm.trainer.nodes must be at least 1")
+        if self.trainer.num_ranks % sl.trainer.nodes:
+            raise ValueError(
+                f"trainer.num_ranks ({self.trainer.num_ranks}) must divide evenly over "
+                f"launch.slurm.trainer.nodes ({sl.trainer.nodes})"
+            )
+        if sl.heterogeneous and sl.rollout.nodes < 1:
+            raise ValueError("launch.slurm.heterogeneous needs launch.slurm.rollout.nodes >= 1 (its own component)")
+        return self

@@ -1,217 +1,33 @@
-"""The `local` executor: every role is a subprocess of this machine, supervised by this process.
+"""The `local` executor: every role is a subprocess of this machine.
 
-    engines   python -m relax_hpc.rollout.torch_engine   (rollout.num_engines processes)
-    driver    python -m relax_hpc.rollout.driver
-    trainer   torchrun --standalone --nproc-per-node N -m relax_hpc.trainer.main
-
-Each role's output goes to RUN_DIR/logs/<restart>/<role>.log. A dead engine is restarted (its
-prompts are re-issued by the driver, and the trainer pushes the current weights to it); a dead
-driver is restarted (it resumes from the spool). SIGINT, SIGTERM or SIGUSR1 ask the trainer to
-checkpoint and stop; a second SIGINT kills everything at once. Exit status: 0 when training
-completed, 75 when it stopped early with a checkpoint (run the same command to resume), 1 on failure.
+SIGINT, SIGTERM or SIGUSR1 ask the trainer to checkpoint and stop (exit 75; the same command
+resumes); a second SIGINT kills everything at once.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 import signal
-import subprocess
-import sys
-import time
-from dataclasses import dataclass
-from pathlib import Path
 
 from relax_hpc.config.schema import JobConfig
-from relax_hpc.launch.recover import recover
-from relax_hpc.metrics.jsonl import read_jsonl
-from relax_hpc.metrics.progress import Progress
-from relax_hpc.paths import RunPaths, write_atomic
-
-log = logging.getLogger("relax_hpc.launch")
-EXIT_COMPLETED, EXIT_FAILED, EXIT_STOPPED = 0, 1, 75
+from relax_hpc.launch.commands import local_commands
+from relax_hpc.launch.supervisor import EXIT_STOPPED, Supervisor
+from relax_hpc.paths import RunPaths
 
 
-@dataclass
-class Role:
-    name: str
-    argv: list[str]
-    log_path: Path
-    max_restarts: int
-    proc: subprocess.Popen | None = None
-    restarts: int = 0
+def run_local(cfg: JobConfig, paths: RunPaths) -> int:
+    supervisor = Supervisor(cfg, paths, local_commands(cfg, paths))
+    interrupts = 0
 
-    def start(self, env: dict[str, str]) -> None:
-        with self.log_path.open("ab") as out:
-            # A new session: Ctrl-C in the terminal reaches the launcher only, which then asks
-            # the trainer to checkpoint instead of every process dying at once.
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    def on_signal(signum: int, _frame: object) -> None:
+        nonlocal interrupts
+        interrupts += signum == signal.SIGINT
+        if interrupts >= 2:
+            supervisor.request_kill()
+        supervisor.request_stop(f"{signal.Signals(signum).name} (Ctrl-C again to kill at once)")
 
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def signal(self, sig: int) -> None:
-        if self.alive():
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def log_tail(self, lines: int = 15) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
-
-def role_commands(cfg: JobConfig, paths: RunPaths) -> dict[str, list[str]]:
-    """The command line of every role (also what --dry-run prints)."""
-    py = sys.executable
-    run_dir = str(paths.root)
-    commands = {}
-    for i in range(cfg.rollout.num_engines):
-        port = cfg.rollout.base_port + i if cfg.rollout.base_port else 0
-        commands[f"engine-{i}"] = [
-            py, "-m", "relax_hpc.rollout.torch_engine", "--run-dir", run_dir, "--engine-id", f"engine-{i}",
-            "--model-path", cfg.model.path, "--dtype", cfg.model.dtype, "--host", cfg.rollout.host,
-            "--port", str(port), "--threads", str(cfg.launch.threads_per_process),
-            "--weights-timeout-s", str(cfg.weights.timeout_s),
-        ]  # fmt: skip
-    commands["driver"] = [py, "-m", "relax_hpc.rollout.driver", "--run-dir", run_dir]
-    commands["trainer"] = [
-        py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.trainer.num_ranks}",
-        "-m", "relax_hpc.trainer.main", "--run-dir", run_dir,
-    ]  # fmt: skip
-    return commands
-
-
-def child_env(cfg: JobConfig) -> dict[str, str]:
-    threads = str(cfg.launch.threads_per_process)
-    return {
-        **os.environ,
-        "OMP_NUM_THREADS": threads,
-        "MKL_NUM_THREADS": threads,
-        "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONUNBUFFERED": "1",
-        "HF_HUB_OFFLINE": "1",  # every model is a local folder; never reach for a hub
-    }
-
-
-class LocalLauncher:
-    def __init__(self, cfg: JobConfig, paths: RunPaths, out=sys.stdout) -> None:
-        self.cfg, self.paths, self.out = cfg, paths, out
-        self.stop_requested = False
-        self.interrupts = 0
-
-    def _on_signal(self, signum: int, _frame: object) -> None:
-        self.interrupts += signum == signal.SIGINT
-        if not self.stop_requested:
-            self.out.write(f"\n{signal.Signals(signum).name}: asking the trainer to checkpoint and stop "
-                           "(Ctrl-C again to kill at once)\n")
-        self.request_stop()
-
-    def request_stop(self) -> None:
-        if not self.stop_requested:
-            self.stop_requested = True
-            write_atomic(self.paths.stop_request, b"stop\n")
-
-    def run(self) -> int:
-        recovery = recover(self.paths)
-        logs = self._next_log_dir()
-        env = child_env(self.cfg)
-        commands = role_commands(self.cfg, self.paths)
-        ro = self.cfg.rollout
-        roles = {
-            # A driver resumes from the spool, so restarting it is cheap; a few tries cover a crash
-            # without hiding a driver that cannot run at all.
-            name: Role(name, argv, logs / f"{name}.log", ro.max_engine_restarts if name.startswith("engine") else 3)
-            for name, argv in commands.items()
-        }
-        self.out.write(
-            f"run dir: {self.paths.root}\nlogs:    {logs}/  (tail -F {logs}/trainer.log)\n"
-            f"{'resuming at step ' + str(recovery.step) if recovery.step else 'starting'}: "
-            f"{ro.num_engines} engine(s), {self.cfg.trainer.num_ranks} trainer rank(s), "
-            f"max_staleness {ro.max_staleness}\n"
-        )
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._on_signal)
-        for role in roles.values():
-            role.start(env)
-        try:
-            return self._supervise(roles, env)
-        finally:
-            self._stop_all(roles.values())
-
-    def _next_log_dir(self) -> Path:
-        root = self.paths.root / "logs"
-        root.mkdir(exist_ok=True)
-        restart = len([p for p in root.iterdir() if p.name.isdigit()])
-        path = self.paths.logs(restart)
-        path.mkdir(parents=True)
-        return path
-
-    def _supervise(self, roles: dict[str, Role], env: dict[str, str]) -> int:
-        progress = Progress(self.paths.metrics, self.cfg.trainer.total_steps, self.out)
-        engines = [r for n, r in roles.items() if n.startswith("engine")]
-        trainer, driver = roles["trainer"], roles["driver"]
-        started = time.monotonic()
-        trainer_done_at: float | None = None
-        while True:
-            time.sleep(0.2)
-            if self.interrupts >= 2:
-                self.out.write("\nkilled\n")
-                return EXIT_STOPPED
-            wall = self.cfg.launch.max_wall_s
-            if wall and time.monotonic() - started > wall:
-                self.request_stop()
-            for role in engines + [driver]:
-                if role.alive() or trainer_done_at is not None or self.stop_requested:
-                    continue
-                code = role.proc.returncode
-                if role is driver and code == 0:
-                    continue  # the driver finishes after the final evaluation
-                if role.restarts >= role.max_restarts:
-                    progress.finish()
-                    self.out.write(f"\n{role.name} failed {role.restarts + 1} times (exit {code}); giving up.\n"
-                                   f"last lines of {role.log_path}:\n{role.log_tail()}\n")
-                    return EXIT_FAILED
-                role.restarts += 1
-                log.warning("%s exited with %s; restart %d/%d", role.name, code, role.restarts, role.max_restarts)
-                self.out.write(f"\n{role.name} exited ({code}); restarting ({role.restarts}/{role.max_restarts})\n")
-                role.start(env)
-            progress.show(sum(r.alive() for r in engines), len(engines))
-            if trainer.alive():
-                continue
-            if trainer.proc.returncode != 0:
-                progress.finish()
-                self.out.write(f"\ntrainer failed (exit {trainer.proc.returncode}); last lines of "
-                               f"{trainer.log_path}:\n{trainer.log_tail()}\n")
-                return EXIT_FAILED
-            trainer_done_at = trainer_done_at or time.monotonic()
-            completed = self._training_completed()
-            # Training is over: give the driver time for its final evaluation, then stop.
-            if not completed or not driver.alive() or time.monotonic() - trainer_done_at > 120:
-                progress.show(sum(r.alive() for r in engines), len(engines), force=True)
-                progress.finish()
-                if not completed:
-                    self.out.write("stopped with a checkpoint; run the same command to resume\n")
-                return EXIT_COMPLETED if completed else EXIT_STOPPED
-
-    def _training_completed(self) -> bool:
-        """The trainer's own verdict: its last record says whether it reached total_steps."""
-        ends = [r for r in read_jsonl(self.paths.metrics / "train.jsonl") if r.get("event") == "end"]
-        return bool(ends and ends[-1]["completed"])
-
-    def _stop_all(self, roles) -> None:
-        roles = list(roles)
-        for role in roles:
-            role.signal(signal.SIGTERM)
-        deadline = time.monotonic() + 15
-        for role in roles:
-            if role.proc is None:
-                continue
-            try:
-                role.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                role.signal(signal.SIGKILL)
-                role.proc.wait()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, on_signal)
+    code = supervisor.run()
+    if code == EXIT_STOPPED:
+        print("run the same command to resume")
+    return code

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import threading
 import uuid
 from dataclasses import dataclass, field
@@ -335,9 +336,11 @@ def serve(args: argparse.Namespace) -> None:
         raise
     server.daemon_threads = True
     instance = uuid.uuid4().hex
+    # Bound to every interface (an engine on its own Slurm node): announce the node's name.
+    advertised = socket.gethostname() if args.host in ("0.0.0.0", "::") else args.host
 
     def announce() -> None:
-        record = EngineRecord(args.engine_id, args.host, server.server_address[1], os.getpid(), instance, engine.weight_version)
+        record = EngineRecord(args.engine_id, advertised, server.server_address[1], os.getpid(), instance, engine.weight_version)
         write_record(paths.engines, record)
 
     handler = type("Handler", (_Handler,), {"engine": engine, "api_key": paths.read_token(), "timeout_s": args.weights_timeout_s, "on_weights": staticmethod(announce)})

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import logging
+import os
 import random
 import signal
 import time
@@ -235,6 +236,17 @@ class Trainer:
                 }
             )
 
+    def log_start(self) -> None:
+        """One record per start: where the run resumed, and which Slurm job and restart this is."""
+        if self.rank == 0:
+            self.metrics.log({
+                "event": "start",
+                "step": self.state.step,
+                "world": self.world,
+                "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+                "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0")),
+            })  # fmt: skip
+
     def run(self) -> None:
         total = self.cfg.trainer.total_steps
         wait_s = 0.05
@@ -275,6 +287,7 @@ def main() -> None:
     torch.manual_seed(cfg.run.seed + rank)
     trainer = Trainer(cfg, paths)
     trainer.resume()
+    trainer.log_start()
     trainer.run()
     # Leave together: a rank that tears gloo down while a peer still uses it can abort
     # ("terminate called without an active exception").

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from relax_hpc.config import load_config
-from relax_hpc.launch.local import child_env, role_commands
+from relax_hpc.launch.commands import local_commands
+from relax_hpc.launch.supervisor import child_env
 from relax_hpc.metrics.jsonl import read_jsonl
 from relax_hpc.paths import RunPaths
 from relax_hpc.rollout.registry import read_records
@@ -38,7 +39,7 @@ class Engines:
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self, engine_id: str) -> None:
-        argv = role_commands(self.cfg, self.paths)[engine_id]
+        argv = local_commands(self.cfg, self.paths)[engine_id]
         log = (self.paths.root / f"{engine_id}.log").open("ab")
         self.procs[engine_id] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=child_env(self.cfg))
 

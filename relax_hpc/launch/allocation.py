@@ -1,0 +1,126 @@
+"""The Slurm allocation this process runs in, and which of its nodes (and GPUs) each role gets.
+
+A plain job is one group of nodes: the first `slurm.trainer.nodes` train, the next
+`slurm.rollout.nodes` serve rollout (or, with rollout nodes 0, the engines share the trainer
+nodes). A heterogeneous job has two groups: component 0 trains, component 1 serves rollout.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from collections import Counter
+from dataclasses import dataclass
+from typing import Mapping
+
+from relax_hpc.config.schema import JobConfig
+
+
+class AllocationError(RuntimeError):
+    """The allocation does not match the config (wrong node count, not inside a job)."""
+
+
+@dataclass(frozen=True)
+class Allocation:
+    job_id: str
+    groups: list[list[str]]  # node names per heterogeneous component (one group for a plain job)
+    cpus: dict[str, int]  # CPUs this job holds on each node
+
+    @property
+    def heterogeneous(self) -> bool:
+        return len(self.groups) > 1
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> Allocation:
+        if "SLURM_JOB_ID" not in env:
+            raise AllocationError("not inside a Slurm job (no SLURM_JOB_ID); submit with sbatch or launch.executor=slurm")
+        het_size = int(env.get("SLURM_HET_SIZE", "0"))
+        suffixes = [f"_HET_GROUP_{g}" for g in range(het_size)] if het_size > 1 else [""]
+        groups, cpus = [], {}
+        for suffix in suffixes:
+            nodes = expand_hostlist(env[f"SLURM_JOB_NODELIST{suffix}"])
+            groups.append(nodes)
+            cpus.update(zip(nodes, expand_counts(env[f"SLURM_JOB_CPUS_PER_NODE{suffix}"])))
+        return cls(env["SLURM_JOB_ID"], groups, cpus)
+
+
+def expand_hostlist(hostlist: str) -> list[str]:
+    """`n[1-3],gpu7` -> node names, by Slurm's own parser."""
+    out = subprocess.run(["scontrol", "show", "hostnames", hostlist], capture_output=True, text=True, check=True)
+    return out.stdout.split()
+
+
+def expand_counts(spec: str) -> list[int]:
+    """SLURM_JOB_CPUS_PER_NODE's compressed form, `4(x2),2` -> [4, 4, 2]."""
+    counts = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not m:
+            raise AllocationError(f"cannot parse SLURM_JOB_CPUS_PER_NODE {spec!r}")
+        counts += [int(m[1])] * int(m[2] or 1)
+    return counts
+
+
+@dataclass(frozen=True)
+class Layout:
+    trainer_group: int
+    trainer_nodes: list[str]
+    trainer_gpus: str | None  # a GPU slice such as "0-3" when rollout shares the node, else all
+    engine_group: int
+    engine_nodes: list[str]  # the node of each engine
+    engine_gpus: list[str | None]
+
+
+def plan_layout(cfg: JobConfig, alloc: Allocation) -> Layout:
+    sl = cfg.launch.slurm
+    want_trainer, want_rollout = sl.trainer.nodes, sl.rollout.nodes
+    if alloc.heterogeneous:
+        trainer_nodes, rollout_nodes = alloc.groups[0], alloc.groups[1]
+        if (len(trainer_nodes), len(rollout_nodes)) != (want_trainer, want_rollout):
+            raise AllocationError(
+                f"heterogeneous job {alloc.job_id} has {len(trainer_nodes)}+{len(rollout_nodes)} nodes; "
+                f"the config asks for {want_trainer} trainer + {want_rollout} rollout"
+            )
+        groups = (0, 1)
+    else:
+        nodes = alloc.groups[0]
+        if len(nodes) != want_trainer + want_rollout:
+            raise AllocationError(
+                f"job {alloc.job_id} has {len(nodes)} node(s) ({','.join(nodes)}); the config asks for "
+                f"{want_trainer} trainer + {want_rollout} rollout (launch.slurm.trainer/rollout.nodes)"
+            )
+        trainer_nodes = nodes[:want_trainer]
+        rollout_nodes = nodes[want_trainer:] or trainer_nodes
+        groups = (0, 0)
+    colocated = rollout_nodes == trainer_nodes
+    engine_nodes = [rollout_nodes[i % len(rollout_nodes)] for i in range(cfg.rollout.num_engines)]
+    per_node = Counter(engine_nodes)
+    seen: Counter[str] = Counter()
+    engine_gpus: list[str | None] = []
+    for node in engine_nodes:
+        engine_gpus.append(_gpu_slice(sl.rollout.gpus_per_node, per_node[node], seen[node], sl.trainer.gpus_per_node if colocated else 0))
+        seen[node] += 1
+    trainer_gpus = f"0-{sl.trainer.gpus_per_node - 1}" if colocated and sl.trainer.gpus_per_node else None
+    return Layout(groups[0], trainer_nodes, trainer_gpus, groups[1], engine_nodes, engine_gpus)
+
+
+def _gpu_slice(gpus_per_node: int, engines_on_node: int, index: int, offset: int) -> str | None:
+    """The GPUs of the index-th of `engines_on_node` engines sharing `gpus_per_node` GPUs."""
+    if gpus_per_node == 0:
+        return None
+    per_engine = gpus_per_node // engines_on_node
+    if per_engine == 0:
+        raise AllocationError(f"{engines_on_node} engines on a node with {gpus_per_node} rollout GPU(s)")
+    first = offset + index * per_engine
+    return f"{first}-{first + per_engine - 1}"
+
+
+def example_allocation(cfg: JobConfig) -> Allocation:
+    """The allocation `--dry-run` shows the job steps for (real node names come from Slurm)."""
+    sl = cfg.launch.slurm
+    cpus = sl.cpus_per_node or 1
+    trainer = [f"trainer-node{i}" for i in range(sl.trainer.nodes)]
+    rollout = [f"rollout-node{i}" for i in range(sl.rollout.nodes)]
+    groups = [trainer, rollout] if sl.heterogeneous else [trainer + rollout]
+    return Allocation("JOBID", groups, {n: cpus for n in trainer + rollout})

@@ -1,0 +1,91 @@
+"""The command line of every role: on this machine (`local`), or as job steps of a Slurm allocation.
+
+    engines   python -m relax_hpc.rollout.torch_engine   (rollout.num_engines processes)
+    driver    python -m relax_hpc.rollout.driver
+    trainer   torchrun ... -m relax_hpc.trainer.main      (one torchrun per trainer node)
+
+Inside an allocation each role is `srun --overlap --nodelist=NODE ...` (steps share the nodes' CPUs,
+memory and GPUs instead of queueing for them; the placement below keeps them apart), optionally
+through a container runtime, optionally limited to a slice of the node's GPUs.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from relax_hpc.config.schema import JobConfig
+from relax_hpc.launch.allocation import Allocation, Layout, plan_layout
+from relax_hpc.launch.container import wrap_in_container
+from relax_hpc.paths import RunPaths
+
+
+def engine_args(cfg: JobConfig, paths: RunPaths, index: int, host: str) -> list[str]:
+    port = cfg.rollout.base_port + index if cfg.rollout.base_port else 0
+    return [
+        "-m", "relax_hpc.rollout.torch_engine", "--run-dir", str(paths.root), "--engine-id", f"engine-{index}",
+        "--model-path", cfg.model.path, "--dtype", cfg.model.dtype, "--host", host,
+        "--port", str(port), "--threads", str(cfg.launch.threads_per_process),
+        "--weights-timeout-s", str(cfg.weights.timeout_s),
+    ]  # fmt: skip
+
+
+def driver_args(paths: RunPaths) -> list[str]:
+    return ["-m", "relax_hpc.rollout.driver", "--run-dir", str(paths.root)]
+
+
+def trainer_args(paths: RunPaths, torchrun: list[str]) -> list[str]:
+    return ["-m", "torch.distributed.run", *torchrun, "-m", "relax_hpc.trainer.main", "--run-dir", str(paths.root)]
+
+
+def local_commands(cfg: JobConfig, paths: RunPaths) -> dict[str, list[str]]:
+    """Every role as a subprocess of this machine (the `local` executor)."""
+    py = sys.executable
+    commands = {f"engine-{i}": [py, *engine_args(cfg, paths, i, cfg.rollout.host)] for i in range(cfg.rollout.num_engines)}
+    commands["driver"] = [py, *driver_args(paths)]
+    commands["trainer"] = [py, *trainer_args(paths, ["--standalone", f"--nproc-per-node={cfg.trainer.num_ranks}"])]
+    return {name: wrap_in_container(cfg, paths, argv) for name, argv in commands.items()}
+
+
+def step_commands(cfg: JobConfig, paths: RunPaths, alloc: Allocation) -> dict[str, list[str]]:
+    """Every role as a job step of the allocation this process runs in."""
+    layout = plan_layout(cfg, alloc)
+    py = "python" if cfg.launch.container else sys.executable
+    commands = {}
+    for i, (node, gpus) in enumerate(zip(layout.engine_nodes, layout.engine_gpus)):
+        # Engines listen on every interface and announce the node's name: the trainer and the
+        # driver may run on other nodes.
+        argv = _on_gpus(gpus, [py, *engine_args(cfg, paths, i, "0.0.0.0")])
+        commands[f"engine-{i}"] = _srun(cfg, alloc, layout.engine_group, [node], f"engine-{i}") + wrap_in_container(cfg, paths, argv)
+    driver = [py, *driver_args(paths)]
+    commands["driver"] = _srun(cfg, alloc, layout.trainer_group, layout.trainer_nodes[:1], "driver") + wrap_in_container(cfg, paths, driver)
+    commands["trainer"] = _srun(cfg, alloc, layout.trainer_group, layout.trainer_nodes, "trainer") + wrap_in_container(
+        cfg, paths, _on_gpus(layout.trainer_gpus, [py, *trainer_args(paths, _torchrun_args(cfg, alloc, layout))])
+    )
+    return commands
+
+
+def _torchrun_args(cfg: JobConfig, alloc: Allocation, layout: Layout) -> list[str]:
+    nodes = len(layout.trainer_nodes)
+    port = cfg.launch.slurm.rdzv_port or (20000 + int(alloc.job_id) % 20000 if alloc.job_id.isdigit() else 29500)
+    return [
+        f"--nnodes={nodes}", f"--nproc-per-node={cfg.trainer.num_ranks // nodes}",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint={layout.trainer_nodes[0]}:{port}", f"--rdzv-id={alloc.job_id}",
+    ]  # fmt: skip
+
+
+def _srun(cfg: JobConfig, alloc: Allocation, group: int, nodes: list[str], name: str) -> list[str]:
+    argv = [
+        "srun", "--overlap", f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}", "--ntasks-per-node=1",
+        f"--nodelist={','.join(nodes)}", f"--cpus-per-task={min(alloc.cpus[n] for n in nodes)}",
+        f"--job-name={cfg.launch.slurm.job_name}:{name}", "--kill-on-bad-exit=1", "--unbuffered",
+    ]  # fmt: skip
+    if alloc.heterogeneous:
+        argv.append(f"--het-group={group}")
+    return argv
+
+
+def _on_gpus(gpus: str | None, argv: list[str]) -> list[str]:
+    """Limit a process to a slice of the GPUs its step sees (roles that share a node)."""
+    if gpus is None:
+        return argv
+    return [argv[0], "-m", "relax_hpc.launch.gpus", gpus, "--", *argv]

@@ -1,0 +1,38 @@
+"""Run a role inside the configured container image.
+
+    apptainer exec --nv --bind RUN_DIR,MODEL,DATA,CWD IMAGE.sif COMMAND...      (launch.container_runtime: apptainer)
+    ch-run --bind RUN_DIR --bind ... --cd CWD IMAGE_DIR -- COMMAND...           (charliecloud)
+
+Everything a role reads or writes is bound at the same path it has outside, so RUN_DIR paths in
+records and configs mean the same thing on both sides.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from relax_hpc.config.schema import JobConfig
+from relax_hpc.paths import RunPaths
+
+
+def bind_paths(cfg: JobConfig, paths: RunPaths) -> list[str]:
+    """Host paths a role needs, deduplicated, as absolute paths (binds need them)."""
+    wanted = [str(paths.root), cfg.model.path, str(Path(cfg.data.path).parent), os.getcwd()]
+    out: list[str] = []
+    for p in wanted:
+        p = str(Path(p).resolve())
+        if p not in out:
+            out.append(p)
+    return out + list(cfg.launch.container_binds)
+
+
+def wrap_in_container(cfg: JobConfig, paths: RunPaths, argv: list[str]) -> list[str]:
+    image = cfg.launch.container
+    if image is None:
+        return argv
+    binds = bind_paths(cfg, paths)
+    if cfg.launch.container_runtime == "apptainer":
+        return ["apptainer", "exec", "--nv", "--bind", ",".join(binds), "--pwd", os.getcwd(), image, *argv]
+    flags = [f for b in binds for f in ("--bind", b if ":" in b else f"{b}:{b}")]
+    return ["ch-run", *flags, "--cd", os.getcwd(), image, "--", *argv]

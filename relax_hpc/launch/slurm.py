@@ -1,0 +1,134 @@
+"""Inside a Slurm allocation: every role as a job step, and a requeue on a time limit or preemption.
+
+Two ways in, one behaviour:
+
+    sbatch recipes    python -m relax_hpc.submit --config X.yaml --in-allocation   (run_in_allocation)
+    submit, slurm     submitit runs SlurmRun(RUN_DIR) in the batch shell           (SlurmRun.__call__)
+
+USR2 (or USR1) is the pre-timeout signal (`--signal=B:USR2@N`) or a preemption notice (Slurm's
+preempt_send_user_signal): the trainer finishes its step and checkpoints, the roles stop, and the
+job requeues itself; the next start recovers RUN_DIR and resumes. SIGTERM means Slurm is ending
+the job now (scancel, `scontrol requeue`, a preemption's grace time over): the trainer
+checkpoints if it has the time, and Slurm decides whether the job comes back. A job killed
+without time to checkpoint resumes from its previous checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import uuid
+from pathlib import Path
+
+from relax_hpc.config.load import read_frozen
+from relax_hpc.config.schema import JobConfig
+from relax_hpc.launch.allocation import Allocation, AllocationError
+from relax_hpc.launch.commands import step_commands
+from relax_hpc.launch.supervisor import EXIT_COMPLETED, EXIT_STOPPED, Supervisor
+from relax_hpc.paths import RunPaths
+
+log = logging.getLogger("relax_hpc.launch")
+NOTICE_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+
+
+def check_shared_run_dir(paths: RunPaths, alloc: Allocation) -> None:
+    """Every node must see the same RUN_DIR: write a probe here, read it on every node."""
+    nodes = [n for group in alloc.groups for n in group]
+    if len(nodes) < 2:
+        return
+    probe = paths.control / f"probe-{uuid.uuid4().hex}"
+    probe.write_text(alloc.job_id)
+    try:
+        for g, group in enumerate(alloc.groups):
+            argv = ["srun", "--overlap", f"--nodes={len(group)}", f"--ntasks={len(group)}", "--ntasks-per-node=1",
+                    f"--nodelist={','.join(group)}", "cat", str(probe)]  # fmt: skip
+            if alloc.heterogeneous:
+                argv.insert(1, f"--het-group={g}")
+            out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+            if out.returncode != 0 or out.stdout.split() != [alloc.job_id] * len(group):
+                raise AllocationError(
+                    f"run.dir {paths.root} is not shared by all nodes of job {alloc.job_id} (a node could not "
+                    f"read {probe.name}: {out.stderr.strip()[-300:]}); put RUN_DIR on a shared filesystem"
+                )
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+def requeue(job_id: str) -> None:
+    subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)
+    print(f"requeued job {job_id}: the next start resumes from the checkpoint", flush=True)
+
+
+def _supervisor(cfg: JobConfig, paths: RunPaths) -> Supervisor:
+    alloc = Allocation.from_env()
+    check_shared_run_dir(paths, alloc)
+    return Supervisor(cfg, paths, step_commands(cfg, paths, alloc))
+
+
+def run_in_allocation(cfg: JobConfig, paths: RunPaths) -> int:
+    """The sbatch path: this process is the batch script (`exec python -m relax_hpc.submit ...`)."""
+    supervisor = _supervisor(cfg, paths)
+    notice = threading.Event()
+
+    def on_notice(signum: int, _frame: object) -> None:
+        notice.set()
+        supervisor.request_stop(f"{signal.Signals(signum).name} (time limit or preemption ahead)")
+
+    for sig in NOTICE_SIGNALS:
+        signal.signal(sig, on_notice)
+    signal.signal(signal.SIGTERM, lambda *_: supervisor.request_stop("SIGTERM (Slurm is ending the job)"))
+    code = supervisor.run()
+    if code == EXIT_STOPPED and notice.is_set():
+        requeue(os.environ["SLURM_JOB_ID"])
+    return code
+
+
+class SlurmRun:
+    """What `submit` hands to submitit: runs the supervisor in the allocation, and follows
+    submitit's checkpoint protocol, so that submitit's USR2 handler stops the run with a
+    checkpoint and requeues the job (its timeout accounting included)."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.run_dir = run_dir
+        self._supervisor: Supervisor | None = None
+        self._thread: threading.Thread | None = None
+        self._code = EXIT_STOPPED
+
+    def __call__(self) -> str:
+        paths = RunPaths(Path(self.run_dir))
+        self._supervisor = _supervisor(read_frozen(paths.config), paths)
+        # submitit ignores SIGTERM; here it means Slurm ends the job now: checkpoint if possible.
+        signal.signal(signal.SIGTERM, lambda *_: self._supervisor.request_stop("SIGTERM (Slurm is ending the job)"))
+        self._thread = threading.Thread(target=self._run, name="supervisor")
+        self._thread.start()
+        while self._thread.is_alive():
+            self._thread.join(0.5)  # the main thread stays free to run submitit's signal handler
+        if self._code == EXIT_COMPLETED:
+            return f"completed: {self.run_dir}"
+        if self._code == EXIT_STOPPED:
+            # Slurm is cancelling or requeueing this job: leave no result file behind, so that
+            # submitit reports the job's real state instead of a success.
+            sys.exit(EXIT_STOPPED)
+        raise RuntimeError(f"relax_hpc run failed; see {self.run_dir}/logs/")
+
+    def _run(self) -> None:
+        self._code = self._supervisor.run()
+
+    def checkpoint(self) -> object:
+        """Called by submitit on USR2: stop with a checkpoint, then let submitit requeue."""
+        import submitit
+
+        if self._supervisor is not None and self._thread is not None:
+            self._supervisor.request_stop("USR2 (time limit or preemption ahead)")
+            self._thread.join()
+        return submitit.helpers.DelayedSubmission(SlurmRun(self.run_dir))
+
+    def __getstate__(self) -> dict:
+        return {"run_dir": self.run_dir}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["run_dir"])

@@ -1,0 +1,166 @@
+"""Submit a run to Slurm through submitit (`launch.executor: slurm`).
+
+One job: its batch shell runs relax_hpc.launch.slurm.SlurmRun, which starts the roles as job steps.
+submitit has no heterogeneous jobs; HetSlurmExecutor adds them by appending `#SBATCH hetjob`
+components to submitit's own submission file. Before submitting, `sbatch --test-only` lets Slurm
+itself judge the request (partition, node counts, GPUs, limits), so a job that could never run is
+refused with Slurm's reason instead of pending forever.
+"""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import submitit
+
+from relax_hpc.config.load import ConfigError
+from relax_hpc.config.schema import JobConfig, SlurmRoleConfig
+from relax_hpc.launch.slurm import SlurmRun
+from relax_hpc.paths import RunPaths
+
+NODE_LOCAL_FILESYSTEMS = {"tmpfs", "ramfs"}
+
+
+class HetSlurmExecutor(submitit.SlurmExecutor):
+    """submitit's SlurmExecutor, plus heterogeneous components and one task per job.
+
+    `components`: sbatch options of components 1, 2, ... (component 0 is the executor's own
+    parameters). The batch shell is the only submitit task (use_srun=False): the run's job steps
+    are started by the launcher inside it."""
+
+    def __init__(self, folder: Path, components: list[dict[str, Any]], max_num_timeout: int) -> None:
+        super().__init__(folder, max_num_timeout=max_num_timeout)
+        self.components = components
+
+    def _make_submission_file_text(self, command: str, uid: str) -> str:
+        text = super()._make_submission_file_text(command, uid)
+        if not self.components:
+            return text
+        lines = text.split("\n")
+        last_option = max(i for i, line in enumerate(lines) if line.startswith("#SBATCH"))
+        extra = []
+        for component in self.components:
+            extra += ["#SBATCH hetjob"] + [_sbatch_line(k, v) for k, v in component.items()]
+        return "\n".join(lines[: last_option + 1] + extra + lines[last_option + 1 :])
+
+    def _num_tasks(self) -> int:
+        return 1
+
+
+def _sbatch_line(key: str, value: Any) -> str:
+    key = key.replace("_", "-")
+    return f"#SBATCH --{key}" if value is True or value == "" else f"#SBATCH --{key}={shlex.quote(str(value))}"
+
+
+def _role_options(role: SlurmRoleConfig, cfg: JobConfig, *, with_role_overrides: bool) -> dict[str, Any]:
+    sl = cfg.launch.slurm
+    options = {
+        "nodes": role.nodes,
+        "ntasks_per_node": 1,
+        "cpus_per_task": sl.cpus_per_node,
+        "gpus_per_node": role.gpus_per_node or None,
+        "mem": f"{int(sl.mem_gb * 1024)}MB" if sl.mem_gb else None,
+        "partition": (role.partition if with_role_overrides else None) or sl.partition,
+        "constraint": (role.constraint if with_role_overrides else None) or sl.constraint,
+        "account": sl.account,
+        "qos": sl.qos,
+        "exclusive": True if sl.exclusive else None,
+    }
+    return {k: v for k, v in options.items() if v is not None}
+
+
+def make_executor(cfg: JobConfig, paths: RunPaths) -> HetSlurmExecutor:
+    sl = cfg.launch.slurm
+    if sl.heterogeneous:
+        first = _role_options(sl.trainer, cfg, with_role_overrides=True)
+        components = [_role_options(sl.rollout, cfg, with_role_overrides=True)]
+    else:
+        both = SlurmRoleConfig(
+            nodes=sl.trainer.nodes + sl.rollout.nodes,
+            gpus_per_node=max(sl.trainer.gpus_per_node + (0 if sl.rollout.nodes else sl.rollout.gpus_per_node), sl.rollout.gpus_per_node),
+        )
+        first, components = _role_options(both, cfg, with_role_overrides=False), []
+    executor = HetSlurmExecutor(paths.root / "slurm", components, sl.max_timeouts)
+    executor.update_parameters(
+        job_name=sl.job_name,
+        time=sl.time_min,
+        use_srun=False,
+        stderr_to_stdout=True,
+        setup=list(sl.setup),
+        signal_delay_s=sl.signal_lead_s,
+        additional_parameters={
+            # B: the batch shell (the launcher) gets the notice; submitit's default reaches job steps only.
+            "signal": f"B:USR2@{sl.signal_lead_s}",
+            "requeue": True,
+            **{k: (True if v == "" else v) for k, v in sl.extra_sbatch.items()},
+        },
+        **first,
+    )
+    return executor
+
+
+def submission_text(executor: HetSlurmExecutor) -> str:
+    return executor._make_submission_file_text(executor._submitit_command_str, "dry-run")
+
+
+def preflight(cfg: JobConfig, paths: RunPaths) -> None:
+    """What can be known before submitting: tools on PATH, the image, RUN_DIR's filesystem."""
+    for tool in ("sbatch", "srun", "scontrol", "sacct"):
+        if shutil.which(tool) is None:
+            raise ConfigError(f"launch.executor=slurm needs Slurm's `{tool}` on PATH (run on a login node, or use executor=local)")
+    image = cfg.launch.container
+    if image is not None and not Path(image).exists():
+        raise ConfigError(f"launch.container: {image} does not exist (build it: see containers/README.md)")
+    sl = cfg.launch.slurm
+    nodes = sl.trainer.nodes + sl.rollout.nodes
+    fstype = filesystem_type(paths.root)
+    if nodes > 1 and fstype in NODE_LOCAL_FILESYSTEMS:
+        raise ConfigError(
+            f"run.dir {paths.root} is on {fstype}, which each node has its own copy of; a {nodes}-node run "
+            "needs RUN_DIR on a shared filesystem"
+        )
+
+
+def filesystem_type(path: Path) -> str:
+    """The type of the filesystem holding `path` (the longest mount point above it)."""
+    path = path.resolve()
+    while not path.exists():
+        path = path.parent
+    best, kind = "", "unknown"
+    for line in Path("/proc/mounts").read_text().splitlines():
+        _, mount, fstype, *_ = line.split()
+        if (str(path) == mount or str(path).startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best):
+            best, kind = mount, fstype
+    return kind
+
+
+def ask_slurm(executor: HetSlurmExecutor) -> str:
+    """Ask Slurm whether it would accept and could ever start this job; its answer verbatim."""
+    with tempfile.NamedTemporaryFile("w", suffix=".sbatch", delete=False) as f:
+        f.write(submission_text(executor))
+    try:
+        out = subprocess.run(["sbatch", "--test-only", f.name], capture_output=True, text=True, timeout=120)
+    finally:
+        Path(f.name).unlink()
+    message = (out.stderr + out.stdout).strip()
+    if out.returncode != 0:
+        raise ConfigError(
+            f"Slurm refuses this job: {message}\n"
+            "change launch.slurm (partition, nodes, gpus_per_node, cpus_per_node, mem_gb, time_min) to what the "
+            "partition offers (`sinfo -o '%P %D %c %m %G %l'`)"
+        )
+    return message
+
+
+def submit(cfg: JobConfig, paths: RunPaths) -> submitit.Job:
+    executor = make_executor(cfg, paths)
+    ask_slurm(executor)
+    try:
+        return executor.submit(SlurmRun(str(paths.root.resolve())))
+    except subprocess.CalledProcessError as e:
+        raise ConfigError(f"sbatch failed: {(e.stderr or b'').decode(errors='replace').strip()}") from None
