@@ -25,26 +25,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from relax_hpc.ckpt.layout import STATE_FILE, latest_dir
 from relax_hpc.paths import fsync_dir, write_atomic
 
 log = logging.getLogger("relax_hpc.ckpt")
-STATE_FILE = "trainer_state.json"
-
-
-def latest_dir(ckpt_root: Path) -> Path | None:
-    link = ckpt_root / "latest"
-    if not link.exists():
-        return None
-    target = ckpt_root / os.readlink(link)
-    return target if (target / STATE_FILE).is_file() else None
-
-
-def read_trainer_state(ckpt_root: Path) -> dict[str, Any] | None:
-    """The run state of the latest complete checkpoint (None before the first one)."""
-    target = latest_dir(ckpt_root)
-    return json.loads((target / STATE_FILE).read_text()) if target else None
-
-
 def _any_rank(flag: bool) -> bool:
     t = torch.tensor([int(flag)])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)

@@ -26,6 +26,10 @@ class Allocation:
     job_id: str
     groups: list[list[str]]  # node names per heterogeneous component (one group for a plain job)
     cpus: dict[str, int]  # CPUs this job holds on each node
+    addresses: dict[str, str] | None = None  # each node's NodeAddr (node names need not resolve)
+
+    def address(self, node: str) -> str:
+        return (self.addresses or {}).get(node, node)
 
     @property
     def heterogeneous(self) -> bool:
@@ -42,13 +46,20 @@ class Allocation:
             nodes = expand_hostlist(env[f"SLURM_JOB_NODELIST{suffix}"])
             groups.append(nodes)
             cpus.update(zip(nodes, expand_counts(env[f"SLURM_JOB_CPUS_PER_NODE{suffix}"])))
-        return cls(env["SLURM_JOB_ID"], groups, cpus)
+        return cls(env["SLURM_JOB_ID"], groups, cpus, node_addresses(list(cpus)))
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
     """`n[1-3],gpu7` -> node names, by Slurm's own parser."""
     out = subprocess.run(["scontrol", "show", "hostnames", hostlist], capture_output=True, text=True, check=True)
     return out.stdout.split()
+
+
+def node_addresses(nodes: list[str]) -> dict[str, str]:
+    """NodeName -> NodeAddr from slurmctld: where other nodes reach it (a rendezvous host)."""
+    out = subprocess.run(["scontrol", "-o", "show", "node", ",".join(nodes)], capture_output=True, text=True, check=True)
+    fields = (dict(f.split("=", 1) for f in line.split() if "=" in f) for line in out.stdout.splitlines())
+    return {f["NodeName"]: f.get("NodeAddr", f["NodeName"]) for f in fields if "NodeName" in f}
 
 
 def expand_counts(spec: str) -> list[int]:

@@ -37,9 +37,14 @@ def trainer_args(paths: RunPaths, torchrun: list[str]) -> list[str]:
     return ["-m", "torch.distributed.run", *torchrun, "-m", "relax_hpc.trainer.main", "--run-dir", str(paths.root)]
 
 
+def python(cfg: JobConfig) -> str:
+    """This interpreter, or the image's own: a host venv's python is not inside the container."""
+    return "python" if cfg.launch.container else sys.executable
+
+
 def local_commands(cfg: JobConfig, paths: RunPaths) -> dict[str, list[str]]:
     """Every role as a subprocess of this machine (the `local` executor)."""
-    py = sys.executable
+    py = python(cfg)
     commands = {f"engine-{i}": [py, *engine_args(cfg, paths, i, cfg.rollout.host)] for i in range(cfg.rollout.num_engines)}
     commands["driver"] = [py, *driver_args(paths)]
     commands["trainer"] = [py, *trainer_args(paths, ["--standalone", f"--nproc-per-node={cfg.trainer.num_ranks}"])]
@@ -49,7 +54,7 @@ def local_commands(cfg: JobConfig, paths: RunPaths) -> dict[str, list[str]]:
 def step_commands(cfg: JobConfig, paths: RunPaths, alloc: Allocation) -> dict[str, list[str]]:
     """Every role as a job step of the allocation this process runs in."""
     layout = plan_layout(cfg, alloc)
-    py = "python" if cfg.launch.container else sys.executable
+    py = python(cfg)
     commands = {}
     for i, (node, gpus) in enumerate(zip(layout.engine_nodes, layout.engine_gpus)):
         # Engines listen on every interface and announce the node's name: the trainer and the
@@ -69,7 +74,7 @@ def _torchrun_args(cfg: JobConfig, alloc: Allocation, layout: Layout) -> list[st
     port = cfg.launch.slurm.rdzv_port or (20000 + int(alloc.job_id) % 20000 if alloc.job_id.isdigit() else 29500)
     return [
         f"--nnodes={nodes}", f"--nproc-per-node={cfg.trainer.num_ranks // nodes}",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint={layout.trainer_nodes[0]}:{port}", f"--rdzv-id={alloc.job_id}",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint={alloc.address(layout.trainer_nodes[0])}:{port}", f"--rdzv-id={alloc.job_id}",
     ]  # fmt: skip
 
 

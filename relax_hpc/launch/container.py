@@ -1,10 +1,11 @@
 """Run a role inside the configured container image.
 
     apptainer exec --nv --bind RUN_DIR,MODEL,DATA,CWD IMAGE.sif COMMAND...      (launch.container_runtime: apptainer)
-    ch-run --bind RUN_DIR --bind ... --cd CWD IMAGE_DIR -- COMMAND...           (charliecloud)
+    ch-run --set-env --bind RUN_DIR:RUN_DIR ... --cd CWD IMAGE_DIR -- COMMAND...  (charliecloud)
 
 Everything a role reads or writes is bound at the same path it has outside, so RUN_DIR paths in
-records and configs mean the same thing on both sides.
+records and configs mean the same thing on both sides. ch-run cannot create a bind target in a
+read-only image: the image must hold those directories (tools/containers/make_test_image.sh).
 """
 
 from __future__ import annotations
@@ -35,4 +36,5 @@ def wrap_in_container(cfg: JobConfig, paths: RunPaths, argv: list[str]) -> list[
     if cfg.launch.container_runtime == "apptainer":
         return ["apptainer", "exec", "--nv", "--bind", ",".join(binds), "--pwd", os.getcwd(), image, *argv]
     flags = [f for b in binds for f in ("--bind", b if ":" in b else f"{b}:{b}")]
-    return ["ch-run", *flags, "--cd", os.getcwd(), image, "--", *argv]
+    # --set-env: the image's own environment (its PATH first), as apptainer applies %environment.
+    return ["ch-run", "--set-env", *flags, "--cd", os.getcwd(), image, "--", *argv]

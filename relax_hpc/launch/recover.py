@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from relax_hpc.ckpt.manager import read_trainer_state
+from relax_hpc.ckpt.layout import read_trainer_state
 from relax_hpc.exchange.spool import Spool
 from relax_hpc.paths import RunPaths
 

@@ -41,7 +41,7 @@ def check_shared_run_dir(paths: RunPaths, alloc: Allocation) -> None:
     if len(nodes) < 2:
         return
     probe = paths.control / f"probe-{uuid.uuid4().hex}"
-    probe.write_text(alloc.job_id)
+    probe.write_text(f"{alloc.job_id}\n")
     try:
         for g, group in enumerate(alloc.groups):
             argv = ["srun", "--overlap", f"--nodes={len(group)}", f"--ntasks={len(group)}", "--ntasks-per-node=1",
@@ -52,7 +52,7 @@ def check_shared_run_dir(paths: RunPaths, alloc: Allocation) -> None:
             if out.returncode != 0 or out.stdout.split() != [alloc.job_id] * len(group):
                 raise AllocationError(
                     f"run.dir {paths.root} is not shared by all nodes of job {alloc.job_id} (a node could not "
-                    f"read {probe.name}: {out.stderr.strip()[-300:]}); put RUN_DIR on a shared filesystem"
+                    f"read {probe.name}; srun exit {out.returncode}: {(out.stdout + out.stderr).strip()[-300:]}); put RUN_DIR on a shared filesystem"
                 )
     finally:
         probe.unlink(missing_ok=True)

@@ -51,6 +51,13 @@ class HetSlurmExecutor(submitit.SlurmExecutor):
     def _num_tasks(self) -> int:
         return 1
 
+    @property
+    def _submitit_command_str(self) -> str:
+        # exec: the Python process must be the batch shell itself, since `--signal=B:...` and
+        # preemption notices reach only the batch shell; a bash parent would die of USR2 and
+        # end the job.
+        return "exec " + super()._submitit_command_str
+
 
 def _sbatch_line(key: str, value: Any) -> str:
     key = key.replace("_", "-")
@@ -91,7 +98,8 @@ def make_executor(cfg: JobConfig, paths: RunPaths) -> HetSlurmExecutor:
         time=sl.time_min,
         use_srun=False,
         stderr_to_stdout=True,
-        setup=list(sl.setup),
+        setup=list(sl.setup) or None,
+        wckey=None,  # submitit's default wckey means nothing to the cluster's accounting
         signal_delay_s=sl.signal_lead_s,
         additional_parameters={
             # B: the batch shell (the launcher) gets the notice; submitit's default reaches job steps only.
@@ -148,12 +156,14 @@ def ask_slurm(executor: HetSlurmExecutor) -> str:
     finally:
         Path(f.name).unlink()
     message = (out.stderr + out.stdout).strip()
-    if out.returncode != 0:
+    if out.returncode != 0 and "submission failed" in message:
         raise ConfigError(
             f"Slurm refuses this job: {message}\n"
             "change launch.slurm (partition, nodes, gpus_per_node, cpus_per_node, mem_gb, time_min) to what the "
             "partition offers (`sinfo -o '%P %D %c %m %G %l'`)"
         )
+    if out.returncode != 0:
+        raise ConfigError(f"sbatch --test-only failed (is this a Slurm login node? is SLURM_CONF right?): {message}")
     return message
 
 

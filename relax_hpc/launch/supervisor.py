@@ -11,6 +11,7 @@ failure.
 
 from __future__ import annotations
 
+import getpass
 import logging
 import os
 import signal
@@ -65,6 +66,7 @@ class Role:
 def child_env(cfg: JobConfig) -> dict[str, str]:
     threads = str(cfg.launch.threads_per_process)
     return {
+        "USER": getpass.getuser(),  # ch-run and some Slurm tools refuse to run without it
         **os.environ,
         "OMP_NUM_THREADS": threads,
         "MKL_NUM_THREADS": threads,
@@ -103,10 +105,10 @@ class Supervisor:
             name: Role(name, argv, logs / f"{name}.log", ro.max_engine_restarts if name.startswith("engine") else 3)
             for name, argv in self.commands.items()
         }
-        restart = os.environ.get("SLURM_RESTART_COUNT")
+        job = os.environ.get("SLURM_JOB_ID")
         self.out.write(
             f"run dir: {self.paths.root}\nlogs:    {logs}/  (tail -F {logs}/trainer.log)\n"
-            + (f"slurm job {os.environ.get('SLURM_JOB_ID')}, restart count {restart}\n" if restart else "")
+            + (f"slurm job {job}, restart count {os.environ.get('SLURM_RESTART_COUNT', '0')}\n" if job else "")
             + f"{'resuming at step ' + str(recovery.step) if recovery.step else 'starting'}: "
             f"{ro.num_engines} engine(s), {self.cfg.trainer.num_ranks} trainer rank(s), "
             f"max_staleness {ro.max_staleness}\n"

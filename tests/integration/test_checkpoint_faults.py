@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from relax_hpc.ckpt.manager import Checkpointer, latest_dir, read_trainer_state
+from relax_hpc.ckpt.layout import latest_dir, read_trainer_state
+from relax_hpc.ckpt.manager import Checkpointer
 
 pytestmark = pytest.mark.integration
 

@@ -1,0 +1,92 @@
+"""Where each role runs inside an allocation, which GPUs it sees, and how it is wrapped."""
+
+import pytest
+
+from relax_hpc.config import load_config
+from relax_hpc.launch.allocation import Allocation, AllocationError, expand_counts, plan_layout
+from relax_hpc.launch.commands import step_commands
+from relax_hpc.launch.container import wrap_in_container
+from relax_hpc.launch.gpus import select
+from relax_hpc.paths import RunPaths
+
+SLURM = ["launch.executor=slurm"]
+
+
+def cfg_with(*overrides):
+    return load_config(None, [*SLURM, *overrides])
+
+
+def test_cpus_per_node_spec():
+    assert expand_counts("4(x2),2") == [4, 4, 2]
+    assert expand_counts("64") == [64]
+    with pytest.raises(AllocationError):
+        expand_counts("4(x)")
+
+
+def test_one_node_split_between_trainer_and_engines():
+    cfg = cfg_with(
+        "launch.slurm.trainer.gpus_per_node=4", "launch.slurm.rollout.nodes=0",
+        "launch.slurm.rollout.gpus_per_node=4", "rollout.num_engines=2",
+    )  # fmt: skip
+    layout = plan_layout(cfg, Allocation("7", [["gpu1"]], {"gpu1": 64}))
+    assert layout.trainer_nodes == ["gpu1"] and layout.trainer_gpus == "0-3"
+    assert layout.engine_nodes == ["gpu1", "gpu1"]
+    assert layout.engine_gpus == ["4-5", "6-7"]
+
+
+def test_rollout_nodes_of_their_own_and_round_robin_engines():
+    cfg = cfg_with("launch.slurm.rollout.nodes=2", "launch.slurm.rollout.gpus_per_node=8", "rollout.num_engines=4")
+    layout = plan_layout(cfg, Allocation("7", [["a", "b", "c"]], dict.fromkeys("abc", 8)))
+    assert layout.trainer_nodes == ["a"] and layout.trainer_gpus is None
+    assert layout.engine_nodes == ["b", "c", "b", "c"]
+    assert layout.engine_gpus == ["0-3", "0-3", "4-7", "4-7"]
+
+
+def test_heterogeneous_components():
+    cfg = cfg_with("launch.slurm.heterogeneous=true", "launch.slurm.rollout.nodes=1")
+    alloc = Allocation("9", [["t1"], ["r1"]], {"t1": 4, "r1": 2})
+    layout = plan_layout(cfg, alloc)
+    assert (layout.trainer_group, layout.engine_group) == (0, 1)
+    commands = step_commands(cfg, RunPaths(cfg.run.dir), alloc)
+    assert "--het-group=1" in commands["engine-0"] and "--nodelist=r1" in commands["engine-0"]
+    assert "--het-group=0" in commands["trainer"] and "--cpus-per-task=4" in commands["trainer"]
+    assert "--rdzv-endpoint=t1:20009" in commands["trainer"]  # 20000 + job id mod 20000
+
+
+def test_allocation_that_does_not_match_the_config_is_refused():
+    cfg = cfg_with("launch.slurm.rollout.nodes=1")
+    with pytest.raises(AllocationError, match="has 1 node"):
+        plan_layout(cfg, Allocation("7", [["a"]], {"a": 4}))
+    with pytest.raises(AllocationError, match="3 engines on a node with 2"):
+        plan_layout(
+            cfg_with("launch.slurm.rollout.nodes=0", "launch.slurm.rollout.gpus_per_node=2", "rollout.num_engines=3"),
+            Allocation("7", [["a"]], {"a": 4}),
+        )
+
+
+def test_config_refuses_impossible_layouts():
+    with pytest.raises(Exception, match="divide evenly"):
+        cfg_with("launch.slurm.trainer.nodes=3", "trainer.num_ranks=2")
+    with pytest.raises(Exception, match="heterogeneous needs"):
+        cfg_with("launch.slurm.heterogeneous=true")
+
+
+def test_gpu_slice_counts_within_the_steps_devices():
+    assert select("4,5,6,7", "0-1") == "4,5"
+    assert select(None, "2-3") == "2,3"
+    with pytest.raises(SystemExit, match="sees only 2"):
+        select("0,1", "0-3")
+
+
+def test_container_wrapping_binds_what_roles_use(tmp_path):
+    image = tmp_path / "relax.sif"
+    cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", f"launch.container={image}"])
+    argv = wrap_in_container(cfg, RunPaths(tmp_path / "run"), ["python", "-m", "x"])
+    assert argv[:4] == ["apptainer", "exec", "--nv", "--bind"]
+    binds = argv[4].split(",")
+    assert str(tmp_path / "run") in binds and cfg.model.path in binds
+    assert argv[-4:] == [str(image), "python", "-m", "x"]
+    cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", f"launch.container={tmp_path}", "launch.container_runtime=charliecloud"])
+    argv = wrap_in_container(cfg, RunPaths(tmp_path / "run"), ["python", "-m", "x"])
+    assert argv[:2] == ["ch-run", "--set-env"] and argv[-5:] == [str(tmp_path), "--", "python", "-m", "x"]
+    assert f"{tmp_path / 'run'}:{tmp_path / 'run'}" in argv
