@@ -24,6 +24,8 @@ from relax_hpc.launch.slurm import SlurmRun
 from relax_hpc.paths import RunPaths
 
 NODE_LOCAL_FILESYSTEMS = {"tmpfs", "ramfs"}
+# sbatch's words when it never reached the controller (as opposed to the controller saying no).
+UNREACHABLE = ("configuration source", "configuration file", "Unable to contact slurm controller", "fetch_config")
 
 
 class HetSlurmExecutor(submitit.SlurmExecutor):
@@ -117,7 +119,8 @@ def submission_text(executor: HetSlurmExecutor) -> str:
 
 
 def preflight(cfg: JobConfig, paths: RunPaths) -> None:
-    """What can be known before submitting: tools on PATH, the image, RUN_DIR's filesystem."""
+    """What can be known before submitting: tools on PATH, the image, RUN_DIR's filesystem, and
+    Slurm's own verdict on the request. Nothing is written before this passes."""
     for tool in ("sbatch", "srun", "scontrol", "sacct"):
         if shutil.which(tool) is None:
             raise ConfigError(f"launch.executor=slurm needs Slurm's `{tool}` on PATH (run on a login node, or use executor=local)")
@@ -132,6 +135,7 @@ def preflight(cfg: JobConfig, paths: RunPaths) -> None:
             f"run.dir {paths.root} is on {fstype}, which each node has its own copy of; a {nodes}-node run "
             "needs RUN_DIR on a shared filesystem"
         )
+    ask_slurm(make_executor(cfg, paths))
 
 
 def filesystem_type(path: Path) -> str:
@@ -156,20 +160,19 @@ def ask_slurm(executor: HetSlurmExecutor) -> str:
     finally:
         Path(f.name).unlink()
     message = (out.stderr + out.stdout).strip()
-    if out.returncode != 0 and "submission failed" in message:
+    if out.returncode != 0 and any(m in message for m in UNREACHABLE):
+        raise ConfigError(f"sbatch cannot reach Slurm (is this a login node? is SLURM_CONF right?): {message}")
+    if out.returncode != 0:
         raise ConfigError(
             f"Slurm refuses this job: {message}\n"
             "change launch.slurm (partition, nodes, gpus_per_node, cpus_per_node, mem_gb, time_min) to what the "
             "partition offers (`sinfo -o '%P %D %c %m %G %l'`)"
         )
-    if out.returncode != 0:
-        raise ConfigError(f"sbatch --test-only failed (is this a Slurm login node? is SLURM_CONF right?): {message}")
     return message
 
 
 def submit(cfg: JobConfig, paths: RunPaths) -> submitit.Job:
     executor = make_executor(cfg, paths)
-    ask_slurm(executor)
     try:
         return executor.submit(SlurmRun(str(paths.root.resolve())))
     except subprocess.CalledProcessError as e:

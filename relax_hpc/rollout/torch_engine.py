@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import uuid
 from dataclasses import dataclass, field
@@ -347,7 +348,10 @@ def serve(args: argparse.Namespace) -> None:
     server.RequestHandlerClass = handler
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
     announce()
-    log.info("engine %s serving %s on %s:%d", args.engine_id, args.model_path, args.host, server.server_address[1])
+    log.info(
+        "engine %s serving %s on %s:%d (python %s)",
+        args.engine_id, args.model_path, args.host, server.server_address[1], sys.executable,
+    )  # fmt: skip
     try:
         server.serve_forever(poll_interval=0.2)
     finally:

@@ -90,3 +90,25 @@ def test_container_wrapping_binds_what_roles_use(tmp_path):
     argv = wrap_in_container(cfg, RunPaths(tmp_path / "run"), ["python", "-m", "x"])
     assert argv[:2] == ["ch-run", "--set-env"] and argv[-5:] == [str(tmp_path), "--", "python", "-m", "x"]
     assert f"{tmp_path / 'run'}:{tmp_path / 'run'}" in argv
+
+
+@pytest.mark.parametrize(
+    "config, trainer_gpus, engine_gpus, heterogeneous",
+    [
+        ("qwen3-4b-grpo", "0-3", ["4-4", "5-5", "6-6", "7-7"], False),
+        ("qwen3-vl-4b-grpo", "0-3", ["4-4", "5-5", "6-6", "7-7"], False),
+        ("qwen3-omni-grpo", None, ["0-3", "4-7"], True),
+    ],
+)
+def test_gpu_recipes_lay_out_as_their_headers_say(config, trainer_gpus, engine_gpus, heterogeneous):
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    cfg = load_config(repo / "configs" / f"{config}.yaml")
+    groups = [["gpu1"], ["gpu2"]] if heterogeneous else [["gpu1"]]
+    layout = plan_layout(cfg, Allocation("1", groups, {"gpu1": 64, "gpu2": 64}))
+    assert layout.trainer_gpus == trainer_gpus and layout.engine_gpus == engine_gpus
+    assert cfg.launch.slurm.heterogeneous == heterogeneous
+    recipe = (repo / "sbatch" / f"{config}.sbatch").read_text()
+    assert "#SBATCH --requeue" in recipe and "#SBATCH --signal=B:USR2@" in recipe and "--in-allocation" in recipe
+    assert ("#SBATCH hetjob" in recipe) == heterogeneous

@@ -1,0 +1,107 @@
+"""A real one-host Slurm cluster for the tests under tests/slurm (tools/slurm/cluster.sh).
+
+The session-scoped fixture ``slurm_cluster`` starts munge, MariaDB, slurmdbd, slurmctld and four
+slurmd (nodes n1..n4; partitions ``debug``, the default, and ``high``, which preempts ``debug``),
+exports SLURM_CONF for the whole session and stops every daemon at the end, also when a test or
+the start itself fails. Every test in this folder is marked ``slurm``.
+
+It skips only where the Slurm binaries are not installed (``bash tools/slurm/install.sh`` installs
+them); under CI (CI=true) a missing install is an error, not a skip.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CLUSTER_SH = REPO / "tools" / "slurm" / "cluster.sh"
+REQUIRED_BINARIES = ("slurmctld", "slurmd", "slurmdbd", "sbatch", "sacct", "munged", "mariadbd")
+_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
+
+
+@dataclass(frozen=True)
+class SlurmCluster:
+    dir: Path
+    conf: Path
+    nodes: tuple[str, ...]
+    partitions: tuple[str, ...]  # the first is the default
+    log_dir: Path
+
+
+def pytest_collection_modifyitems(config, items):
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(item.path).parents:
+            item.add_marker(pytest.mark.slurm)
+
+
+def _missing_binaries() -> list[str]:
+    return [b for b in REQUIRED_BINARIES if shutil.which(b, path=_PATH) is None]
+
+
+def _cluster(cmd: str, directory: Path, timeout: float) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.setdefault("USER", "root" if os.geteuid() == 0 else str(os.geteuid()))
+    env["PATH"] = _PATH
+    return subprocess.run(
+        ["bash", str(CLUSTER_SH), cmd, str(directory)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    missing = _missing_binaries()
+    if missing:
+        reason = (
+            f"Slurm not installed (missing {', '.join(missing)}): run `bash tools/slurm/install.sh`"
+        )
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(f"{reason} before the tests (CI must run the slurm tests)")
+        pytest.skip(reason)
+    if os.geteuid() != 0:
+        pytest.skip("tools/slurm/cluster.sh runs the daemons as root")
+
+    directory = tmp_path_factory.mktemp("slurm")
+    try:
+        started = _cluster("start", directory, timeout=240)
+    except subprocess.TimeoutExpired as e:
+        _cluster("stop", directory, timeout=120)
+        pytest.fail(f"cluster.sh start timed out:\n{e.stdout}\n{e.stderr}")
+    if started.returncode != 0:
+        _cluster("stop", directory, timeout=120)
+        pytest.fail(f"cluster.sh start failed ({started.returncode}):\n{started.stdout}\n{started.stderr}")
+    conf = directory / "slurm.conf"
+    assert started.stdout.strip().splitlines()[-1] == f"export SLURM_CONF={conf}"
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SLURM_CONF", str(conf))
+    mp.setenv("PATH", _PATH)
+    if "USER" not in os.environ:
+        mp.setenv("USER", "root")
+    for var in [v for v in os.environ if v.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_"))]:
+        if var != "SLURM_CONF":  # a pytest started inside a job must not steer our submissions
+            mp.delenv(var)
+    try:
+        yield SlurmCluster(
+            dir=directory,
+            conf=conf,
+            nodes=("n1", "n2", "n3", "n4"),
+            partitions=("debug", "high"),
+            log_dir=directory / "log",
+        )
+    finally:
+        mp.undo()
+        stopped = _cluster("stop", directory, timeout=180)
+        if stopped.returncode != 0:
+            print(f"cluster.sh stop failed ({stopped.returncode}):\n{stopped.stdout}\n{stopped.stderr}")

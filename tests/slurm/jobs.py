@@ -1,0 +1,93 @@
+"""Submitting the tiny run to the test cluster and watching it, as a user would from a login node."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from relax_hpc.metrics.jsonl import read_jsonl
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "configs" / "tiny-grpo.yaml"
+# One trainer node (2 ranks) + one rollout node (2 engines), small steps.
+TINY_SLURM = (
+    "launch.executor=slurm",
+    "launch.slurm.trainer.nodes=1",
+    "launch.slurm.rollout.nodes=1",
+    "launch.slurm.cpus_per_node=2",
+    "launch.slurm.time_min=10",
+    "rollout.prompts_per_step=8",
+    "rollout.eval_every=0",
+)
+
+
+def submit(run_dir: Path, *args: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "relax_hpc.submit", "--config", str(CONFIG), f"run.dir={run_dir}", *TINY_SLURM, *args]
+    return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+
+
+def job_id(run_dir: Path) -> str:
+    return (run_dir / "slurm" / "job_id").read_text().strip()
+
+
+def slurm(*argv: str) -> str:
+    return subprocess.run(argv, capture_output=True, text=True, check=True, timeout=60).stdout
+
+
+def sacct(job: str, fields: str = "JobID,JobName,State,Partition,NodeList") -> list[dict[str, str]]:
+    names = fields.split(",")
+    lines = slurm("sacct", "-n", "-P", "-D", "-j", job, "-o", fields).splitlines()
+    return [dict(zip(names, line.split("|"))) for line in lines if line]
+
+
+def job_state(job: str) -> str:
+    """The job's current state (squeue while it lives, then sacct)."""
+    state = slurm("squeue", "-h", "-j", job, "-o", "%T").strip()
+    if state:
+        return state
+    rows = [r for r in sacct(job, "JobID,State") if r["JobID"] == job]
+    return rows[-1]["State"] if rows else "UNKNOWN"
+
+
+def wait_until(predicate, timeout_s: float, what: str, every: float = 0.25):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def train_events(run_dir: Path, event: str) -> list[dict]:
+    return [r for r in read_jsonl(run_dir / "metrics" / "train.jsonl") if r.get("event") == event]
+
+
+def last_step(run_dir: Path) -> int:
+    steps = [r["step"] for r in read_jsonl(run_dir / "metrics" / "train.jsonl") if "loss" in r]
+    return steps[-1] if steps else 0
+
+
+def job_log(run_dir: Path, job: str) -> str:
+    logs = sorted((run_dir / "slurm").glob(f"{job}_*log.out"))
+    return "\n".join(p.read_text(errors="replace") for p in logs)
+
+
+def describe(run_dir: Path, job: str) -> str:
+    """What to look at when an assertion fails."""
+    parts = [f"job {job}: {sacct(job)}", job_log(run_dir, job)[-3000:]]
+    for log in sorted((run_dir / "logs").glob("*/trainer.log"))[-1:]:
+        parts.append(f"{log}:\n" + log.read_text(errors="replace")[-2000:])
+    return "\n".join(parts)
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def env_with(**extra: str) -> dict[str, str]:
+    return {**os.environ, **extra}
