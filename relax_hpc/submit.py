@@ -24,7 +24,6 @@ from relax_hpc.launch.allocation import AllocationError
 from relax_hpc.paths import RunPaths, write_atomic
 
 
-
 def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
     out = {}
     for key, value in tree.items():

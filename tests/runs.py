@@ -33,6 +33,18 @@ def trained_samples(run_dir: Path) -> dict[int, list]:
     return out
 
 
+def assert_reproduces(reference: Path, run_dir: Path, steps: int) -> None:
+    """An interrupted on-policy run against its uninterrupted reference: every attempt at every
+    step (also one an interruption threw away) computed the same loss bit for bit, and the same
+    samples were trained at the same steps."""
+    ref, got = final_records(reference), final_records(run_dir)
+    assert sorted(got) == sorted(ref) == list(range(1, steps + 1))
+    for step in ref:
+        assert {r["loss"] for r in got[step]} == {ref[step][0]["loss"]}, step
+        assert got[step][-1]["reward"] == ref[step][0]["reward"]
+    assert trained_samples(run_dir) == trained_samples(reference)
+
+
 def assert_nothing_lost_or_repeated(run_dir: Path, steps: int) -> None:
     """Every published sample was trained once, set aside as stale, or is still waiting; each
     batch was claimed by one step; the metrics agree with the spool."""
@@ -55,7 +67,7 @@ def assert_nothing_lost_or_repeated(run_dir: Path, steps: int) -> None:
     # Every batch number up to the newest is trained, set aside, or waiting: none is missing.
     assert published == set(seen_files) | {s for s, _ in waiting}
     assert not (trained | stale) & waiting
-    records = final_records(run_dir)
+    records = {step: r for step, r in final_records(run_dir).items() if step <= steps}  # up to the checkpoint
     assert sorted(records) == list(range(1, steps + 1))
     final = max(records[steps], key=lambda r: r["time"])
     assert final["stale_samples_total"] == len(stale)

@@ -18,7 +18,6 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -7,7 +7,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-
 # Options a resumed run may change (prefixes); any other difference would silently change the
 # experiment, so resuming with it is refused.
 RESUMABLE_CHANGES = (

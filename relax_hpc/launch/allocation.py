@@ -11,8 +11,8 @@ import os
 import re
 import subprocess
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from relax_hpc.config.schema import JobConfig
 

@@ -142,7 +142,7 @@ class Supervisor:
                 return EXIT_STOPPED
             wall = self.cfg.launch.max_wall_s
             if wall and time.monotonic() - started > wall:
-                self.request_stop()
+                self.request_stop(f"launch.max_wall_s ({wall:.0f} s) reached")
             for role in engines + [driver]:
                 if role.alive() or trainer_done_at is not None or self.stop_requested:
                     continue
@@ -159,6 +159,13 @@ class Supervisor:
                 self.out.write(f"\n{role.name} exited ({code}); restarting ({role.restarts}/{role.max_restarts})\n")
                 role.start(env)
             progress.show(sum(r.alive() for r in engines), len(engines))
+            end = progress.trainer_end
+            if self.stop_requested and end is not None and not end["completed"]:
+                # The checkpoint is complete once the trainer writes its stop record: end now
+                # rather than wait for its teardown (seconds that a preempted job may not have).
+                progress.finish()
+                self.out.write(f"stopped with a checkpoint at step {end['step']}\n")
+                return EXIT_STOPPED
             if trainer.alive():
                 continue
             if trainer.proc.returncode != 0:

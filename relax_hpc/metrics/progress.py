@@ -30,12 +30,16 @@ class Progress:
         self.recent: deque[tuple[float, int]] = deque(maxlen=20)  # (time, samples) per step
         self.last_step: dict = {}
         self.last_eval: dict = {}
+        self.since = time.time()
+        self.trainer_end: dict | None = None  # the trainer's `end` record of this start, once written
 
     def line(self, engines_up: int, engines_total: int) -> str:
         for record in self.train.new_records():
             if "step" in record and "reward" in record:
                 self.last_step = record
                 self.recent.append((record["time"], record["samples"]))
+            elif record.get("event") == "end" and record["time"] >= self.since:
+                self.trainer_end = record
         for record in self.evals.new_records():
             self.last_eval = record
         s = self.last_step

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformers import AutoTokenizer
+from transformers import PreTrainedTokenizerFast
 
 from relax_hpc.config.load import read_frozen
 from relax_hpc.config.schema import JobConfig
@@ -85,7 +85,9 @@ class EnginePool:
 class Driver:
     def __init__(self, cfg: JobConfig, paths: RunPaths) -> None:
         self.cfg, self.paths, self.ro = cfg, paths, cfg.rollout
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        # The fast tokenizer class, not AutoTokenizer: AutoTokenizer imports torch (about 3 s of
+        # CPU at every start), and the driver only turns prompts into token ids.
+        self.tokenizer = PreTrainedTokenizerFast.from_pretrained(cfg.model.path)
         self.rows = load_prompts(cfg.data.path, cfg.data.prompt_key, cfg.data.answer_key)
         self.prompt_ids = [self.tokenizer(r.prompt)["input_ids"] for r in self.rows]  # tokenized once
         self.order = PromptOrder(len(self.rows), cfg.run.seed, cfg.data.shuffle)

@@ -7,9 +7,8 @@ which engine serves it. This is what makes on-policy runs reproducible across re
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import random
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, PreTrainedModel

@@ -62,7 +62,7 @@ class WeightSender:
 
     def engine_set_changed(self) -> bool:
         """True when the engines that answer differ from the current group's members."""
-        key = lambda records: sorted((r.engine_id, r.instance) for r in records)  # noqa: E731
+        key = lambda records: sorted((r.engine_id, r.instance) for r in records)
         return key(self.live_engines()) != key(self.members)
 
     def _client(self, record: EngineRecord) -> EngineClient:

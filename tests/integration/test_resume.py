@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import Job
-from tests.runs import assert_nothing_lost_or_repeated, final_records, trained_samples
+from tests.runs import assert_nothing_lost_or_repeated, assert_reproduces
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -30,13 +30,7 @@ def test_on_policy_resume_reproduces_the_uninterrupted_run(tmp_path):
     resumed = tmp_path / "resumed"
     run_with_kills(resumed, 3, rng, "rollout.max_staleness=0")
 
-    ref, got = final_records(reference), final_records(resumed)
-    assert sorted(ref) == sorted(got) == list(range(1, STEPS + 1))
-    for step in ref:
-        # Every attempt at a step (also those a kill threw away) computed the same loss, bit for bit.
-        assert {r["loss"] for r in got[step]} == {ref[step][0]["loss"]}, step
-        assert got[step][-1]["reward"] == ref[step][0]["reward"]
-    assert trained_samples(resumed) == trained_samples(reference)
+    assert_reproduces(reference, resumed, STEPS)
     assert len(list((resumed / "logs").iterdir())) == 4  # one log folder per start
 
 

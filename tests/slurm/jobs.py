@@ -34,8 +34,8 @@ def job_id(run_dir: Path) -> str:
     return (run_dir / "slurm" / "job_id").read_text().strip()
 
 
-def slurm(*argv: str) -> str:
-    return subprocess.run(argv, capture_output=True, text=True, check=True, timeout=60).stdout
+def slurm(*argv: str, **kwargs) -> str:
+    return subprocess.run(argv, capture_output=True, text=True, check=True, timeout=60, **kwargs).stdout
 
 
 def sacct(job: str, fields: str = "JobID,JobName,State,Partition,NodeList") -> list[dict[str, str]]:
@@ -51,6 +51,14 @@ def job_state(job: str) -> str:
         return state
     rows = [r for r in sacct(job, "JobID,State") if r["JobID"] == job]
     return rows[-1]["State"] if rows else "UNKNOWN"
+
+
+FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED")
+
+
+def finished(job: str) -> bool:
+    """The job has ended for good (sacct writes `CANCELLED by UID`)."""
+    return job_state(job).split()[0] in FINAL_STATES
 
 
 def wait_until(predicate, timeout_s: float, what: str, every: float = 0.25):

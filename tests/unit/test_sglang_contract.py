@@ -86,7 +86,7 @@ def _leaf_types(annotation: str) -> set[str]:
 
 def _ours(cls: type) -> dict[str, tuple[str, object]]:
     hints = typing.get_type_hints(cls)
-    render = lambda t: t.__name__ if isinstance(t, type) else str(t).replace("typing.", "")  # noqa: E731
+    render = lambda t: t.__name__ if isinstance(t, type) else str(t).replace("typing.", "")
     return {f.name: (render(hints[f.name]), f.default) for f in dataclasses.fields(cls)}
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-from tests.slurm.jobs import job_id, slurm, submit, train_events, wait_until  # noqa: E402
+from tests.slurm.jobs import job_id, slurm, submit, train_events, wait_until
 
 STAMP = re.compile(r"submitit \w+ \((\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\) - (.*)")
 
