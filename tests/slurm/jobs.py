@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -91,10 +90,6 @@ def describe(run_dir: Path, job: str) -> str:
     for log in sorted((run_dir / "logs").glob("*/trainer.log"))[-1:]:
         parts.append(f"{log}:\n" + log.read_text(errors="replace")[-2000:])
     return "\n".join(parts)
-
-
-def read_json(path: Path) -> dict:
-    return json.loads(path.read_text())
 
 
 def env_with(**extra: str) -> dict[str, str]:
