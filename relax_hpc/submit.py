@@ -41,6 +41,12 @@ def check_inputs(cfg: JobConfig) -> None:
             f"model.path: {cfg.model.path} is not an HF model folder (no config.json); "
             "for the embedded default run `python tools/make_tiny_policy.py --out assets`"
         )
+    teacher = cfg.algo.teacher.path
+    if cfg.algo.advantage.estimator == "distill" and not (Path(teacher) / "config.json").is_file():
+        raise ConfigError(
+            f"algo.teacher.path: {teacher} is not an HF model folder (no config.json); "
+            "for the embedded default run `python tools/make_teacher.py`"
+        )
     try:
         load_prompts(cfg.data.path, cfg.data.prompt_key, cfg.data.answer_key)
     except DatasetError as e:
@@ -67,7 +73,9 @@ def freeze(cfg: JobConfig, paths: RunPaths) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, help="YAML job config (default: built-in defaults)")
-    parser.add_argument("--dry-run", action="store_true", help="validate, print the resolved config and commands, run nothing")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="validate, print the resolved config and commands, run nothing"
+    )
     parser.add_argument("--wait", action="store_true", help="slurm: wait for the job to finish (through every requeue)")
     parser.add_argument(
         "--in-allocation", action="store_true",

@@ -13,7 +13,7 @@ from relax_hpc.config.schema import JobConfig
 
 # Options that hold paths: made absolute (against the working directory) when the config is
 # loaded, so every role, whatever its working directory, reads the same files.
-PATH_OPTIONS = (("run", "dir"), ("model", "path"), ("data", "path"))
+PATH_OPTIONS = ("run.dir", "model.path", "data.path", "algo.teacher.path")
 
 
 class ConfigError(ValueError):
@@ -49,7 +49,9 @@ def apply_override(tree: dict[str, Any], override: str) -> None:
             raise ConfigError(f"override {key}: {'.'.join(parts[:depth])} is not a section")
         if part not in section.model_fields:
             where = ".".join(parts[:depth]) or "the top level"
-            raise ConfigError(f"override {key}: unknown key {part!r} in {where}{_suggest(part, list(section.model_fields))}")
+            raise ConfigError(
+                f"override {key}: unknown key {part!r} in {where}{_suggest(part, list(section.model_fields))}"
+            )
     node = tree
     for part in parts[:-1]:
         node = node.setdefault(part, {})
@@ -68,6 +70,9 @@ def _describe(error: dict[str, Any]) -> str:
         section = _section_model(loc[:-1])
         hint = _suggest(loc[-1], list(section.model_fields)) if section else ""
         return f"{key}: unknown key{hint}"
+    if error["type"] == "value_error":  # a cross-field check: its message names the options
+        where = f"{key}: " if key else ""
+        return where + str(error["ctx"]["error"])
     value = error.get("input")
     allowed = ""
     ctx = error.get("ctx") or {}
@@ -101,9 +106,13 @@ def load_config(path: str | Path | None, overrides: list[str] = (), base_dir: Pa
         apply_override(tree, override)
     config = validate(tree)
     base = base_dir or Path.cwd()
-    for section, option in PATH_OPTIONS:
-        sub = getattr(config, section)
-        setattr(sub, option, str((base / getattr(sub, option)).resolve()))
+    for dotted in PATH_OPTIONS:
+        *sections, option = dotted.split(".")
+        sub = config
+        for section in sections:
+            sub = getattr(sub, section)
+        if getattr(sub, option) is not None:
+            setattr(sub, option, str((base / getattr(sub, option)).resolve()))
     return config
 
 

@@ -63,8 +63,8 @@ class RolloutConfig(Section):
     """Port of engine 0 (engine i uses base_port + i); 0 lets the OS pick free ports."""
     prompts_per_step: int = Field(64, ge=1)
     """Prompts per trainer step (one published batch)."""
-    group_size: int = Field(16, ge=2)
-    """Samples per prompt (the GRPO group; at least 2, or there is no baseline)."""
+    group_size: int = Field(16, ge=1)
+    """Samples per prompt (the group; at least 2 for the estimators with a group baseline)."""
     max_new_tokens: int = Field(4, ge=1)
     """Completion length limit."""
     temperature: float = Field(1.0, ge=0.0)
@@ -88,21 +88,155 @@ class RolloutConfig(Section):
     """Greedy accuracy over the whole dataset every N policy versions (0 = only at the end)."""
 
 
-class LossConfig(Section):
+class AdvantageConfig(Section):
+    estimator: Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae", "distill"] = "grpo"
+    """How rewards become per-token advantages. `grpo`: group-normalised outcome (Dr. GRPO with
+    normalize_std off). `rloo`: leave-one-out baseline. `reinforce_pp`: discounted token returns,
+    whitened over the batch. `reinforce_pp_baseline`: group-mean baseline, then as reinforce_pp.
+    `gae`: generalised advantage estimation with a critic (algo.critic). `distill`: on-policy
+    distillation, advantage = teacher minus student log-probability per token (algo.teacher)."""
     normalize_std: bool = True
-    """Divide group-centred rewards by the group's standard deviation (off = Dr. GRPO)."""
+    """grpo: divide group-centred rewards by the group's (unbiased) standard deviation; off = Dr. GRPO."""
+    std_eps: float = Field(1e-6, ge=0)
+    """grpo: added to the standard deviation before dividing (all-equal groups get 0)."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """Discount of reinforce_pp, reinforce_pp_baseline and gae."""
+    lam: float = Field(0.95, ge=0, le=1)
+    """GAE lambda (gae only): 1 = Monte-Carlo returns minus values, 0 = one-step TD."""
+    whiten: bool = True
+    """gae: whiten the advantages over the global batch (PPO's usual normalisation)."""
+
+
+class PolicyLossConfig(Section):
+    kind: Literal["ppo", "gspo", "sapo", "cispo", "m2po", "reinforce"] = "ppo"
+    """`ppo`: clipped ratio (clip_low/clip_high, optional dual_clip). `gspo`: sequence-level ratio,
+    clipped. `sapo`: soft sigmoid gate instead of the clip. `cispo`: clipped, stop-gradient
+    importance weight times log-probability. `m2po`: unclipped ratio, tokens masked by the second
+    moment of the log-ratio. `reinforce`: plain policy gradient, no ratio."""
     clip_low: float = Field(0.2, ge=0.0)
-    """PPO clip epsilon below 1."""
+    """Clip epsilon below 1 of ppo, gspo (paper: 3e-4) and cispo (1 = no lower bound)."""
     clip_high: float = Field(0.2, ge=0.0)
-    """PPO clip epsilon above 1 (raise it for clip-higher)."""
+    """Clip epsilon above 1 of ppo (0.28 = DAPO's clip-higher), gspo (paper: 4e-4) and cispo."""
+    dual_clip: float | None = Field(None, gt=1.0)
+    """ppo: cap the loss of a negative-advantage token at dual_clip * |A| (typically 3); off if unset."""
+    sapo_tau_pos: float = Field(1.0, gt=0)
+    """sapo: gate temperature for positive advantages."""
+    sapo_tau_neg: float = Field(1.05, gt=0)
+    """sapo: gate temperature for negative advantages (larger = a tighter gate)."""
+    m2po_tau: float = Field(0.04, gt=0)
+    """m2po: bound on the batch mean of (log ratio)^2 that masking enforces."""
+    log_ratio_clamp: float = Field(20.0, gt=0)
+    """Log importance ratios (and KL log-ratios) are clamped to +-this before exp (no gradient beyond)."""
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"] = (
+        "token_mean"
+    )
+    """How per-token losses become one number: over all tokens of the batch, per sample then over
+    samples, per-sample sums over samples, or per-sample sums over samples and a constant (Dr. GRPO)."""
+    aggregation_constant: int = Field(0, ge=0)
+    """seq_mean_token_sum_norm's constant L; 0 = rollout.max_new_tokens."""
     entropy_coef: float = Field(0.01, ge=0.0)
-    """Weight of the entropy bonus."""
+    """Weight of the entropy bonus (added to the loss as -coef * token entropy)."""
+
+
+class KLConfig(Section):
+    coef: float = Field(0.0, ge=0)
+    """Weight of the KL to the reference policy (a frozen copy of model.path in the trainer); 0 = off."""
+    estimator: Literal["k1", "k2", "k3"] = "k3"
+    """k1 = log ratio, k2 = half its square, k3 = exp(-log ratio) - 1 + log ratio."""
+    placement: Literal["loss", "reward"] = "loss"
+    """`loss`: coef * KL added to the loss (GRPO). `reward`: -coef * KL added to every token's reward
+    before the advantages (REINFORCE++, PPO-RLHF), measured with the ratio's denominator
+    (algo.off_policy.old_logprobs) against the reference."""
+
+
+class OffPolicyConfig(Section):
     old_logprobs: Literal["auto", "recompute", "rollout"] = "auto"
-    """Denominator of the PPO ratio. `recompute`: the trainer's own log-probabilities before the
-    update (ratio 1: the on-policy gradient, bitwise reproducible). `rollout`: the engines'
-    log-probabilities, so samples from an older policy are importance-weighted and clipped.
-    `auto`: recompute when rollout.max_staleness is 0, rollout otherwise (uncorrected stale
-    samples made 2 of 3 seeds of the embedded default stall or collapse)."""
+    """Denominator of the importance ratio. `recompute`: the trainer's own log-probabilities before
+    the update (the proximal policy; the on-policy gradient when minibatches = epochs = 1, bitwise
+    reproducible). `rollout`: the engines' log-probabilities, so samples from an older policy are
+    importance-weighted and clipped. `auto`: rollout when rollout.max_staleness > 0 and no
+    correction is set, recompute otherwise (uncorrected stale samples made 2 of 3 seeds of the
+    embedded default stall or collapse)."""
+    correction: Literal["none", "tis", "icepop", "decoupled"] = "none"
+    """Weight on the policy loss for the rollout/trainer mismatch w = pi_proximal / pi_rollout
+    (needs the recompute ratio): `tis` min(w, is_cap); `icepop` w inside [icepop_low, icepop_high],
+    the token dropped outside; `decoupled` (decoupled PPO) w, the token dropped above is_cap."""
+    is_cap: float = Field(2.0, gt=0)
+    """tis: truncation of w; decoupled: tokens with w above it are dropped."""
+    icepop_low: float = Field(0.5, ge=0)
+    """icepop: lower end of the kept band of w."""
+    icepop_high: float = Field(2.0, gt=0)
+    """icepop: upper end of the kept band of w."""
+
+
+class CriticConfig(Section):
+    lr: float = Field(1e-3, gt=0)
+    """AdamW learning rate of the critic (gae only). The critic is model.path's transformer with a
+    new scalar head, trained and checkpointed with the policy."""
+    value_clip: float = Field(0.5, gt=0)
+    """A batch moves a value by at most this much (PPO's clipped value loss)."""
+    warmup_steps: int = Field(0, ge=0)
+    """Trainer steps at the start during which only the critic learns (the policy is not updated)."""
+
+
+class TeacherConfig(Section):
+    path: str | None = None
+    """distill: an HF folder of the teacher, loaded frozen in the trainer (same tokenizer as the policy)."""
+
+
+class DynamicSamplingConfig(Section):
+    enabled: bool = False
+    """Drop prompt groups whose rewards are all equal and sample more prompts to refill the batch (DAPO)."""
+    max_rounds: int = Field(3, ge=1)
+    """Sampling rounds per batch at most (the first included); a batch still short afterwards is
+    topped up with dropped groups, so its size never changes."""
+
+
+class OverlongConfig(Section):
+    buffer: int = Field(0, ge=0)
+    """Completions longer than rollout.max_new_tokens - buffer lose reward linearly, up to `penalty`
+    at the limit (DAPO's soft overlong punishment); 0 = off."""
+    penalty: float = Field(1.0, ge=0)
+    """Reward lost by a completion that reaches rollout.max_new_tokens."""
+
+
+class AlgoConfig(Section):
+    advantage: AdvantageConfig = AdvantageConfig()
+    """The advantage estimator."""
+    policy_loss: PolicyLossConfig = PolicyLossConfig()
+    """The policy loss, its aggregation and the entropy bonus."""
+    kl: KLConfig = KLConfig()
+    """KL regularisation to the reference policy."""
+    off_policy: OffPolicyConfig = OffPolicyConfig()
+    """The ratio's denominator and the rollout/trainer mismatch correction."""
+    critic: CriticConfig = CriticConfig()
+    """The value model of gae."""
+    teacher: TeacherConfig = TeacherConfig()
+    """The teacher of distill."""
+    minibatches: int = Field(1, ge=1)
+    """Optimizer steps per rollout batch: the batch is split into this many mini-batches of whole groups."""
+    epochs: int = Field(1, ge=1)
+    """Passes over each rollout batch (each pass takes `minibatches` optimizer steps)."""
+    dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
+    """Filtering of zero-signal groups at rollout."""
+    overlong: OverlongConfig = OverlongConfig()
+    """Reward penalty for completions near the length limit."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AlgoConfig:
+        estimator, off = self.advantage.estimator, self.off_policy
+        if estimator == "distill" and not self.teacher.path:
+            raise ValueError("algo.advantage.estimator=distill needs algo.teacher.path (the teacher model)")
+        if off.correction != "none" and off.old_logprobs == "rollout":
+            raise ValueError(
+                f"algo.off_policy.correction={off.correction} weighs the recomputed ratio; "
+                "set algo.off_policy.old_logprobs to recompute (or auto)"
+            )
+        if off.icepop_low >= off.icepop_high:
+            raise ValueError("algo.off_policy.icepop_low must be below icepop_high")
+        if self.kl.placement == "reward" and self.kl.coef > 0 and estimator == "distill":
+            raise ValueError("algo.kl.placement=reward does not combine with distill (its advantage is already a KL)")
+        return self
 
 
 class TrainerConfig(Section):
@@ -111,19 +245,18 @@ class TrainerConfig(Section):
     num_ranks: int = Field(2, ge=1)
     """torchrun ranks (processes) of the trainer."""
     total_steps: int = Field(400, ge=1)
-    """Optimizer steps of the whole run (one published batch each)."""
+    """Trainer steps of the whole run, one rollout batch each (algo.minibatches x algo.epochs
+    optimizer steps per trainer step)."""
     lr: float = Field(5e-4, gt=0)
     """AdamW learning rate (peak)."""
     warmup_steps: int = Field(0, ge=0)
-    """Linear learning-rate warm-up steps; constant afterwards."""
+    """Linear learning-rate warm-up, in optimizer steps; constant afterwards."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
     betas: tuple[float, float] = (0.9, 0.999)
     """AdamW betas."""
     max_grad_norm: float = Field(1.0, gt=0)
     """Gradient clipping by global norm."""
-    loss: LossConfig = LossConfig()
-    """The GRPO objective."""
 
 
 class WeightsConfig(Section):
@@ -228,17 +361,27 @@ class LaunchConfig(Section):
 
 
 class JobConfig(Section):
-    kind: Literal["grpo"] = "grpo"
-    """What the file describes (the algorithm family)."""
+    kind: Literal["rl"] = "rl"
+    """What the file describes: an RL post-training job."""
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     rollout: RolloutConfig = RolloutConfig()
     trainer: TrainerConfig = TrainerConfig()
+    algo: AlgoConfig = AlgoConfig()
     weights: WeightsConfig = WeightsConfig()
     ckpt: CheckpointConfig = CheckpointConfig()
     metrics: MetricsConfig = MetricsConfig()
     launch: LaunchConfig = LaunchConfig()
+
+    @model_validator(mode="after")
+    def _groups(self) -> JobConfig:
+        estimator = self.algo.advantage.estimator
+        baseline = estimator in ("grpo", "rloo", "reinforce_pp_baseline")
+        if (baseline or self.algo.dynamic_sampling.enabled) and self.rollout.group_size < 2:
+            what = f"algo.advantage.estimator={estimator}" if baseline else "algo.dynamic_sampling"
+            raise ValueError(f"{what} compares samples of a prompt group: rollout.group_size must be at least 2")
+        return self
 
     @model_validator(mode="after")
     def _slurm_layout(self) -> JobConfig:

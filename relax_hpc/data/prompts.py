@@ -58,15 +58,18 @@ def load_prompts(path: str | Path, prompt_key: str, answer_key: str) -> list[Pro
 class PromptOrder:
     """An endless stream of dataset indices, reshuffled every epoch from `seed`."""
 
-    def __init__(self, num_rows: int, seed: int, shuffle: bool = True) -> None:
+    def __init__(self, num_rows: int, seed: int, shuffle: bool = True, stream: int = 0) -> None:
+        """`stream` > 0 gives another order from the same seed (dynamic sampling's extra prompts)."""
         self.num_rows = num_rows
         self.seed = seed
         self.shuffle = shuffle
+        self.stream = stream
 
     def _epoch(self, epoch: int) -> np.ndarray:
-        if not self.shuffle:
+        if not self.shuffle and not self.stream:
             return np.arange(self.num_rows)
-        return np.random.default_rng([self.seed, epoch]).permutation(self.num_rows)
+        key = [self.seed, epoch] if not self.stream else [self.seed, epoch, self.stream]
+        return np.random.default_rng(key).permutation(self.num_rows)
 
     def batch(self, seq: int, batch_size: int) -> list[int]:
         """Dataset indices of batch `seq` (positions seq*batch_size ... +batch_size-1 of the stream)."""

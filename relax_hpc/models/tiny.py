@@ -30,9 +30,7 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def tiny_qwen3_config(
-    tokenizer: PreTrainedTokenizerFast, num_layers: int = 2, hidden_size: int = 128
-) -> Qwen3Config:
+def tiny_qwen3_config(tokenizer: PreTrainedTokenizerFast, num_layers: int = 2, hidden_size: int = 128) -> Qwen3Config:
     """A Qwen3 config at toy scale: GQA (4 query heads, 2 kv heads), QK-norm, tied embeddings."""
     return Qwen3Config(
         vocab_size=len(tokenizer),
@@ -60,12 +58,25 @@ def format_warmup(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, s
     EOS. The model learns to emit one or two digits and stop, with answers independent of the
     question, so it starts RL near chance (about 1/19) and with maximal answer entropy.
     Returns the last batch's loss."""
+    return _supervised(model, tokenizer, steps, seed, correct=False)
+
+
+def teach_addition(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, steps: int, seed: int) -> float:
+    """Supervised training on the correct sums: turns the policy into the distillation teacher of
+    the embedded default task. Returns the last batch's loss."""
+    return _supervised(model, tokenizer, steps, seed, correct=True)
+
+
+def _supervised(
+    model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, steps: int, seed: int, correct: bool
+) -> float:
     gen = torch.Generator().manual_seed(seed)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     loss = torch.tensor(0.0)
     for _ in range(steps):
         a, b, c = (torch.randint(0, hi, (64,), generator=gen) for hi in (10, 10, 19))
-        texts = [(f"{x}+{y}=", str(z)) for x, y, z in zip(a.tolist(), b.tolist(), c.tolist())]
+        answers = (a + b) if correct else c
+        texts = [(f"{x}+{y}=", str(z)) for x, y, z in zip(a.tolist(), b.tolist(), answers.tolist())]
         rows = [tokenizer(p)["input_ids"] + tokenizer(ans)["input_ids"] + [tokenizer.eos_token_id] for p, ans in texts]
         width = max(map(len, rows))
         ids = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows])

@@ -28,13 +28,13 @@ from transformers import PreTrainedTokenizerFast
 
 from relax_hpc.config.load import read_frozen
 from relax_hpc.config.schema import JobConfig
-from relax_hpc.data.prompts import PromptOrder, load_prompts
+from relax_hpc.data.prompts import load_prompts
 from relax_hpc.exchange.spool import SampleBatch, Spool
 from relax_hpc.metrics.jsonl import JsonlWriter
 from relax_hpc.paths import RunPaths
-from relax_hpc.rewards import REWARDS
 from relax_hpc.rollout import protocol as P
 from relax_hpc.rollout.client import EngineClient, EngineRequestError, EngineUnavailable
+from relax_hpc.rollout.groups import BatchPlan, Group, Selection, to_sample_batch
 from relax_hpc.rollout.registry import EngineRecord, read_records
 
 log = logging.getLogger("relax_hpc.driver")
@@ -90,8 +90,7 @@ class Driver:
         self.tokenizer = PreTrainedTokenizerFast.from_pretrained(cfg.model.path)
         self.rows = load_prompts(cfg.data.path, cfg.data.prompt_key, cfg.data.answer_key)
         self.prompt_ids = [self.tokenizer(r.prompt)["input_ids"] for r in self.rows]  # tokenized once
-        self.order = PromptOrder(len(self.rows), cfg.run.seed, cfg.data.shuffle)
-        self.reward = REWARDS[self.ro.reward]
+        self.plan = BatchPlan(cfg, self.rows)
         self.spool = Spool(paths.spool)
         self.pool = EnginePool(paths, self.ro.request_timeout_s)
         self.metrics = JsonlWriter(paths.metrics / "rollout.jsonl")
@@ -138,43 +137,54 @@ class Driver:
             finally:
                 self._load[engine.record.instance] -= 1
             versions = [int(o["meta_info"]["weight_version"]) for o in outputs]
-            if min(versions) >= min_version and all(o["meta_info"]["finish_reason"]["type"] != "abort" for o in outputs):
+            if min(versions) >= min_version and all(
+                o["meta_info"]["finish_reason"]["type"] != "abort" for o in outputs
+            ):
                 return outputs
-            log.warning("engine %s answered with version %d < %d or aborted; re-issuing", engine.record.engine_id, min(versions), min_version)
+            log.warning(
+                "engine %s answered with version %d < %d or aborted; re-issuing",
+                engine.record.engine_id,
+                min(versions),
+                min_version,
+            )
             self.reissued += len(prompts)
         raise SystemExit(0)
 
-    def generate_batch(self, seq: int, min_version: int) -> SampleBatch:
+    def _sample_round(self, seq: int, round_: int, min_version: int) -> list[Group]:
+        """Every prompt of one sampling round, group_size times, split across the eligible engines."""
         g = self.ro.group_size
-        indices = self.order.batch(seq, self.ro.prompts_per_step)
+        indices = self.plan.prompts(seq, round_)
         prompts = [self.prompt_ids[i] for i in indices for _ in range(g)]
-        seeds = [sample_seed(self.cfg.run.seed, seq, k) for k in range(len(prompts))]
+        seeds = [sample_seed(self.cfg.run.seed, seq, self.plan.sample_index(round_, k)) for k in range(len(prompts))]
         num_chunks = max(1, len(self.pool.eligible(min_version)))
         groups_per_chunk = math.ceil(len(indices) / num_chunks)
-        bounds = [(c * groups_per_chunk * g, min(len(prompts), (c + 1) * groups_per_chunk * g)) for c in range(num_chunks)]
-        futures = [self.threads.submit(self._run_chunk, prompts[a:b], seeds[a:b], min_version) for a, b in bounds if a < b]
+        bounds = [
+            (c * groups_per_chunk * g, min(len(prompts), (c + 1) * groups_per_chunk * g)) for c in range(num_chunks)
+        ]
+        futures = [
+            self.threads.submit(self._run_chunk, prompts[a:b], seeds[a:b], min_version) for a, b in bounds if a < b
+        ]
         outputs = [o for f in futures for o in f.result()]
-        completions = [o["output_ids"] for o in outputs]
-        rewards = [self.reward(o["text"], self.rows[indices[k // g]].answer) for k, o in enumerate(outputs)]
-        return SampleBatch.from_samples(
-            seq=seq,
-            sequences=[p + c for p, c in zip(prompts, completions)],
-            prompt_lens=[len(p) for p in prompts],
-            logprobs=[[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]] for o in outputs],
-            rewards=rewards,
-            group_ids=[seq * self.ro.prompts_per_step + k // g for k in range(len(prompts))],
-            policy_version=[int(o["meta_info"]["weight_version"]) for o in outputs],
-            prompt_index=[indices[k // g] for k in range(len(prompts))],
+        return self.plan.groups(
+            seq,
+            round_,
+            [self.prompt_ids[i] for i in indices],
+            [o["output_ids"] for o in outputs],
+            [[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]] for o in outputs],
+            [o["text"] for o in outputs],
+            [int(o["meta_info"]["weight_version"]) for o in outputs],
         )
+
+    def generate_batch(self, seq: int, min_version: int) -> tuple[SampleBatch, Selection]:
+        selection = self.plan.select(lambda round_: self._sample_round(seq, round_, min_version))
+        return to_sample_batch(seq, selection.groups), selection
 
     # -- evaluation -----------------------------------------------------------------------------
 
     def evaluate(self, engine: Engine) -> float:
-        request = P.GenerateReqInput(
-            input_ids=self.prompt_ids, sampling_params=self._sampling(temperature=0.0)
-        )
+        request = P.GenerateReqInput(input_ids=self.prompt_ids, sampling_params=self._sampling(temperature=0.0))
         outputs = engine.client.generate(request)
-        correct = sum(self.reward(o["text"], r.answer) for o, r in zip(outputs, self.rows))
+        correct = sum(self.plan.reward_fn(o["text"], r.answer) for o, r in zip(outputs, self.rows))
         version = min(int(o["meta_info"]["weight_version"]) for o in outputs)
         accuracy = correct / len(self.rows)
         self.evals.log({"version": version, "greedy_accuracy": accuracy, "problems": len(self.rows)})
@@ -206,7 +216,7 @@ class Driver:
                 continue
             if self.pool.eligible(seq - k) and seq < total + k:
                 started = time.monotonic()
-                batch = self.generate_batch(seq, seq - k)
+                batch, selection = self.generate_batch(seq, seq - k)
                 self.spool.publish(batch, writer="driver")
                 seconds = time.monotonic() - started
                 self.metrics.log(
@@ -220,6 +230,9 @@ class Driver:
                         "samples_per_s": batch.num_samples / max(seconds, 1e-9),
                         "engines": len(self.pool.engines),
                         "reissued_total": self.reissued,
+                        "sampling_rounds": selection.rounds,
+                        "groups_dropped": selection.dropped,
+                        "groups_topped_up": selection.topped_up,
                     }
                 )
                 seq, wait = seq + 1, 0.05

@@ -30,6 +30,34 @@ class TrainBatch:
     def num_tokens(self) -> float:
         return float(self.loss_mask.sum())
 
+    @property
+    def num_samples(self) -> int:
+        return int(self.rewards.shape[0])
+
+    def select(self, rows: torch.Tensor) -> TrainBatch:
+        return TrainBatch(**{f: getattr(self, f)[rows] for f in self.__dataclass_fields__})
+
+    def without_loss(self) -> TrainBatch:
+        """The same rows contributing nothing: what a rank with no samples in a mini-batch runs, so
+        that it still joins the collectives of the forward and backward passes."""
+        return TrainBatch(
+            **{
+                **{f: getattr(self, f) for f in self.__dataclass_fields__},
+                "loss_mask": torch.zeros_like(self.loss_mask),
+            }
+        )
+
+    def minibatches(self, count: int) -> list[torch.Tensor]:
+        """Row indices of `count` mini-batches of whole groups (groups dealt out in order of first
+        appearance, contiguous runs); some are empty when there are fewer groups than `count`."""
+        _, first = torch.unique_consecutive(self.group_ids, return_counts=True)
+        bounds = torch.cat([torch.zeros(1, dtype=torch.long), first.cumsum(0)])
+        per = -(-(len(bounds) - 1) // count) if len(bounds) > 1 else 0
+        return [
+            torch.arange(int(bounds[min(k * per, len(bounds) - 1)]), int(bounds[min((k + 1) * per, len(bounds) - 1)]))
+            for k in range(count)
+        ]
+
 
 def pad_samples(
     sequences: list[list[int]],
@@ -64,9 +92,15 @@ def pad_samples(
     )
 
 
-def token_logprobs_and_entropy(model: torch.nn.Module, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probability of every target token and the entropy of its distribution, both [n, T]."""
+def token_logprobs_and_entropy(
+    model: torch.nn.Module, batch: TrainBatch, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of every target token and the entropy of its distribution, both [n, T],
+    under the sampling distribution: logits divided by the temperature, as the engines report
+    their log-probabilities (so that ratios against them are 1 for the same weights)."""
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()
+    if temperature not in (0.0, 1.0):
+        logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
     logprobs = torch.gather(logp_all, -1, batch.targets.unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)

@@ -28,10 +28,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from relax_hpc.algos.stats import Stats
 from relax_hpc.ckpt.manager import Checkpointer
 from relax_hpc.config.load import read_frozen
 from relax_hpc.config.schema import JobConfig
-from relax_hpc.exchange.spool import Spool, read_batch
+from relax_hpc.exchange.spool import SampleBatch, Spool, read_batch
 from relax_hpc.metrics.jsonl import JsonlWriter
 from relax_hpc.paths import RunPaths, write_atomic
 from relax_hpc.trainer.batching import TrainBatch, pad_samples
@@ -47,7 +48,7 @@ log = logging.getLogger("relax_hpc.trainer")
 class RunState:
     """Everything besides tensors that a resume needs; saved as trainer_state.json."""
 
-    step: int = 0  # optimizer steps done
+    step: int = 0  # trainer steps done (rollout batches trained)
     version: int = 0  # policy version of the current weights (= step)
     claims: dict[str, list[str]] = field(default_factory=dict)  # step -> spool files it consumed
     trained_samples: int = 0
@@ -78,16 +79,39 @@ def broadcast_command(command: dict | None) -> dict:
     return box[0]
 
 
-def load_share(path: str, trained: list[int], rank: int, world: int, pad_id: int) -> tuple[TrainBatch, dict]:
-    """This rank's share of a claimed batch: whole groups, dealt round-robin in group order."""
-    batch = read_batch(Path(path))
+def _reduce(values: dict[str, float], op: dist.ReduceOp) -> dict[str, float]:
+    names = sorted(values)  # every rank has the same names: Stats registers them unconditionally
+    t = torch.tensor([values[n] for n in names], dtype=torch.float64)
+    dist.all_reduce(t, op=op)
+    return dict(zip(names, t.tolist()))
+
+
+def reduce_stats(stats: Stats, epochs: int) -> dict[str, float]:
+    """The objective's statistics over all ranks: token means, extrema as NAME_max / NAME_min
+    (left out when no rank had a loss token), and `tokens`, the loss tokens of the batch."""
+    sums = _reduce(stats.sums, dist.ReduceOp.SUM)
+    tokens_seen = sums.pop("tokens")
+    out = {name: value / max(tokens_seen, 1.0) for name, value in sums.items()}
+    out.update({f"{n}_max": v for n, v in _reduce(stats.maxes, dist.ReduceOp.MAX).items() if v != -float("inf")})
+    out.update({f"{n}_min": v for n, v in _reduce(stats.mins, dist.ReduceOp.MIN).items() if v != float("inf")})
+    out["tokens"] = tokens_seen / epochs
+    return out
+
+
+def share_of(batch: SampleBatch, trained: list[int], rank: int, world: int, pad_id: int) -> tuple[TrainBatch, dict]:
+    """This rank's share of the `trained` samples of a batch: whole groups, dealt round-robin in
+    group order."""
     groups = sorted(set(batch.group_ids[trained].tolist()))
     mine = set(groups[rank::world])
-    rows = [i for i in trained if batch.group_ids[i] in mine]
+    # A rank without a group (fewer groups than ranks) trains one row without loss tokens: it must
+    # still join every collective of the step.
+    rows = [i for i in trained if batch.group_ids[i] in mine] or trained[:1]
     seqs = [batch.sample_tokens(i).tolist() for i in rows]
     masks = [batch.loss_mask[batch.offsets[i] : batch.offsets[i + 1]].tolist() for i in rows]
     logps = [batch.rollout_logprobs[batch.offsets[i] : batch.offsets[i + 1]].tolist() for i in rows]
     tb = pad_samples(seqs, masks, logps, batch.rewards[rows].tolist(), batch.group_ids[rows].tolist(), pad_id)
+    if not mine:
+        tb = tb.without_loss()
     stats = {
         "reward_sum": float(batch.rewards[trained].sum()),
         "num_samples": len(trained),
@@ -101,11 +125,15 @@ class Trainer:
     def __init__(self, cfg: JobConfig, paths: RunPaths) -> None:
         self.cfg, self.paths = cfg, paths
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        old_logprobs = cfg.trainer.loss.old_logprobs
-        if old_logprobs == "auto":
-            old_logprobs = "rollout" if cfg.rollout.max_staleness > 0 else "recompute"
         self.backend = TorchBackend(
-            cfg.model.path, cfg.model.dtype, cfg.trainer, torch.device("cpu"), old_logprobs == "rollout"
+            cfg.model.path,
+            cfg.model.dtype,
+            cfg.trainer,
+            cfg.algo,
+            cfg.rollout.max_new_tokens,
+            cfg.rollout.max_staleness,
+            cfg.rollout.temperature,
+            torch.device("cpu"),
         )
         self.pad_id = self.backend.model.config.pad_token_id
         self.ckpt = Checkpointer(paths.ckpt, cfg.ckpt.keep)
@@ -194,14 +222,10 @@ class Trainer:
 
     def train(self, command: dict, started: float) -> None:
         t0 = time.monotonic()
-        batch, stats = load_share(command["path"], command["trained"], self.rank, self.world, self.pad_id)
-        totals = torch.tensor([batch.num_tokens], dtype=torch.float64)
-        dist.all_reduce(totals)  # host sync: the global token count normalises every rank's loss
-        metrics = self.backend.train_step(batch, float(totals[0]), self.state.step)
-        sums = torch.tensor(
-            [metrics["pg_loss_sum"], metrics["entropy_sum"], metrics["clipped_tokens"]], dtype=torch.float64
-        )
-        dist.all_reduce(sums)
+        batch = read_batch(Path(command["path"]))
+        batch, stats = share_of(batch, command["trained"], self.rank, self.world, self.pad_id)
+        result = self.backend.train_step(batch, self.state.step)
+        objective = reduce_stats(result.stats, self.cfg.algo.epochs)
         trained_version = self.state.version
         self.state.step += 1
         self.state.version += 1
@@ -209,22 +233,18 @@ class Trainer:
         t1 = time.monotonic()
         self.sync()
         if self.rank == 0:
-            tokens = float(totals[0])
             versions = stats["policy_versions"]
             self.metrics.log(
                 {
                     "step": self.state.step,
                     "version": self.state.version,
                     "batch": stats["seq"],
-                    "loss": metrics["loss"],
-                    "pg_loss": float(sums[0]) / tokens,
-                    "entropy": float(sums[1]) / tokens,
-                    "clip_fraction": float(sums[2]) / tokens,
-                    "grad_norm": metrics["grad_norm"],
-                    "lr": metrics["lr"],
+                    "loss": result.loss,
+                    **objective,
+                    "grad_norm": result.grad_norm,
+                    "lr": result.lr,
                     "reward": stats["reward_sum"] / stats["num_samples"],
                     "samples": stats["num_samples"],
-                    "tokens": tokens,
                     "staleness_mean": float((trained_version - versions).mean()),
                     "staleness_max": int((trained_version - versions).max()),
                     "stale_samples_total": self.state.stale_samples,
@@ -281,9 +301,7 @@ def main() -> None:
     torch.set_num_threads(cfg.launch.threads_per_process)
     dist.init_process_group("gloo", timeout=datetime.timedelta(hours=2))
     rank = dist.get_rank()
-    logging.basicConfig(
-        level=logging.INFO, format=f"%(asctime)s trainer[{rank}] %(name)s %(levelname)s %(message)s"
-    )
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s trainer[{rank}] %(name)s %(levelname)s %(message)s")
     torch.manual_seed(cfg.run.seed + rank)
     trainer = Trainer(cfg, paths)
     trainer.resume()

@@ -1,24 +1,30 @@
-"""The `torch` trainer backend: an HF transformers causal LM sharded with FSDP2 (fully_shard).
+"""The `torch` trainer backend: HF transformers models sharded with FSDP2 (fully_shard).
 
-Works on CPU with gloo (the embedded default, tests) and on GPUs with nccl. Every rank's loss is
-divided by the *global* number of completion tokens and multiplied by the world size, which
-FSDP's gradient averaging divides out again (gloo has no pre-multiplied sum, so the divide factor
-cannot simply be set to 1): the update is the token-mean over the whole batch, however sharded.
+Works on CPU with gloo (the embedded default, tests) and on GPUs with nccl. It owns the policy
+and, as the objective needs them, a frozen reference (KL), a frozen teacher (distillation) and a
+critic (GAE: the policy's transformer with a scalar head, its own AdamW). Every rank's loss is
+divided by counts of the *global* mini-batch and multiplied by the world size, which FSDP's
+gradient averaging divides out again (gloo has no pre-multiplied sum, so the divide factor cannot
+simply be set to 1): the update is the configured aggregation over the whole mini-batch, however
+sharded.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-from relax_hpc.algos.grpo import PolicyLossConfig, group_advantages, policy_loss
-from relax_hpc.config.schema import TrainerConfig
+from relax_hpc.algos.aggregation import Normalizer, local_counts
+from relax_hpc.algos.objective import Advantages, Objective
+from relax_hpc.algos.stats import Stats
+from relax_hpc.config.schema import AlgoConfig, TrainerConfig
 from relax_hpc.trainer.batching import TrainBatch, token_logprobs_and_entropy
 
 
@@ -26,17 +32,60 @@ class NonFiniteLossError(RuntimeError):
     """The loss is NaN or infinite; the optimizer step is refused to keep the weights intact."""
 
 
+class DistComm:
+    """relax_hpc.algos.comm.Comm over the trainer's process group."""
+
+    def all_sum(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        dist.all_reduce(t)
+        return t
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        sizes = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size())]
+        dist.all_gather(sizes, torch.tensor([t.numel()]))
+        longest = max(int(s) for s in sizes)
+        padded = [t.new_zeros(longest) for _ in sizes]
+        dist.all_gather(padded, torch.cat([t, t.new_zeros(longest - t.numel())]))
+        return torch.cat([p[: int(s)] for p, s in zip(padded, sizes)])
+
+
+def _sharded(model: torch.nn.Module) -> torch.nn.Module:
+    for layer in model.model.layers:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
+def _frozen(path: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    model = _sharded(AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device))
+    model.requires_grad_(False)
+    return model.eval()
+
+
+@dataclass(slots=True)
+class StepResult:
+    stats: Stats  # summed over this rank's mini-batches and passes
+    loss: float  # the global loss, mean over the optimizer steps
+    grad_norm: float  # of the last optimizer step
+    lr: float
+
+
 class TorchBackend:
     def __init__(
-        self, model_path: str, dtype: str, cfg: TrainerConfig, device: torch.device, use_rollout_logprobs: bool
+        self,
+        model_path: str,
+        dtype: str,
+        cfg: TrainerConfig,
+        algo: AlgoConfig,
+        max_new_tokens: int,
+        max_staleness: int,
+        temperature: float,
+        device: torch.device,
     ) -> None:
-        self.cfg = cfg
-        self.use_rollout_logprobs = use_rollout_logprobs
-        self.device = device
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device)
-        for layer in model.model.layers:
-            fully_shard(layer)
-        self.model = fully_shard(model)
+        self.cfg, self.algo, self.device = cfg, algo, device
+        self.temperature = temperature
+        self.objective = Objective(algo, max_new_tokens, max_staleness, DistComm())
+        torch_dtype = getattr(torch, dtype)
+        self.model = _sharded(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(device))
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
         )
@@ -44,35 +93,118 @@ class TorchBackend:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
         )
-        loss = cfg.loss
-        self.loss_cfg = PolicyLossConfig(loss.clip_low, loss.clip_high, loss.entropy_coef)
+        self.reference = _frozen(model_path, torch_dtype, device) if self.objective.needs_reference else None
+        self.teacher = _frozen(algo.teacher.path, torch_dtype, device) if self.objective.needs_teacher else None
+        self.critic = self.critic_optimizer = None
+        if self.objective.needs_critic:
+            critic = AutoModelForTokenClassification.from_pretrained(model_path, num_labels=1, dtype=torch_dtype)
+            torch.nn.init.zeros_(critic.score.weight)  # start at V = 0: no random initial baseline
+            self.critic = _sharded(critic.to(device))
+            self.critic_optimizer = torch.optim.AdamW(
+                self.critic.parameters(), lr=algo.critic.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
+            )
 
-    def train_step(self, batch: TrainBatch, global_tokens: float, step: int) -> dict[str, float]:
-        """One optimizer step on this rank's share of the batch (whole prompt groups)."""
+    # -- one rollout batch ----------------------------------------------------------------------
+
+    def _values(self, batch: TrainBatch) -> torch.Tensor:
+        out = self.critic(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+        return out.logits.squeeze(-1).float()
+
+    @torch.no_grad()
+    def _frozen_logprobs(self, model: torch.nn.Module | None, batch: TrainBatch) -> torch.Tensor | None:
+        return None if model is None else token_logprobs_and_entropy(model, batch, self.temperature)[0]
+
+    def _global_counts(self, parts: list[TrainBatch]) -> list[Normalizer]:
+        counts = torch.tensor([local_counts(p.loss_mask) for p in parts], dtype=torch.float64)
+        dist.all_reduce(counts)  # host sync: each mini-batch's loss divides by global counts
+        return [Normalizer(float(tokens), float(seqs)) for tokens, seqs in counts.tolist()]
+
+    def train_step(self, batch: TrainBatch, step: int) -> StepResult:
+        """Advantages, then algo.epochs x algo.minibatches optimizer steps on this rank's share of
+        the batch (whole prompt groups)."""
         self.model.train()
         batch = batch.to(self.device)
-        advantages = group_advantages(batch.rewards, batch.group_ids, self.cfg.loss.normalize_std)
-        logprobs, entropy = token_logprobs_and_entropy(self.model, batch)
-        old = batch.rollout_logprobs if self.use_rollout_logprobs else logprobs.detach()
-        loss, metrics = policy_loss(logprobs, old, advantages, entropy, batch.loss_mask, global_tokens, self.loss_cfg)
-        loss_value = loss.detach().clone()
-        dist.all_reduce(loss_value)  # host sync: the whole batch's loss, to refuse a NaN step everywhere
-        if not torch.isfinite(loss_value):
-            raise NonFiniteLossError(f"step {step}: loss is {float(loss_value)}; refusing the optimizer step")
-        self.optimizer.zero_grad(set_to_none=True)
+        objective, algo = self.objective, self.algo
+        passes = algo.epochs * algo.minibatches
+        # The ratio's denominator: the rollout's log-probabilities, or the trainer's own before any
+        # update (recomputed in a separate pass only when more than one optimizer step follows).
+        if objective.old_is_rollout:
+            old = batch.rollout_logprobs
+        else:
+            old = self._frozen_logprobs(self.model, batch) if passes > 1 else None
+        ref = self._frozen_logprobs(self.reference, batch)
+        teacher = self._frozen_logprobs(self.teacher, batch)
+        old_values = None
+        if self.critic is not None:
+            with torch.no_grad():
+                old_values = self._values(batch)
+        advantages = None if old is None else self._advantages(batch, old, ref, teacher, old_values)
+
+        rows, parts = [], []
+        for r in batch.minibatches(algo.minibatches):
+            # A rank with no group in a mini-batch still runs it (one row, no loss tokens): the
+            # forward and backward passes are collectives under FSDP.
+            rows.append(r if len(r) else torch.zeros(1, dtype=torch.long))
+            parts.append(batch.select(rows[-1]) if len(r) else batch.select(rows[-1]).without_loss())
+        norms = self._global_counts(parts)
+        policy_learns = self.critic is None or step >= algo.critic.warmup_steps
+        stats, losses, grad_norm = Stats(), [], 0.0
+        for _ in range(algo.epochs):
+            for r, part, norm in zip(rows, parts, norms):
+                logprobs, entropy = token_logprobs_and_entropy(self.model, part, self.temperature)
+                if advantages is None:  # a single optimizer step: the proximal policy is this forward
+                    old = logprobs.detach()
+                    advantages = self._advantages(batch, old, ref, teacher, old_values)
+                loss, part_stats = objective.policy_loss(
+                    logprobs,
+                    entropy,
+                    old[r],
+                    part.rollout_logprobs,
+                    advantages.advantages[r],
+                    part.loss_mask,
+                    norm,
+                    None if ref is None else ref[r],
+                )
+                stats.add(part_stats)
+                losses.append(self._check_finite(loss, step))
+                if policy_learns:
+                    grad_norm = self._optimizer_step(loss, self.model, self.optimizer)
+                    self.scheduler.step()
+                if self.critic is not None:
+                    critic_loss, critic_stats = objective.critic_loss(
+                        self._values(part), old_values[r], advantages.returns[r], part.loss_mask, norm
+                    )
+                    stats.add(critic_stats)
+                    self._optimizer_step(critic_loss, self.critic, self.critic_optimizer)
+        return StepResult(stats, sum(losses) / len(losses), grad_norm, self.scheduler.get_last_lr()[0])
+
+    def _advantages(
+        self,
+        batch: TrainBatch,
+        old: torch.Tensor,
+        ref: torch.Tensor | None,
+        teacher: torch.Tensor | None,
+        values: torch.Tensor | None,
+    ) -> Advantages:
+        return self.objective.advantages(batch.rewards, batch.group_ids, batch.loss_mask, old, ref, teacher, values)
+
+    def _check_finite(self, loss: torch.Tensor, step: int) -> float:
+        total = loss.detach().clone()
+        dist.all_reduce(total)  # host sync: the whole mini-batch's loss, to refuse a NaN step everywhere
+        if not torch.isfinite(total):
+            raise NonFiniteLossError(f"step {step}: loss is {float(total)}; refusing the optimizer step")
+        return float(total)
+
+    def _optimizer_step(self, loss: torch.Tensor, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
+        optimizer.zero_grad(set_to_none=True)
         (loss * dist.get_world_size()).backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.max_grad_norm)
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
-        self.optimizer.step()
-        self.scheduler.step()
-        metrics.update(
-            loss=float(loss_value),
-            grad_norm=float(grad_norm),
-            lr=self.scheduler.get_last_lr()[0],
-            adv_abs_sum=float((advantages.abs() * (batch.loss_mask.sum(-1) > 0)).sum()),
-        )
-        return metrics
+        optimizer.step()
+        return float(grad_norm)
+
+    # -- weights and checkpoints ----------------------------------------------------------------
 
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) for every parameter; a collective: every rank must iterate."""
@@ -85,7 +217,17 @@ class TorchBackend:
 
     def state_dict(self) -> dict:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd}
+        state = {"model": model_sd, "optim": optim_sd}
+        if self.critic is not None:
+            state["critic"], state["critic_optim"] = get_state_dict(self.critic, self.critic_optimizer)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        if self.critic is not None:
+            set_state_dict(
+                self.critic,
+                self.critic_optimizer,
+                model_state_dict=state["critic"],
+                optim_state_dict=state["critic_optim"],
+            )

@@ -27,10 +27,13 @@ def test_every_shipped_config_validates_and_its_inputs_exist(path):
     [
         ("trainer.lrr=1e-3", "unknown key 'lrr' in trainer; did you mean 'lr'?"),
         ("trainr.lr=1", "unknown key 'trainr' in the top level; did you mean 'trainer'?"),
-        ("trainer.loss.entropy_coeff=0.1", "did you mean 'entropy_coef'?"),
+        ("algo.policy_loss.entropy_coeff=0.1", "did you mean 'entropy_coef'?"),
         ("trainer.lr=-1", "trainer.lr: Input should be greater than 0 (got -1)"),
         ("rollout.engine=vllm", "rollout.engine: Input should be 'torch' (got 'vllm')"),
-        ("rollout.group_size=1", "rollout.group_size: Input should be greater than or equal to 2 (got 1)"),
+        ("rollout.group_size=0", "rollout.group_size: Input should be greater than or equal to 1 (got 0)"),
+        ("rollout.group_size=1", "algo.advantage.estimator=grpo compares samples of a prompt group"),
+        ("algo.advantage.estimator=distill", "needs algo.teacher.path"),
+        ("algo.off_policy.correction=tis algo.off_policy.old_logprobs=rollout", "set algo.off_policy.old_logprobs"),
         ("rollout.num_engines=two", "rollout.num_engines: Input should be a valid integer"),
         ("trainer.lr.x=1", "trainer.lr is not a section"),
         ("trainer.lr", "expected key=value"),
@@ -38,7 +41,7 @@ def test_every_shipped_config_validates_and_its_inputs_exist(path):
 )
 def test_bad_overrides_are_named(override, message):
     with pytest.raises(ConfigError) as info:
-        load_config(None, [override])
+        load_config(None, override.split())
     assert message in str(info.value)
 
 
@@ -70,3 +73,15 @@ def test_missing_model_folder_is_reported_before_start(tmp_path):
     cfg = load_config(None, [f"model.path={tmp_path}"], base_dir=REPO)
     with pytest.raises(ConfigError, match="not an HF model folder"):
         check_inputs(cfg)
+
+
+def test_a_missing_teacher_is_named_before_anything_starts(tmp_path):
+    cfg = load_config(REPO / "configs" / "tiny-distill.yaml", [f"algo.teacher.path={tmp_path}/none"], base_dir=REPO)
+    with pytest.raises(ConfigError, match=r"algo.teacher.path: .*/none is not an HF model folder"):
+        check_inputs(cfg)
+
+
+def test_the_teacher_path_resolves_against_the_working_directory(tmp_path):
+    cfg = load_config(REPO / "configs" / "tiny-distill.yaml", base_dir=REPO)
+    assert cfg.algo.teacher.path == str(REPO / "assets" / "tiny-qwen3-addition-teacher")
+    assert load_config(None).algo.teacher.path is None

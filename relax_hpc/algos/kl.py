@@ -1,0 +1,31 @@
+"""Per-token estimators of KL(pi || pi_ref) from samples of pi (Schulman 2020,
+http://joschu.net/blog/kl-approx.html), with log_ratio = log pi(y_t) - log pi_ref(y_t):
+
+    k1 = log_ratio                              unbiased, high variance, can be negative
+    k2 = log_ratio^2 / 2                        biased, low variance, >= 0
+    k3 = exp(-log_ratio) - 1 + log_ratio        unbiased, low variance, >= 0 (GRPO's choice)
+
+The log-ratio is clamped to [-clamp, clamp] first (no gradient beyond it), so that one token the
+reference finds nearly impossible cannot turn the loss into inf.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+KLEstimator = Literal["k1", "k2", "k3"]
+
+
+def kl_estimate(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator = "k3", clamp: float = 20.0
+) -> torch.Tensor:
+    log_ratio = (logprobs - ref_logprobs).clamp(-clamp, clamp)
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
+    if estimator == "k3":
+        return torch.exp(-log_ratio) - 1 + log_ratio
+    raise ValueError(f"unknown KL estimator {estimator!r} (k1, k2 or k3)")

@@ -1,0 +1,165 @@
+"""The configured objective: algo.* settings -> the functions of this package, composed.
+
+The trainer backend computes log-probabilities (current, proximal, reference, teacher) and
+values with its models; everything it does with them is here, so that every backend trains the
+same objective and the learning tests exercise exactly what runs at scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from relax_hpc.algos import advantages as adv_lib
+from relax_hpc.algos import policy_losses
+from relax_hpc.algos.aggregation import Normalizer, aggregate
+from relax_hpc.algos.comm import LOCAL, Comm
+from relax_hpc.algos.kl import kl_estimate
+from relax_hpc.algos.off_policy import behaviour_weights
+from relax_hpc.algos.stats import Stats
+from relax_hpc.algos.value import value_loss
+from relax_hpc.config.schema import AlgoConfig
+
+
+@dataclass(slots=True)
+class Advantages:
+    advantages: torch.Tensor  # [n, T]
+    returns: torch.Tensor | None = None  # [n, T], gae only: the critic's targets
+
+
+class Objective:
+    def __init__(self, algo: AlgoConfig, max_new_tokens: int, max_staleness: int, comm: Comm = LOCAL) -> None:
+        self.cfg, self.comm = algo, comm
+        off = algo.off_policy
+        ratio_vs_rollout = off.old_logprobs == "rollout" or (
+            off.old_logprobs == "auto" and max_staleness > 0 and off.correction == "none"
+        )
+        self.old_is_rollout = ratio_vs_rollout
+        self.needs_reference = algo.kl.coef > 0
+        self.needs_teacher = algo.advantage.estimator == "distill"
+        self.needs_critic = algo.advantage.estimator == "gae"
+        loss = algo.policy_loss
+        self.agg_constant = float(loss.aggregation_constant or max_new_tokens)
+
+    # -- advantages -------------------------------------------------------------------------------
+
+    def advantages(
+        self,
+        rewards: torch.Tensor,
+        group_ids: torch.Tensor,
+        mask: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        ref_logprobs: torch.Tensor | None = None,
+        teacher_logprobs: torch.Tensor | None = None,
+        values: torch.Tensor | None = None,
+    ) -> Advantages:
+        """old_logprobs: the policy that sampled (as far as the ratio is concerned), for the KL
+        reward penalty and the distillation advantage. All inputs carry no gradient."""
+        a, kl = self.cfg.advantage, self.cfg.kl
+        penalty = torch.zeros_like(mask)
+        if self.needs_reference and kl.placement == "reward":
+            clamp = self.cfg.policy_loss.log_ratio_clamp
+            penalty = -kl.coef * kl_estimate(old_logprobs, ref_logprobs, kl.estimator, clamp) * mask
+        if a.estimator in ("grpo", "rloo"):
+            rewards = rewards + penalty.sum(-1)
+            if a.estimator == "grpo":
+                per_sample = adv_lib.grpo(rewards, group_ids, a.normalize_std, a.std_eps)
+            else:
+                per_sample = adv_lib.rloo(rewards, group_ids)
+            return Advantages(adv_lib.per_token(per_sample, mask))
+        if a.estimator == "distill":
+            return Advantages(adv_lib.distillation(old_logprobs, teacher_logprobs, mask))
+        if a.estimator == "reinforce_pp_baseline":
+            rewards = adv_lib.grpo(rewards, group_ids, normalize_std=False)
+        token_rewards = adv_lib.outcome_on_last_token(rewards, mask) + penalty
+        if a.estimator in ("reinforce_pp", "reinforce_pp_baseline"):
+            return Advantages(adv_lib.reinforce_pp(token_rewards, mask, a.gamma, self.comm))
+        advantages, returns = adv_lib.gae(token_rewards, values, mask, a.gamma, a.lam)
+        if a.whiten:
+            advantages = adv_lib.masked_whiten(advantages, mask, self.comm)
+        return Advantages(advantages, returns)
+
+    # -- losses ---------------------------------------------------------------------------------
+
+    def _policy_terms(
+        self, logprobs: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor
+    ) -> policy_losses.PolicyTerms:
+        p = self.cfg.policy_loss
+        clamp = p.log_ratio_clamp
+        if p.kind == "ppo":
+            return policy_losses.ppo(logprobs, old, adv, p.clip_low, p.clip_high, p.dual_clip, clamp)
+        if p.kind == "gspo":
+            return policy_losses.gspo(logprobs, old, adv, mask, p.clip_low, p.clip_high, clamp)
+        if p.kind == "sapo":
+            return policy_losses.sapo(logprobs, old, adv, p.sapo_tau_pos, p.sapo_tau_neg, clamp)
+        if p.kind == "cispo":
+            return policy_losses.cispo(logprobs, old, adv, p.clip_low, p.clip_high, clamp)
+        if p.kind == "m2po":
+            return policy_losses.m2po(logprobs, old, adv, mask, p.m2po_tau, self.comm, clamp)
+        return policy_losses.reinforce(logprobs, adv)
+
+    def policy_loss(
+        self,
+        logprobs: torch.Tensor,
+        entropy: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        rollout_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        norm: Normalizer,
+        ref_logprobs: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, Stats]:
+        """This rank's share of the mini-batch loss (summing it over ranks gives the loss)."""
+        p, kl, off = self.cfg.policy_loss, self.cfg.kl, self.cfg.off_policy
+        terms = self._policy_terms(logprobs, old_logprobs, advantages, mask)
+        weight, mismatch = behaviour_weights(
+            old_logprobs,
+            rollout_logprobs,
+            off.correction,
+            off.is_cap,
+            off.icepop_low,
+            off.icepop_high,
+            p.log_ratio_clamp,
+        )
+        per_token = terms.loss * weight - p.entropy_coef * entropy
+        stats = Stats()
+        if self.needs_reference:
+            divergence = kl_estimate(logprobs, ref_logprobs, kl.estimator, p.log_ratio_clamp)
+            if kl.placement == "loss":
+                per_token = per_token + kl.coef * divergence
+            stats.mean_of("kl_ref", divergence, mask)
+        loss = aggregate(per_token, mask, p.aggregation, Normalizer(norm.tokens, norm.sequences, self.agg_constant))
+        log_ratio = (logprobs - old_logprobs).detach().clamp(-p.log_ratio_clamp, p.log_ratio_clamp)
+        stats.sums["tokens"] = float(mask.sum())
+        stats.mean_of("pg_loss", terms.loss * weight, mask)
+        stats.mean_of("entropy", entropy, mask)
+        stats.mean_of("clip_fraction", terms.clipped.to(mask.dtype), mask)
+        # k3 estimate of KL(pi_old || pi) on tokens sampled from pi_old: (r - 1) - log r
+        stats.mean_of("approx_kl", torch.exp(log_ratio) - 1 - log_ratio, mask)
+        stats.mean_of("ratio_mean", terms.ratio, mask)
+        stats.range_of("ratio", terms.ratio, mask)
+        stats.mean_of("advantage_mean", advantages, mask)
+        stats.mean_of("advantage_abs_mean", advantages.abs(), mask)
+        stats.range_of("advantage", advantages, mask)
+        stats.mean_of("rollout_mismatch_mean", mismatch, mask)
+        stats.range_of("rollout_mismatch", mismatch, mask)
+        if off.correction != "none":
+            stats.mean_of("is_weight_mean", weight, mask)
+            stats.mean_of("is_dropped_fraction", (weight == 0).to(mask.dtype), mask)
+        return loss, stats
+
+    def critic_loss(
+        self,
+        values: torch.Tensor,
+        old_values: torch.Tensor,
+        returns: torch.Tensor,
+        mask: torch.Tensor,
+        norm: Normalizer,
+    ) -> tuple[torch.Tensor, Stats]:
+        per_token = value_loss(values, old_values, returns, self.cfg.critic.value_clip)
+        stats = Stats()
+        stats.mean_of("value_loss", per_token, mask)
+        stats.mean_of("value_mean", values, mask)
+        stats.mean_of("return_mean", returns, mask)
+        return aggregate(per_token, mask, "token_mean", norm), stats

@@ -1,0 +1,47 @@
+"""Corrections for tokens sampled by a policy other than the one the loss differentiates.
+
+Three policies take part in an asynchronous step: the behaviour policy that sampled the token
+(the engine's log-probabilities, `rollout_logprobs`), the proximal policy (the trainer's own
+log-probabilities before this batch's first update) and the current one being trained. The PPO
+ratio is taken against the proximal policy; the mismatch w = pi_prox / pi_behav (rollout engine
+numerics, and staleness when rollout runs ahead) becomes a per-token weight on the policy loss:
+
+- tis: truncated importance sampling, min(w, cap) (Yao et al. 2025, "Your efficient RL
+  framework secretly brings you off-policy RL training").
+- icepop: w where low <= w <= high, 0 outside: out-of-band tokens are dropped (Ling team 2025,
+  IcePop in "Every step evolves", arXiv:2510.18855).
+- decoupled: decoupled PPO (Fu et al. 2025, AReaL, arXiv:2505.24298): w, with the tokens whose w
+  exceeds cap dropped.
+
+The weight carries no gradient; it multiplies the policy loss only (not the KL or entropy terms).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+Correction = Literal["none", "tis", "icepop", "decoupled"]
+
+
+def behaviour_weights(
+    proximal_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    correction: Correction,
+    cap: float = 2.0,
+    low: float = 0.5,
+    high: float = 2.0,
+    log_ratio_clamp: float = 20.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight, raw w), both [n, T] and detached; weight is 1 everywhere for `none`."""
+    w = torch.exp((proximal_logprobs - behaviour_logprobs).detach().clamp(-log_ratio_clamp, log_ratio_clamp))
+    if correction == "none":
+        return torch.ones_like(w), w
+    if correction == "tis":
+        return w.clamp(max=cap), w
+    if correction == "icepop":
+        return torch.where((w >= low) & (w <= high), w, 0.0), w
+    if correction == "decoupled":
+        return torch.where(w <= cap, w, 0.0), w
+    raise ValueError(f"unknown off-policy correction {correction!r}")

@@ -1,0 +1,223 @@
+"""KL estimators, loss aggregation modes and off-policy behaviour weights, worked out by hand."""
+
+import math
+
+import pytest
+import torch
+
+from relax_hpc.algos.aggregation import Normalizer, aggregate, local_counts
+from relax_hpc.algos.kl import kl_estimate
+from relax_hpc.algos.off_policy import behaviour_weights
+
+torch.set_num_threads(1)
+
+
+def t(rows):
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+def close(actual, expected, rel=1e-6, abs=1e-9):
+    """actual (a tensor) equals the nested list `expected` elementwise."""
+    torch.testing.assert_close(actual.double(), torch.tensor(expected, dtype=torch.float64), rtol=rel, atol=abs)
+
+
+def grad_of_sum(out, x):
+    (g,) = torch.autograd.grad(out.sum(), x)
+    return g
+
+
+# -- KL estimators (Schulman 2020) -----------------------------------------------------------------
+# With d = log pi - log pi_ref: k1 = d, k2 = d^2 / 2, k3 = e^-d - 1 + d.
+# Derivatives in log pi: k1' = 1, k2' = d, k3' = 1 - e^-d.
+
+
+def kl_inputs():
+    lp = t([[-1.0, -2.0, -0.7]]).requires_grad_(True)
+    ref = t([[-1.5, -1.5, -0.7]])  # d = 0.5, -0.5, 0
+    return lp, ref
+
+
+def test_k1_by_hand():
+    lp, ref = kl_inputs()
+    out = kl_estimate(lp, ref, "k1")
+    close(out, [[0.5, -0.5, 0.0]])
+    close(grad_of_sum(out, lp), [[1.0, 1.0, 1.0]])
+
+
+def test_k2_by_hand():
+    lp, ref = kl_inputs()
+    out = kl_estimate(lp, ref, "k2")
+    close(out, [[0.125, 0.125, 0.0]])
+    close(grad_of_sum(out, lp), [[0.5, -0.5, 0.0]])
+
+
+def test_k3_by_hand():
+    # d = 0.5: e^-0.5 - 1 + 0.5 = 0.1065307; d = -0.5: e^0.5 - 1 - 0.5 = 0.1487213; d = 0: 0.
+    lp, ref = kl_inputs()
+    out = kl_estimate(lp, ref, "k3")
+    close(out, [[math.exp(-0.5) - 0.5, math.exp(0.5) - 1.5, 0.0]])
+    close(grad_of_sum(out, lp), [[1 - math.exp(-0.5), 1 - math.exp(0.5), 0.0]])
+
+
+def test_k3_is_the_default_and_nonnegative():
+    torch.manual_seed(0)
+    lp, ref = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
+    assert torch.equal(kl_estimate(lp, ref), kl_estimate(lp, ref, "k3"))
+    assert (kl_estimate(lp, ref) >= 0).all() and (kl_estimate(lp, ref, "k2") >= 0).all()
+
+
+def test_kl_extreme_log_ratios_are_clamped_finite_and_gradient_free():
+    # d = 50 -> 20: k1 = 20, k2 = 200, k3 = e^-20 + 19; d = -50 -> -20: k3 = e^20 - 21.
+    lp = t([[50.0, -50.0]]).requires_grad_(True)
+    ref = t([[0.0, 0.0]])
+    close(kl_estimate(lp, ref, "k1"), [[20.0, -20.0]])
+    close(kl_estimate(lp, ref, "k2"), [[200.0, 200.0]])
+    close(kl_estimate(lp, ref, "k3"), [[math.exp(-20.0) + 19.0, math.exp(20.0) - 21.0]])
+    for est in ("k1", "k2", "k3"):
+        g = grad_of_sum(kl_estimate(lp, ref, est), lp)
+        assert g.tolist() == [[0.0, 0.0]], est
+    close(kl_estimate(lp, ref, "k1", clamp=5.0), [[5.0, -5.0]])
+
+
+def test_unknown_kl_estimator_is_rejected():
+    with pytest.raises(ValueError):
+        kl_estimate(t([[0.0]]), t([[0.0]]), "k4")
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_kl_gradcheck(estimator):
+    torch.manual_seed(0)
+    lp = (torch.randn(3, 4, dtype=torch.float64) * 0.5).requires_grad_(True)
+    ref = torch.randn(3, 4, dtype=torch.float64) * 0.5
+    assert torch.autograd.gradcheck(lambda x: kl_estimate(x, ref, estimator), (lp,))
+
+
+# -- aggregation -----------------------------------------------------------------------------------
+
+
+def agg_case():
+    # Sample 0: 2 tokens (1, 2); sample 1: 3 tokens (4, 5, 6); sample 2: empty (7, 8, 9 masked out).
+    loss = t([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
+    mask = t([[1, 1, 0], [1, 1, 1], [0, 0, 0]])
+    return loss, mask
+
+
+def test_local_counts_skip_empty_completions():
+    _, mask = agg_case()
+    assert local_counts(mask) == (5.0, 2.0)
+
+
+@pytest.mark.parametrize(
+    "mode, expected",
+    [
+        ("token_mean", (1 + 2 + 4 + 5 + 6) / 5),  # 18 / 5 = 3.6
+        ("seq_mean_token_mean", (3 / 2 + 15 / 3) / 2),  # (1.5 + 5) / 2 = 3.25
+        ("seq_mean_token_sum", (3 + 15) / 2),  # 9
+        ("seq_mean_token_sum_norm", (3 + 15) / (2 * 4)),  # L = 4: 2.25
+    ],
+)
+def test_aggregation_by_hand(mode, expected):
+    loss, mask = agg_case()
+    out = aggregate(loss, mask, mode, Normalizer(tokens=5.0, sequences=2.0, constant=4.0))
+    assert float(out) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"])
+def test_aggregation_gradient_weights_by_hand(mode):
+    # d loss / d l_it: token_mean 1/5 each; seq_mean_token_mean 1/(2*2) on sample 0, 1/(2*3) on sample 1;
+    # seq_mean_token_sum 1/2; seq_mean_token_sum_norm 1/(2*4); masked tokens 0.
+    loss, mask = agg_case()
+    loss.requires_grad_(True)
+    w = {
+        "token_mean": (1 / 5, 1 / 5),
+        "seq_mean_token_mean": (1 / 4, 1 / 6),
+        "seq_mean_token_sum": (1 / 2, 1 / 2),
+        "seq_mean_token_sum_norm": (1 / 8, 1 / 8),
+    }[mode]
+    out = aggregate(loss, mask, mode, Normalizer(5.0, 2.0, 4.0))
+    close(grad_of_sum(out, loss), [[w[0], w[0], 0], [w[1], w[1], w[1]], [0, 0, 0]])
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"])
+def test_ranks_with_global_counts_sum_to_the_whole_batch(mode):
+    loss, mask = agg_case()
+    whole = aggregate(loss, mask, mode, Normalizer(5.0, 2.0, 4.0))
+    # rank 0 holds sample 0, rank 1 samples 1 and 2; each divides by the global counts.
+    parts = [aggregate(loss[s], mask[s], mode, Normalizer(5.0, 2.0, 4.0)) for s in (slice(0, 1), slice(1, 3))]
+    assert float(sum(parts)) == pytest.approx(float(whole))
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"])
+def test_fully_masked_batch_aggregates_to_zero_with_finite_gradient(mode):
+    loss = t([[1.0, 2.0], [3.0, 4.0]]).requires_grad_(True)
+    mask = torch.zeros(2, 2, dtype=torch.float64)
+    tokens, sequences = local_counts(mask)
+    out = aggregate(loss, mask, mode, Normalizer(tokens, sequences, 4.0))
+    assert float(out.detach()) == 0.0
+    g = grad_of_sum(out, loss)
+    assert torch.isfinite(g).all() and not g.any()
+
+
+def test_unknown_aggregation_is_rejected():
+    with pytest.raises(ValueError):
+        aggregate(t([[1.0]]), t([[1.0]]), "sum", Normalizer(1.0, 1.0))
+
+
+# -- off-policy corrections ------------------------------------------------------------------------
+
+
+def mismatch_case():
+    # w = pi_prox / pi_behav = 0.4, 0.9, 1.5, 3.0
+    w = [0.4, 0.9, 1.5, 3.0]
+    behaviour = t([[-1.0] * 4])
+    proximal = (behaviour + t([[math.log(x) for x in w]])).requires_grad_(True)
+    return proximal, behaviour, w
+
+
+def test_no_correction_weighs_one_and_reports_the_mismatch():
+    prox, behav, w = mismatch_case()
+    weight, raw = behaviour_weights(prox, behav, "none")
+    close(weight, [[1.0] * 4])
+    close(raw, [w])
+
+
+def test_tis_truncates_at_the_cap():
+    prox, behav, _ = mismatch_case()
+    weight, _ = behaviour_weights(prox, behav, "tis", cap=2.0)
+    close(weight, [[0.4, 0.9, 1.5, 2.0]])  # min(w, 2)
+
+
+def test_icepop_drops_tokens_outside_the_band():
+    prox, behav, _ = mismatch_case()
+    weight, _ = behaviour_weights(prox, behav, "icepop", low=0.5, high=2.0)
+    close(weight, [[0.0, 0.9, 1.5, 0.0]])  # w in [0.5, 2] kept as w, else 0
+    weight, _ = behaviour_weights(prox, behav, "icepop", low=0.3, high=1.0)
+    close(weight, [[0.4, 0.9, 0.0, 0.0]])
+
+
+def test_decoupled_ppo_drops_tokens_above_the_cap():
+    prox, behav, _ = mismatch_case()
+    weight, _ = behaviour_weights(prox, behav, "decoupled", cap=2.0)
+    close(weight, [[0.4, 0.9, 1.5, 0.0]])  # w if w <= 2 else 0 (no lower bound)
+
+
+@pytest.mark.parametrize("correction", ["none", "tis", "icepop", "decoupled"])
+def test_behaviour_weights_carry_no_gradient(correction):
+    prox, behav, _ = mismatch_case()
+    weight, raw = behaviour_weights(prox, behav, correction)
+    assert not weight.requires_grad and not raw.requires_grad
+
+
+def test_behaviour_weights_of_extreme_log_ratios_are_clamped():
+    # log w = +-50 is clamped to +-20 first.
+    prox, behav = t([[49.0, -51.0]]), t([[-1.0, -1.0]])
+    _, raw = behaviour_weights(prox, behav, "none")
+    close(raw, [[math.exp(20.0), math.exp(-20.0)]])
+    close(behaviour_weights(prox, behav, "tis", cap=2.0)[0], [[2.0, math.exp(-20.0)]])
+    close(behaviour_weights(prox, behav, "icepop")[0], [[0.0, 0.0]])
+    close(behaviour_weights(prox, behav, "decoupled", cap=2.0)[0], [[0.0, math.exp(-20.0)]])
+
+
+def test_unknown_correction_is_rejected():
+    with pytest.raises(ValueError):
+        behaviour_weights(t([[0.0]]), t([[0.0]]), "vtrace")
