@@ -381,6 +381,15 @@ class JobConfig(Section):
         if (baseline or self.algo.dynamic_sampling.enabled) and self.rollout.group_size < 2:
             what = f"algo.advantage.estimator={estimator}" if baseline else "algo.dynamic_sampling"
             raise ValueError(f"{what} compares samples of a prompt group: rollout.group_size must be at least 2")
+        if (
+            self.algo.policy_loss.kind == "reinforce"
+            and self.rollout.max_staleness > 0
+            and self.algo.off_policy.correction == "none"
+        ):
+            raise ValueError(
+                "algo.policy_loss.kind=reinforce has no importance ratio, so samples from older policies "
+                "would train uncorrected: set rollout.max_staleness=0 or an algo.off_policy.correction"
+            )
         return self
 
     @model_validator(mode="after")

@@ -53,16 +53,7 @@ class InProcessRun:
         self.rows = load_prompts(cfg.data.path, cfg.data.prompt_key, cfg.data.answer_key)
         self.prompt_ids = [self.tokenizer(r.prompt)["input_ids"] for r in self.rows]
         self.plan = BatchPlan(cfg, self.rows)
-        self.backend = TorchBackend(
-            cfg.model.path,
-            cfg.model.dtype,
-            cfg.trainer,
-            cfg.algo,
-            ro.max_new_tokens,
-            ro.max_staleness,
-            ro.temperature,
-            torch.device("cpu"),
-        )
+        self.backend = TorchBackend(cfg, torch.device("cpu"))
         dtype = getattr(torch, cfg.model.dtype)
         self.sampler = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=dtype).eval()
         self.params = dict(self.sampler.named_parameters())  # tied weights appear once, as in weight sync

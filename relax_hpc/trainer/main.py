@@ -125,16 +125,7 @@ class Trainer:
     def __init__(self, cfg: JobConfig, paths: RunPaths) -> None:
         self.cfg, self.paths = cfg, paths
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.backend = TorchBackend(
-            cfg.model.path,
-            cfg.model.dtype,
-            cfg.trainer,
-            cfg.algo,
-            cfg.rollout.max_new_tokens,
-            cfg.rollout.max_staleness,
-            cfg.rollout.temperature,
-            torch.device("cpu"),
-        )
+        self.backend = TorchBackend(cfg, torch.device("cpu"))
         self.pad_id = self.backend.model.config.pad_token_id
         self.ckpt = Checkpointer(paths.ckpt, cfg.ckpt.keep)
         self.buckets = plan_buckets(self.backend.parameter_specs(), int(cfg.weights.bucket_mb * 2**20))

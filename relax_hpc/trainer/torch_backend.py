@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 from relax_hpc.algos.aggregation import Normalizer, local_counts
 from relax_hpc.algos.objective import Advantages, Objective
 from relax_hpc.algos.stats import Stats
-from relax_hpc.config.schema import AlgoConfig, TrainerConfig
+from relax_hpc.config.schema import JobConfig
 from relax_hpc.trainer.batching import TrainBatch, token_logprobs_and_entropy
 
 
@@ -70,21 +70,13 @@ class StepResult:
 
 
 class TorchBackend:
-    def __init__(
-        self,
-        model_path: str,
-        dtype: str,
-        cfg: TrainerConfig,
-        algo: AlgoConfig,
-        max_new_tokens: int,
-        max_staleness: int,
-        temperature: float,
-        device: torch.device,
-    ) -> None:
+    def __init__(self, job: JobConfig, device: torch.device) -> None:
+        cfg, algo, ro = job.trainer, job.algo, job.rollout
+        model_path = job.model.path
         self.cfg, self.algo, self.device = cfg, algo, device
-        self.temperature = temperature
-        self.objective = Objective(algo, max_new_tokens, max_staleness, DistComm())
-        torch_dtype = getattr(torch, dtype)
+        self.temperature = ro.temperature
+        self.objective = Objective(algo, ro.max_new_tokens, ro.max_staleness, DistComm())
+        torch_dtype = getattr(torch, job.model.dtype)
         self.model = _sharded(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(device))
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay

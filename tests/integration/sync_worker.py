@@ -24,7 +24,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(100 + rank)
-    backend = TorchBackend(cfg.model.path, cfg.model.dtype, cfg.trainer, torch.device("cpu"), False)
+    backend = TorchBackend(cfg, torch.device("cpu"))
     with torch.no_grad():
         for p in backend.model.parameters():
             p.add_(0.3 * torch.randn_like(p))
@@ -38,7 +38,14 @@ def main() -> None:
         reference.load_state_dict(full, strict=False)
         prompts = [tokenizer(p)["input_ids"] for p, _ in addition_problems()]
         spec = SamplingSpec(max_new_tokens=4, temperature=0.0)
-        greedy = sample(reference, prompts, [spec] * len(prompts), [None] * len(prompts), tokenizer.eos_token_id, tokenizer.pad_token_id)
+        greedy = sample(
+            reference,
+            prompts,
+            [spec] * len(prompts),
+            [None] * len(prompts),
+            tokenizer.eos_token_id,
+            tokenizer.pad_token_id,
+        )
         out.write_text(
             json.dumps(
                 {

@@ -33,7 +33,7 @@ CASES: dict[str, tuple[float, int, float]] = {
     "rloo": (2e-3, 50, 0.3),
     "reinforce-pp": (1e-3, 50, 0.45),
     "reinforce-pp-baseline": (1e-3, 50, 0.35),
-    "ppo": (2e-3, 50, 0.45),
+    "ppo": (1e-3, 50, 0.5),
     "distill": (2e-3, 60, 0.35),
     # policy losses (ppo with clip-higher: dapo; with dual-clip: decoupled-ppo; reinforce: rloo)
     "dapo": (1e-3, 50, 0.5),
@@ -42,6 +42,9 @@ CASES: dict[str, tuple[float, int, float]] = {
     "cispo": (2e-3, 50, 0.3),
     "m2po": (5e-4, 60, 0.3),
     "decoupled-ppo": (1e-3, 50, 0.45),
+    # off-policy corrections of the rollout/trainer mismatch (decoupled: above)
+    "tis": (1e-3, 50, 0.45),
+    "icepop": (1e-3, 50, 0.3),
 }
 
 

@@ -6,28 +6,15 @@ cited in relax_hpc/algos/advantages.py and shaping.py), never by calling the imp
 
 import math
 import statistics
-import threading
 
 import pytest
 import torch
 
 from relax_hpc.algos import advantages as adv
 from relax_hpc.algos.shaping import informative, overlong_penalty
+from tests.unit.algo_helpers import TwoRankGroup, close, ids, t
 
 torch.set_num_threads(1)
-
-
-def t(rows):
-    return torch.tensor(rows, dtype=torch.float64)
-
-
-def ids(values):
-    return torch.tensor(values, dtype=torch.long)
-
-
-def close(actual, expected, rel=1e-6, abs=1e-9):
-    """actual (a tensor) equals the nested list `expected` elementwise."""
-    torch.testing.assert_close(actual.double(), torch.tensor(expected, dtype=torch.float64), rtol=rel, atol=abs)
 
 
 # -- GRPO / Dr. GRPO -------------------------------------------------------------------------------
@@ -188,53 +175,6 @@ def test_masked_whiten_is_shift_invariant_in_float32(base):
 def test_masked_whiten_of_an_empty_batch_is_zero():
     out = adv.masked_whiten(t([[1.0, 2.0]]), t([[0, 0]]))
     assert out.tolist() == [[0.0, 0.0]]
-
-
-class TwoRankGroup:
-    """Two fake ranks in two threads; each rank's comm sums / concatenates both ranks' tensors."""
-
-    def __init__(self):
-        self.barrier = threading.Barrier(2, timeout=10)
-        self.slots = [None, None]
-
-    def comm(self, rank):
-        group = self
-
-        class _Comm:
-            def _exchange(self, x):
-                group.slots[rank] = x
-                group.barrier.wait()
-                both = list(group.slots)
-                group.barrier.wait()
-                return both
-
-            def all_sum(self, x):
-                a, b = self._exchange(x)
-                return a + b
-
-            def all_gather(self, x):
-                return torch.cat(self._exchange(x))
-
-        return _Comm()
-
-    def run(self, fn, args0, args1):
-        results, errors = [None, None], []
-
-        def work(rank, args):
-            try:
-                results[rank] = fn(*args, comm=self.comm(rank))
-            except Exception as e:  # noqa: BLE001 - surfaced below
-                errors.append(e)
-                self.barrier.abort()
-
-        threads = [threading.Thread(target=work, args=(r, a)) for r, a in ((0, args0), (1, args1))]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        if errors:
-            raise errors[0]
-        return results
 
 
 def test_masked_whiten_split_over_two_ranks_equals_one_process():

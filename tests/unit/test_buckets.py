@@ -32,5 +32,5 @@ def test_pack_unpack_round_trip_is_bit_exact():
 def test_bf16_bucket_round_trip():
     t = torch.randn(9).to(torch.bfloat16)
     plan = plan_buckets([("w", t.shape, t.dtype)], 1 << 20)[0]
-    (name, back), = unpack(pack([t]), plan)
+    ((name, back),) = unpack(pack([t]), plan)
     assert name == "w" and back.dtype == torch.bfloat16 and torch.equal(back, t)

@@ -8,17 +8,9 @@ import torch
 from relax_hpc.algos.aggregation import Normalizer, aggregate, local_counts
 from relax_hpc.algos.kl import kl_estimate
 from relax_hpc.algos.off_policy import behaviour_weights
+from tests.unit.algo_helpers import close, t
 
 torch.set_num_threads(1)
-
-
-def t(rows):
-    return torch.tensor(rows, dtype=torch.float64)
-
-
-def close(actual, expected, rel=1e-6, abs=1e-9):
-    """actual (a tensor) equals the nested list `expected` elementwise."""
-    torch.testing.assert_close(actual.double(), torch.tensor(expected, dtype=torch.float64), rtol=rel, atol=abs)
 
 
 def grad_of_sum(out, x):

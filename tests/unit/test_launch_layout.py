@@ -86,7 +86,9 @@ def test_container_wrapping_binds_what_roles_use(tmp_path):
     binds = argv[4].split(",")
     assert str(tmp_path / "run") in binds and cfg.model.path in binds
     assert argv[-4:] == [str(image), "python", "-m", "x"]
-    cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", f"launch.container={tmp_path}", "launch.container_runtime=charliecloud"])
+    cfg = load_config(
+        None, [f"run.dir={tmp_path / 'run'}", f"launch.container={tmp_path}", "launch.container_runtime=charliecloud"]
+    )
     argv = wrap_in_container(cfg, RunPaths(tmp_path / "run"), ["python", "-m", "x"])
     assert argv[:2] == ["ch-run", "--set-env"] and argv[-5:] == [str(tmp_path), "--", "python", "-m", "x"]
     assert f"{tmp_path / 'run'}:{tmp_path / 'run'}" in argv

@@ -10,21 +10,9 @@ from relax_hpc.algos.aggregation import Normalizer, local_counts
 from relax_hpc.algos.objective import Objective
 from relax_hpc.algos.stats import Stats
 from relax_hpc.config.schema import AlgoConfig
+from tests.unit.algo_helpers import close, ids, t
 
 torch.set_num_threads(1)
-
-
-def t(rows):
-    return torch.tensor(rows, dtype=torch.float64)
-
-
-def ids(values):
-    return torch.tensor(values, dtype=torch.long)
-
-
-def close(actual, expected, rel=1e-6, abs=1e-9):
-    """actual (a tensor) equals the nested list `expected` elementwise."""
-    torch.testing.assert_close(actual.double(), torch.tensor(expected, dtype=torch.float64), rtol=rel, atol=abs)
 
 
 def objective(cfg, max_new_tokens=4, max_staleness=0):

@@ -5,7 +5,6 @@ that every expected number follows from the paper's formula in a line of arithme
 """
 
 import math
-import threading
 
 import pytest
 import torch
@@ -13,17 +12,9 @@ import torch
 from relax_hpc.algos import policy_losses as pl
 from relax_hpc.algos.aggregation import Normalizer, aggregate
 from relax_hpc.algos.value import value_loss
+from tests.unit.algo_helpers import TwoRankGroup, close, t
 
 torch.set_num_threads(1)
-
-
-def t(rows):
-    return torch.tensor(rows, dtype=torch.float64)
-
-
-def close(actual, expected, rel=1e-6, abs=1e-9):
-    """actual (a tensor) equals the nested list `expected` elementwise."""
-    torch.testing.assert_close(actual.double(), torch.tensor(expected, dtype=torch.float64), rtol=rel, atol=abs)
 
 
 def leaf_logprobs(log_ratios, old=-1.0):
@@ -300,53 +291,6 @@ def test_m2po_loss_is_unclipped_ratio_times_advantage_on_kept_tokens():
     assert terms.clipped.tolist() == [[False, True, False, False], [False, False, True, False]]
 
 
-class TwoRankGroup:
-    """Two fake ranks in two threads; each rank's comm sums / concatenates both ranks' tensors."""
-
-    def __init__(self):
-        self.barrier = threading.Barrier(2, timeout=10)
-        self.slots = [None, None]
-
-    def comm(self, rank):
-        group = self
-
-        class _Comm:
-            def _exchange(self, x):
-                group.slots[rank] = x
-                group.barrier.wait()
-                both = list(group.slots)
-                group.barrier.wait()
-                return both
-
-            def all_sum(self, x):
-                a, b = self._exchange(x)
-                return a + b
-
-            def all_gather(self, x):
-                return torch.cat(self._exchange(x))
-
-        return _Comm()
-
-    def run(self, fn, args0, args1):
-        results, errors = [None, None], []
-
-        def work(rank, args):
-            try:
-                results[rank] = fn(*args, comm=self.comm(rank))
-            except Exception as e:  # noqa: BLE001 - surfaced below
-                errors.append(e)
-                self.barrier.abort()
-
-        threads = [threading.Thread(target=work, args=(r, a)) for r, a in ((0, args0), (1, args1))]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        if errors:
-            raise errors[0]
-        return results
-
-
 def split_m2po(log_r, mask, tau, rows_on_rank0):
     top, bottom = TwoRankGroup().run(
         lambda lr, m, comm: pl.m2po_mask(lr, m, tau=tau, comm=comm),
@@ -470,7 +414,10 @@ def test_gradcheck_of_gspo_aggregated_as_in_the_paper():
     norm = Normalizer(tokens=float(mask.sum()), sequences=3.0)
     for clip in (0.2, 0.01):  # wide: nothing clipped; narrow: every sequence clipped
         assert torch.autograd.gradcheck(
-            lambda x: aggregate(pl.gspo(x, old, a, mask, clip, clip).loss, mask, "seq_mean_token_mean", norm), (lp,)
+            lambda x, clip=clip: aggregate(
+                pl.gspo(x, old, a, mask, clip, clip).loss, mask, "seq_mean_token_mean", norm
+            ),
+            (lp,),
         )
 
 

@@ -21,7 +21,11 @@ def test_valid_bodies_parse_and_defaults_are_left_out_when_sent():
         (P.GenerateReqInput, {"input_ids": "1 2"}, "GenerateReqInput.input_ids: expected"),
         (P.GenerateReqInput, {"input_ids": [1, True]}, "expected"),
         (P.PauseGenerationReqInput, {"mode": "later"}, "PauseGenerationReqInput.mode"),
-        (P.InitWeightsUpdateGroupReqInput, {"master_address": "h", "master_port": 1, "world_size": 2}, "missing field 'rank_offset'"),
+        (
+            P.InitWeightsUpdateGroupReqInput,
+            {"master_address": "h", "master_port": 1, "world_size": 2},
+            "missing field 'rank_offset'",
+        ),
         (P.AbortReq, [], "must be a JSON object"),
     ],
 )

@@ -23,7 +23,7 @@ import pytest
 from relax_hpc.rollout import protocol as P
 
 REPO = Path(__file__).resolve().parents[2]
-PINNED = re.search(r"^sglang==(\S+)$", (REPO / "constraints.txt").read_text(), re.M).group(1)
+PINNED = re.search(r"^sglang==(\S+)$", (REPO / "constraints.txt").read_text(), re.MULTILINE).group(1)
 
 # Every request class relax_hpc sends (or the torch engine accepts) and every route it calls.
 CLASSES = [

@@ -81,7 +81,10 @@ def test_claim_rollback_and_next_seq(tmp_path):
     # A checkpoint after 1 step: the claims of steps 1 and 2 go back to ready, manifests vanish.
     assert spool.rollback_claims(from_step=1) == 2
     assert [p.name for p in spool.list_ready()] == ["b000000001.h5", "b000000002.h5", "b000000003.h5"]
-    assert sorted(p.name for p in (spool.claimed / "step-00000000").iterdir()) == ["b000000000.h5", "b000000000.h5.json"]
+    assert sorted(p.name for p in (spool.claimed / "step-00000000").iterdir()) == [
+        "b000000000.h5",
+        "b000000000.h5.json",
+    ]
     assert not (spool.claimed / "step-00000001").exists()
     assert spool.next_seq() == 4
 

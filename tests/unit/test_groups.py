@@ -1,0 +1,62 @@
+"""Dynamic sampling and reward shaping in BatchPlan, with stand-in sampling rounds."""
+
+from pathlib import Path
+
+from relax_hpc.config import load_config
+from relax_hpc.data.prompts import load_prompts
+from relax_hpc.rollout.groups import BatchPlan, Group
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def plan(*overrides):
+    cfg = load_config(REPO / "configs" / "tiny-grpo.yaml", ["rollout.prompts_per_step=3", *overrides], base_dir=REPO)
+    return BatchPlan(cfg, load_prompts(cfg.data.path, "prompt", "answer"))
+
+
+def rounds_with(rewards_per_round):
+    """A sampling function whose round r returns groups with the given rewards, and the rounds asked."""
+    asked = []
+
+    def sample_round(r):
+        asked.append(r)
+        return [Group(10 * r + j, j, [1], [[2]], [[0.0]], rw, [0]) for j, rw in enumerate(rewards_per_round[r])]
+
+    return sample_round, asked
+
+
+def test_without_dynamic_sampling_the_first_round_is_the_batch():
+    sample_round, asked = rounds_with([[[1, 1], [0, 0], [0, 1]]])
+    sel = plan().select(sample_round)
+    assert asked == [0] and [g.group_id for g in sel.groups] == [0, 1, 2] and sel.dropped == 0
+
+
+def test_uninformative_groups_are_replaced_from_later_rounds():
+    sample_round, asked = rounds_with([[[1, 1], [0, 1], [0, 0]], [[0, 0], [1, 0], [1, 0]]])
+    sel = plan("algo.dynamic_sampling.enabled=true").select(sample_round)
+    assert asked == [0, 1]
+    assert [g.group_id for g in sel.groups] == [1, 11, 12]  # round 0's informative one, then round 1's
+    assert (sel.rounds, sel.dropped, sel.topped_up) == (2, 3, 0)
+
+
+def test_a_batch_still_short_after_max_rounds_is_topped_up_with_dropped_groups():
+    sample_round, asked = rounds_with([[[1, 1], [0, 1], [0, 0]], [[0, 0], [0, 0], [1, 1]]])
+    sel = plan("algo.dynamic_sampling.enabled=true", "algo.dynamic_sampling.max_rounds=2").select(sample_round)
+    assert asked == [0, 1] and len(sel.groups) == 3
+    assert [g.group_id for g in sel.groups] == [1, 0, 2]  # the informative group, then the first dropped
+    assert (sel.dropped, sel.topped_up) == (5, 2)
+
+
+def test_rounds_are_a_pure_function_of_the_batch_and_round():
+    p = plan("algo.dynamic_sampling.enabled=true")
+    assert p.prompts(7, 0) == plan().prompts(7, 0)  # round 0 is the batch's own prompts
+    assert p.prompts(7, 1) == p.prompts(7, 1) and p.prompts(7, 1) != p.prompts(7, 2)
+    ids = {p.group_id(s, r, j) for s in range(4) for r in range(3) for j in range(3)}
+    assert len(ids) == 4 * 3 * 3  # unique across batches, rounds and prompts
+
+
+def test_overlong_completions_lose_reward_linearly_in_the_buffer():
+    p = plan("algo.overlong.buffer=2", "algo.overlong.penalty=0.5")  # limit 4 tokens: penalty from 3
+    index = next(i for i, r in enumerate(p.rows) if r.answer == "7")
+    assert [p.reward("7", n, index) for n in (1, 2, 3, 4)] == [1.0, 1.0, 0.75, 0.5]
+    assert p.reward("8", 4, index) == -0.5
