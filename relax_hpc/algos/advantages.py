@@ -35,6 +35,13 @@ def _group_sum(values: torch.Tensor, index: torch.Tensor, num_groups: int) -> to
     return torch.zeros(num_groups, dtype=values.dtype, device=values.device).index_add_(0, index, values)
 
 
+def _informative(r: torch.Tensor, index: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """[n] bool: the sample's group has more than one sample and not all rewards equal."""
+    high = torch.full((num_groups,), -torch.inf, dtype=r.dtype, device=r.device).scatter_reduce(0, index, r, "amax")
+    low = torch.full((num_groups,), torch.inf, dtype=r.dtype, device=r.device).scatter_reduce(0, index, r, "amin")
+    return (high - low)[index] > 0
+
+
 def grpo(rewards: torch.Tensor, group_ids: torch.Tensor, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
     """Per-sample GRPO (or, without normalize_std, Dr. GRPO) advantages [n].
 
@@ -47,19 +54,17 @@ def grpo(rewards: torch.Tensor, group_ids: torch.Tensor, normalize_std: bool = T
     if normalize_std:
         var = _group_sum(centred**2, index, num_groups)[index] / (count - 1).clamp(min=1)
         centred = centred / (var.sqrt() + eps)
-    spread = (
-        torch.full((num_groups,), -torch.inf, dtype=r.dtype, device=r.device).scatter_reduce(0, index, r, "amax")
-        - torch.full((num_groups,), torch.inf, dtype=r.dtype, device=r.device).scatter_reduce(0, index, r, "amin")
-    )[index]
-    return torch.where((count > 1) & (spread > 0), centred, 0.0).to(rewards.dtype)
+    return torch.where(_informative(r, index, num_groups), centred, 0.0).to(rewards.dtype)
 
 
 def rloo(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    """Per-sample leave-one-out advantages [n]: r_i minus the mean of the others in its group."""
+    """Per-sample leave-one-out advantages [n]: r_i minus the mean of the others in its group
+    (float64; exactly 0 for a group of one or of all-equal rewards)."""
     index, num_groups = _group_index(group_ids)
-    count = _group_sum(torch.ones_like(rewards), index, num_groups)[index]
-    others = (_group_sum(rewards, index, num_groups)[index] - rewards) / (count - 1).clamp(min=1)
-    return torch.where(count > 1, rewards - others, torch.zeros_like(rewards))
+    r = rewards.double()
+    count = _group_sum(torch.ones_like(r), index, num_groups)[index]
+    others = (_group_sum(r, index, num_groups)[index] - r) / (count - 1).clamp(min=1)
+    return torch.where(_informative(r, index, num_groups), r - others, 0.0).to(rewards.dtype)
 
 
 def per_token(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -50,13 +50,11 @@ class TrainBatch:
     def minibatches(self, count: int) -> list[torch.Tensor]:
         """Row indices of `count` mini-batches of whole groups (groups dealt out in order of first
         appearance, contiguous runs); some are empty when there are fewer groups than `count`."""
-        _, first = torch.unique_consecutive(self.group_ids, return_counts=True)
-        bounds = torch.cat([torch.zeros(1, dtype=torch.long), first.cumsum(0)])
-        per = -(-(len(bounds) - 1) // count) if len(bounds) > 1 else 0
-        return [
-            torch.arange(int(bounds[min(k * per, len(bounds) - 1)]), int(bounds[min((k + 1) * per, len(bounds) - 1)]))
-            for k in range(count)
-        ]
+        _, sizes = torch.unique_consecutive(self.group_ids, return_counts=True)
+        bounds = [0, *torch.cumsum(sizes, 0).tolist()]  # row where each group starts, then the end
+        per = -(-(len(bounds) - 1) // count)  # groups per mini-batch, rounded up
+        edges = [bounds[min(k * per, len(bounds) - 1)] for k in range(count + 1)]
+        return [torch.arange(edges[k], edges[k + 1]) for k in range(count)]
 
 
 def pad_samples(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -100,9 +101,12 @@ class InProcessRun:
         }
 
 
-def run_inprocess(cfg: JobConfig, steps: int, greedy_every: int = 0) -> list[dict]:
+def run_inprocess(
+    cfg: JobConfig, steps: int, greedy_every: int = 0, on_step: Callable[[dict], None] | None = None
+) -> list[dict]:
     """Train `steps` batches; returns each step's metrics (reward, the objective's statistics,
-    and greedy accuracy over the dataset every `greedy_every` steps and at the end if set)."""
+    and greedy accuracy over the dataset every `greedy_every` steps and at the end if set), and
+    hands each to `on_step` as soon as it exists."""
     run = InProcessRun(cfg)
     versions: collections.deque[dict] = collections.deque(maxlen=cfg.rollout.max_staleness + 1)
     versions.append({name: p.detach().clone() for name, p in run.params.items()})
@@ -115,6 +119,8 @@ def run_inprocess(cfg: JobConfig, steps: int, greedy_every: int = 0) -> list[dic
             _load(run.params, versions[-1])
             record["greedy_accuracy"] = run.greedy_accuracy()
         records.append(record)
+        if on_step is not None:
+            on_step(record)
     return records
 
 
@@ -129,8 +135,12 @@ def main() -> None:
     cfg = load_config(args.config, args.overrides)
     torch.set_num_threads(cfg.launch.threads_per_process)
     writer = JsonlWriter(args.out)
-    for record in run_inprocess(cfg, args.steps, args.greedy_every):
+
+    def report(record: dict) -> None:
         writer.log(record)
+        print(f"step {record['step']}/{args.steps} | reward {record['reward']:.3f}", flush=True)
+
+    run_inprocess(cfg, args.steps, args.greedy_every, report)
 
 
 if __name__ == "__main__":

@@ -103,6 +103,10 @@ class TorchBackend:
         return out.logits.squeeze(-1).float()
 
     @torch.no_grad()
+    def _frozen_values(self, batch: TrainBatch) -> torch.Tensor | None:
+        return None if self.critic is None else self._values(batch)
+
+    @torch.no_grad()
     def _frozen_logprobs(self, model: torch.nn.Module | None, batch: TrainBatch) -> torch.Tensor | None:
         return None if model is None else token_logprobs_and_entropy(model, batch, self.temperature)[0]
 
@@ -111,40 +115,40 @@ class TorchBackend:
         dist.all_reduce(counts)  # host sync: each mini-batch's loss divides by global counts
         return [Normalizer(float(tokens), float(seqs)) for tokens, seqs in counts.tolist()]
 
+    def _minibatches(self, batch: TrainBatch) -> tuple[list[torch.Tensor], list[TrainBatch]]:
+        """Row indices and tensors of each mini-batch. A rank with no group in a mini-batch still
+        runs it (one row, no loss tokens): forward and backward are collectives under FSDP."""
+        rows, parts = [], []
+        for r in batch.minibatches(self.algo.minibatches):
+            rows.append(r if len(r) else torch.zeros(1, dtype=torch.long))
+            parts.append(batch.select(rows[-1]) if len(r) else batch.select(rows[-1]).without_loss())
+        return rows, parts
+
     def train_step(self, batch: TrainBatch, step: int) -> StepResult:
         """Advantages, then algo.epochs x algo.minibatches optimizer steps on this rank's share of
         the batch (whole prompt groups)."""
         self.model.train()
         batch = batch.to(self.device)
         objective, algo = self.objective, self.algo
-        passes = algo.epochs * algo.minibatches
         # The ratio's denominator: the rollout's log-probabilities, or the trainer's own before any
-        # update (recomputed in a separate pass only when more than one optimizer step follows).
+        # update (recomputed in a separate pass only when more than one optimizer step follows; with
+        # one step it is the detached forward of that step).
         if objective.old_is_rollout:
             old = batch.rollout_logprobs
         else:
-            old = self._frozen_logprobs(self.model, batch) if passes > 1 else None
+            old = self._frozen_logprobs(self.model, batch) if algo.epochs * algo.minibatches > 1 else None
         ref = self._frozen_logprobs(self.reference, batch)
         teacher = self._frozen_logprobs(self.teacher, batch)
-        old_values = None
-        if self.critic is not None:
-            with torch.no_grad():
-                old_values = self._values(batch)
+        old_values = self._frozen_values(batch)
         advantages = None if old is None else self._advantages(batch, old, ref, teacher, old_values)
-
-        rows, parts = [], []
-        for r in batch.minibatches(algo.minibatches):
-            # A rank with no group in a mini-batch still runs it (one row, no loss tokens): the
-            # forward and backward passes are collectives under FSDP.
-            rows.append(r if len(r) else torch.zeros(1, dtype=torch.long))
-            parts.append(batch.select(rows[-1]) if len(r) else batch.select(rows[-1]).without_loss())
+        rows, parts = self._minibatches(batch)
         norms = self._global_counts(parts)
         policy_learns = self.critic is None or step >= algo.critic.warmup_steps
         stats, losses, grad_norm = Stats(), [], 0.0
         for _ in range(algo.epochs):
             for r, part, norm in zip(rows, parts, norms):
                 logprobs, entropy = token_logprobs_and_entropy(self.model, part, self.temperature)
-                if advantages is None:  # a single optimizer step: the proximal policy is this forward
+                if advantages is None:
                     old = logprobs.detach()
                     advantages = self._advantages(batch, old, ref, teacher, old_values)
                 loss, part_stats = objective.policy_loss(

@@ -30,7 +30,7 @@ CASES: dict[str, tuple[float, int, float]] = {
     # advantage estimators
     "grpo": (2e-3, 50, 0.45),
     "dr-grpo": (1e-3, 50, 0.2),
-    "rloo": (2e-3, 50, 0.3),
+    "rloo": (2e-3, 50, 0.2),
     "reinforce-pp": (1e-3, 50, 0.45),
     "reinforce-pp-baseline": (1e-3, 50, 0.35),
     "ppo": (1e-3, 50, 0.5),
