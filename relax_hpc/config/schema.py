@@ -52,9 +52,30 @@ class DataConfig(Section):
     """Reshuffle the prompts every epoch (seeded by run.seed)."""
 
 
+class SGLangConfig(Section):
+    tp_size: int = Field(1, ge=1)
+    """GPUs of one SGLang engine (`--tp-size`); each engine takes this many GPUs of its node."""
+    mem_fraction_static: float = Field(0.8, gt=0, lt=1)
+    """Share of GPU memory SGLang reserves for weights and KV cache (`--mem-fraction-static`)."""
+    context_length: int | None = Field(None, ge=1)
+    """Longest prompt + completion an engine accepts (`--context-length`; default: the model's)."""
+    extra_args: list[str] = []
+    """Further `sglang.launch_server` arguments, passed through as given, e.g.
+    `["--attention-backend", "fa3", "--cuda-graph-max-bs", "256"]`."""
+    startup_timeout_s: float = Field(900.0, gt=0)
+    """An engine that does not answer /health this long after its start counts as failed (loading
+    a large model and capturing CUDA graphs takes minutes)."""
+    module: str = "sglang.launch_server"
+    """The Python module run as the server (`python -m MODULE`); change it only for a patched
+    SGLang build that keeps launch_server's arguments."""
+
+
 class RolloutConfig(Section):
-    engine: Literal["torch"] = "torch"
-    """Rollout engine. `torch`: the built-in HF engine that speaks SGLang's HTTP protocol."""
+    engine: Literal["torch", "sglang"] = "torch"
+    """Rollout engine. `torch`: the built-in HF engine that speaks SGLang's HTTP protocol (CPU, tests,
+    small models). `sglang`: `python -m sglang.launch_server` per engine (GPUs; see rollout.sglang)."""
+    sglang: SGLangConfig = SGLangConfig()
+    """Settings of the SGLang engines (rollout.engine=sglang)."""
     num_engines: int = Field(2, ge=1)
     """Engine processes (each an HTTP server)."""
     host: str = "127.0.0.1"
@@ -239,9 +260,35 @@ class AlgoConfig(Section):
         return self
 
 
+class MegatronConfig(Section):
+    tensor_parallel: int = Field(1, ge=1)
+    """Tensor-parallel size (splits attention heads and MLP columns over GPUs of a node)."""
+    pipeline_parallel: int = Field(1, ge=1)
+    """Pipeline-parallel size (splits the layers into this many stages)."""
+    context_parallel: int = Field(1, ge=1)
+    """Context-parallel size (splits each sequence over GPUs; needs Transformer Engine)."""
+    expert_parallel: int = Field(1, ge=1)
+    """Expert-parallel size of MoE models (splits the experts over GPUs)."""
+    sequence_parallel: bool = True
+    """Megatron sequence parallelism for the norms and dropout when tensor_parallel > 1."""
+    distributed_optimizer: bool = True
+    """Shard the fp32 master weights and Adam moments over data-parallel ranks (ZeRO-1)."""
+    attention: Literal["auto", "te", "sdpa"] = "auto"
+    """Core attention: `te` (Transformer Engine's fused attention), `sdpa` (torch
+    scaled_dot_product_attention, flash or memory-efficient kernels), `auto` = te when installed."""
+    max_tokens_per_microbatch: int = Field(16384, ge=1)
+    """Sequence packing: samples are packed into micro-batches of at most this many tokens (a
+    longer sample travels alone); the batch's gradient is accumulated over them."""
+    recompute: bool = False
+    """Recompute each layer's activations in the backward pass (less memory, ~30% more compute)."""
+
+
 class TrainerConfig(Section):
-    backend: Literal["torch"] = "torch"
-    """Trainer backend. `torch`: HF transformers model under FSDP2 (CPU/gloo or GPU/nccl)."""
+    backend: Literal["torch", "megatron"] = "torch"
+    """Trainer backend. `torch`: HF transformers model under FSDP2 (CPU/gloo or GPU/nccl).
+    `megatron`: megatron-core GPTModel (GPUs; Qwen2/Qwen3 dense and Qwen3-MoE), see trainer.megatron."""
+    megatron: MegatronConfig = MegatronConfig()
+    """Parallelism and kernels of the megatron backend."""
     num_ranks: int = Field(2, ge=1)
     """torchrun ranks (processes) of the trainer."""
     total_steps: int = Field(400, ge=1)
