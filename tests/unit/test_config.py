@@ -29,7 +29,7 @@ def test_every_shipped_config_validates_and_its_inputs_exist(path):
         ("trainr.lr=1", "unknown key 'trainr' in the top level; did you mean 'trainer'?"),
         ("algo.policy_loss.entropy_coeff=0.1", "did you mean 'entropy_coef'?"),
         ("trainer.lr=-1", "trainer.lr: Input should be greater than 0 (got -1)"),
-        ("rollout.engine=vllm", "rollout.engine: Input should be 'torch' (got 'vllm')"),
+        ("rollout.engine=vllm", "rollout.engine: Input should be 'torch' or 'sglang' (got 'vllm')"),
         ("rollout.group_size=0", "rollout.group_size: Input should be greater than or equal to 1 (got 0)"),
         ("rollout.group_size=1", "algo.advantage.estimator=grpo compares samples of a prompt group"),
         ("algo.advantage.estimator=distill", "needs algo.teacher.path"),
