@@ -1,0 +1,210 @@
+"""HF <-> megatron mapping across real process groups: two torchrun ranks on CPU (gloo; on a
+machine with two GPUs, NCCL) with TP=2, PP=2 or EP=2. Every rank loads an HF folder, holds exactly the block of every tensor that an
+independent, naive computation expects, and export_hf run on all ranks gives rank 0 the HF
+checkpoint bit for bit (the other rank gets the same names with None).
+
+This file is also the torchrun worker: `python -m torch.distributed.run --nproc-per-node=2
+tests/integration/test_hf_mapping_parallel.py FOLDERS_JSON OUT_DIR` runs every layout in turn."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+LAYOUTS = {
+    "tp2": {"tensor_parallel": 2},
+    "pp2": {"pipeline_parallel": 2},
+    "ep2": {"expert_parallel": 2},  # TP=1, so also 2 data-parallel replicas of the dense weights
+}
+# What each layout runs on, and how many layers the models have. A tied model under PP builds on
+# GPUs only (megatron moves the last stage's copy of the embedding to CUDA while building).
+TIED_PP = ["qwen3-tied"] if torch.cuda.is_available() else []
+MODELS = {
+    "tp2": (["qwen2", "qwen3-tied", "qwen3-moe"], 2),
+    "pp2": (["qwen2", "qwen3", "qwen3-moe", *TIED_PP], 4),
+    "ep2": (["qwen3-moe"], 2),
+}
+# Global layers and experts each rank must hold (None: all of them).
+HOLDS = {
+    "tp2": {0: (None, None), 1: (None, None)},
+    "pp2": {0: ([0, 1], None), 1: ([2, 3], None)},
+    "ep2": {0: (None, [0, 1]), 1: (None, [2, 3])},
+}
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory) -> dict:
+    """One torchrun of every layout (megatron's import alone takes ~10 s of CPU per process):
+    {layout: {rank: {model kind: facts}}}."""
+    from tests.unit.test_hf_mapping import save_random_hf, tiny_configs
+
+    root = tmp_path_factory.mktemp("hf_mapping_parallel")
+    folders: dict[str, dict[str, str]] = {}
+    for layout, (kinds, num_layers) in MODELS.items():
+        configs = tiny_configs(num_layers)
+        for seed, kind in enumerate(kinds):
+            folder = root / layout / kind
+            save_random_hf(configs[kind], folder, seed=seed)
+            folders.setdefault(layout, {})[kind] = str(folder)
+    (root / "folders.json").write_text(json.dumps(folders))
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
+         str(root / "folders.json"), str(root)],
+        check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-5000:]
+    return {rank: json.loads((root / f"rank{rank}.json").read_text()) for rank in (0, 1)}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_two_ranks_hold_their_shards_and_export_the_checkpoint(layout, reports):
+    kinds, num_layers = MODELS[layout]
+    for rank in (0, 1):
+        report = reports[rank][layout]
+        assert sorted(report) == sorted(kinds)
+        for kind, facts in report.items():
+            layers, experts = HOLDS[layout][rank]
+            assert facts["layers"] == (layers if layers is not None else list(range(num_layers))), kind
+            if "moe" in kind:
+                assert facts["experts"] == (experts if experts is not None else [0, 1, 2, 3]), kind
+            assert facts["checked"] == facts["params"] > 0
+            # rank 0 receives every tensor; the other rank iterates the same names with None
+            assert facts["exported"] == facts["specs"] and facts["tensors"] == (facts["specs"] if rank == 0 else 0)
+
+
+# ---------------------------------------------------------------- the worker
+
+
+def _expected_shards(model, hf: dict, groups: int, tp: tuple[int, int], etp: tuple[int, int]) -> dict:
+    """Each parameter's expected block, computed naively from the HF tensors (no mapping code)."""
+    expected, layers, experts = {}, set(), set()
+    for name, param in model.named_parameters():
+        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            source = (
+                hf["lm_head.weight"]
+                if name == "output_layer.weight" and "lm_head.weight" in hf
+                else hf["model.embed_tokens.weight"]
+            )
+            padded = torch.cat([source, source.new_zeros(param.shape[0] * tp[1] - source.shape[0], source.shape[1])])
+            expected[name] = padded.chunk(tp[1])[tp[0]]
+            continue
+        if name == "decoder.final_layernorm.weight":
+            expected[name] = hf["model.norm.weight"]
+            continue
+        index, rest = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name).groups()
+        layer = model.decoder.layers[int(index)]
+        layers.add(layer.layer_number - 1)
+        prefix = f"model.layers.{layer.layer_number - 1}."
+        expert = re.fullmatch(r"mlp\.experts\.local_experts\.(\d+)\.(.+)", rest)
+        if expert:
+            global_expert = layer.mlp.local_expert_indices[int(expert[1])]
+            experts.add(global_expert)
+            expected[name] = _mlp_block(hf, f"{prefix}mlp.experts.{global_expert}.", expert[2], *etp)
+        else:
+            expected[name] = _dense_block(hf, prefix, rest, groups, *tp)
+    return {"expected": expected, "layers": sorted(layers), "experts": sorted(experts)}
+
+
+def _dense_block(hf: dict, prefix: str, rest: str, groups: int, rank: int, world: int) -> torch.Tensor:
+    attn = prefix + "self_attn."
+    if rest.startswith("self_attention.linear_qkv."):
+        kind = rest.rsplit(".", 1)[1]
+        q, k, v = (hf[f"{attn}{x}_proj.{kind}"] for x in "qkv")
+        per_group = [torch.cat([t.reshape(groups, -1, *t.shape[1:])[g] for t in (q, k, v)]) for g in range(groups)]
+        return torch.cat(per_group).chunk(world)[rank]
+    if rest == "self_attention.linear_proj.weight":
+        return hf[attn + "o_proj.weight"].chunk(world, dim=1)[rank]
+    replicated = {
+        "input_layernorm.weight": prefix + "input_layernorm.weight",
+        "pre_mlp_layernorm.weight": prefix + "post_attention_layernorm.weight",
+        "self_attention.q_layernorm.weight": attn + "q_norm.weight",
+        "self_attention.k_layernorm.weight": attn + "k_norm.weight",
+        "mlp.router.weight": prefix + "mlp.gate.weight",
+    }
+    if rest in replicated:
+        return hf[replicated[rest]]
+    return _mlp_block(hf, prefix + "mlp.", rest.removeprefix("mlp."), rank, world)
+
+
+def _mlp_block(hf: dict, prefix: str, rest: str, rank: int, world: int) -> torch.Tensor:
+    if rest == "linear_fc1.weight":  # this rank's gate rows, then its up rows
+        return torch.cat(
+            [hf[prefix + "gate_proj.weight"].chunk(world)[rank], hf[prefix + "up_proj.weight"].chunk(world)[rank]]
+        )
+    assert rest == "linear_fc2.weight", rest
+    return hf[prefix + "down_proj.weight"].chunk(world, dim=1)[rank]
+
+
+def _run_model(folder: str, layout: str) -> dict:
+    from megatron.core import parallel_state as ps
+    from transformers import AutoConfig
+
+    from relax_hpc.config.schema import MegatronConfig
+    from relax_hpc.models.hf_mapping import export_hf, hf_specs, load_hf_weights
+    from relax_hpc.models.megatron import build_model
+    from tests.unit.test_hf_mapping import read_safetensors
+
+    sizes = LAYOUTS[layout]
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=sizes.get("tensor_parallel", 1),
+        pipeline_model_parallel_size=sizes.get("pipeline_parallel", 1),
+        expert_model_parallel_size=sizes.get("expert_parallel", 1),
+    )
+    if torch.cuda.is_available():  # megatron initialises weights on a GPU under its RNG tracker
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(0)
+    try:
+        config = AutoConfig.from_pretrained(folder)
+        par = MegatronConfig(attention="sdpa", **sizes)
+        model = build_model(config, par, torch.float32, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
+        load_hf_weights(model, folder)
+        hf = read_safetensors(Path(folder))
+        tp = (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
+        etp = (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size())
+        facts = _expected_shards(model, hf, config.num_key_value_heads, tp, etp)
+        params = dict(model.named_parameters())
+        for name, block in facts["expected"].items():
+            assert params[name].shape == block.shape and torch.equal(params[name].cpu(), block), name
+        exported = list(export_hf(model, config))
+        specs = [name for name, _, _ in hf_specs(config, torch.float32)]
+        assert [name for name, _ in exported] == specs
+        tensors = [(name, t) for name, t in exported if t is not None]
+        for name, tensor in tensors:
+            assert torch.equal(tensor.cpu(), hf[name]), name
+        return {
+            "layers": facts["layers"], "experts": facts["experts"], "params": len(params),
+            "checked": len(facts["expected"]), "specs": len(specs), "exported": len(exported), "tensors": len(tensors),
+        }  # fmt: skip
+    finally:
+        ps.destroy_model_parallel()
+
+
+def _worker(folders_json: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    if torch.cuda.is_available():  # the same checks over NCCL, one GPU per rank
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    folders = json.loads(Path(folders_json).read_text())
+    report = {
+        layout: {kind: _run_model(folder, layout) for kind, folder in models.items()}
+        for layout, models in folders.items()
+    }
+    Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _worker(*sys.argv[1:3])
