@@ -1,7 +1,9 @@
 """Checkpoints: torch.distributed.checkpoint (DCP) for model and optimizer, plus the run state.
 
     ckpt/step-00000050/            complete checkpoint after 50 steps
-        .metadata, __*.distcp      DCP: model + optimizer, sharded as the ranks hold them
+        .metadata, __*.distcp      DCP: model + optimizer, sharded as the ranks hold them (the
+                                   backend writes them: torch DCP of FSDP state dicts, or
+                                   megatron's distributed checkpoint in its torch_dist format)
         trainer_state.json         step, policy version, counters, spool claims of every step
         rank-R.pt                  that rank's RNG states and LR-scheduler state
     ckpt/latest -> step-00000050   moved (atomically) only after a checkpoint is complete
@@ -17,11 +19,11 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from relax_hpc.ckpt.layout import STATE_FILE, latest_dir
@@ -40,8 +42,9 @@ class Checkpointer:
         self.keep = keep
         self.rank = dist.get_rank()
 
-    def save(self, step: int, model_state: dict, rank_state: dict, trainer_state: dict) -> bool:
-        """Collective. Returns False (and keeps the previous checkpoint) if any rank failed."""
+    def save(self, step: int, write_model: Callable[[Path], None], rank_state: dict, trainer_state: dict) -> bool:
+        """Collective. `write_model(folder)` writes the backend's sharded state (a collective
+        too). Returns False (and keeps the previous checkpoint) if any rank failed."""
         name = f"step-{step:08d}"
         tmp, final = self.root / f".{name}.tmp", self.root / name
         if self.rank == 0 and tmp.exists():
@@ -49,7 +52,7 @@ class Checkpointer:
         dist.barrier()
         failed = False
         try:
-            dcp.save(model_state, checkpoint_id=str(tmp))
+            write_model(tmp)
             torch.save(rank_state, tmp / f"rank-{self.rank}.pt")
         # ENOSPC, EIO, quota: keep training, keep the old checkpoint. DCP wraps a rank's failure
         # in CheckpointException, which derives from BaseException, not Exception.
@@ -79,13 +82,13 @@ class Checkpointer:
                 failed = True
         return not _any_rank(failed)
 
-    def load(self, model_state: dict) -> tuple[dict, dict] | None:
-        """Load the latest checkpoint in place into `model_state`; returns (rank_state,
-        trainer_state), or None when there is none."""
+    def load(self, read_model: Callable[[Path], None]) -> tuple[dict, dict] | None:
+        """Load the latest checkpoint (`read_model(folder)` restores the backend's state); returns
+        (rank_state, trainer_state), or None when there is none."""
         target = latest_dir(self.root)
         if target is None:
             return None
-        dcp.load(model_state, checkpoint_id=str(target))
+        read_model(target)
         rank_file = target / f"rank-{self.rank}.pt"
         if not rank_file.exists():
             raise RuntimeError(f"{target} was written by fewer ranks than this run has (no {rank_file.name})")

@@ -3,6 +3,7 @@ generated from them by `python -m relax_hpc.config.docs`)."""
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -403,6 +404,12 @@ class LaunchConfig(Section):
     """`apptainer`: `apptainer exec --nv`. `charliecloud`: `ch-run` on a directory image."""
     container_binds: list[str] = []
     """More host paths to bind into the container (`SRC` or `SRC:DST`)."""
+    local_trainer_gpus: str | None = Field(None, pattern=r"^\d+-\d+$")
+    """With the local executor on a GPU machine: the trainer's GPUs as FIRST-LAST indices of this
+    machine's visible GPUs, e.g. `0-0` (default: every visible GPU)."""
+    local_engine_gpus: list[str] = []
+    """With the local executor on a GPU machine: each engine's GPUs as FIRST-LAST, e.g. `["1-1"]`
+    (one entry per engine; default: every visible GPU)."""
     slurm: SlurmConfig = SlurmConfig()
     """Slurm resources and behaviour (used when executor is `slurm`)."""
 
@@ -437,6 +444,37 @@ class JobConfig(Section):
                 "algo.policy_loss.kind=reinforce has no importance ratio, so samples from older policies "
                 "would train uncorrected: set rollout.max_staleness=0 or an algo.off_policy.correction"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _local_gpus(self) -> JobConfig:
+        engines = self.launch.local_engine_gpus
+        if engines and len(engines) != self.rollout.num_engines:
+            raise ValueError(
+                f"launch.local_engine_gpus has {len(engines)} entries for rollout.num_engines={self.rollout.num_engines}"
+            )
+        if any(not re.fullmatch(r"\d+-\d+", e) for e in engines):
+            raise ValueError(f"launch.local_engine_gpus entries are FIRST-LAST GPU indices, e.g. 1-1; got {engines}")
+        return self
+
+    @model_validator(mode="after")
+    def _megatron(self) -> JobConfig:
+        if self.trainer.backend != "megatron":
+            return self
+        if self.algo.advantage.estimator == "gae":
+            raise ValueError(
+                "algo.advantage.estimator=gae needs a critic, which the megatron backend does not build yet: "
+                "use trainer.backend=torch, or an estimator without a critic (grpo, rloo, reinforce_pp)"
+            )
+        par = self.trainer.megatron
+        model_parallel = par.tensor_parallel * par.pipeline_parallel * par.context_parallel
+        if self.trainer.num_ranks % model_parallel:
+            raise ValueError(
+                f"trainer.num_ranks ({self.trainer.num_ranks}) must be a multiple of tensor_parallel x "
+                f"pipeline_parallel x context_parallel ({model_parallel}) of trainer.megatron"
+            )
+        if (self.trainer.num_ranks // model_parallel * par.context_parallel) % par.expert_parallel:
+            raise ValueError("trainer.megatron.expert_parallel must divide data_parallel x context_parallel")
         return self
 
     @model_validator(mode="after")

@@ -45,9 +45,14 @@ def python(cfg: JobConfig) -> str:
 def local_commands(cfg: JobConfig, paths: RunPaths) -> dict[str, list[str]]:
     """Every role as a subprocess of this machine (the `local` executor)."""
     py = python(cfg)
-    commands = {f"engine-{i}": [py, *engine_args(cfg, paths, i, cfg.rollout.host)] for i in range(cfg.rollout.num_engines)}
+    engine_gpus = cfg.launch.local_engine_gpus or [None] * cfg.rollout.num_engines
+    commands = {
+        f"engine-{i}": _on_gpus(gpus, [py, *engine_args(cfg, paths, i, cfg.rollout.host)])
+        for i, gpus in enumerate(engine_gpus)
+    }
     commands["driver"] = [py, *driver_args(paths)]
-    commands["trainer"] = [py, *trainer_args(paths, ["--standalone", f"--nproc-per-node={cfg.trainer.num_ranks}"])]
+    torchrun = ["--standalone", f"--nproc-per-node={cfg.trainer.num_ranks}"]
+    commands["trainer"] = _on_gpus(cfg.launch.local_trainer_gpus, [py, *trainer_args(paths, torchrun)])
     return {name: wrap_in_container(cfg, paths, argv) for name, argv in commands.items()}
 
 

@@ -37,7 +37,7 @@ from relax_hpc.metrics.jsonl import JsonlWriter
 from relax_hpc.paths import RunPaths, write_atomic
 from relax_hpc.trainer.batching import TrainBatch, pad_samples
 from relax_hpc.trainer.claims import claim_next
-from relax_hpc.trainer.torch_backend import TorchBackend
+from relax_hpc.trainer.backend import make_backend
 from relax_hpc.weights.buckets import plan_buckets
 from relax_hpc.weights.sender import WeightSender, WeightSyncError, push
 
@@ -79,21 +79,20 @@ def broadcast_command(command: dict | None) -> dict:
     return box[0]
 
 
-def _reduce(values: dict[str, float], op: dist.ReduceOp) -> dict[str, float]:
-    names = sorted(values)  # every rank has the same names: Stats registers them unconditionally
-    t = torch.tensor([values[n] for n in names], dtype=torch.float64)
-    dist.all_reduce(t, op=op)
-    return dict(zip(names, t.tolist()))
-
-
 def reduce_stats(stats: Stats, epochs: int) -> dict[str, float]:
     """The objective's statistics over all ranks: token means, extrema as NAME_max / NAME_min
-    (left out when no rank had a loss token), and `tokens`, the loss tokens of the batch."""
-    sums = _reduce(stats.sums, dist.ReduceOp.SUM)
-    tokens_seen = sums.pop("tokens")
-    out = {name: value / max(tokens_seen, 1.0) for name, value in sums.items()}
-    out.update({f"{n}_max": v for n, v in _reduce(stats.maxes, dist.ReduceOp.MAX).items() if v != -float("inf")})
-    out.update({f"{n}_min": v for n, v in _reduce(stats.mins, dist.ReduceOp.MIN).items() if v != float("inf")})
+    (left out when no rank had a loss token), and `tokens`, the loss tokens of the batch. Ranks
+    that report nothing (megatron's tensor-parallel peers and earlier pipeline stages) send empty
+    Stats: gathered as objects, so the names need not match across ranks."""
+    everyone: list[Stats] = [Stats()] * dist.get_world_size()
+    dist.all_gather_object(everyone, stats)
+    total = Stats()
+    for s in everyone:
+        total.add(s)
+    tokens_seen = total.sums.pop("tokens", 0.0)
+    out = {name: value / max(tokens_seen, 1.0) for name, value in total.sums.items()}
+    out.update({f"{n}_max": v for n, v in total.maxes.items() if v != -float("inf")})
+    out.update({f"{n}_min": v for n, v in total.mins.items() if v != float("inf")})
     out["tokens"] = tokens_seen / epochs
     return out
 
@@ -122,11 +121,11 @@ def share_of(batch: SampleBatch, trained: list[int], rank: int, world: int, pad_
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig, paths: RunPaths) -> None:
+    def __init__(self, cfg: JobConfig, paths: RunPaths, device: torch.device) -> None:
         self.cfg, self.paths = cfg, paths
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.backend = TorchBackend(cfg, torch.device("cpu"))
-        self.pad_id = self.backend.model.config.pad_token_id
+        self.backend = make_backend(cfg, device)
+        self.pad_id = self.backend.pad_token_id
         self.ckpt = Checkpointer(paths.ckpt, cfg.ckpt.keep)
         self.buckets = plan_buckets(self.backend.parameter_specs(), int(cfg.weights.bucket_mb * 2**20))
         self.state = RunState()
@@ -134,7 +133,8 @@ class Trainer:
         self.delivered = -1  # policy version the engines hold (rank 0's knowledge)
         self.last_engine_check = 0.0
         if self.rank == 0:
-            backend = cfg.weights.backend if cfg.weights.backend != "auto" else "gloo"
+            auto = "nccl" if device.type == "cuda" else "gloo"
+            backend = cfg.weights.backend if cfg.weights.backend != "auto" else auto
             self.sender = WeightSender(paths.engines, paths.read_token(), backend, cfg.weights.timeout_s)
             self.spool = Spool(paths.spool)
             self.metrics = JsonlWriter(paths.metrics / "train.jsonl")
@@ -144,13 +144,11 @@ class Trainer:
     # -- checkpoints ----------------------------------------------------------------------------
 
     def resume(self) -> None:
-        state_dict = self.backend.state_dict()
-        loaded = self.ckpt.load(state_dict)
+        loaded = self.ckpt.load(self.backend.load_checkpoint)
         if loaded is None:
             log.info("no checkpoint: starting from %s", self.cfg.model.path)
             return
         rank_state, trainer_state = loaded
-        self.backend.load_state_dict(state_dict)
         self.backend.scheduler.load_state_dict(rank_state["scheduler"])
         torch.set_rng_state(rank_state["torch_rng"])
         np.random.set_state(rank_state["numpy_rng"])
@@ -165,7 +163,7 @@ class Trainer:
             "numpy_rng": np.random.get_state(),
             "python_rng": random.getstate(),
         }
-        ok = self.ckpt.save(self.state.step, self.backend.state_dict(), rank_state, asdict(self.state))
+        ok = self.ckpt.save(self.state.step, self.backend.save_checkpoint, rank_state, asdict(self.state))
         if self.rank == 0:
             log.info("checkpoint step %d %s", self.state.step, "saved" if ok else "FAILED (previous kept)")
         return ok
@@ -214,7 +212,8 @@ class Trainer:
     def train(self, command: dict, started: float) -> None:
         t0 = time.monotonic()
         batch = read_batch(Path(command["path"]))
-        batch, stats = share_of(batch, command["trained"], self.rank, self.world, self.pad_id)
+        b = self.backend
+        batch, stats = share_of(batch, command["trained"], b.data_rank, b.data_world, self.pad_id)
         result = self.backend.train_step(batch, self.state.step)
         objective = reduce_stats(result.stats, self.cfg.algo.epochs)
         trained_version = self.state.version
@@ -290,11 +289,19 @@ def main() -> None:
     paths = RunPaths(args.run_dir)
     cfg = read_frozen(paths.config)
     torch.set_num_threads(cfg.launch.threads_per_process)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(hours=2))
+    timeout = datetime.timedelta(hours=2)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        # nccl for the model's collectives, gloo for the small CPU ones (commands, statistics).
+        dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timeout, device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timeout)
     rank = dist.get_rank()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s trainer[{rank}] %(name)s %(levelname)s %(message)s")
     torch.manual_seed(cfg.run.seed + rank)
-    trainer = Trainer(cfg, paths)
+    trainer = Trainer(cfg, paths, device)
     trainer.resume()
     trainer.log_start()
     trainer.run()

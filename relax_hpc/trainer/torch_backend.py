@@ -12,10 +12,11 @@ sharded.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -25,28 +26,8 @@ from relax_hpc.algos.aggregation import Normalizer, local_counts
 from relax_hpc.algos.objective import Advantages, Objective
 from relax_hpc.algos.stats import Stats
 from relax_hpc.config.schema import JobConfig
+from relax_hpc.trainer.backend import DistComm, NonFiniteLossError, StepResult
 from relax_hpc.trainer.batching import TrainBatch, token_logprobs_and_entropy
-
-
-class NonFiniteLossError(RuntimeError):
-    """The loss is NaN or infinite; the optimizer step is refused to keep the weights intact."""
-
-
-class DistComm:
-    """relax_hpc.algos.comm.Comm over the trainer's process group."""
-
-    def all_sum(self, t: torch.Tensor) -> torch.Tensor:
-        t = t.clone()
-        dist.all_reduce(t)
-        return t
-
-    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
-        sizes = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size())]
-        dist.all_gather(sizes, torch.tensor([t.numel()]))
-        longest = max(int(s) for s in sizes)
-        padded = [t.new_zeros(longest) for _ in sizes]
-        dist.all_gather(padded, torch.cat([t, t.new_zeros(longest - t.numel())]))
-        return torch.cat([p[: int(s)] for p, s in zip(padded, sizes)])
 
 
 def _sharded(model: torch.nn.Module) -> torch.nn.Module:
@@ -59,14 +40,6 @@ def _frozen(path: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Mod
     model = _sharded(AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device))
     model.requires_grad_(False)
     return model.eval()
-
-
-@dataclass(slots=True)
-class StepResult:
-    stats: Stats  # summed over this rank's mini-batches and passes
-    loss: float  # the global loss, mean over the optimizer steps
-    grad_norm: float  # of the last optimizer step
-    lr: float
 
 
 class TorchBackend:
@@ -95,6 +68,22 @@ class TorchBackend:
             self.critic_optimizer = torch.optim.AdamW(
                 self.critic.parameters(), lr=algo.critic.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
             )
+
+    # -- who holds which samples: every rank its own share (FSDP) ------------------------------------
+
+    @property
+    def data_rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def data_world(self) -> int:
+        return dist.get_world_size()
+
+    reports = True  # every rank's statistics count
+
+    @property
+    def pad_token_id(self) -> int:
+        return self.model.config.pad_token_id
 
     # -- one rollout batch ----------------------------------------------------------------------
 
@@ -217,6 +206,14 @@ class TorchBackend:
         if self.critic is not None:
             state["critic"], state["critic_optim"] = get_state_dict(self.critic, self.critic_optimizer)
         return state
+
+    def save_checkpoint(self, folder: Path) -> None:
+        dcp.save(self.state_dict(), checkpoint_id=str(folder))
+
+    def load_checkpoint(self, folder: Path) -> None:
+        state = self.state_dict()
+        dcp.load(state, checkpoint_id=str(folder))
+        self.load_state_dict(state)
 
     def load_state_dict(self, state: dict) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

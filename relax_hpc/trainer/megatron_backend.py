@@ -1,0 +1,319 @@
+"""The `megatron` trainer backend: megatron-core GPTModel on GPUs.
+
+Tensor, pipeline, context and expert parallelism and the distributed optimizer come from
+trainer.megatron; weights load from and export to the HF folder's names and layout
+(relax_hpc/models/hf_mapping.py), so the engines, the spool and the objective are the same as
+with the torch backend. What differs is how a rank's share of the batch is computed:
+
+- samples are packed into micro-batches of at most max_tokens_per_microbatch tokens (no padding;
+  attention keeps documents apart), and megatron's pipeline schedule runs them;
+- the loss of each micro-batch is the objective on its rows, divided by counts of the whole
+  global mini-batch, so the gradients summed over micro-batches and data-parallel ranks
+  (calculate_per_token_loss: megatron sums instead of averaging) are the configured aggregation
+  over the mini-batch, however sharded;
+- log-probabilities come from vocabulary-parallel logits (relax_hpc/trainer/vocab_parallel.py);
+- checkpoints are megatron's distributed checkpoints in the torch_dist format (PyTorch DCP files),
+  which reshard on load, so a run may resume with other parallel sizes.
+
+The critic (GAE) is not built for this backend yet: the config refuses the combination.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from transformers import AutoConfig
+
+from relax_hpc.algos.aggregation import Normalizer, local_counts
+from relax_hpc.algos.objective import Advantages, Objective
+from relax_hpc.algos.stats import Stats
+from relax_hpc.config.schema import JobConfig
+from relax_hpc.models.hf_mapping import export_hf, hf_specs, load_hf_weights
+from relax_hpc.models.megatron import build_model
+from relax_hpc.trainer import packing
+from relax_hpc.trainer.backend import DistComm, NonFiniteLossError, StepResult, WarmupSchedule
+from relax_hpc.trainer.batching import TrainBatch
+from relax_hpc.trainer.vocab_parallel import logprobs_and_entropy
+
+
+def init_parallel(job: JobConfig) -> None:
+    """megatron's process groups over the trainer's default group, and its CUDA RNG tracker."""
+    par = job.trainer.megatron
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=par.tensor_parallel,
+        pipeline_model_parallel_size=par.pipeline_parallel,
+        context_parallel_size=par.context_parallel,
+        expert_model_parallel_size=par.expert_parallel,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(job.run.seed)
+
+
+def _build(job: JobConfig, hf_config, path: str, trainable: bool) -> torch.nn.Module:
+    model = build_model(
+        hf_config,
+        job.trainer.megatron,
+        getattr(torch, job.model.dtype),
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+    ).cuda()
+    load_hf_weights(model, path)
+    model.config.variable_seq_lengths = True  # packed micro-batches differ in length
+    if not trainable:
+        model.requires_grad_(False)
+        model.eval()
+    return model
+
+
+class MegatronBackend:
+    def __init__(self, job: JobConfig, device: torch.device) -> None:
+        if device.type != "cuda":
+            raise RuntimeError("trainer.backend=megatron needs CUDA GPUs; use trainer.backend=torch on CPU")
+        if not parallel_state.model_parallel_is_initialized():
+            init_parallel(job)
+        cfg, algo, ro, par = job.trainer, job.algo, job.rollout, job.trainer.megatron
+        self.cfg, self.algo, self.par, self.device = cfg, algo, par, device
+        self.temperature = ro.temperature
+        self.hf_config = AutoConfig.from_pretrained(job.model.path)
+        self.dtype = getattr(torch, job.model.dtype)
+        self.pad_token_id = self.hf_config.pad_token_id if self.hf_config.pad_token_id is not None else 0
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        self.objective = Objective(algo, ro.max_new_tokens, ro.max_staleness, DistComm(self.dp_group, device))
+
+        module = _build(job, self.hf_config, job.model.path, trainable=True)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=par.distributed_optimizer
+        )
+        self.model = DistributedDataParallel(config=module.config, ddp_config=ddp_config, module=module)
+        # Sum (not average) per-token losses over micro-batches and data-parallel ranks: each
+        # loss is already divided by the global mini-batch's counts.
+        module.config.calculate_per_token_loss = True
+        module.config.no_sync_func = self.model.no_sync
+        module.config.finalize_model_grads_func = lambda models, num_tokens, **_: finalize_model_grads(models, None)
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=cfg.lr,
+                weight_decay=cfg.weight_decay,
+                adam_beta1=cfg.betas[0],
+                adam_beta2=cfg.betas[1],
+                clip_grad=cfg.max_grad_norm,
+                bf16=self.dtype == torch.bfloat16,
+                params_dtype=self.dtype,
+                use_distributed_optimizer=par.distributed_optimizer,
+            ),
+            [self.model],
+        )
+        self.scheduler = WarmupSchedule(self.optimizer, cfg.lr, cfg.warmup_steps)
+        self.reference = _build(job, self.hf_config, job.model.path, False) if self.objective.needs_reference else None
+        self.teacher = _build(job, self.hf_config, algo.teacher.path, False) if self.objective.needs_teacher else None
+
+    # -- who holds which samples ------------------------------------------------------------------
+
+    @property
+    def data_rank(self) -> int:
+        return parallel_state.get_data_parallel_rank()
+
+    @property
+    def data_world(self) -> int:
+        return parallel_state.get_data_parallel_world_size()
+
+    @property
+    def reports(self) -> bool:
+        """One rank per data-parallel replica reports statistics: the last pipeline stage computes
+        the loss, and its tensor-parallel peers compute the same values."""
+        return parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
+
+    # -- micro-batches ------------------------------------------------------------------------------
+
+    def _microbatches(self, batch: TrainBatch) -> list[packing.Microbatch]:
+        """This rank's rows packed by token budget; every data-parallel rank runs the same number
+        of micro-batches (some padding only), so per-micro-batch collectives stay matched."""
+        lengths = batch.attention_mask.sum(1).tolist()
+        bins = packing.plan(lengths, self.par.max_tokens_per_microbatch)
+        count = torch.tensor([len(bins)], device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.dp_group)
+        bins += [[] for _ in range(int(count) - len(bins))]
+        multiple = self.tp_size * (2 * self.par.context_parallel if self.par.context_parallel > 1 else 1)
+        return [packing.pack(batch, rows, self.pad_token_id, multiple) for rows in bins]
+
+    def _forward(self, model: torch.nn.Module, mb: packing.Microbatch) -> torch.Tensor:
+        cu = mb.cu_seqlens
+        params = PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen
+        )
+        return model(mb.input_ids, mb.position_ids, None, packed_seq_params=params)
+
+    def _token_logprobs(self, logits: torch.Tensor, mb: packing.Microbatch, entropy_grad: bool):
+        """Per-row [k, width] log-probabilities and entropies of a micro-batch's targets."""
+        logits = logits.reshape(mb.num_tokens, -1)
+        if self.temperature not in (0.0, 1.0):
+            logits = logits / self.temperature
+        vocab_start = parallel_state.get_tensor_model_parallel_rank() * logits.shape[-1]
+        padding = vocab_start + logits.shape[-1] - self.hf_config.vocab_size
+        if padding > 0:  # columns of a vocabulary padded for tensor parallelism: never a token
+            logits = logits.float()
+            logits[:, logits.shape[-1] - padding :] = -1e30  # finite: 0 * it stays 0 in the entropy
+        group = self.tp_group if self.tp_size > 1 else None
+        lp, ent = logprobs_and_entropy(logits, mb.targets, vocab_start, group, entropy_grad)
+        return mb.unpack(lp), mb.unpack(ent)
+
+    def _run(self, model: torch.nn.Module, mbs: list[packing.Microbatch], loss_fn, forward_only: bool) -> list:
+        """megatron's schedule (pipelined when pp > 1) over the micro-batches; `loss_fn(mb,
+        logits)` runs on the last stage and returns (loss, stats-or-output)."""
+        data = iter(mbs)
+
+        def step(_, chunk):
+            mb = next(data)
+            return self._forward(chunk, mb), functools.partial(loss_fn, mb)
+
+        return get_forward_backward_func()(
+            forward_step_func=step,
+            data_iterator=data,
+            model=[model],
+            num_microbatches=len(mbs),
+            seq_length=max(mb.num_tokens for mb in mbs),
+            micro_batch_size=1,
+            forward_only=forward_only,
+        )
+
+    @torch.no_grad()
+    def _frozen_logprobs(self, model: torch.nn.Module | None, batch: TrainBatch) -> torch.Tensor | None:
+        """[n, width] log-probabilities under `model` on the last pipeline stage (None elsewhere)."""
+        if model is None:
+            return None
+        mbs = self._microbatches(batch)
+
+        def keep(mb, logits):
+            lp, _ = self._token_logprobs(logits, mb, entropy_grad=False)
+            return torch.zeros((), device=self.device), {"rows": mb.rows, "logprobs": lp}
+
+        outputs = self._run(model, mbs, keep, forward_only=True)
+        if not parallel_state.is_pipeline_last_stage():
+            return None
+        out = torch.zeros_like(batch.loss_mask)
+        for o in outputs:
+            out[o["rows"]] = o["logprobs"]
+        return out
+
+    # -- one rollout batch --------------------------------------------------------------------------
+
+    def _old_needed_for_advantages(self) -> bool:
+        kl = self.algo.kl
+        return self.objective.needs_teacher or (self.objective.needs_reference and kl.placement == "reward")
+
+    def train_step(self, batch: TrainBatch, step: int) -> StepResult:
+        """Advantages, then algo.epochs x algo.minibatches optimizer steps on this rank's share."""
+        self.model.train()
+        batch = batch.to(self.device)
+        objective, algo = self.objective, self.algo
+        passes = algo.epochs * algo.minibatches
+        if objective.old_is_rollout:
+            old = batch.rollout_logprobs
+        elif passes > 1 or self._old_needed_for_advantages():
+            old = self._frozen_logprobs(self.model, batch)
+        else:
+            old = None  # the detached forward of the one optimizer step
+        ref = self._frozen_logprobs(self.reference, batch)
+        teacher = self._frozen_logprobs(self.teacher, batch)
+        advantages = None
+        if parallel_state.is_pipeline_last_stage():
+            base = batch.rollout_logprobs if old is None else old
+            advantages = objective.advantages(batch.rewards, batch.group_ids, batch.loss_mask, base, ref, teacher)
+        rows = [r for r in batch.minibatches(algo.minibatches)]
+        norms = self._global_counts(batch, rows)
+        stats, losses, grad_norm = Stats(), [], 0.0
+        for _ in range(algo.epochs):
+            for r, norm in zip(rows, norms):
+                part = batch.select(r) if len(r) else batch.select(torch.zeros(1, dtype=torch.long)).without_loss()
+                index = r.to(self.device) if len(r) else torch.zeros(1, dtype=torch.long, device=self.device)
+                loss, part_stats = self._minibatch(part, index, old, advantages, ref, norm)
+                stats.add(part_stats)
+                losses.append(self._check_finite(loss, step))
+                grad_norm = self._optimizer_step()
+                self.scheduler.step()
+        return StepResult(stats if self.reports else Stats(), sum(losses) / len(losses), grad_norm, self.scheduler.get_last_lr()[0])
+
+    def _global_counts(self, batch: TrainBatch, rows: list[torch.Tensor]) -> list[Normalizer]:
+        counts = torch.tensor(
+            [local_counts(batch.loss_mask[r]) if len(r) else (0.0, 0.0) for r in rows], dtype=torch.float64
+        ).to(self.device)
+        dist.all_reduce(counts, group=self.dp_group)
+        return [Normalizer(float(tokens), float(seqs)) for tokens, seqs in counts.tolist()]
+
+    def _minibatch(self, part, index, old, advantages: Advantages | None, ref, norm) -> tuple[torch.Tensor, Stats]:
+        """Forward and backward of one mini-batch over its micro-batches; returns the summed loss
+        (on the last stage; 0 elsewhere) and the objective's statistics."""
+        stats = Stats()
+        entropy_grad = self.algo.policy_loss.entropy_coef > 0
+        pick = lambda t, mb: None if t is None else t[index][mb.rows]
+
+        def loss_fn(mb, logits):
+            lp, ent = self._token_logprobs(logits, mb, entropy_grad)
+            mask = part.loss_mask[mb.rows]
+            loss, s = self.objective.policy_loss(
+                lp,
+                ent,
+                lp.detach() if old is None else pick(old, mb),
+                part.rollout_logprobs[mb.rows],
+                pick(advantages.advantages, mb),
+                mask,
+                norm,
+                pick(ref, mb),
+            )
+            stats.add(s)
+            return loss, torch.ones((), dtype=torch.int, device=self.device), {"loss": loss.detach()}
+
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = self._run(self.model, self._microbatches(part), loss_fn, forward_only=False)
+        total = sum((o["loss"] for o in outputs), torch.zeros((), device=self.device))
+        return total, stats
+
+    def _check_finite(self, loss: torch.Tensor, step: int) -> float:
+        total = loss.detach().float() * float(self.reports)
+        dist.all_reduce(total)  # host sync: the whole mini-batch's loss, to refuse a NaN step everywhere
+        if not torch.isfinite(total):
+            raise NonFiniteLossError(f"step {step}: loss is {float(total)}; refusing the optimizer step")
+        return float(total)
+
+    def _optimizer_step(self) -> float:
+        _, grad_norm, _ = self.optimizer.step()
+        return float(grad_norm or 0.0)
+
+    # -- weights and checkpoints --------------------------------------------------------------------
+
+    def full_parameters(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """(HF name, full tensor) in parameter_specs() order on global rank 0 (None elsewhere);
+        a collective: every rank must iterate."""
+        return export_hf(self.model.module, self.hf_config)
+
+    def parameter_specs(self) -> list[tuple[str, torch.Size, torch.dtype]]:
+        return hf_specs(self.hf_config, self.dtype)
+
+    def _sharded_state(self, loading: bool) -> dict:
+        model_sd = self.model.module.sharded_state_dict()
+        return {
+            "model": model_sd,
+            "optimizer": self.optimizer.sharded_state_dict(
+                model_sd, is_loading=loading, sharding_type="fully_sharded_model_space"
+            ),
+        }
+
+    def save_checkpoint(self, folder: Path) -> None:
+        dist_checkpointing.save(self._sharded_state(loading=False), str(folder), sharded_strategy=("torch_dist", 1))
+
+    def load_checkpoint(self, folder: Path) -> None:
+        state = dist_checkpointing.load(self._sharded_state(loading=True), str(folder))
+        self.model.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])

@@ -1,0 +1,134 @@
+"""Training throughput on one GPU: tokens/s and MFU of the megatron backend against the torch
+backend, on the same random Qwen3-shaped model and the same batch, measured in the same run.
+
+    python tools/bench/train_throughput.py [--sizes 0.6b,1.7b] [--seq 4096] [--batch 4] [--steps 5]
+
+Each (size, backend) runs in its own process (one trainer rank under torchrun), on a batch of
+`batch` samples of `seq` tokens (prompt half, completion half) trained with the default
+objective (GRPO, PPO clip, entropy bonus) through the backend's own train_step. FLOPs per token
+count every matrix multiply (6 x parameters, the LM head included, the embedding lookup not)
+plus attention in full (12 x layers x seq x heads x head_dim, not halved for causality); MFU is
+against the H200's dense bf16 peak, 989 TFLOP/s. Prints one JSON object per size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SHAPES = {  # Qwen3-0.6B and Qwen3-1.7B (tied embeddings)
+    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16),
+    "1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16),
+}
+COMMON = dict(num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True, pad_token_id=0)
+PEAK_FLOPS = 989e12
+
+
+def flops_per_token(shape: dict, seq: int) -> float:
+    h, inter, layers, heads = (shape[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"))
+    q, kv = heads * COMMON["head_dim"], COMMON["num_key_value_heads"] * COMMON["head_dim"]
+    matmul_params = layers * (h * q + 2 * h * kv + q * h + 3 * h * inter) + h * COMMON["vocab_size"]
+    return 6 * matmul_params + 12 * layers * seq * q
+
+
+def make_model(size: str, folder: Path) -> None:
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(**SHAPES[size], **COMMON, dtype="bfloat16")
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(folder)
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One (size, backend): run under torchrun with one rank; prints a JSON line."""
+    import torch
+    import torch.distributed as dist
+
+    from relax_hpc.config.schema import JobConfig
+    from relax_hpc.trainer.backend import make_backend
+    from relax_hpc.trainer.batching import pad_samples
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
+    job = JobConfig.model_validate({
+        "model": {"path": args.model, "dtype": "bfloat16"},
+        "rollout": {"max_staleness": 0, "max_new_tokens": args.seq // 2, "group_size": 2},
+        "trainer": {"backend": args.backend, "num_ranks": 1, "lr": 1e-6,
+                    "megatron": {"max_tokens_per_microbatch": args.microbatch_tokens}},
+    })  # fmt: skip
+    backend = make_backend(job, device)
+    g = torch.Generator().manual_seed(0)
+    half = args.seq // 2
+    seqs = torch.randint(1, COMMON["vocab_size"], (args.batch, args.seq), generator=g).tolist()
+    masks = [[0] * half + [1] * half] * args.batch
+    logps = [[-2.0] * args.seq] * args.batch
+    rewards = torch.rand(args.batch, generator=g).tolist()
+    batch = pad_samples(seqs, masks, logps, rewards, [i // 2 for i in range(args.batch)], 0)
+    for _ in range(2):  # warm-up: allocator, kernels' autotuning
+        backend.train_step(batch, 0)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for step in range(args.steps):
+        backend.train_step(batch, step)
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / args.steps
+    tokens_per_s = args.batch * args.seq / seconds
+    mfu = tokens_per_s * flops_per_token(SHAPES[args.size], args.seq) / PEAK_FLOPS
+    print("RESULT " + json.dumps({
+        "backend": args.backend, "step_s": round(seconds, 3), "tokens_per_s": round(tokens_per_s),
+        "mfu": round(mfu, 3), "max_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
+    }), flush=True)  # fmt: skip
+    dist.destroy_process_group()
+
+
+def run(size: str, backend: str, model: Path, args: argparse.Namespace) -> dict:
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", __file__,
+            "--worker", "--size", size, "--backend", backend, "--model", str(model), "--seq", str(args.seq),
+            "--batch", str(args.batch), "--steps", str(args.steps), "--microbatch-tokens", str(args.microbatch_tokens)]  # fmt: skip
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=1200, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+    if out.returncode or not lines:
+        return {"backend": backend, "error": (out.stderr or out.stdout)[-3000:]}
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="0.6b,1.7b")
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--microbatch-tokens", type=int, default=8192)
+    parser.add_argument("--backends", default="megatron,torch")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--size", help=argparse.SUPPRESS)
+    parser.add_argument("--backend", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    import torch
+
+    for size in args.sizes.split(","):
+        with tempfile.TemporaryDirectory() as tmp:
+            make_model(size, Path(tmp))
+            results = {b: run(size, b, Path(tmp), args) for b in args.backends.split(",")}
+        print(json.dumps({
+            "benchmark": "train_throughput", "size": size, "seq": args.seq, "batch": args.batch,
+            "microbatch_tokens": args.microbatch_tokens, "flops_per_token": flops_per_token(SHAPES[size], args.seq),
+            "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, **results,
+        }), flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
