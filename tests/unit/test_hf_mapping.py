@@ -356,3 +356,26 @@ def test_sdpa_attention_packed_documents_attend_only_within_themselves(mp):
     assert params.cu_seqlens_q.tolist() == [0, 3, 5 + 3, 10] and params.max_seqlen_q == 5
     with pytest.raises(ValueError, match="do not cover"):
         attention(q, k, v, None, packed_seq_params=packed_seq_params([3, 5], "cpu"))
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_megatron_checkpoint_reads_back_as_the_hf_checkpoint(kind, mp, tmp_path, monkeypatch):
+    """What tools/dcp_to_hf.py reads: megatron's own distributed checkpoint of the model (layers
+    stacked, TE names, SwiGLU halves saved as separate shards) gives back the HF tensors."""
+    from megatron.core import dist_checkpointing
+
+    from relax_hpc.models.hf_mapping import megatron_checkpoint_to_hf
+
+    if not torch.cuda.is_available():  # megatron's save syncs CUDA and reduces a flag there: on the CPU
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    config = CONFIGS[kind]
+    hf = save_random_hf(config, tmp_path / "hf")
+    model = build_model(config, SDPA, torch.float32, pre_process=True, post_process=True)
+    load_hf_weights(model, tmp_path / "hf")
+    (tmp_path / "ckpt").mkdir()
+    dist_checkpointing.save(model.sharded_state_dict(), str(tmp_path / "ckpt"), sharded_strategy=("torch_dist", 1))
+    converted = megatron_checkpoint_to_hf(tmp_path / "ckpt", config)
+    assert set(converted) == set(hf)
+    for name, tensor in converted.items():
+        assert torch.equal(tensor, hf[name]), name
