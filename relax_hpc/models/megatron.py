@@ -376,8 +376,10 @@ class SDPAttention(MegatronModule):
             raise ValueError(f"SDPAttention: cu_seqlens {bounds} do not cover the {query.shape[0]} packed tokens")
         outs = []
         for start, stop in itertools.pairwise(bounds):
-            q, k, v = (t[start:stop].transpose(0, 1) for t in (query, key, value))  # [heads, len, d]
-            outs.append(self._sdpa(q, k, v).transpose(0, 1))
+            # [1, heads, len, d]: torch's flash and memory-efficient kernels take only 4-D inputs
+            # (a 3-D call ran the math kernel: S x S scores per layer, 113 GiB at 8192 tokens).
+            q, k, v = (t[start:stop].transpose(0, 1).unsqueeze(0) for t in (query, key, value))
+            outs.append(self._sdpa(q, k, v)[0].transpose(0, 1))
         return torch.cat(outs).reshape(query.shape[0], -1)
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

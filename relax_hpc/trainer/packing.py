@@ -38,10 +38,10 @@ class Microbatch:
         return out.index_put((self._grid_index(),), flat[: int(self.lengths.sum())]).view(len(self.rows), self.width)
 
     def _grid_index(self) -> torch.Tensor:
-        device = self.lengths.device
-        starts = torch.arange(len(self.rows), device=device) * self.width
-        spans = [s + torch.arange(n, device=device) for s, n in zip(starts, self.lengths.tolist())]
-        return torch.cat(spans) if spans else torch.zeros(0, dtype=torch.long, device=device)
+        """Position in the [k, width] grid of every packed token (vectorised: a GPU batch holds
+        thousands of short samples)."""
+        row = torch.repeat_interleave(torch.arange(len(self.lengths), device=self.lengths.device), self.lengths)
+        return row * self.width + _positions(self.lengths)
 
 
 def plan(lengths: list[int], budget: int, count: int = 1) -> list[list[int]]:
@@ -67,23 +67,29 @@ def pack(batch: TrainBatch, rows: list[int], pad_id: int, multiple: int = 1) -> 
     """Pack `rows` of `batch` into one row, padded with a dummy document (no loss) to a multiple
     of `multiple` tokens (tensor parallelism with sequence parallelism needs it). An empty `rows`
     gives a micro-batch of padding alone: a rank without samples still joins the collectives."""
-    lengths = batch.attention_mask[rows].sum(1) if rows else torch.zeros(0, dtype=torch.long)
-    idx = torch.tensor(rows, dtype=torch.long)
-    ids = [batch.input_ids[i, :n] for i, n in zip(rows, lengths.tolist())]
-    tgt = [batch.targets[i, :n] for i, n in zip(rows, lengths.tolist())]
+    device = batch.input_ids.device
+    idx = torch.tensor(rows, dtype=torch.long, device=device)
+    lengths = batch.attention_mask[idx].sum(1)
+    keep = batch.attention_mask[idx].bool()  # right-padded rows: the first `length` tokens
     total = int(lengths.sum())
     pad = (-total) % multiple if total else multiple
-    docs = lengths.tolist() + ([pad] if pad else [])
-    device = batch.input_ids.device
+    docs = torch.cat([lengths, torch.tensor([pad] if pad else [], dtype=torch.long, device=device)])
     filler = torch.full((pad,), pad_id, dtype=torch.long, device=device)
-    cu = torch.tensor([0, *torch.tensor(docs).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    cu = torch.zeros(len(docs) + 1, dtype=torch.int32, device=device)
+    cu[1:] = docs.cumsum(0)
     return Microbatch(
-        rows=idx.to(device),
-        lengths=lengths.to(device),
-        input_ids=torch.cat([*ids, filler]).unsqueeze(0),
-        position_ids=torch.cat([torch.arange(n, device=device) for n in docs]).unsqueeze(0),
-        targets=torch.cat([*tgt, filler]),
+        rows=idx,
+        lengths=lengths,
+        input_ids=torch.cat([batch.input_ids[idx][keep], filler]).unsqueeze(0),
+        position_ids=_positions(docs).unsqueeze(0),
+        targets=torch.cat([batch.targets[idx][keep], filler]),
         cu_seqlens=cu,
-        max_seqlen=max(docs),
+        max_seqlen=int(docs.max()),
         width=batch.input_ids.shape[1],
     )
+
+
+def _positions(lengths: torch.Tensor) -> torch.Tensor:
+    """0..n-1 for each length n, back to back."""
+    starts = torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
+    return torch.arange(int(lengths.sum()), device=lengths.device) - starts
