@@ -20,6 +20,7 @@ import socket
 import sys
 import threading
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -33,7 +34,7 @@ from relax_hpc.paths import RunPaths
 from relax_hpc.rollout import protocol as P
 from relax_hpc.rollout.registry import EngineRecord, remove_record, write_record
 from relax_hpc.rollout.sampling import Completion, SamplingSpec, sample
-from relax_hpc.weights.buckets import DTYPES, BucketPlan, unpack
+from relax_hpc.weights.buckets import DTYPES, BucketPlan, BufferRing, side_stream, stream_done, unpack
 from relax_hpc.weights.group import SideGroup
 
 log = logging.getLogger("relax_hpc.engine")
@@ -69,14 +70,20 @@ def _spec(params: dict[str, Any]) -> tuple[SamplingSpec, int | None]:
 
 
 class TorchEngine:
-    def __init__(self, model_path: str, dtype: str) -> None:
+    def __init__(self, model_path: str, dtype: str, device: str = "cpu") -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
+        self.device = torch.device(device)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        self.model = model.to(self.device).eval()
         self.params = dict(self.model.named_parameters())
         self.model_path = model_path
         self.weight_version = "0"
         self.updating = False  # between /begin_weight_update and /end_weight_update
         self.groups: dict[str, SideGroup] = {}
+        # Received buckets: two buffers (during an update), copied into the parameters on a
+        # stream of their own so that the next bucket's broadcast overlaps the copy (CUDA only).
+        self._ring: BufferRing | None = None
+        self._copy_stream = side_stream(self.device)
         self._model_lock = threading.Lock()
         self._cv = threading.Condition()
         self._pending: list[_Job] = []
@@ -205,9 +212,12 @@ class TorchEngine:
         self.updating = True
 
     def end_update(self) -> None:
+        with self._model_lock:
+            self._settle(wait=False)
         self.updating = False
 
-    def update_from_distributed(self, req: P.UpdateWeightsFromDistributedReqInput) -> None:
+    def update_from_distributed(self, req: P.UpdateWeightsFromDistributedReqInput) -> bool:
+        """Receive one bucket into the parameters. Returns whether it changed the weight version."""
         if not self.updating:
             raise P.ProtocolError("call /begin_weight_update before /update_weights_from_distributed")
         group = self.groups.get(req.group_name)
@@ -216,25 +226,56 @@ class TorchEngine:
         if req.abort_all_requests:
             self.abort(P.AbortReq(abort_all=True))
         plan = BucketPlan(req.names, req.dtypes, req.shapes)
+        # Checked now, raised once received: an engine that skipped a broadcast would take the
+        # next bucket's bytes for this one's.
+        unknown = [name for name in plan.names if name not in self.params]
         with self._model_lock:  # between batches: a completion never mixes two versions
             if req.load_format == "flattened_bucket":
-                flat = torch.empty(plan.nbytes, dtype=torch.uint8)
-                group.broadcast(flat)
-                received = unpack(flat, plan)
+                self._receive_flat(group, plan, copy=not unknown)
             else:
-                received = []
-                for name, dtype, shape in zip(req.names, req.dtypes, req.shapes):
-                    tensor = torch.empty(shape, dtype=DTYPES[dtype])
-                    group.broadcast(tensor)
-                    received.append((name, tensor))
-            unknown = [name for name, _ in received if name not in self.params]
+                self._receive_each(group, plan, copy=not unknown)
             if unknown:
                 raise P.ProtocolError(f"unknown parameter names {unknown[:5]}")
-            with torch.no_grad():
-                for name, tensor in received:
+            if req.weight_version is None:
+                return False
+            self._settle(wait=True)  # the engine reports the new version only once it holds it
+            self.weight_version = req.weight_version
+            return True
+
+    def _receive_flat(self, group: SideGroup, plan: BucketPlan, copy: bool) -> None:
+        """Into the next ring buffer, then into the parameters; no host sync on CUDA: the broadcast
+        waits (on the current stream) for the copy out of the buffer's previous use, the copy
+        waits (on the copy stream) for the broadcast."""
+        if self._ring is None:
+            self._ring = BufferRing(self.device, plan.nbytes)
+        flat = self._ring.acquire(plan.nbytes)
+        try:
+            work = group.broadcast_async(flat)
+            with torch.cuda.stream(self._copy_stream), torch.no_grad():
+                work.wait()  # CUDA: the copy stream waits for the broadcast; gloo: blocks until received
+                received = unpack(flat, plan)
+                if copy and received:  # one launch for the bucket: the host must keep ahead of the broadcasts
+                    torch._foreach_copy_([self.params[n] for n, _ in received], [t for _, t in received])
+        finally:
+            self._ring.release(stream_done(self._copy_stream))
+
+    def _receive_each(self, group: SideGroup, plan: BucketPlan, copy: bool) -> None:
+        """One broadcast per tensor (load_format None): SGLang's default, not what relax_hpc sends."""
+        with torch.no_grad():
+            for name, dtype, shape in zip(plan.names, plan.dtypes, plan.shapes):
+                tensor = torch.empty(shape, dtype=DTYPES[dtype], device=self.device)
+                group.broadcast(tensor)
+                if copy:
                     self.params[name].copy_(tensor)
-            if req.weight_version is not None:
-                self.weight_version = req.weight_version
+
+    def _settle(self, wait: bool) -> None:
+        """After the last bucket: later work on the current stream (generation) sees every copy,
+        and the ring's buffers go back to the allocator (behind that wait)."""
+        if self._copy_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
+            if wait:
+                torch.cuda.current_stream(self.device).synchronize()
+        self._ring = None
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -242,6 +283,10 @@ class _Handler(BaseHTTPRequestHandler):
     api_key: str
     timeout_s: float
     on_weights: Any
+    # Keep-alive, so that the weight sender can pipeline a push's requests over one connection
+    # (answered in order); no Nagle delay on the small answers.
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True
 
     def log_message(self, fmt: str, *args: Any) -> None:  # route http.server's access log to logging
         log.debug("%s " + fmt, self.address_string(), *args)
@@ -257,6 +302,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _authorized(self) -> bool:
         if self.headers.get("Authorization") == f"Bearer {self.api_key}":
             return True
+        self.close_connection = True  # its body is left unread
         self._reply(HTTPStatus.UNAUTHORIZED, {"error": "missing or wrong API key"})
         return False
 
@@ -315,8 +361,8 @@ class _Handler(BaseHTTPRequestHandler):
         elif self.path == "/get_weights_by_name":
             self._reply(HTTPStatus.OK, e.weights_by_name(P.parse(P.GetWeightsByNameReqInput, body)))
         elif self.path == "/update_weights_from_distributed":
-            e.update_from_distributed(P.parse(P.UpdateWeightsFromDistributedReqInput, body))
-            self.on_weights()
+            if e.update_from_distributed(P.parse(P.UpdateWeightsFromDistributedReqInput, body)):
+                self.on_weights()
             self._reply(HTTPStatus.OK, {"success": True, "message": "Succeeded to update parameter online."})
         else:
             self._reply(HTTPStatus.NOT_FOUND, {"error": f"no route {self.path}"})
@@ -325,7 +371,8 @@ class _Handler(BaseHTTPRequestHandler):
 def serve(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     paths = RunPaths(Path(args.run_dir))
-    engine = TorchEngine(args.model_path, args.dtype)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    engine = TorchEngine(args.model_path, args.dtype, device)
     try:
         server = ThreadingHTTPServer((args.host, args.port), _Handler)
     except OSError as e:
@@ -344,7 +391,11 @@ def serve(args: argparse.Namespace) -> None:
         record = EngineRecord(args.engine_id, advertised, server.server_address[1], os.getpid(), instance, engine.weight_version)
         write_record(paths.engines, record)
 
-    handler = type("Handler", (_Handler,), {"engine": engine, "api_key": paths.read_token(), "timeout_s": args.weights_timeout_s, "on_weights": staticmethod(announce)})
+    # A record write fsyncs (milliseconds): off the answer's path, in order.
+    announcer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="announce")
+    on_weights = staticmethod(lambda: announcer.submit(announce))
+    settings = {"api_key": paths.read_token(), "timeout_s": args.weights_timeout_s, "on_weights": on_weights}
+    handler = type("Handler", (_Handler,), {"engine": engine, **settings})
     server.RequestHandlerClass = handler
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
     announce()
@@ -355,6 +406,7 @@ def serve(args: argparse.Namespace) -> None:
     try:
         server.serve_forever(poll_interval=0.2)
     finally:
+        announcer.shutdown()  # a late announcement must not bring the record back
         remove_record(paths.engines, args.engine_id, instance)
         log.info("engine %s stopped", args.engine_id)
 
@@ -365,6 +417,9 @@ def main() -> None:
     parser.add_argument("--engine-id", required=True)
     parser.add_argument("--model-path", required=True)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument(
+        "--device", default="auto", help="where the model lives: auto (a GPU when one is visible), cpu, cuda, cuda:N"
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)

@@ -4,12 +4,19 @@ A bucket holds tensors of one dtype (so every tensor starts at an offset aligned
 size), packed as raw bytes back to back into one uint8 buffer of at most `max_bytes` (a tensor
 larger than that travels alone): SGLang's "flattened_bucket" load format. Its metadata (names,
 dtypes, shapes) is what UpdateWeightsFromDistributedReqInput carries, so the receiver can split it.
+
+Both ends keep two bucket buffers (BufferRing) so that one bucket is packed or unpacked while the
+other is on the wire. A buffer is reused only after a fence of its previous use: on CUDA a c10d Work
+or a CUDA event, whose wait() makes the current stream wait without blocking the host; on CPU a
+gloo Work or anything else whose wait() blocks until that use is over.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -53,18 +60,114 @@ def _plan(entries: list[tuple[str, torch.Size, torch.dtype]]) -> BucketPlan:
     )
 
 
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
 def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The tensors' bytes back to back in one 1-D uint8 buffer."""
-    return torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in tensors])
+    return torch.cat([_as_bytes(t) for t in tensors])
 
 
 def unpack(flat: torch.Tensor, plan: BucketPlan) -> list[tuple[str, torch.Tensor]]:
     """Split a received uint8 buffer back into named tensors (views of `flat`)."""
-    out, start = [], 0
-    for name, dtype, shape in zip(plan.names, plan.dtypes, plan.shapes):
-        nbytes = torch.Size(shape).numel() * DTYPES[dtype].itemsize
-        out.append((name, flat[start : start + nbytes].view(DTYPES[dtype]).view(shape)))
-        start += nbytes
-    if start != flat.numel():
-        raise ValueError(f"bucket holds {flat.numel()} bytes, its metadata describes {start}")
-    return out
+    dtypes = [DTYPES[d] for d in plan.dtypes]
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in zip(plan.shapes, dtypes)]
+    if sum(sizes) != flat.numel():
+        raise ValueError(f"bucket holds {flat.numel()} bytes, its metadata describes {sum(sizes)}")
+    parts = flat.split(sizes)  # one call for every view: this runs once per bucket on the engine's critical path
+    return [(n, part.view(d).view(s)) for n, part, d, s in zip(plan.names, parts, dtypes, plan.shapes)]
+
+
+class Fence(Protocol):
+    """The end of one use of a buffer (see the module docstring)."""
+
+    def wait(self) -> object: ...
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """A stream of its own on a CUDA device; None on CPU, where torch.cuda.stream(None) is a no-op."""
+    return torch.cuda.Stream(device) if device.type == "cuda" else None
+
+
+def stream_done(stream: torch.cuda.Stream | None) -> Fence | None:
+    """A fence for the work queued so far on `stream` (None on CPU: that work is already done)."""
+    return None if stream is None else stream.record_event()
+
+
+class BufferRing:
+    """`count` uint8 buffers handed out in turn.
+
+    acquire() waits, on the current stream, for the fence that release() attached to the buffer's
+    previous use, and grows the buffer if the bucket is larger than it. Buffers are allocated on the
+    caller's stream; drain() makes that stream wait for every fence, after which the ring can be
+    dropped (the caching allocator reuses its memory only behind those waits).
+    """
+
+    def __init__(self, device: torch.device, capacity: int, count: int = 2) -> None:
+        self.device = device
+        self._buffers = [torch.empty(capacity, dtype=torch.uint8, device=device) for _ in range(count)]
+        self._fences: list[Fence | None] = [None] * count
+        self._next = 0
+        self._held: int | None = None
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        """A buffer view of `nbytes`, free once the current stream gets there. One at a time."""
+        assert self._held is None, "release() the previous buffer first"
+        i, self._next = self._next, (self._next + 1) % len(self._buffers)
+        self._wait(i)
+        if self._buffers[i].numel() < nbytes:
+            self._buffers[i] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self._held = i
+        return self._buffers[i][:nbytes]
+
+    def release(self, fence: Fence | None) -> None:
+        """The acquired buffer's use ends with `fence` (None: it has ended already)."""
+        assert self._held is not None, "nothing acquired"
+        self._fences[self._held], self._held = fence, None
+
+    def drain(self) -> None:
+        self._held = None
+        for i in range(len(self._buffers)):
+            self._wait(i)
+
+    def _wait(self, i: int) -> None:
+        fence, self._fences[i] = self._fences[i], None
+        if fence is not None:
+            fence.wait()
+
+
+class BucketPacker:
+    """Packs buckets into a BufferRing: the double-buffered sending side of weight sync.
+
+    On CUDA the copies run on a side stream, so packing bucket k+1 overlaps the broadcast of bucket
+    k. pack() leaves the caller's stream waiting for the pack: a broadcast issued next on that
+    stream (ProcessGroupNCCL makes its stream wait for the current one) sends complete bytes, and
+    the caller may free or overwrite the source tensors right away. consumed() names the fence (the
+    broadcast's Work) before which the buffer must not be packed again.
+    """
+
+    def __init__(self, device: torch.device, capacity: int) -> None:
+        self._ring = BufferRing(device, capacity)
+        self._stream = side_stream(device)
+
+    def pack(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """The same bytes as pack(tensors), in the next buffer once its previous consumer is done."""
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        caller = torch.cuda.current_stream(self._ring.device) if self._stream is not None else None
+        with torch.cuda.stream(self._stream):
+            if self._stream is not None:
+                self._stream.wait_stream(caller)  # the tensors were made on the caller's stream
+            flat = self._ring.acquire(nbytes)
+            torch.cat([_as_bytes(t) for t in tensors], out=flat)
+        if caller is not None:
+            caller.wait_stream(self._stream)
+        return flat
+
+    def consumed(self, fence: Fence | None) -> None:
+        """The buffer pack() returned last is in use until `fence`."""
+        self._ring.release(fence)
+
+    def drain(self) -> None:
+        """The caller's stream waits until every buffer is consumed (call before dropping the packer)."""
+        self._ring.drain()

@@ -42,9 +42,15 @@ class SideGroup:
             raise ValueError(f"weight-sync backend must be gloo or nccl, got {backend!r}")
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        self.broadcast_async(tensor, src).wait()
+
+    def broadcast_async(self, tensor: torch.Tensor, src: int = 0) -> dist.Work:
+        """Start a broadcast; its Work's wait() blocks the host on gloo, but on NCCL only makes the
+        current stream wait (the broadcast itself runs on NCCL's stream, asyncOp being true, after
+        the work queued on the current stream when it was issued)."""
         opts = dist.BroadcastOptions()
         opts.rootRank = src
-        self._pg.broadcast([tensor], opts).wait()
+        return self._pg.broadcast([tensor], opts)
 
     def close(self) -> None:
         # Dropping the references tears down the backend's connections; there is no public

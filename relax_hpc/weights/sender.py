@@ -6,26 +6,37 @@ every engine (which then waits in the broadcast) and broadcast the flat bucket, 
 continue_generation. `weight_version` goes with the last bucket only, so an engine reports the new
 version only once it holds all of it.
 
-The group is formed once and reused until the set of engines changes (an engine restarted or
-died); a failed transfer drops the group, and the next push forms a new one with the engines that
-answer /health.
+A push is a pipeline, so that the link stays busy: every request of the sequence goes to an engine
+over one keep-alive connection without waiting for the previous answer (the engine answers them in
+order, so its receiving broadcasts keep the sender's order, and bucket k+1's request is already
+there when bucket k arrives); bucket k+1 is packed on the GPU while bucket k is broadcast
+(BucketPacker); NCCL broadcasts return to the host at once. The host waits only at the end, for
+the answers.
+
+The group is formed once and reused until the registry's set of engines changes (an engine
+restarted or left); a failed transfer (an engine that died without leaving, say) drops the group,
+and the next push forms a new one with the engines that answer /health.
 """
 
 from __future__ import annotations
 
+import http.client
+import json
 import logging
 import socket
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from relax_hpc.rollout import protocol as P
 from relax_hpc.rollout.client import EngineClient, EngineRequestError, EngineUnavailable
 from relax_hpc.rollout.registry import EngineRecord, read_records
-from relax_hpc.weights.buckets import BucketPlan, pack
+from relax_hpc.weights.buckets import BucketPacker, BucketPlan
 from relax_hpc.weights.group import SideGroup
 
 log = logging.getLogger("relax_hpc.weights")
@@ -45,6 +56,73 @@ def _is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
+def _engine_key(records: list[EngineRecord]) -> list[tuple[str, str]]:
+    return sorted((r.engine_id, r.instance) for r in records)
+
+
+class RequestPipeline:
+    """Requests to one engine over one keep-alive HTTP/1.1 connection, sent without waiting for
+    answers (HTTP pipelining). Servers answer pipelined requests one at a time, in order (uvicorn
+    for SGLang, http.server for the built-in engine), which is what keeps the engine's receiving
+    broadcasts in the order of the sender's. Opened per push: SGLang closes idle connections after
+    5 s, sooner than the next push."""
+
+    def __init__(self, record: EngineRecord, api_key: str, timeout_s: float) -> None:
+        self.url = record.url
+        self._head = (
+            f"Host: {record.host}:{record.port}\r\n"
+            f"Authorization: Bearer {api_key}\r\nContent-Type: application/json\r\n"
+        )
+        try:
+            self._sock = socket.create_connection((record.host, record.port), timeout=timeout_s)
+        except OSError as e:
+            raise EngineUnavailable(f"{self.url}: {e}") from None
+        # Small requests and answers: without this, Nagle's algorithm holds them up to 40 ms.
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._reader = self._sock.makefile("rb")
+        self._routes: list[str] = []  # sent, answer not read yet
+
+    def send(self, route: str, request: object) -> None:
+        body = json.dumps(P.to_json(request)).encode()
+        head = f"POST {route} HTTP/1.1\r\n{self._head}Content-Length: {len(body)}\r\n\r\n"
+        try:
+            self._sock.sendall(head.encode() + body)
+        except OSError as e:
+            raise EngineUnavailable(f"{self.url}{route}: {e}") from None
+        self._routes.append(route)
+
+    def wait_answers(self, leave: int = 0) -> None:
+        """Read pending answers in order until `leave` are left; raises on the first failed request."""
+        while len(self._routes) > leave:
+            self._answer(self._routes.pop(0))
+
+    def _answer(self, route: str) -> Any:
+        try:
+            status_line = self._reader.readline(65537)
+            if not status_line:
+                raise EngineUnavailable(f"{self.url}{route}: the engine closed the connection")
+            status = int(status_line.split()[1])
+            headers = http.client.parse_headers(self._reader)
+            length = headers.get("Content-Length")
+            if length is None:  # both servers send JSON with a length; anything else is not theirs
+                raise EngineUnavailable(f"{self.url}{route}: an answer without Content-Length")
+            body = self._reader.read(int(length))
+        except (OSError, ValueError, IndexError, http.client.HTTPException) as e:
+            raise EngineUnavailable(f"{self.url}{route}: {e}") from None
+        if 400 <= status < 500:
+            raise EngineRequestError(f"{self.url}{route}: HTTP {status}: {body[:500].decode(errors='replace')}")
+        if status >= 300:
+            raise EngineUnavailable(f"{self.url}{route}: HTTP {status}: {body[:500].decode(errors='replace')}")
+        try:
+            return json.loads(body or b"null")
+        except json.JSONDecodeError as e:
+            raise EngineUnavailable(f"{self.url}{route}: {e}") from None
+
+    def close(self) -> None:
+        self._reader.close()
+        self._sock.close()
+
+
 class WeightSender:
     def __init__(self, registry: Path, api_key: str, backend: str, timeout_s: float) -> None:
         self.registry = registry
@@ -53,17 +131,19 @@ class WeightSender:
         self.timeout_s = timeout_s
         self.group: SideGroup | None = None
         self.members: list[EngineRecord] = []
+        self._pipelines: list[RequestPipeline] = []  # one per member, during a push
+        self._trusted: list[tuple[str, str]] | None = None  # see begin()
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="weights")
 
-    def live_engines(self) -> list[EngineRecord]:
-        records = read_records(self.registry)
+    def live_engines(self, records: list[EngineRecord] | None = None) -> list[EngineRecord]:
+        """The engines of `records` (default: the registry's) that answer /health."""
+        records = read_records(self.registry) if records is None else records
         alive = list(self._pool.map(lambda r: self._client(r).healthy(), records))
         return [r for r, ok in zip(records, alive) if ok]
 
     def engine_set_changed(self) -> bool:
         """True when the engines that answer differ from the current group's members."""
-        key = lambda records: sorted((r.engine_id, r.instance) for r in records)
-        return key(self.live_engines()) != key(self.members)
+        return _engine_key(self.live_engines()) != _engine_key(self.members)
 
     def _client(self, record: EngineRecord) -> EngineClient:
         return EngineClient(record.url, self.api_key, self.timeout_s)
@@ -91,7 +171,9 @@ class WeightSender:
             )
             for i, r in enumerate(engines)
         ]
-        group = SideGroup(req.master_address, req.master_port, 0, req.world_size, req.group_name, self.backend, self.timeout_s)
+        group = SideGroup(
+            req.master_address, req.master_port, 0, req.world_size, req.group_name, self.backend, self.timeout_s
+        )
         for f in futures:
             f.result()
         self.group, self.members = group, engines
@@ -112,75 +194,124 @@ class WeightSender:
                     except (EngineUnavailable, EngineRequestError):
                         pass
             self.group.close()
+        self._close_pipelines()
         self.group, self.members = None, []
 
     def begin(self) -> int:
-        """Before a push: make sure the group holds every live engine. Returns its engine count."""
-        if self.group is None or self.engine_set_changed():
-            engines = self.live_engines()
+        """Before a push: make sure the group holds the registry's engines, open a pipeline to each
+        and queue pause + begin. Returns the engine count (0: nothing to send).
+
+        A registry whose engines all answered /health is trusted as long as it stays the same,
+        which spares a round trip on every push: an engine that died since then refuses the
+        pipeline, and the push fails before any broadcast.
+        """
+        records = read_records(self.registry)
+        if self.group is None or _engine_key(records) != self._trusted:
+            engines = self.live_engines(records)
+            self._trusted = _engine_key(records) if len(engines) == len(records) else None
             if not engines:
                 self.drop_group()
                 return 0
-            self._form_group(engines)
-        for route, request in (
-            ("/pause_generation", P.PauseGenerationReqInput(mode="in_place")),
-            ("/begin_weight_update", P.BeginWeightUpdateReqInput()),
-        ):
-            for f in self._fan_out(route, request):
-                f.result()
+            if self.group is None or _engine_key(engines) != _engine_key(self.members):
+                self._form_group(engines)
+        self._pipelines = list(self._pool.map(lambda r: RequestPipeline(r, self.api_key, self.timeout_s), self.members))
+        self._queue("/pause_generation", P.PauseGenerationReqInput(mode="in_place"))
+        self._queue("/begin_weight_update", P.BeginWeightUpdateReqInput())
         return len(self.members)
 
-    def send_bucket(self, plan: BucketPlan, tensors: list[torch.Tensor], version: str | None) -> None:
+    def request_bucket(self, plan: BucketPlan, version: str | None) -> None:
+        """Queue a bucket's request; each engine enters its broadcast once done with the previous bucket."""
         assert self.group is not None, "begin() forms the group before buckets are sent"
-        req = P.UpdateWeightsFromDistributedReqInput(
-            names=plan.names,
-            dtypes=plan.dtypes,
-            shapes=plan.shapes,
-            group_name=self.group.group_name,
-            flush_cache=version is not None,
-            weight_version=version,
-            load_format="flattened_bucket",
+        self._queue(
+            "/update_weights_from_distributed",
+            P.UpdateWeightsFromDistributedReqInput(
+                names=plan.names,
+                dtypes=plan.dtypes,
+                shapes=plan.shapes,
+                group_name=self.group.group_name,
+                flush_cache=version is not None,
+                weight_version=version,
+                load_format="flattened_bucket",
+            ),
         )
-        futures = self._fan_out("/update_weights_from_distributed", req)
-        self.group.broadcast(pack(tensors))
-        for f in futures:
-            f.result()
+
+    def await_begun(self) -> None:
+        """After the first bucket's request: wait for pause + begin to be answered, so that an engine
+        refusing them fails the push before a broadcast is queued that no engine would join (the
+        engine is busy reading that request meanwhile: this costs about nothing)."""
+        for pipeline in self._pipelines:
+            pipeline.wait_answers(leave=1)
+
+    def broadcast(self, flat: torch.Tensor) -> dist.Work:
+        """Start the broadcast of a packed bucket (after its request_bucket)."""
+        assert self.group is not None, "begin() forms the group before buckets are sent"
+        return self.group.broadcast_async(flat)
 
     def end(self) -> None:
-        for route, request in (
-            ("/end_weight_update", P.EndWeightUpdateReqInput()),
-            ("/continue_generation", P.ContinueGenerationReqInput()),
-        ):
-            for f in self._fan_out(route, request):
-                f.result()
+        """Queue end + continue, then wait for every answer of the push."""
+        self._queue("/end_weight_update", P.EndWeightUpdateReqInput())
+        self._queue("/continue_generation", P.ContinueGenerationReqInput())
+        for pipeline in self._pipelines:
+            pipeline.wait_answers()
+        self._close_pipelines()
+
+    def _queue(self, route: str, request: object) -> None:
+        for pipeline in self._pipelines:
+            pipeline.send(route, request)
+
+    def _close_pipelines(self) -> None:
+        for pipeline in self._pipelines:
+            pipeline.close()
+        self._pipelines = []
 
 
 def push(
     sender: WeightSender | None,
     buckets: list[BucketPlan],
-    full_parameters: Callable[[], Iterable[tuple[str, torch.Tensor]]],
+    full_parameters: Callable[[], Iterable[tuple[str, torch.Tensor | None]]],
     version: int,
 ) -> int:
     """Send every bucket; collective over trainer ranks (all gather full tensors, rank 0 sends).
 
-    `sender` is None on ranks other than 0. Returns the number of engines updated (rank 0).
-    Raises WeightSyncError on rank 0 if the transfer failed (the group is dropped first).
+    `sender` is None on ranks other than 0, whose tensors are ignored (they may be None). Rank 0's
+    tensors may be freed or overwritten once the iterator moves on (on CUDA: by work queued after
+    that on the current stream). Returns the number of engines updated (rank 0). Raises
+    WeightSyncError on rank 0 if the transfer failed (the group is dropped first).
     """
     num_engines = 0
     params = iter(full_parameters())
     try:
         if sender is not None:
             num_engines = sender.begin()
-        for i, plan in enumerate(buckets):
-            tensors = [next(params)[1] for _ in plan.names]
-            if sender is not None and num_engines:
-                sender.send_bucket(plan, tensors, str(version) if i == len(buckets) - 1 else None)
-        if sender is not None and num_engines:
+        if num_engines:
+            _send_buckets(sender, buckets, params, str(version))
             sender.end()
+        else:
+            for _ in params:  # the other ranks gather every parameter: keep the collectives matched
+                pass
     except (EngineUnavailable, EngineRequestError, RuntimeError) as e:
-        for _ in params:  # the other ranks gather every parameter: keep the collectives matched
+        for _ in params:
             pass
         if sender is not None:
             sender.drop_group()
         raise WeightSyncError(f"weight sync of version {version} failed: {e}") from e
     return num_engines
+
+
+def _send_buckets(
+    sender: WeightSender, buckets: list[BucketPlan], params: Iterator[tuple[str, torch.Tensor]], version: str
+) -> None:
+    """Request, pack and broadcast each bucket without waiting for any of them (see the module
+    docstring); the version rides on the last bucket."""
+    packer: BucketPacker | None = None
+    for i, plan in enumerate(buckets):
+        tensors = [next(params)[1] for _ in plan.names]
+        sender.request_bucket(plan, version if i == len(buckets) - 1 else None)
+        if packer is None:  # the buffers go where the parameters are
+            packer = BucketPacker(tensors[0].device, max(b.nbytes for b in buckets))
+        flat = packer.pack(tensors)
+        if i == 0:
+            sender.await_begun()
+        packer.consumed(sender.broadcast(flat))
+    if packer is not None:
+        packer.drain()
