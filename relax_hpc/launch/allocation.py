@@ -109,22 +109,45 @@ def plan_layout(cfg: JobConfig, alloc: Allocation) -> Layout:
     per_node = Counter(engine_nodes)
     seen: Counter[str] = Counter()
     engine_gpus: list[str | None] = []
+    # An SGLang engine takes its tensor-parallel size in GPUs; built-in engines split the node's.
+    tp_size = cfg.rollout.sglang.tp_size if cfg.rollout.engine == "sglang" else None
     for node in engine_nodes:
-        engine_gpus.append(_gpu_slice(sl.rollout.gpus_per_node, per_node[node], seen[node], sl.trainer.gpus_per_node if colocated else 0))
+        offset = sl.trainer.gpus_per_node if colocated else 0
+        engine_gpus.append(_gpu_slice(sl.rollout.gpus_per_node, per_node[node], seen[node], offset, tp_size))
         seen[node] += 1
     trainer_gpus = f"0-{sl.trainer.gpus_per_node - 1}" if colocated and sl.trainer.gpus_per_node else None
     return Layout(groups[0], trainer_nodes, trainer_gpus, groups[1], engine_nodes, engine_gpus)
 
 
-def _gpu_slice(gpus_per_node: int, engines_on_node: int, index: int, offset: int) -> str | None:
-    """The GPUs of the index-th of `engines_on_node` engines sharing `gpus_per_node` GPUs."""
-    if gpus_per_node == 0:
+def _gpu_slice(gpus_per_node: int, engines_on_node: int, index: int, offset: int, tp_size: int | None) -> str | None:
+    """The GPUs of the index-th of `engines_on_node` engines on `gpus_per_node` rollout GPUs."""
+    per_engine = _gpus_per_engine(gpus_per_node, engines_on_node, tp_size)
+    if per_engine is None:
         return None
-    per_engine = gpus_per_node // engines_on_node
-    if per_engine == 0:
-        raise AllocationError(f"{engines_on_node} engines on a node with {gpus_per_node} rollout GPU(s)")
     first = offset + index * per_engine
     return f"{first}-{first + per_engine - 1}"
+
+
+def _gpus_per_engine(gpus_per_node: int, engines_on_node: int, tp_size: int | None) -> int | None:
+    """`tp_size` for an SGLang engine; an even share of the node's rollout GPUs for the built-in
+    engine (tp_size None); None where there are no GPUs to slice."""
+    if tp_size is None:
+        if gpus_per_node == 0:
+            return None
+        if gpus_per_node < engines_on_node:
+            raise AllocationError(f"{engines_on_node} engines on a node with {gpus_per_node} rollout GPU(s)")
+        return gpus_per_node // engines_on_node
+    if gpus_per_node == 0:
+        raise AllocationError(
+            "rollout.engine=sglang needs GPUs: set launch.slurm.rollout.gpus_per_node "
+            f"(each engine takes rollout.sglang.tp_size={tp_size})"
+        )
+    if engines_on_node * tp_size > gpus_per_node:
+        raise AllocationError(
+            f"{engines_on_node} SGLang engines of rollout.sglang.tp_size={tp_size} GPUs each on a node with "
+            f"{gpus_per_node} rollout GPU(s): lower rollout.num_engines or tp_size, or add rollout nodes"
+        )
+    return tp_size
 
 
 def example_allocation(cfg: JobConfig) -> Allocation:

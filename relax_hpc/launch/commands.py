@@ -1,6 +1,7 @@
 """The command line of every role: on this machine (`local`), or as job steps of a Slurm allocation.
 
-    engines   python -m relax_hpc.rollout.torch_engine   (rollout.num_engines processes)
+    engines   python -m relax_hpc.rollout.torch_engine   (rollout.num_engines processes; with
+              rollout.engine=sglang, python -m relax_hpc.rollout.sglang_engine, which runs SGLang)
     driver    python -m relax_hpc.rollout.driver
     trainer   torchrun ... -m relax_hpc.trainer.main      (one torchrun per trainer node)
 
@@ -21,6 +22,12 @@ from relax_hpc.paths import RunPaths
 
 def engine_args(cfg: JobConfig, paths: RunPaths, index: int, host: str) -> list[str]:
     port = cfg.rollout.base_port + index if cfg.rollout.base_port else 0
+    if cfg.rollout.engine == "sglang":
+        # A supervisor of one SGLang server; it builds the server's arguments from RUN_DIR/config.yaml.
+        return [
+            "-m", "relax_hpc.rollout.sglang_engine", "--run-dir", str(paths.root), "--engine-id", f"engine-{index}",
+            "--host", host, "--port", str(port),
+        ]  # fmt: skip
     return [
         "-m", "relax_hpc.rollout.torch_engine", "--run-dir", str(paths.root), "--engine-id", f"engine-{index}",
         "--model-path", cfg.model.path, "--dtype", cfg.model.dtype, "--host", host,

@@ -4,7 +4,7 @@ import pytest
 
 from relax_hpc.config import load_config
 from relax_hpc.launch.allocation import Allocation, AllocationError, expand_counts, plan_layout
-from relax_hpc.launch.commands import step_commands
+from relax_hpc.launch.commands import local_commands, step_commands
 from relax_hpc.launch.container import wrap_in_container
 from relax_hpc.launch.gpus import select
 from relax_hpc.paths import RunPaths
@@ -62,6 +62,56 @@ def test_allocation_that_does_not_match_the_config_is_refused():
             cfg_with("launch.slurm.rollout.nodes=0", "launch.slurm.rollout.gpus_per_node=2", "rollout.num_engines=3"),
             Allocation("7", [["a"]], {"a": 4}),
         )
+
+
+def test_sglang_engines_take_tp_size_gpus_each():
+    sglang = ["rollout.engine=sglang", "rollout.sglang.tp_size=2"]
+    cfg = cfg_with(
+        *sglang, "launch.slurm.trainer.gpus_per_node=4", "launch.slurm.rollout.nodes=0",
+        "launch.slurm.rollout.gpus_per_node=4", "rollout.num_engines=2",
+    )  # fmt: skip
+    assert plan_layout(cfg, Allocation("7", [["gpu1"]], {"gpu1": 64})).engine_gpus == ["4-5", "6-7"]
+    # Not an even share of the node: tp_size GPUs each, whatever is left stays free.
+    cfg = cfg_with(
+        *sglang, "launch.slurm.rollout.nodes=2", "launch.slurm.rollout.gpus_per_node=8", "rollout.num_engines=4"
+    )
+    layout = plan_layout(cfg, Allocation("7", [["a", "b", "c"]], dict.fromkeys("abc", 8)))
+    assert layout.engine_nodes == ["b", "c", "b", "c"]
+    assert layout.engine_gpus == ["0-1", "0-1", "2-3", "2-3"]
+    cfg = cfg_with(
+        "rollout.engine=sglang", "launch.slurm.rollout.nodes=1", "launch.slurm.rollout.gpus_per_node=8",
+        "rollout.num_engines=2",
+    )  # fmt: skip
+    assert plan_layout(cfg, Allocation("7", [["a", "b"]], dict.fromkeys("ab", 8))).engine_gpus == ["0-0", "1-1"]
+
+
+def test_sglang_layouts_that_do_not_fit_are_refused():
+    cfg = cfg_with(
+        "rollout.engine=sglang", "rollout.sglang.tp_size=2", "launch.slurm.rollout.nodes=1",
+        "launch.slurm.rollout.gpus_per_node=4", "rollout.num_engines=3",
+    )  # fmt: skip
+    with pytest.raises(AllocationError, match="3 SGLang engines of rollout.sglang.tp_size=2 GPUs each"):
+        plan_layout(cfg, Allocation("7", [["a", "b"]], dict.fromkeys("ab", 8)))
+    cfg = cfg_with("rollout.engine=sglang", "launch.slurm.rollout.nodes=1")
+    with pytest.raises(AllocationError, match="rollout.engine=sglang needs GPUs"):
+        plan_layout(cfg, Allocation("7", [["a", "b"]], {}))
+
+
+def test_sglang_engine_commands_run_the_wrapper(tmp_path):
+    cfg = cfg_with(
+        f"run.dir={tmp_path / 'run'}", "rollout.engine=sglang", "rollout.sglang.tp_size=4",
+        "launch.slurm.rollout.gpus_per_node=8", "rollout.num_engines=2", "rollout.base_port=30000",
+    )  # fmt: skip
+    paths = RunPaths(tmp_path / "run")
+    engine = step_commands(cfg, paths, Allocation("7", [["a", "b"]], dict.fromkeys("ab", 8)))["engine-1"]
+    wrapper = engine.index("relax_hpc.rollout.sglang_engine")
+    assert engine[wrapper - 5 : wrapper - 2] == ["relax_hpc.launch.gpus", "4-7", "--"]
+    assert engine[wrapper + 1 :] == [
+        "--run-dir", str(paths.root), "--engine-id", "engine-1", "--host", "0.0.0.0", "--port", "30001",
+    ]  # fmt: skip
+    # The wrapper reads the run token itself: it is on no command line the launcher prints.
+    local = local_commands(cfg, paths)["engine-0"]
+    assert "relax_hpc.rollout.sglang_engine" in local and "--api-key" not in local
 
 
 def test_config_refuses_impossible_layouts():

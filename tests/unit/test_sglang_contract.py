@@ -1,26 +1,49 @@
-"""The engine protocol against SGLang's own definitions.
+"""The engine protocol against SGLang's own definitions, imported from the pinned release.
 
-SGLang cannot run (or even be imported cheaply) on a CPU machine, so this reads the sources of
-the pinned release (constraints.txt) straight from its wheel: the request classes in
-srt/managers/io_struct.py, the routes in srt/entrypoints/http_server.py and the arguments of
-SamplingParams. Every request class relax_hpc sends must exist there with the same field names,
-compatible types and the same defaults; every route it calls must be served.
+sglang (constraints.txt) is installed with --no-deps plus the light packages its import chain
+needs (tools/install.sh), and imported through tests/sglang_import.py, which stands in for triton
+and torchvision. Checked against the imported classes:
+
+- every request relax_hpc sends, built the way the driver and the weight sender build it and
+  turned into its body by protocol.to_json: SGLang's class of the same name
+  (sglang.srt.managers.io_struct) is constructed with exactly those keyword arguments (an unknown
+  name fails), and each value must match the type hint of SGLang's field (typing.get_type_hints;
+  the annotation's source text where a hint does not resolve);
+- the protocol's dataclasses: each field is one of SGLang's, with the same default;
+- sampling parameters (the driver's and the ones the torch engine accepts) against the signature of
+  SamplingParams, which also verifies them;
+- launch_server's arguments as relax_hpc.rollout.sglang_engine builds them: parsed by SGLang's own
+  parser (ServerArgs.add_cli_args), each one a field of ServerArgs with a value of its type.
+
+Routes are still read from the source (srt/entrypoints/http_server.py, with a regular expression):
+importing the HTTP server would take fastapi, uvicorn and the rest of the serving runtime.
 """
 
 from __future__ import annotations
 
-import ast
+import argparse
 import dataclasses
+import importlib.metadata
+import importlib.util
+import inspect
+import json
+import os
 import re
-import subprocess
-import sys
+import types
 import typing
-import zipfile
+import warnings
+from collections import abc
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
+from relax_hpc.config import load_config
 from relax_hpc.rollout import protocol as P
+from relax_hpc.rollout.driver import Driver
+from relax_hpc.rollout.sglang_engine import server_args
+from tests.sglang_import import import_sglang
 
 REPO = Path(__file__).resolve().parents[2]
 PINNED = re.search(r"^sglang==(\S+)$", (REPO / "constraints.txt").read_text(), re.MULTILINE).group(1)
@@ -39,85 +62,226 @@ ROUTES = [
 
 
 @pytest.fixture(scope="module")
-def sglang_sources(tmp_path_factory) -> dict[str, str]:
-    folder = tmp_path_factory.mktemp("sglang")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", f"sglang=={PINNED}", "-d", str(folder)],
-        check=True, timeout=600,
+def sglang() -> SimpleNamespace:
+    if importlib.util.find_spec("sglang") is None:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail("sglang is not installed: tools/install.sh installs it")
+        pytest.skip("sglang is not installed (tools/install.sh installs it)")
+    assert importlib.metadata.version("sglang") == PINNED, "installed sglang differs from constraints.txt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # CPU-only notices from its quantization modules
+        io, sampling, args = import_sglang(
+            "sglang.srt.managers.io_struct", "sglang.srt.sampling.sampling_params", "sglang.srt.server_args"
+        )
+    return SimpleNamespace(io=io, SamplingParams=sampling.SamplingParams, ServerArgs=args.ServerArgs)
+
+
+def sent_requests(cfg) -> list[Any]:
+    """Each request as relax_hpc builds it (relax_hpc/rollout/driver.py, relax_hpc/weights/sender.py)."""
+    driver = SimpleNamespace(ro=cfg.rollout)  # all that Driver._sampling reads
+    sampling, greedy = Driver._sampling(driver), Driver._sampling(driver, temperature=0.0)
+    init = P.InitWeightsUpdateGroupReqInput(
+        master_address="127.0.0.1", master_port=29517, rank_offset=0, world_size=3, group_name="relax-0123456789ab",
+        backend="gloo",
     )  # fmt: skip
-    (wheel,) = folder.glob("sglang-*.whl")
-    names = {
-        "io_struct": "sglang/srt/managers/io_struct.py",
-        "http_server": "sglang/srt/entrypoints/http_server.py",
-        "sampling_params": "sglang/srt/sampling/sampling_params.py",
+    bucket = {
+        "names": ["model.embed_tokens.weight", "lm_head.weight"], "dtypes": ["float32", "bfloat16"],
+        "shapes": [[32, 128], [32, 128]], "group_name": init.group_name, "load_format": "flattened_bucket",
+    }  # fmt: skip
+    return [
+        P.GenerateReqInput(
+            input_ids=[[5, 6, 7], [5, 6, 7]], sampling_params=[{**sampling, "sampling_seed": s} for s in (11, 12)],
+            return_logprob=True,
+        ),  # fmt: skip
+        P.GenerateReqInput(input_ids=[[5, 6, 7], [8, 9]], sampling_params=greedy),  # evaluation
+        init,
+        P.InitWeightsUpdateGroupReqInput(**{**P.to_json(init), "rank_offset": 1}),
+        P.PauseGenerationReqInput(mode="in_place"),
+        P.BeginWeightUpdateReqInput(),
+        P.UpdateWeightsFromDistributedReqInput(**bucket, flush_cache=False, weight_version=None),
+        P.UpdateWeightsFromDistributedReqInput(**bucket, flush_cache=True, weight_version="7"),  # the last bucket
+        P.EndWeightUpdateReqInput(),
+        P.ContinueGenerationReqInput(),
+        P.DestroyWeightsUpdateGroupReqInput(init.group_name),
+        P.AbortReq(abort_all=True),
+        P.AbortReq(rid="r-1"),
+        P.GetWeightsByNameReqInput(name="lm_head.weight", truncate_size=2),
+    ]
+
+
+# -- matching JSON values against SGLang's type hints -------------------------------------------
+
+ARRAYS = (list, set, frozenset, tuple, abc.Sequence, abc.Set)  # what a JSON array may be decoded into
+MAPPINGS = (dict, abc.Mapping)
+
+
+def conforms(value: Any, hint: Any) -> bool:
+    """Whether a JSON value (lists, dicts, str, numbers, bool, None) fits the type hint."""
+    if isinstance(hint, str):
+        return _conforms_source(value, hint)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any or isinstance(hint, typing.TypeVar):
+        return True
+    if origin is typing.Annotated:
+        return conforms(value, args[0])
+    if origin in (typing.Union, types.UnionType):
+        return any(conforms(value, a) for a in args)
+    if origin is typing.Literal:
+        return value in args
+    if hint is type(None) or hint is None:
+        return value is None
+    if origin in ARRAYS or hint in ARRAYS:
+        item = args[0] if args else Any  # tuple[int, ...] too
+        return isinstance(value, list) and all(conforms(v, item) for v in value)
+    if origin in MAPPINGS or hint in MAPPINGS:
+        key, item = args or (Any, Any)
+        return isinstance(value, dict) and all(conforms(k, key) and conforms(v, item) for k, v in value.items())
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(hint, type) and isinstance(value, hint)
+
+
+def _conforms_source(value: Any, annotation: str) -> bool:
+    """Where a hint does not resolve: the value's JSON type must be named in the annotation."""
+    names = set(re.findall(r"[A-Za-z_]+", annotation))
+    if "Any" in names:
+        return True
+    json_names = {
+        bool: {"bool"}, int: {"int", "float"}, float: {"float"}, str: {"str"}, type(None): {"None", "Optional"},
+        list: {"list", "List", "Set", "set", "Sequence", "Tuple", "tuple"}, dict: {"dict", "Dict", "Mapping"},
+    }  # fmt: skip
+    return bool(json_names[type(value)] & names)
+
+
+def hints(cls: type) -> dict[str, Any]:
+    """Field -> resolved type hint, or the annotation's source where it does not resolve."""
+    try:
+        return typing.get_type_hints(cls)
+    except Exception:  # a name imported only under TYPE_CHECKING, say
+        annotations: dict[str, Any] = {}
+        for klass in reversed(cls.__mro__):
+            annotations.update(getattr(klass, "__annotations__", {}))
+        return {name: a if isinstance(a, str) else repr(a) for name, a in annotations.items()}
+
+
+def field_defaults(cls: type) -> dict[str, Any]:
+    """SGLang's fields (dataclass or msgspec Struct) -> default, dataclasses.MISSING where required."""
+    import msgspec
+
+    if dataclasses.is_dataclass(cls):
+        fields = [(f.name, f.default, f.default_factory) for f in dataclasses.fields(cls)]
+    else:
+        fields = [(f.name, f.default, f.default_factory) for f in msgspec.structs.fields(cls)]
+    missing = (dataclasses.MISSING, getattr(msgspec, "NODEFAULT", None))
+    return {
+        name: default if default not in missing else factory() if factory not in missing else dataclasses.MISSING
+        for name, default, factory in fields
     }
-    with zipfile.ZipFile(wheel) as zf:
-        return {key: zf.read(path).decode() for key, path in names.items()}
 
 
-def _class_fields(tree: ast.Module) -> dict[str, dict[str, tuple[str, str | None]]]:
-    """class name -> field -> (annotation source, default source), inherited fields included."""
-    classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
-
-    def fields(name: str) -> dict[str, tuple[str, str | None]]:
-        node = classes[name]
-        out: dict[str, tuple[str, str | None]] = {}
-        for base in node.bases:
-            if isinstance(base, ast.Name) and base.id in classes:
-                out.update(fields(base.id))
-        for stmt in node.body:
-            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
-                value = stmt.value
-                if isinstance(value, ast.Call):  # field(default=...) / msgspec.field(default=...)
-                    value = next((k.value for k in value.keywords if k.arg == "default"), None)
-                default = ast.unparse(value) if value is not None else None
-                out[stmt.target.id] = (ast.unparse(stmt.annotation), default)
-        return out
-
-    return {name: fields(name) for name in classes}
+# -- the checks ---------------------------------------------------------------------------------
 
 
-def _leaf_types(annotation: str) -> set[str]:
-    """Base type names in an annotation: 'Optional[Union[List[int], str]]' -> {list, int, str, None}."""
-    words = set(re.findall(r"[A-Za-z_]+", annotation))
-    aliases = {"List": "list", "Dict": "dict", "NoneType": "None", "Optional": "None"}
-    return {aliases.get(w, w) for w in words} - {"Union", "Annotated", "typing"}
+CFG = load_config(None, ["rollout.engine=sglang"])
+REQUESTS = sent_requests(CFG)
 
 
-def _ours(cls: type) -> dict[str, tuple[str, object]]:
-    hints = typing.get_type_hints(cls)
-    render = lambda t: t.__name__ if isinstance(t, type) else str(t).replace("typing.", "")
-    return {f.name: (render(hints[f.name]), f.default) for f in dataclasses.fields(cls)}
+@pytest.mark.parametrize("request_", REQUESTS, ids=[f"{i}-{type(r).__name__}" for i, r in enumerate(REQUESTS)])
+def test_sent_requests_construct_sglangs_classes(sglang, request_):
+    name = type(request_).__name__
+    theirs = getattr(sglang.io, name, None)
+    assert theirs is not None, f"SGLang {PINNED} has no request class {name}"
+    body = json.loads(json.dumps(P.to_json(request_)))  # as it travels
+    obj = theirs(**body)  # TypeError on a name SGLang does not know, or a field it requires
+    their_hints = hints(theirs)
+    for key, value in body.items():
+        assert conforms(value, their_hints[key]), f"{name}.{key} = {value!r} does not fit SGLang's {their_hints[key]}"
+    if name == "GenerateReqInput":
+        obj.normalize_batch_and_arguments()  # SGLang's own checks of a batch's per-item lists
+        sampling = body.get("sampling_params") or {}
+        for params in sampling if isinstance(sampling, list) else [sampling]:
+            check_sampling_params(sglang, params)
+
+
+def test_every_request_class_is_sent_above():
+    assert {type(r) for r in REQUESTS} == set(CLASSES)
 
 
 @pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
-def test_request_class_matches_sglang(sglang_sources, cls):
-    theirs = _class_fields(ast.parse(sglang_sources["io_struct"])).get(cls.__name__)
-    assert theirs is not None, f"SGLang {PINNED} has no request class {cls.__name__}"
-    for name, (annotation, default) in _ours(cls).items():
-        assert name in theirs, f"{cls.__name__}.{name} is not a field of SGLang's class: {sorted(theirs)}"
-        their_annotation, their_default = theirs[name]
-        extra = _leaf_types(annotation) - _leaf_types(their_annotation) - {"Any"}
-        assert not extra, f"{cls.__name__}.{name}: ours {annotation}, SGLang's {their_annotation}"
+def test_protocol_fields_are_sglangs_with_its_defaults(sglang, cls):
+    theirs = field_defaults(getattr(sglang.io, cls.__name__))
+    for f in dataclasses.fields(cls):
+        assert f.name in theirs, f"{cls.__name__}.{f.name} is not a field of SGLang's class: {sorted(theirs)}"
         # Required here and defaulted there is fine (relax_hpc always sends it); the reverse would
-        # let to_json() omit a field SGLang requires.
-        if their_default is None:
-            assert default is dataclasses.MISSING, f"{cls.__name__}.{name} is required by SGLang"
-        elif default is not dataclasses.MISSING:
-            assert ast.literal_eval(their_default) == default, (
-                f"{cls.__name__}.{name}: default {default!r} here, {their_default} in SGLang"
-            )
+        # let to_json() leave out a field that SGLang requires.
+        if theirs[f.name] is dataclasses.MISSING:
+            assert f.default is dataclasses.MISSING, f"{cls.__name__}.{f.name} is required by SGLang"
+        elif f.default is not dataclasses.MISSING:
+            assert f.default == theirs[f.name], f"{cls.__name__}.{f.name}: {f.default!r} here, {theirs[f.name]!r} there"
 
 
-def test_routes_exist_in_sglang(sglang_sources):
-    served = set(re.findall(r"@app\.(?:get|post|put|api_route)\(\s*\"([^\"]+)\"", sglang_sources["http_server"]))
+def check_sampling_params(sglang, params: dict[str, Any]) -> None:
+    signature = inspect.signature(sglang.SamplingParams)
+    their_hints = hints(sglang.SamplingParams)
+    unknown = set(params) - set(signature.parameters)
+    assert not unknown, f"sampling_params {sorted(unknown)} are not SamplingParams arguments"
+    for key, value in params.items():
+        assert conforms(value, their_hints[key]), f"sampling_params.{key} = {value!r}: SGLang's is {their_hints[key]}"
+    sglang.SamplingParams(**params).verify(vocab_size=32)  # SGLang's range checks
+
+
+def test_sampling_params_the_torch_engine_accepts_are_sglangs(sglang):
+    assert set(P.SAMPLING_PARAMS) <= set(inspect.signature(sglang.SamplingParams).parameters)
+    check_sampling_params(sglang, {"max_new_tokens": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 5,
+                                   "stop_token_ids": [2], "ignore_eos": True, "sampling_seed": 3})  # fmt: skip
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:  # fail the test instead of exiting
+        raise AssertionError(f"launch_server would refuse its arguments: {message}")
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        # Every optional argument, the bf16 dtype, and extra_args of the kind rollout.sglang's docs show
+        # (0.5.23 split --cuda-graph-max-bs into -decode and -prefill).
+        ["model.dtype=bfloat16", "rollout.sglang.tp_size=4", "rollout.sglang.context_length=8192",
+         "rollout.sglang.extra_args=[--attention-backend, fa3, --cuda-graph-max-bs-decode, '256']"],
+    ],
+    ids=["defaults", "everything"],
+)  # fmt: skip
+def test_launch_server_arguments_are_server_args(sglang, overrides):
+    import msgspec
+
+    cfg = load_config(None, ["rollout.engine=sglang", "run.seed=7", *overrides])
+    argv = server_args(cfg, "0.0.0.0", 30001, "the-run-token")
+    parser = _Parser(prog="launch_server")
+    sglang.ServerArgs.add_cli_args(parser)
+    parsed = parser.parse_args(argv)
+    fields = {f.name for f in msgspec.structs.fields(sglang.ServerArgs)}
+    their_hints = typing.get_type_hints(sglang.ServerArgs)
+    for flag in (a for a in argv if a.startswith("--")):
+        dest = parser._option_string_actions[flag].dest
+        assert dest in fields, f"{flag} sets {dest}, which is not a ServerArgs field"
+        value = getattr(parsed, dest)
+        assert conforms(value, their_hints[dest]), f"{flag} gives {value!r}; ServerArgs.{dest} is {their_hints[dest]}"
+    sg = cfg.rollout.sglang
+    assert (parsed.model_path, parsed.host, parsed.port) == (cfg.model.path, "0.0.0.0", 30001)
+    assert (parsed.api_key, parsed.tp_size, parsed.context_length) == ("the-run-token", sg.tp_size, sg.context_length)
+    assert parsed.mem_fraction_static == sg.mem_fraction_static
+    assert (parsed.dtype, parsed.random_seed, parsed.weight_version) == (cfg.model.dtype, 7, "0")
+
+
+def test_routes_exist_in_sglang(sglang):
+    package = Path(importlib.util.find_spec("sglang").origin).parent
+    source = (package / "srt" / "entrypoints" / "http_server.py").read_text()
+    served = set(re.findall(r"@app\.(?:get|post|put|api_route)\(\s*\"([^\"]+)\"", source))
     missing = [r for r in ROUTES if r not in served]
     assert missing == [], f"routes not served by SGLang {PINNED}: {missing}"
-
-
-def test_sampling_params_exist_in_sglang(sglang_sources):
-    theirs = set(_class_fields(ast.parse(sglang_sources["sampling_params"]))["SamplingParams"])
-    assert set(P.SAMPLING_PARAMS) <= theirs, set(P.SAMPLING_PARAMS) - theirs
 
 
 def test_the_torch_engine_routes_cover_what_relax_hpc_calls():
