@@ -68,7 +68,9 @@ def convert(run_dir: Path, out: Path, step: int | None = None) -> Path:
     missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     missing = [k for k in missing if not (k == "lm_head.weight" and hf_config.tie_word_embeddings)]
     if missing or unexpected:
-        raise SystemExit(f"{folder} does not match {cfg.model.path}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise SystemExit(
+            f"{folder} does not match {cfg.model.path}: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     model.tie_weights()
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)

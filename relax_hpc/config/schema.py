@@ -62,7 +62,8 @@ class SGLangConfig(Section):
     """Longest prompt + completion an engine accepts (`--context-length`; default: the model's)."""
     extra_args: list[str] = []
     """Further `sglang.launch_server` arguments, passed through as given, e.g.
-    `["--attention-backend", "fa3", "--cuda-graph-max-bs", "256"]`."""
+    `["--attention-backend", "fa3", "--cuda-graph-max-bs-decode", "256"]` (checked against
+    SGLang 0.5.23's own argument parser by tests/unit/test_sglang_contract.py)."""
     startup_timeout_s: float = Field(900.0, gt=0)
     """An engine that does not answer /health this long after its start counts as failed (loading
     a large model and capturing CUDA graphs takes minutes)."""

@@ -35,9 +35,9 @@ from relax_hpc.config.schema import JobConfig
 from relax_hpc.exchange.spool import SampleBatch, Spool, read_batch
 from relax_hpc.metrics.jsonl import JsonlWriter
 from relax_hpc.paths import RunPaths, write_atomic
+from relax_hpc.trainer.backend import make_backend
 from relax_hpc.trainer.batching import TrainBatch, pad_samples
 from relax_hpc.trainer.claims import claim_next
-from relax_hpc.trainer.backend import make_backend
 from relax_hpc.weights.buckets import plan_buckets
 from relax_hpc.weights.sender import WeightSender, WeightSyncError, push
 

@@ -242,7 +242,9 @@ class MegatronBackend:
                 losses.append(self._check_finite(loss, step))
                 grad_norm = self._optimizer_step()
                 self.scheduler.step()
-        return StepResult(stats if self.reports else Stats(), sum(losses) / len(losses), grad_norm, self.scheduler.get_last_lr()[0])
+        return StepResult(
+            stats if self.reports else Stats(), sum(losses) / len(losses), grad_norm, self.scheduler.get_last_lr()[0]
+        )
 
     def _global_counts(self, batch: TrainBatch, rows: list[torch.Tensor]) -> list[Normalizer]:
         counts = torch.tensor(

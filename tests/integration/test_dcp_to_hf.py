@@ -16,7 +16,7 @@ from relax_hpc.trainer.inprocess import InProcessRun
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
-import dcp_to_hf  # noqa: E402
+import dcp_to_hf
 
 pytestmark = pytest.mark.integration
 
@@ -25,7 +25,10 @@ def _greedy(model, run: InProcessRun) -> list[list[int]]:
     prompts = run.prompt_ids[:20]
     spec = SamplingSpec(max_new_tokens=4, temperature=0.0)
     tok = run.tokenizer
-    return [c.output_ids for c in sample(model, prompts, [spec] * len(prompts), [0] * len(prompts), tok.eos_token_id, tok.pad_token_id)]
+    return [
+        c.output_ids
+        for c in sample(model, prompts, [spec] * len(prompts), [0] * len(prompts), tok.eos_token_id, tok.pad_token_id)
+    ]
 
 
 def test_checkpoint_converts_to_a_folder_that_generates_like_the_policy(tmp_path):

@@ -31,7 +31,9 @@ PEAK_FLOPS = 989e12
 
 
 def flops_per_token(shape: dict, seq: int) -> float:
-    h, inter, layers, heads = (shape[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"))
+    h, inter, layers, heads = (
+        shape[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    )
     q, kv = heads * COMMON["head_dim"], COMMON["num_key_value_heads"] * COMMON["head_dim"]
     matmul_params = layers * (h * q + 2 * h * kv + q * h + 3 * h * inter) + h * COMMON["vocab_size"]
     return 6 * matmul_params + 12 * layers * seq * q
@@ -95,7 +97,9 @@ def run(size: str, backend: str, model: Path, args: argparse.Namespace) -> dict:
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", __file__,
             "--worker", "--size", size, "--backend", backend, "--model", str(model), "--seq", str(args.seq),
             "--batch", str(args.batch), "--steps", str(args.steps), "--microbatch-tokens", str(args.microbatch_tokens)]  # fmt: skip
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=1200, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    out = subprocess.run(
+        argv, capture_output=True, text=True, timeout=1200, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
     if out.returncode or not lines:
         return {"backend": backend, "error": (out.stderr or out.stdout)[-3000:]}
