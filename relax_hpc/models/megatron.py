@@ -383,9 +383,8 @@ class SDPAttention(MegatronModule):
         return torch.cat(outs).reshape(query.shape[0], -1)
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # Key/value heads repeated to the query heads (as transformers does) rather than
-        # enable_gqa: with enable_gqa, torch 2.11 on an H200 chose the math kernel, which stores
-        # the S x S scores of every layer (113 GiB and 5% MFU at 2 x 4096 tokens of a 0.6B model).
+        # Key/value heads repeated to the query heads, as transformers does: the form measured on
+        # an H200 (BENCHMARKS.md), which runs the flash kernel in bf16.
         if self.heads != self.groups:
             k, v = (t.repeat_interleave(self.heads // self.groups, dim=-3) for t in (k, v))
         return F.scaled_dot_product_attention(
