@@ -272,7 +272,8 @@ class MegatronConfig(Section):
     expert_parallel: int = Field(1, ge=1)
     """Expert-parallel size of MoE models (splits the experts over GPUs)."""
     sequence_parallel: bool = True
-    """Megatron sequence parallelism for the norms and dropout when tensor_parallel > 1."""
+    """Megatron sequence parallelism for the norms and dropout when tensor_parallel > 1 (used only
+    with Transformer Engine: megatron's torch norms refuse it)."""
     distributed_optimizer: bool = True
     """Shard the fp32 master weights and Adam moments over data-parallel ranks (ZeRO-1)."""
     attention: Literal["auto", "te", "sdpa"] = "auto"
@@ -282,7 +283,8 @@ class MegatronConfig(Section):
     """Sequence packing: samples are packed into micro-batches of at most this many tokens (a
     longer sample travels alone); the batch's gradient is accumulated over them."""
     recompute: bool = False
-    """Recompute each layer's activations in the backward pass (less memory, ~30% more compute)."""
+    """Recompute each layer's activations in the backward pass (less memory, one more forward pass
+    of every layer)."""
 
 
 class TrainerConfig(Section):
