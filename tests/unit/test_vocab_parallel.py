@@ -34,6 +34,38 @@ def test_one_rank_equals_log_softmax_values_and_gradients():
     torch.testing.assert_close(mine.grad, ref.grad)  # the entropy's closed-form gradient
 
 
+def test_temperature_and_padded_columns():
+    """softmax(logits / T) over the real columns only: padding columns (any value) are no token,
+    get no probability and no gradient."""
+    logits, targets = _data()
+    padded = torch.cat([logits, torch.full((6, 3), 50.0)], dim=1).requires_grad_(True)
+    ref = logits.clone().requires_grad_(True)
+    lp, ent = logprobs_and_entropy(padded, targets, temperature=0.7, vocab_size=10)
+    ref_lp, ref_ent = _reference(ref / 0.7, targets)
+    torch.testing.assert_close(lp, ref_lp)
+    torch.testing.assert_close(ent, ref_ent)
+    (lp.sum() + ent.sum()).backward()
+    (ref_lp.sum() + ref_ent.sum()).backward()
+    torch.testing.assert_close(padded.grad[:, :10], ref.grad)
+    assert padded.grad[:, 10:].abs().max() == 0
+
+
+def test_entropy_without_gradient_and_bf16_logits():
+    """entropy_grad=False: the entropy is a constant of the graph; bf16 logits are read in fp32
+    and their gradient comes back in bf16."""
+    logits, targets = _data()
+    mine = logits.bfloat16().requires_grad_(True)
+    ref = logits.bfloat16().float().requires_grad_(True)
+    lp, ent = logprobs_and_entropy(mine, targets, entropy_grad=False)
+    assert lp.dtype == ent.dtype == torch.float32 and not ent.requires_grad
+    ref_lp, ref_ent = _reference(ref, targets)
+    torch.testing.assert_close(ent, ref_ent)
+    (lp.sum() + ent.sum()).backward()
+    ref_lp.sum().backward()
+    assert mine.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(mine.grad.float(), ref.grad, atol=1e-2, rtol=1e-2)
+
+
 def _worker(rank: int, port: int, out: dict) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     logits, targets = _data()
