@@ -14,7 +14,6 @@ approximated.
 from __future__ import annotations
 
 import importlib.util
-import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,20 +21,16 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.packed_seq_params import PackedSeqParams
-from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.utils import divide
 
 from relax_hpc.config.schema import MegatronConfig
+from relax_hpc.models.megatron_layers import RMSNorm, SDPAttention
+
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe")
 
@@ -181,6 +176,9 @@ def transformer_config(hf_config: Any, par: MegatronConfig, params_dtype: torch.
         # megatron's torch norms (the non-TE path) refuse sequence parallelism.
         sequence_parallel=par.sequence_parallel and par.tensor_parallel > 1 and te,
         use_cpu_initialization=not torch.cuda.is_available(),
+        # SwiGLU in one torch.compile'd kernel each way, keeping only its input for backward (on
+        # GPUs; the CPU, which builds models only to test the mapping, runs the plain form).
+        bias_activation_fusion=torch.cuda.is_available(),
         **_recompute(par),
         **_moe(arch, par, te),
     )
@@ -230,12 +228,13 @@ def _moe(arch: Arch, par: MegatronConfig, te: bool) -> dict:
     }
 
 
-def layer_spec(hf_config: Any, attention: str) -> ModuleSpec:
+def layer_spec(hf_config: Any, par: MegatronConfig) -> ModuleSpec:
     """One transformer layer's spec: Transformer Engine's, or megatron's local modules with
-    `SDPAttention` as core attention (the local DotProductAttention materialises S x S scores)."""
+    relax_hpc's norms and `SDPAttention` as core attention, which applies RoPE (megatron's local
+    DotProductAttention materialises S x S scores; megatron_layers.py says what the others cost)."""
     arch = arch_of(hf_config)
     num_experts = arch.num_experts or None
-    if use_transformer_engine(attention):
+    if use_transformer_engine(par.attention):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(
@@ -244,7 +243,12 @@ def layer_spec(hf_config: Any, attention: str) -> ModuleSpec:
     spec = get_gpt_layer_local_spec(
         num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm, normalization="RMSNorm"
     )
-    spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    layer = spec.submodules
+    layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm
+    attention = layer.self_attention.submodules
+    attention.core_attention = ModuleSpec(module=SDPAttention, params={"rotary_base": arch.rope_theta})
+    if arch.qk_norm:
+        attention.q_layernorm = attention.k_layernorm = RMSNorm
     return spec
 
 
@@ -259,8 +263,8 @@ def build_model(
     te = use_transformer_engine(par.attention)
     if arch.moe:
         _define_router_gemm_fallback()
-    layers = [layer_spec(hf_config, par.attention)] * get_num_layers_to_build(config)
-    final_norm = _te_norm() if te else WrappedTorchNorm  # the local path: torch RMSNorm, not apex
+    layers = [layer_spec(hf_config, par)] * get_num_layers_to_build(config)
+    final_norm = _te_norm() if te else RMSNorm
     model = GPTModel(
         config=config,
         transformer_layer_spec=TransformerBlockSubmodules(layer_specs=layers, layer_norm=final_norm),
@@ -269,7 +273,8 @@ def build_model(
         pre_process=pre_process,
         post_process=post_process,
         share_embeddings_and_output_weights=arch.tied,
-        position_embedding_type="rope",
+        # Transformer Engine's attention takes megatron's RoPE; the local SDPAttention applies its own.
+        position_embedding_type="rope" if te else "none",
         rotary_base=arch.rope_theta,
     )
     # megatron allocates on the current GPU, except the MoE router (created on the CPU and moved
@@ -304,103 +309,3 @@ def packed_seq_params(doc_lengths: Sequence[int], device: torch.device | str) ->
     return PackedSeqParams(
         qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
     )
-
-
-class SDPAttention(MegatronModule):
-    """Core attention through torch.nn.functional.scaled_dot_product_attention (flash or
-    memory-efficient kernels on GPU; no S x S matrix), with megatron DotProductAttention's
-    constructor and forward signature.
-
-    Attention is always causal (`attention_mask` is ignored, as TE's causal attention ignores it;
-    a padded batch must be right-padded). Packed sequences (qkv_format 'thd', cu_seqlens) attend
-    causally within each document: one SDPA call per document, so memory stays that of the longest
-    document and no T x T mask exists; the cost is one kernel launch per document per layer (and a
-    host read of cu_seqlens, which megatron's RoPE for 'thd' already does).
-    """
-
-    def __init__(
-        self,
-        config: TransformerConfig,
-        layer_number: int,
-        attn_mask_type: AttnMaskType,
-        attention_type: str,
-        attention_dropout: float | None = None,
-        softmax_scale: float | None = None,
-        cp_comm_type: str | None = None,
-        pg_collection: ProcessGroupCollection | None = None,
-    ):
-        super().__init__(config=config)
-        _refuse_unsupported_attention(config, attn_mask_type)
-        tp_size = (
-            pg_collection.tp.size()
-            if pg_collection is not None
-            else parallel_state.get_tensor_model_parallel_world_size()
-        )
-        self.heads = divide(config.num_attention_heads, tp_size)
-        self.groups = divide(config.num_query_groups, tp_size)
-        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
-        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
-
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        attn_mask_type: AttnMaskType | None = None,
-        attention_bias: torch.Tensor | None = None,
-        packed_seq_params: PackedSeqParams | None = None,
-    ) -> torch.Tensor:
-        """[s, b, heads, d] (or 'thd' [t, heads, d]) -> [s, b, heads * d] (or [t, heads * d])."""
-        if attention_bias is not None:
-            raise ValueError("SDPAttention: attention_bias is not supported")
-        if packed_seq_params is None:
-            return self._unpacked(query, key, value)
-        if packed_seq_params.qkv_format != "thd":
-            raise ValueError(
-                f"SDPAttention: packed sequences must use qkv_format 'thd', got {packed_seq_params.qkv_format!r}"
-            )
-        return self._packed(query, key, value, packed_seq_params)
-
-    def _unpacked(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        s, b = query.shape[:2]
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
-        return self._sdpa(q, k, v).permute(2, 0, 1, 3).reshape(s, b, -1)
-
-    def _packed(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: PackedSeqParams
-    ) -> torch.Tensor:
-        cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-        bounds = cu.tolist()
-        if bounds[0] != 0 or bounds[-1] != query.shape[0]:
-            raise ValueError(f"SDPAttention: cu_seqlens {bounds} do not cover the {query.shape[0]} packed tokens")
-        outs = []
-        for start, stop in itertools.pairwise(bounds):
-            # [1, heads, len, d]: torch's flash and memory-efficient kernels take only 4-D inputs
-            # (a 3-D call ran the math kernel: S x S scores per layer, 113 GiB at 8192 tokens).
-            q, k, v = (t[start:stop].transpose(0, 1).unsqueeze(0) for t in (query, key, value))
-            outs.append(self._sdpa(q, k, v)[0].transpose(0, 1))
-        return torch.cat(outs).reshape(query.shape[0], -1)
-
-    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # Key/value heads repeated to the query heads, as transformers does: the form measured on
-        # an H200 (BENCHMARKS.md), which runs the flash kernel in bf16.
-        if self.heads != self.groups:
-            k, v = (t.repeat_interleave(self.heads // self.groups, dim=-3) for t in (k, v))
-        return F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=True,
-            scale=self.softmax_scale,
-        )
-
-
-def _refuse_unsupported_attention(config: TransformerConfig, attn_mask_type: AttnMaskType) -> None:
-    if config.context_parallel_size != 1:
-        raise ValueError("SDPAttention: context parallelism needs Transformer Engine attention")
-    if attn_mask_type != AttnMaskType.causal:
-        raise ValueError(f"SDPAttention: only causal attention is implemented, got {attn_mask_type}")
-    if config.softmax_type != "vanilla" or config.window_size is not None or config.apply_query_key_layer_scaling:
-        raise ValueError("SDPAttention: softmax offsets, sliding windows and query-key layer scaling are not supported")

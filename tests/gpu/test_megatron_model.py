@@ -5,33 +5,11 @@ cu_seqlens: each document as if alone). Run on the GPU machine: `python -m pytes
 
 import pytest
 import torch
-import torch.distributed as dist
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 KINDS = ["qwen2", "qwen3", "qwen3-tied", "qwen3-moe"]
 TOLERANCE = {"atol": 1e-4, "rtol": 1e-4}
-
-
-@pytest.fixture(scope="module")
-def one_gpu_world():
-    from tests.unit.test_hf_mapping import free_port
-
-    torch.backends.cuda.matmul.allow_tf32 = False  # exact fp32 products on both sides
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-@pytest.fixture
-def mp(one_gpu_world):
-    from megatron.core import parallel_state, tensor_parallel
-
-    parallel_state.initialize_model_parallel()
-    tensor_parallel.model_parallel_cuda_manual_seed(0)
-    yield
-    parallel_state.destroy_model_parallel()
 
 
 def _models(kind: str, folder):

@@ -274,9 +274,12 @@ def test_config_carries_the_architecture(mp):
     assert not sharded.sequence_parallel  # megatron's torch norms refuse it; TE would take it
     assert sharded.recompute_granularity == "full"
     model = build_model(CONFIGS["qwen2"], SDPA, torch.float32, pre_process=True, post_process=True)
-    assert model.rotary_pos_emb.inv_freq[1].item() == pytest.approx(50000.0 ** (-2 / 8))  # rope_theta, head_dim 8
     assert model.share_embeddings_and_output_weights is False
     assert all(isinstance(layer.self_attention.core_attention, SDPAttention) for layer in model.decoder.layers)
+    # RoPE is the core attention's (megatron's own would rotate q and k a second time)
+    assert not hasattr(model, "rotary_pos_emb")
+    inv_freq = model.decoder.layers[0].self_attention.core_attention.inv_freq
+    assert inv_freq[1].item() == pytest.approx(50000.0 ** (-2 / 8))  # rope_theta, head_dim 8
 
 
 def test_unsupported_configs_are_refused_clearly():
@@ -302,7 +305,7 @@ def test_unsupported_configs_are_refused_clearly():
     with pytest.raises(ValueError, match="must divide num_attention_heads"):
         transformer_config(CONFIGS["qwen3"], MegatronConfig(attention="sdpa", tensor_parallel=4), torch.float32)
     with pytest.raises(ValueError, match="transformer_engine is not installed"):
-        layer_spec(CONFIGS["qwen3"], "te")
+        layer_spec(CONFIGS["qwen3"], MegatronConfig(attention="te"))
 
 
 # ---------------------------------------------------------------- SDPAttention on CPU
@@ -330,14 +333,26 @@ def _naive_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Te
     return out.reshape(s, heads * d)
 
 
-def test_sdpa_attention_unpacked_equals_naive_causal_gqa(mp):
+def _hf_rope(q: torch.Tensor, k: torch.Tensor, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """[s, heads, d] rotated by transformers' own Qwen3 rotary embedding at positions 0..s-1."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply_rotary_pos_emb
+
+    d = q.shape[-1]
+    rotary = Qwen3RotaryEmbedding(Qwen3Config(head_dim=d, num_attention_heads=q.shape[1], rope_theta=theta))
+    cos, sin = rotary(q, torch.arange(q.shape[0])[None])
+    q, k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    return q[0].transpose(0, 1), k[0].transpose(0, 1)
+
+
+def test_sdpa_attention_unpacked_equals_naive_causal_gqa_with_rope(mp):
     torch.manual_seed(0)
     attention = _attention_module()
     q, k, v = torch.randn(6, 2, 4, 8), torch.randn(6, 2, 2, 8), torch.randn(6, 2, 2, 8)  # [s, b, heads, d]
     out = attention(q, k, v, None)
     assert out.shape == (6, 2, 32)
     for b in range(2):
-        torch.testing.assert_close(out[:, b].double(), _naive_causal(q[:, b], k[:, b], v[:, b]), atol=1e-5, rtol=1e-5)
+        expected = _naive_causal(*_hf_rope(q[:, b], k[:, b]), v[:, b])
+        torch.testing.assert_close(out[:, b].double(), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_sdpa_attention_packed_documents_attend_only_within_themselves(mp):
@@ -350,7 +365,9 @@ def test_sdpa_attention_packed_documents_attend_only_within_themselves(mp):
     start = 0
     for n in lengths:
         doc = slice(start, start + n)
-        torch.testing.assert_close(out[doc].double(), _naive_causal(q[doc], k[doc], v[doc]), atol=1e-5, rtol=1e-5)
+        # RoPE positions restart at each document
+        expected = _naive_causal(*_hf_rope(q[doc], k[doc]), v[doc])
+        torch.testing.assert_close(out[doc].double(), expected, atol=1e-5, rtol=1e-5)
         start += n
     params = packed_seq_params(lengths, "cpu")
     assert params.cu_seqlens_q.tolist() == [0, 3, 5 + 3, 10] and params.max_seqlen_q == 5

@@ -1,0 +1,210 @@
+"""The modules of megatron's local layer spec that relax_hpc replaces when Transformer Engine is
+not installed: `RMSNorm` and the core attention `SDPAttention` (which also applies RoPE).
+
+megatron's own fallbacks for these cost a third of a Qwen3-0.6B training step on an H200
+(BENCHMARKS.md): torch's RMSNorm backward reduces the weight gradient of the per-head q/k norms
+(hundreds of thousands of rows of 128) slowly, the unfused RoPE takes six passes over q and k
+plus a host sync per layer for packed rows, and the local attention materialises S x S scores.
+Here each norm and each rotation is one torch.compile'd kernel forward and one backward (on
+CUDA; the CPU, where models are built to test the weight mapping, runs the same functions
+eagerly), and attention over packed documents is one fused call for the whole row.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import divide
+
+from relax_hpc.models.compile import compiled_on_cuda
+
+try:  # torch >= 2.10: flash attention over packed documents (cu_seqlens) in one call
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+except ImportError:
+    _varlen_attn = None
+_VARLEN_PARAMS = inspect.signature(_varlen_attn).parameters if _varlen_attn is not None else {}
+# Causal masking is `is_causal` in torch 2.10 and `window_size=(-1, 0)` from 2.11 on.
+_VARLEN_CAUSAL = {"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMS else {"is_causal": True}
+# Grouped-query attention without repeating key/value heads, where the kernel takes it (2.13).
+_VARLEN_GQA = {"enable_gqa": True} if "enable_gqa" in _VARLEN_PARAMS else {}
+
+@compiled_on_cuda
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # transformers' Qwen RMSNorm, rounding included: normalise in fp32, cast, then scale.
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class RMSNorm(torch.nn.Module):
+    """RMSNorm with megatron's norm constructor (config, hidden_size, eps) and a `weight`."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, **_: object) -> None:
+        super().__init__()
+        if config.sequence_parallel:
+            raise ValueError("RMSNorm: sequence parallelism needs Transformer Engine's norms")
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _rms_norm(x, self.weight, self.eps)
+
+
+def rope_table(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [tokens, head_dim / 2] of the rotation angles, in fp32, once per layer: computed
+    inside the rotation kernel instead, sin and cos of every element made it 6 times slower."""
+    angle = positions.float()[:, None] * inv_freq
+    return angle.cos(), angle.sin()
+
+
+@compiled_on_cuda
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, rotate-half form (transformers' Qwen), products in fp32.
+    x [tokens, ..., head_dim]; cos, sin [tokens, head_dim / 2]."""
+    shape = (x.shape[0], *[1] * (x.dim() - 2), cos.shape[-1])
+    cos, sin = cos.reshape(shape), sin.reshape(shape)
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def document_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Position of every packed token inside its document, on the device (no host sync)."""
+    tokens = torch.arange(total, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    return tokens - cu_seqlens[torch.searchsorted(cu_seqlens[1:], tokens, right=True)]
+
+
+class SDPAttention(MegatronModule):
+    """Core attention with RoPE, with megatron DotProductAttention's constructor and forward
+    signature (the model is built with position_embedding_type 'none', so megatron's attention
+    hands over q and k unrotated, after the q/k norms).
+
+    Attention is always causal (`attention_mask` is ignored, as TE's causal attention ignores it;
+    a padded batch must be right-padded). Packed sequences (qkv_format 'thd', cu_seqlens) attend
+    causally within each document, positions restarting at each: in bf16/fp16 on CUDA one
+    variable-length flash call for the whole packed row (torch.nn.attention.varlen: no launch per
+    document), otherwise one scaled_dot_product_attention call per document.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+        rotary_base: float = 10000.0,
+    ):
+        super().__init__(config=config)
+        _refuse_unsupported_attention(config, attn_mask_type, attention_dropout)
+        tp_size = (
+            pg_collection.tp.size()
+            if pg_collection is not None
+            else parallel_state.get_tensor_model_parallel_world_size()
+        )
+        self.heads = divide(config.num_attention_heads, tp_size)
+        self.groups = divide(config.num_query_groups, tp_size)
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        dim = config.kv_channels  # transformers' inverse frequencies, computed as it does (fp32)
+        self.inv_freq = 1.0 / (rotary_base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
+    ) -> torch.Tensor:
+        """[s, b, heads, d] (or 'thd' [t, heads, d]) -> [s, b, heads * d] (or [t, heads * d])."""
+        if attention_bias is not None:
+            raise ValueError("SDPAttention: attention_bias is not supported")
+        if packed_seq_params is None:
+            positions = torch.arange(query.shape[0], device=query.device)
+            query, key = self._rotate(query, key, positions)
+            return self._unpacked(query, key, value)
+        if packed_seq_params.qkv_format != "thd":
+            raise ValueError(
+                f"SDPAttention: packed sequences must use qkv_format 'thd', got {packed_seq_params.qkv_format!r}"
+            )
+        cu = packed_seq_params.cu_seqlens_q_padded
+        cu = packed_seq_params.cu_seqlens_q if cu is None else cu
+        query, key = self._rotate(query, key, document_positions(cu, query.shape[0]))
+        if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and _varlen_attn is not None:
+            max_len = packed_seq_params.max_seqlen_q
+            if max_len is None:
+                raise ValueError("SDPAttention: packed sequences need max_seqlen_q (the longest document)")
+            return self._varlen(query, key, value, cu, max_len)
+        return self._per_document(query, key, value, cu)
+
+    def _rotate(self, query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor):
+        if self.inv_freq.device != query.device:  # moved once (not a buffer: it stays fp32)
+            self.inv_freq = self.inv_freq.to(query.device)
+        cos, sin = rope_table(positions, self.inv_freq)
+        return _rope(query, cos, sin), _rope(key, cos, sin)
+
+    def _unpacked(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        s, b = query.shape[:2]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
+        return self._sdpa(q, k, v).permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    def _repeat_kv(self, key: torch.Tensor, value: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Key/value heads repeated to the query heads (query head h uses key/value head
+        h // (heads / groups), megatron's grouping), for kernels without GQA."""
+        if self.heads == self.groups:
+            return key, value
+        return tuple(t.repeat_interleave(self.heads // self.groups, dim=dim) for t in (key, value))
+
+    def _varlen(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor, max_len: int
+    ) -> torch.Tensor:
+        if not _VARLEN_GQA:
+            key, value = self._repeat_kv(key, value, dim=1)
+        out = _varlen_attn(
+            query, key, value, cu, cu, max_len, max_len, scale=self.softmax_scale, **_VARLEN_CAUSAL, **_VARLEN_GQA
+        )
+        return out.reshape(query.shape[0], -1)
+
+    def _per_document(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor
+    ) -> torch.Tensor:
+        bounds = cu.tolist()
+        if bounds[0] != 0 or bounds[-1] != query.shape[0]:
+            raise ValueError(f"SDPAttention: cu_seqlens {bounds} do not cover the {query.shape[0]} packed tokens")
+        outs = []
+        for start, stop in itertools.pairwise(bounds):
+            # [1, heads, len, d]: torch's flash and memory-efficient kernels take only 4-D inputs
+            # (a 3-D call ran the math kernel: S x S scores per layer, 113 GiB at 8192 tokens).
+            q, k, v = (t[start:stop].transpose(0, 1).unsqueeze(0) for t in (query, key, value))
+            outs.append(self._sdpa(q, k, v)[0].transpose(0, 1))
+        return torch.cat(outs).reshape(query.shape[0], -1)
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k, v = self._repeat_kv(k, v, dim=-3)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+
+
+def _refuse_unsupported_attention(
+    config: TransformerConfig, attn_mask_type: AttnMaskType, attention_dropout: float | None
+) -> None:
+    if (config.attention_dropout if attention_dropout is None else attention_dropout) != 0:
+        raise ValueError("SDPAttention: attention dropout is not supported (Qwen models train without it)")
+    if config.context_parallel_size != 1:
+        raise ValueError("SDPAttention: context parallelism needs Transformer Engine attention")
+    if attn_mask_type != AttnMaskType.causal:
+        raise ValueError(f"SDPAttention: only causal attention is implemented, got {attn_mask_type}")
+    if config.softmax_type != "vanilla" or config.window_size is not None or config.apply_query_key_layer_scaling:
+        raise ValueError("SDPAttention: softmax offsets, sliding windows and query-key layer scaling are not supported")
