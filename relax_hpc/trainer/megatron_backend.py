@@ -73,12 +73,51 @@ def _build(job: JobConfig, hf_config, path: str, trainable: bool) -> torch.nn.Mo
     return model
 
 
+def _fuse_adam(optimizer) -> None:
+    """Without Transformer Engine or apex, megatron steps torch's Adam with its default multi-tensor
+    (foreach) kernels, several passes over the fp32 master weights; torch's fused Adam does it in
+    one. `fused` is read from the parameter groups at each step, before any state exists."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(inner.optimizer, torch.optim.Adam):
+            for group in inner.optimizer.param_groups:
+                group.update(fused=True, foreach=False)
+
+
+def _torch_multi_tensor_ops() -> None:
+    """megatron's fallbacks for apex's multi-tensor kernels (no TE, no apex) loop in Python, and the
+    gradient norm's reads every parameter's norm back to the host, one sync per tensor (hundreds
+    per step): put torch's own multi-tensor kernels in their place, one launch for all tensors."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
+        clip_grads.l2_norm_impl = foreach_l2_norm
+    for module in (clip_grads, optimizer):
+        if module.multi_tensor_scale_impl is utils.local_multi_tensor_scale:
+            module.multi_tensor_scale_impl = foreach_scale
+
+
+def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """amp_C.multi_tensor_l2norm's contract: ([1] norm of all tensors of tensor_lists[0], None)."""
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensor_lists[0]))).reshape(1), None
+
+
+def foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """amp_C.multi_tensor_scale's contract: tensor_lists[1][i] = tensor_lists[0][i] * scale."""
+    src, dst = tensor_lists
+    if src is dst:  # clipping scales the gradients in place
+        torch._foreach_mul_(dst, scale)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
 class MegatronBackend:
     def __init__(self, job: JobConfig, device: torch.device) -> None:
         if device.type != "cuda":
             raise RuntimeError("trainer.backend=megatron needs CUDA GPUs; use trainer.backend=torch on CPU")
         if not parallel_state.model_parallel_is_initialized():
             init_parallel(job)
+        _torch_multi_tensor_ops()
         cfg, algo, ro, par = job.trainer, job.algo, job.rollout, job.trainer.megatron
         self.cfg, self.algo, self.par, self.device = cfg, algo, par, device
         self.temperature = ro.temperature
@@ -114,6 +153,7 @@ class MegatronBackend:
             ),
             [self.model],
         )
+        _fuse_adam(self.optimizer)
         self.scheduler = WarmupSchedule(self.optimizer, cfg.lr, cfg.warmup_steps)
         self.reference = _build(job, self.hf_config, job.model.path, False) if self.objective.needs_reference else None
         self.teacher = _build(job, self.hf_config, algo.teacher.path, False) if self.objective.needs_teacher else None
@@ -157,15 +197,15 @@ class MegatronBackend:
     def _token_logprobs(self, logits: torch.Tensor, mb: packing.Microbatch, entropy_grad: bool):
         """Per-row [k, width] log-probabilities and entropies of a micro-batch's targets."""
         logits = logits.reshape(mb.num_tokens, -1)
-        if self.temperature not in (0.0, 1.0):
-            logits = logits / self.temperature
-        vocab_start = parallel_state.get_tensor_model_parallel_rank() * logits.shape[-1]
-        padding = vocab_start + logits.shape[-1] - self.hf_config.vocab_size
-        if padding > 0:  # columns of a vocabulary padded for tensor parallelism: never a token
-            logits = logits.float()
-            logits[:, logits.shape[-1] - padding :] = -1e30  # finite: 0 * it stays 0 in the entropy
-        group = self.tp_group if self.tp_size > 1 else None
-        lp, ent = logprobs_and_entropy(logits, mb.targets, vocab_start, group, entropy_grad)
+        lp, ent = logprobs_and_entropy(
+            logits,
+            mb.targets,
+            vocab_start=parallel_state.get_tensor_model_parallel_rank() * logits.shape[-1],
+            group=self.tp_group if self.tp_size > 1 else None,
+            entropy_grad=entropy_grad,
+            temperature=self.temperature,
+            vocab_size=self.hf_config.vocab_size,  # columns padded for tensor parallelism are no token
+        )
         return mb.unpack(lp), mb.unpack(ent)
 
     def _run(self, model: torch.nn.Module, mbs: list[packing.Microbatch], loss_fn, forward_only: bool) -> list:
@@ -305,17 +345,26 @@ class MegatronBackend:
 
     def _sharded_state(self, loading: bool) -> dict:
         model_sd = self.model.module.sharded_state_dict()
+        # fully_reshardable: the optimizer state in the model's parameter shapes, so a run may
+        # resume under other parallel sizes (the default, fully_sharded_model_space, saves
+        # flattened ranges, which megatron-core 0.16's torch_dist writer refuses).
+        metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
         return {
             "model": model_sd,
-            "optimizer": self.optimizer.sharded_state_dict(
-                model_sd, is_loading=loading, sharding_type="fully_sharded_model_space"
-            ),
+            "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=metadata),
         }
 
     def save_checkpoint(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)  # megatron's save, unlike torch DCP's, needs it to exist
         dist_checkpointing.save(self._sharded_state(loading=False), str(folder), sharded_strategy=("torch_dist", 1))
 
     def load_checkpoint(self, folder: Path) -> None:
+        # megatron reads the optimizer's state into tensors that must exist: before the first step
+        # they do not (torch's Adam creates them lazily), so take megatron's own dummy step first
+        # (zero gradients; the loaded master weights and moments overwrite whatever it did).
+        for inner in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            if not inner.optimizer.state:
+                inner._init_optimizer_states_with_dummy_values()
         state = dist_checkpointing.load(self._sharded_state(loading=True), str(folder))
         self.model.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])

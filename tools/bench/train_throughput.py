@@ -2,13 +2,17 @@
 backend, on the same random Qwen3-shaped model and the same batch, measured in the same run.
 
     python tools/bench/train_throughput.py [--sizes 0.6b,1.7b] [--seq 4096] [--batch 4] [--steps 5]
+                                           [--microbatch-tokens 16384]
+                                           [--profile-dir DIR]
 
 Each (size, backend) runs in its own process (one trainer rank under torchrun), on a batch of
 `batch` samples of `seq` tokens (prompt half, completion half) trained with the default
 objective (GRPO, PPO clip, entropy bonus) through the backend's own train_step. FLOPs per token
 count every matrix multiply (6 x parameters, the LM head included, the embedding lookup not)
 plus attention in full (12 x layers x seq x heads x head_dim, not halved for causality); MFU is
-against the H200's dense bf16 peak, 989 TFLOP/s. Prints one JSON object per size.
+against the H200's dense bf16 peak, 989 TFLOP/s. Prints one JSON object per size. With
+--profile-dir, one more step runs under torch.profiler: its GPU time by kind of kernel goes into
+the JSON (`gpu_ms`) and the top kernels into DIR/SIZE-BACKEND.txt.
 """
 
 from __future__ import annotations
@@ -86,17 +90,58 @@ def worker(args: argparse.Namespace) -> None:
     seconds = (time.perf_counter() - start) / args.steps
     tokens_per_s = args.batch * args.seq / seconds
     mfu = tokens_per_s * flops_per_token(SHAPES[args.size], args.seq) / PEAK_FLOPS
-    print("RESULT " + json.dumps({
+    result = {
         "backend": args.backend, "step_s": round(seconds, 3), "tokens_per_s": round(tokens_per_s),
         "mfu": round(mfu, 3), "max_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
-    }), flush=True)  # fmt: skip
+    }  # fmt: skip
+    if args.profile_dir:
+        result["gpu_ms"] = profile_step(lambda: backend.train_step(batch, 0), Path(args.profile_dir) / f"{args.size}-{args.backend}.txt")
+    print("RESULT " + json.dumps(result), flush=True)
     dist.destroy_process_group()
+
+
+KERNEL_KINDS = {  # first match wins (flash kernels' names hold "cutlass" too)
+    "attention": ("flash", "fmha", "attention", "sdpa", "cudnn"),
+    "matmul": ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas"),
+    "nccl": ("nccl",),
+    "triton": ("triton",),
+    "optimizer": ("adam", "multi_tensor", "foreach"),
+    "copy_cast": ("copy", "cat", "index", "gather", "scatter"),
+    "elementwise": ("elementwise", "vectorized", "unrolled", "reduce", "norm", "softmax"),
+}
+
+
+def profile_step(step, table_path: Path) -> dict:
+    """GPU milliseconds of one step by kind of kernel, its wall time and the GPU's idle share."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - start) * 1e3
+    kinds: dict[str, float] = {}
+    for event in prof.key_averages():
+        if event.self_device_time_total <= 0 or event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = event.key.lower()
+        kind = next((k for k, words in KERNEL_KINDS.items() if any(w in name for w in words)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + event.self_device_time_total / 1e3
+    table_path.parent.mkdir(parents=True, exist_ok=True)
+    table_path.write_text(prof.key_averages().table(sort_by="self_device_time_total", row_limit=60, max_name_column_width=90))
+    busy = sum(kinds.values())
+    return {k: round(v, 1) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])} | {
+        "busy": round(busy, 1), "wall": round(wall_ms, 1), "idle_fraction": round(1 - busy / wall_ms, 3)}
 
 
 def run(size: str, backend: str, model: Path, args: argparse.Namespace) -> dict:
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", __file__,
             "--worker", "--size", size, "--backend", backend, "--model", str(model), "--seq", str(args.seq),
             "--batch", str(args.batch), "--steps", str(args.steps), "--microbatch-tokens", str(args.microbatch_tokens)]  # fmt: skip
+    if args.profile_dir:
+        argv += ["--profile-dir", args.profile_dir]
     out = subprocess.run(
         argv, capture_output=True, text=True, timeout=1200, env={**os.environ, "PYTHONUNBUFFERED": "1"}
     )
@@ -112,8 +157,9 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--microbatch-tokens", type=int, default=8192)
+    parser.add_argument("--microbatch-tokens", type=int, default=16384)
     parser.add_argument("--backends", default="megatron,torch")
+    parser.add_argument("--profile-dir", help="profile one more step; write each kernel table here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--size", help=argparse.SUPPRESS)
     parser.add_argument("--backend", help=argparse.SUPPRESS)
