@@ -13,7 +13,7 @@ with the torch backend. What differs is how a rank's share of the batch is compu
   over the mini-batch, however sharded;
 - log-probabilities come from vocabulary-parallel logits (relax_hpc/trainer/vocab_parallel.py);
 - checkpoints are megatron's distributed checkpoints in the torch_dist format (PyTorch DCP files),
-  which reshard on load, so a run may resume with other parallel sizes.
+  which reshard on load, so a run may resume with other parallel sizes (megatron_state.py).
 
 The critic (GAE) is not built for this backend yet: the config refuses the combination.
 """
@@ -26,9 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from transformers import AutoConfig
@@ -39,7 +37,7 @@ from relax_hpc.algos.stats import Stats
 from relax_hpc.config.schema import JobConfig
 from relax_hpc.models.hf_mapping import export_hf, hf_specs, load_hf_weights
 from relax_hpc.models.megatron import build_model
-from relax_hpc.trainer import packing
+from relax_hpc.trainer import megatron_state, packing
 from relax_hpc.trainer.backend import DistComm, NonFiniteLossError, StepResult, WarmupSchedule
 from relax_hpc.trainer.batching import TrainBatch
 from relax_hpc.trainer.vocab_parallel import logprobs_and_entropy
@@ -73,51 +71,13 @@ def _build(job: JobConfig, hf_config, path: str, trainable: bool) -> torch.nn.Mo
     return model
 
 
-def _fuse_adam(optimizer) -> None:
-    """Without Transformer Engine or apex, megatron steps torch's Adam with its default multi-tensor
-    (foreach) kernels, several passes over the fp32 master weights; torch's fused Adam does it in
-    one. `fused` is read from the parameter groups at each step, before any state exists."""
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if isinstance(inner.optimizer, torch.optim.Adam):
-            for group in inner.optimizer.param_groups:
-                group.update(fused=True, foreach=False)
-
-
-def _torch_multi_tensor_ops() -> None:
-    """megatron's fallbacks for apex's multi-tensor kernels (no TE, no apex) loop in Python, and the
-    gradient norm's reads every parameter's norm back to the host, one sync per tensor (hundreds
-    per step): put torch's own multi-tensor kernels in their place, one launch for all tensors."""
-    from megatron.core import utils
-    from megatron.core.optimizer import clip_grads, optimizer
-
-    if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
-        clip_grads.l2_norm_impl = foreach_l2_norm
-    for module in (clip_grads, optimizer):
-        if module.multi_tensor_scale_impl is utils.local_multi_tensor_scale:
-            module.multi_tensor_scale_impl = foreach_scale
-
-
-def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
-    """amp_C.multi_tensor_l2norm's contract: ([1] norm of all tensors of tensor_lists[0], None)."""
-    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensor_lists[0]))).reshape(1), None
-
-
-def foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
-    """amp_C.multi_tensor_scale's contract: tensor_lists[1][i] = tensor_lists[0][i] * scale."""
-    src, dst = tensor_lists
-    if src is dst:  # clipping scales the gradients in place
-        torch._foreach_mul_(dst, scale)
-    else:
-        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
-
-
 class MegatronBackend:
     def __init__(self, job: JobConfig, device: torch.device) -> None:
         if device.type != "cuda":
             raise RuntimeError("trainer.backend=megatron needs CUDA GPUs; use trainer.backend=torch on CPU")
         if not parallel_state.model_parallel_is_initialized():
             init_parallel(job)
-        _torch_multi_tensor_ops()
+        megatron_state.use_torch_multi_tensor_ops()
         cfg, algo, ro, par = job.trainer, job.algo, job.rollout, job.trainer.megatron
         self.cfg, self.algo, self.par, self.device = cfg, algo, par, device
         self.temperature = ro.temperature
@@ -130,30 +90,7 @@ class MegatronBackend:
         self.objective = Objective(algo, ro.max_new_tokens, ro.max_staleness, DistComm(self.dp_group, device))
 
         module = _build(job, self.hf_config, job.model.path, trainable=True)
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=par.distributed_optimizer
-        )
-        self.model = DistributedDataParallel(config=module.config, ddp_config=ddp_config, module=module)
-        # Sum (not average) per-token losses over micro-batches and data-parallel ranks: each
-        # loss is already divided by the global mini-batch's counts.
-        module.config.calculate_per_token_loss = True
-        module.config.no_sync_func = self.model.no_sync
-        module.config.finalize_model_grads_func = lambda models, num_tokens, **_: finalize_model_grads(models, None)
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam",
-                lr=cfg.lr,
-                weight_decay=cfg.weight_decay,
-                adam_beta1=cfg.betas[0],
-                adam_beta2=cfg.betas[1],
-                clip_grad=cfg.max_grad_norm,
-                bf16=self.dtype == torch.bfloat16,
-                params_dtype=self.dtype,
-                use_distributed_optimizer=par.distributed_optimizer,
-            ),
-            [self.model],
-        )
-        _fuse_adam(self.optimizer)
+        self.model, self.optimizer = megatron_state.trainable(module, cfg, self.dtype, par.distributed_optimizer)
         self.scheduler = WarmupSchedule(self.optimizer, cfg.lr, cfg.warmup_steps)
         self.reference = _build(job, self.hf_config, job.model.path, False) if self.objective.needs_reference else None
         self.teacher = _build(job, self.hf_config, algo.teacher.path, False) if self.objective.needs_teacher else None
@@ -343,28 +280,8 @@ class MegatronBackend:
     def parameter_specs(self) -> list[tuple[str, torch.Size, torch.dtype]]:
         return hf_specs(self.hf_config, self.dtype)
 
-    def _sharded_state(self, loading: bool) -> dict:
-        model_sd = self.model.module.sharded_state_dict()
-        # fully_reshardable: the optimizer state in the model's parameter shapes, so a run may
-        # resume under other parallel sizes (the default, fully_sharded_model_space, saves
-        # flattened ranges, which megatron-core 0.16's torch_dist writer refuses).
-        metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
-        return {
-            "model": model_sd,
-            "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=metadata),
-        }
-
     def save_checkpoint(self, folder: Path) -> None:
-        folder.mkdir(parents=True, exist_ok=True)  # megatron's save, unlike torch DCP's, needs it to exist
-        dist_checkpointing.save(self._sharded_state(loading=False), str(folder), sharded_strategy=("torch_dist", 1))
+        megatron_state.save(self.model, self.optimizer, folder)
 
     def load_checkpoint(self, folder: Path) -> None:
-        # megatron reads the optimizer's state into tensors that must exist: before the first step
-        # they do not (torch's Adam creates them lazily), so take megatron's own dummy step first
-        # (zero gradients; the loaded master weights and moments overwrite whatever it did).
-        for inner in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            if not inner.optimizer.state:
-                inner._init_optimizer_states_with_dummy_values()
-        state = dist_checkpointing.load(self._sharded_state(loading=True), str(folder))
-        self.model.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        megatron_state.load(self.model, self.optimizer, folder)

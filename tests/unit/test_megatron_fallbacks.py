@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from relax_hpc.trainer.megatron_backend import _fuse_adam, foreach_l2_norm, foreach_scale
+from relax_hpc.trainer.megatron_state import foreach_l2_norm, foreach_scale, fuse_adam
 
 
 def _tensors(seed: int = 0) -> list[torch.Tensor]:
@@ -36,7 +36,7 @@ def _adam_steps(fuse: bool) -> list[torch.Tensor]:
     params = [torch.nn.Parameter(t) for t in _tensors()]
     adam = torch.optim.Adam(params, lr=0.1, betas=(0.9, 0.99), weight_decay=0.01)
     if fuse:  # the shape of megatron's chained optimizer: wrappers holding torch optimizers
-        _fuse_adam(SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=adam)]))
+        fuse_adam(SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=adam)]))
         assert all(group["fused"] for group in adam.param_groups)
     for step in range(3):
         for p, g in zip(params, _tensors(10 + step)):
