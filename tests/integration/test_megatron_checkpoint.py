@@ -2,7 +2,8 @@
 Adam, fused, as without Transformer Engine or apex) and dist_checkpointing, on the CPU: after
 three optimizer steps the state is saved; a fresh model and optimizer that never stepped load it
 and then hold the same master weights, Adam moments and step count (one step tensor per
-parameter), and the next step gives the same parameters as in the run that saved.
+parameter), and the next step gives the same parameters as in the run that saved; the HF
+tensors read back from the checkpoint (tools/dcp_to_hf.py) are the model's.
 
 Without the workarounds in relax_hpc/trainer/megatron_state.py this fails the way megatron-core
 0.16.1 fails on a GPU: the default optimizer layout cannot be written, loading into an optimizer
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from relax_hpc.config.schema import MegatronConfig, TrainerConfig
+from relax_hpc.models.hf_mapping import export_hf, megatron_checkpoint_to_hf
 from relax_hpc.models.megatron import build_model
 from relax_hpc.trainer import megatron_state
 from tests.unit.test_hf_mapping import free_port, tiny_configs
@@ -107,6 +109,11 @@ def test_a_loaded_checkpoint_takes_the_next_step_of_the_run_that_saved_it(dtype,
     for seed in range(3):
         _step(model, optimizer, seed)
     megatron_state.save(model, optimizer, tmp_path / "ckpt")
+    # what tools/dcp_to_hf.py reads back from it (the optimizer's tensors left out): the HF weights
+    exported = {name: t.clone() for name, t in export_hf(model.module, tiny_configs()["qwen3"])}
+    converted = megatron_checkpoint_to_hf(tmp_path / "ckpt", tiny_configs()["qwen3"])
+    assert converted.keys() == exported.keys()
+    assert all(torch.equal(converted[name], exported[name]) for name in exported)
 
     resumed_model, resumed = _trainable(dtype, seed=1)  # other weights, an optimizer that never stepped
     megatron_state.load(resumed_model, resumed, tmp_path / "ckpt")
