@@ -12,8 +12,9 @@ def compiled_on_cuda(fn: Callable) -> Callable:
     """`fn(x, ...)`, compiled when x is a CUDA tensor. The leading (token) dimension of x, and of
     every tensor argument as long as it, is dynamic: micro-batches differ in length, and one
     kernel serves them all. The other sizes (hidden, heads, vocabulary) stay constants of the
-    kernel: indexing by a symbolic size costs a 64-bit division per element (measured: 4 to 6
-    times slower kernels on an H200)."""
+    kernel: indexing by a symbolic size costs a 64-bit division per element (the log-probability
+    gradient over 16,384 x 151,936 logits took 10.7 ms on an H200 with every size dynamic, 6.0 ms
+    with only the tokens')."""
     import torch
 
     compiled = torch.compile(fn)
