@@ -90,8 +90,8 @@ def load(model, optimizer, folder: Path) -> None:
     in fp32 the master weights are views of the model's parameters.
     """
     for inner in _inner(optimizer):
-        if not inner.optimizer.state:
-            inner._init_optimizer_states_with_dummy_values()
+        if not inner.optimizer.state and hasattr(inner, "_init_optimizer_states_with_dummy_values"):
+            inner._init_optimizer_states_with_dummy_values()  # the distributed optimizer's
     state = dist_checkpointing.load(_sharded_state(model, optimizer, loading=True), str(folder))
     model.module.load_state_dict(state["model"])
     with _steps_set_aside(optimizer), torch.no_grad():

@@ -1,5 +1,6 @@
-"""The megatron backend's checkpoints through megatron-core's own distributed optimizer (torch's
-Adam, fused, as without Transformer Engine or apex) and dist_checkpointing, on the CPU: after
+"""The megatron backend's checkpoints through megatron-core's own optimizers (distributed, and
+plain with trainer.megatron.distributed_optimizer=false; torch's Adam, fused, as without
+Transformer Engine or apex) and dist_checkpointing, on the CPU: after
 three optimizer steps the state is saved; a fresh model and optimizer that never stepped load it
 and then hold the same master weights, Adam moments and step count (one step tensor per
 parameter), and the next step gives the same parameters as in the run that saved; the HF
@@ -67,10 +68,10 @@ def megatron_on_cpu(monkeypatch):
         dist.destroy_process_group()
 
 
-def _trainable(dtype: torch.dtype, seed: int):
+def _trainable(dtype: torch.dtype, distributed: bool, seed: int):
     torch.manual_seed(seed)
     module = build_model(tiny_configs()["qwen3"], MegatronConfig(attention="sdpa"), dtype, True, True)
-    return megatron_state.trainable(module, TrainerConfig(lr=1e-2, weight_decay=0.1), dtype, True)
+    return megatron_state.trainable(module, TrainerConfig(lr=1e-2, weight_decay=0.1), dtype, distributed)
 
 
 def _step(model, optimizer, seed: int) -> float:
@@ -102,9 +103,15 @@ def _assert_same(a, b) -> None:
             assert torch.equal(x[key], y[key]), key
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_loaded_checkpoint_takes_the_next_step_of_the_run_that_saved_it(dtype, megatron_on_cpu, tmp_path):
-    model, optimizer = _trainable(dtype, seed=0)
+@pytest.mark.parametrize(
+    ("dtype", "distributed"),
+    [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)],
+    ids=["fp32-distributed-optimizer", "bf16-distributed-optimizer", "bf16-plain-optimizer"],
+)
+def test_a_loaded_checkpoint_takes_the_next_step_of_the_run_that_saved_it(
+    dtype, distributed, megatron_on_cpu, tmp_path
+):
+    model, optimizer = _trainable(dtype, distributed, seed=0)
     assert all(g["fused"] for g in optimizer.optimizer.param_groups)
     for seed in range(3):
         _step(model, optimizer, seed)
@@ -115,7 +122,7 @@ def test_a_loaded_checkpoint_takes_the_next_step_of_the_run_that_saved_it(dtype,
     assert converted.keys() == exported.keys()
     assert all(torch.equal(converted[name], exported[name]) for name in exported)
 
-    resumed_model, resumed = _trainable(dtype, seed=1)  # other weights, an optimizer that never stepped
+    resumed_model, resumed = _trainable(dtype, distributed, seed=1)  # other weights, an optimizer that never stepped
     megatron_state.load(resumed_model, resumed, tmp_path / "ckpt")
     _assert_same(_optimizer_state(optimizer), _optimizer_state(resumed))
     steps = [s["step"] for s in resumed.optimizer.state.values()]
