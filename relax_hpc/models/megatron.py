@@ -2,7 +2,7 @@
 
 `transformer_config` turns an HF config plus the job's parallelism into megatron's TransformerConfig,
 `layer_spec` picks the layer implementation (Transformer Engine, or megatron's local modules with
-torch scaled_dot_product_attention as core attention: `SDPAttention`), `build_model` builds this
+relax_hpc's RMSNorm and core attention: relax_hpc/models/megatron_layers.py), `build_model` builds this
 rank's GPTModel (its pipeline stage, its tensor/expert shards). Weights come from
 `relax_hpc.models.hf_mapping.load_hf_weights`.
 

@@ -1,8 +1,8 @@
 """The modules of megatron's local layer spec that relax_hpc replaces when Transformer Engine is
 not installed: `RMSNorm` and the core attention `SDPAttention` (which also applies RoPE).
 
-megatron's own fallbacks for these took about 60 ms of a 0.4 s Qwen3-0.6B training step on an
-H200 (BENCHMARKS.md): torch's RMSNorm backward reduces the weight gradient of the per-head q/k
+megatron's own fallbacks for these were slow on an H200 (BENCHMARKS.md; with these modules a
+Qwen3-0.6B step went from 0.316 s to 0.264 s): torch's RMSNorm backward reduces the weight gradient of the per-head q/k
 norms (hundreds of thousands of rows of 128) slowly, the unfused RoPE takes six passes over q and
 k plus a host sync per layer for packed rows, and the local attention materialises S x S scores.
 Here each norm and each rotation is one torch.compile'd kernel forward and one backward (on
@@ -63,7 +63,7 @@ class RMSNorm(torch.nn.Module):
 def rope_table(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [tokens, head_dim / 2] of the rotation angles, in fp32, once per layer. Computed
     for every element inside the rotation kernel (and all sizes dynamic), RoPE took 27 ms of a
-    0.6B step on an H200; from this table (and static head sizes), about 3."""
+    0.6B step on an H200; from this table (and static head sizes), 3.8."""
     angle = positions.float()[:, None] * inv_freq
     return angle.cos(), angle.sin()
 
