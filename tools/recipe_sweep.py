@@ -1,4 +1,4 @@
-"""Grid search of recipes in single-process runs (relax_hpc.trainer.inprocess), side by side.
+"""Grid search of recipes in single-process runs (relax_hpc.inprocess), side by side.
 
 Every run is the in-process loop: the driver's batch construction and the trainer's backend and
 objective on a world of one, so a grid of settings x seeds fits on one machine, one CPU thread
@@ -26,7 +26,7 @@ def run_one(job: tuple[str, list[str], dict, int, int, int]) -> dict:
     import torch
 
     from relax_hpc.config.load import load_config
-    from relax_hpc.trainer.inprocess import run_inprocess
+    from relax_hpc.inprocess import run_inprocess
 
     config, fixed, setting, seed, steps, greedy_every = job
     torch.set_num_threads(1)  # one thread per run: runs side by side, not threads fighting over cores

@@ -1,7 +1,7 @@
 """The command line of every role: on this machine (`local`), or as job steps of a Slurm allocation.
 
-    engines   python -m relax_hpc.rollout.torch_engine   (rollout.num_engines processes; with
-              rollout.engine=sglang, python -m relax_hpc.rollout.sglang_engine, which runs SGLang)
+    engines   python -m relax_hpc.engines.torch_engine   (rollout.num_engines processes; with
+              rollout.engine=sglang, python -m relax_hpc.engines.sglang_engine, which runs SGLang)
     driver    python -m relax_hpc.rollout.driver
     trainer   torchrun ... -m relax_hpc.trainer.main      (one torchrun per trainer node)
 
@@ -25,11 +25,11 @@ def engine_args(cfg: JobConfig, paths: RunPaths, index: int, host: str) -> list[
     if cfg.rollout.engine == "sglang":
         # A supervisor of one SGLang server; it builds the server's arguments from RUN_DIR/config.yaml.
         return [
-            "-m", "relax_hpc.rollout.sglang_engine", "--run-dir", str(paths.root), "--engine-id", f"engine-{index}",
+            "-m", "relax_hpc.engines.sglang_engine", "--run-dir", str(paths.root), "--engine-id", f"engine-{index}",
             "--host", host, "--port", str(port),
         ]  # fmt: skip
     return [
-        "-m", "relax_hpc.rollout.torch_engine", "--run-dir", str(paths.root), "--engine-id", f"engine-{index}",
+        "-m", "relax_hpc.engines.torch_engine", "--run-dir", str(paths.root), "--engine-id", f"engine-{index}",
         "--model-path", cfg.model.path, "--dtype", cfg.model.dtype, "--host", host,
         "--port", str(port), "--threads", str(cfg.launch.threads_per_process),
         "--weights-timeout-s", str(cfg.weights.timeout_s),

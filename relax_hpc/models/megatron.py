@@ -31,7 +31,6 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from relax_hpc.config.schema import MegatronConfig
 from relax_hpc.models.megatron_layers import RMSNorm, SDPAttention
 
-
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe")
 
 

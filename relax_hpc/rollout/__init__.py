@@ -1,2 +1,1 @@
-"""Rollout: the engine protocol (SGLang's native HTTP API), the built-in torch engine, its client,
-and the driver that turns prompts into published sample batches."""
+"""The rollout driver role: prompts -> engines -> rewards -> published sample batches."""

@@ -14,7 +14,6 @@ neither skips nor repeats a batch. It also measures greedy accuracy over the who
 from __future__ import annotations
 
 import argparse
-import hashlib
 import logging
 import math
 import signal
@@ -28,21 +27,16 @@ from transformers import PreTrainedTokenizerFast
 
 from relax_hpc.config.load import read_frozen
 from relax_hpc.config.schema import JobConfig
+from relax_hpc.data.plan import BatchPlan, Group, Selection, to_sample_batch
 from relax_hpc.data.prompts import load_prompts
 from relax_hpc.exchange.spool import SampleBatch, Spool
 from relax_hpc.metrics.jsonl import JsonlWriter
 from relax_hpc.paths import RunPaths
-from relax_hpc.rollout import protocol as P
-from relax_hpc.rollout.client import EngineClient, EngineRequestError, EngineUnavailable
-from relax_hpc.rollout.groups import BatchPlan, Group, Selection, to_sample_batch
-from relax_hpc.rollout.registry import EngineRecord, read_records
+from relax_hpc.protocol import requests as P
+from relax_hpc.protocol.client import EngineClient, EngineRequestError, EngineUnavailable
+from relax_hpc.protocol.registry import EngineRecord, read_records
 
 log = logging.getLogger("relax_hpc.driver")
-
-
-def sample_seed(run_seed: int, seq: int, sample: int) -> int:
-    digest = hashlib.blake2b(f"{run_seed}:{seq}:{sample}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 2  # a non-negative int64
 
 
 @dataclass
@@ -155,7 +149,7 @@ class Driver:
         g = self.ro.group_size
         indices = self.plan.prompts(seq, round_)
         prompts = [self.prompt_ids[i] for i in indices for _ in range(g)]
-        seeds = [sample_seed(self.cfg.run.seed, seq, self.plan.sample_index(round_, k)) for k in range(len(prompts))]
+        seeds = self.plan.seeds(seq, round_, len(prompts))
         num_chunks = max(1, len(self.pool.eligible(min_version)))
         groups_per_chunk = math.ceil(len(indices) / num_chunks)
         bounds = [

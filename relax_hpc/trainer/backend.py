@@ -1,18 +1,20 @@
-"""What every trainer backend shares: its result type, the objective's communicator, the
-learning-rate schedule, and the choice of backend from the config."""
+"""The trainer backend interface (`Backend`), and what every backend shares: its result type and
+the objective's communicator. Backends: `torch_backend` (HF models under FSDP2) and
+`megatron_backend` (megatron-core); `build.build_backend` picks one from the config."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from relax_hpc.algos.stats import Stats
-
-if TYPE_CHECKING:
-    from relax_hpc.config.schema import JobConfig
+from relax_hpc.trainer.batching import TrainBatch
+from relax_hpc.trainer.schedule import WarmupSchedule
 
 
 class NonFiniteLossError(RuntimeError):
@@ -53,43 +55,49 @@ class DistComm:
         return torch.cat([p[: int(s)] for p, s in zip(padded, sizes)]).to(t.device)
 
 
-class WarmupSchedule:
-    """Linear warm-up over `warmup` optimizer steps, then constant; drives any optimizer whose
-    param_groups carry an `lr` (torch's and megatron's)."""
+class Backend(Protocol):
+    """What the trainer's loop needs of a backend. One instance per rank; every method marked
+    collective must run on all ranks in the same order."""
 
-    def __init__(self, optimizer, peak_lr: float, warmup: int) -> None:
-        self.optimizer, self.peak_lr, self.warmup = optimizer, peak_lr, warmup
-        self.steps = 0
-        self._apply()
+    scheduler: WarmupSchedule
+    """The learning-rate schedule (its state is checkpointed beside the RNG states)."""
 
-    def _lr(self) -> float:
-        return self.peak_lr * (min(1.0, (self.steps + 1) / self.warmup) if self.warmup else 1.0)
+    @property
+    def pad_token_id(self) -> int: ...
 
-    def _apply(self) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = self._lr()
+    @property
+    def data_rank(self) -> int:
+        """Which share of a batch this rank trains (ranks of one data-parallel replica share one)."""
+        ...
 
-    def step(self) -> None:
-        self.steps += 1
-        self._apply()
+    @property
+    def data_world(self) -> int:
+        """How many shares a batch is dealt into."""
+        ...
 
-    def get_last_lr(self) -> list[float]:
-        return [self._lr()]
+    @property
+    def reports(self) -> bool:
+        """Whether this rank's statistics count (one rank per data-parallel replica)."""
+        ...
 
-    def state_dict(self) -> dict:
-        return {"steps": self.steps}
+    def train_step(self, batch: TrainBatch, step: int) -> StepResult:
+        """Collective: advantages, then algo.epochs x algo.minibatches optimizer steps on this
+        rank's share of a rollout batch."""
+        ...
 
-    def load_state_dict(self, state: dict) -> None:
-        self.steps = state["steps"]
-        self._apply()
+    def parameter_specs(self) -> list[tuple[str, torch.Size, torch.dtype]]:
+        """(HF name, shape, dtype) of every parameter the engines hold, in full_parameters' order."""
+        ...
 
+    def full_parameters(self) -> Iterable[tuple[str, torch.Tensor | None]]:
+        """Collective: (HF name, full tensor) in parameter_specs() order; every rank iterates, only
+        rank 0's tensors are used (others may yield None)."""
+        ...
 
-def make_backend(job: JobConfig, device: torch.device):
-    """The configured backend (imported lazily: megatron-core is an optional dependency)."""
-    if job.trainer.backend == "megatron":
-        from relax_hpc.trainer.megatron_backend import MegatronBackend
+    def save_checkpoint(self, folder: Path) -> None:
+        """Collective: write the model and optimizer state (sharded as held) into `folder`."""
+        ...
 
-        return MegatronBackend(job, device)
-    from relax_hpc.trainer.torch_backend import TorchBackend
-
-    return TorchBackend(job, device)
+    def load_checkpoint(self, folder: Path) -> None:
+        """Collective: restore what save_checkpoint wrote, under any layout the backend supports."""
+        ...

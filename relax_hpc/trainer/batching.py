@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from relax_hpc.exchange.spool import SampleBatch
 
 
 @dataclass(slots=True)
@@ -103,3 +106,26 @@ def token_logprobs_and_entropy(
     logprobs = torch.gather(logp_all, -1, batch.targets.unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logprobs, entropy
+
+
+def share_of(batch: SampleBatch, trained: list[int], rank: int, world: int, pad_id: int) -> tuple[TrainBatch, dict[str, Any]]:
+    """This rank's share of the `trained` samples of a batch: whole groups, dealt round-robin in
+    group order."""
+    groups = sorted(set(batch.group_ids[trained].tolist()))
+    mine = set(groups[rank::world])
+    # A rank without a group (fewer groups than ranks) trains one row without loss tokens: it must
+    # still join every collective of the step.
+    rows = [i for i in trained if batch.group_ids[i] in mine] or trained[:1]
+    seqs = [batch.sample_tokens(i).tolist() for i in rows]
+    masks = [batch.loss_mask[batch.offsets[i] : batch.offsets[i + 1]].tolist() for i in rows]
+    logps = [batch.rollout_logprobs[batch.offsets[i] : batch.offsets[i + 1]].tolist() for i in rows]
+    tb = pad_samples(seqs, masks, logps, batch.rewards[rows].tolist(), batch.group_ids[rows].tolist(), pad_id)
+    if not mine:
+        tb = tb.without_loss()
+    stats = {
+        "reward_sum": float(batch.rewards[trained].sum()),
+        "num_samples": len(trained),
+        "seq": batch.seq,
+        "policy_versions": batch.policy_version[trained],
+    }
+    return tb, stats

@@ -38,8 +38,9 @@ from relax_hpc.config.schema import JobConfig
 from relax_hpc.models.hf_mapping import export_hf, hf_specs, load_hf_weights
 from relax_hpc.models.megatron import build_model
 from relax_hpc.trainer import megatron_state, packing
-from relax_hpc.trainer.backend import DistComm, NonFiniteLossError, StepResult, WarmupSchedule
+from relax_hpc.trainer.backend import DistComm, NonFiniteLossError, StepResult
 from relax_hpc.trainer.batching import TrainBatch
+from relax_hpc.trainer.schedule import WarmupSchedule
 from relax_hpc.trainer.vocab_parallel import logprobs_and_entropy
 
 

@@ -28,6 +28,7 @@ from relax_hpc.algos.stats import Stats
 from relax_hpc.config.schema import JobConfig
 from relax_hpc.trainer.backend import DistComm, NonFiniteLossError, StepResult
 from relax_hpc.trainer.batching import TrainBatch, token_logprobs_and_entropy
+from relax_hpc.trainer.schedule import WarmupSchedule
 
 
 def _sharded(model: torch.nn.Module) -> torch.nn.Module:
@@ -54,10 +55,7 @@ class TorchBackend:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
         )
-        warmup = cfg.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
-        )
+        self.scheduler = WarmupSchedule(self.optimizer, cfg.lr, cfg.warmup_steps)
         self.reference = _frozen(model_path, torch_dtype, device) if self.objective.needs_reference else None
         self.teacher = _frozen(algo.teacher.path, torch_dtype, device) if self.objective.needs_teacher else None
         self.critic = self.critic_optimizer = None

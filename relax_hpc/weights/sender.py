@@ -20,22 +20,19 @@ and the next push forms a new one with the engines that answer /health.
 
 from __future__ import annotations
 
-import http.client
-import json
 import logging
 import socket
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from relax_hpc.rollout import protocol as P
-from relax_hpc.rollout.client import EngineClient, EngineRequestError, EngineUnavailable
-from relax_hpc.rollout.registry import EngineRecord, read_records
+from relax_hpc.protocol import requests as P
+from relax_hpc.protocol.client import EngineClient, EngineRequestError, EngineUnavailable, RequestPipeline
+from relax_hpc.protocol.registry import EngineRecord, read_records
 from relax_hpc.weights.buckets import BucketPacker, BucketPlan
 from relax_hpc.weights.group import SideGroup
 
@@ -58,69 +55,6 @@ def _is_loopback(host: str) -> bool:
 
 def _engine_key(records: list[EngineRecord]) -> list[tuple[str, str]]:
     return sorted((r.engine_id, r.instance) for r in records)
-
-
-class RequestPipeline:
-    """Requests to one engine over one keep-alive HTTP/1.1 connection, sent without waiting for
-    answers (HTTP pipelining). Servers answer pipelined requests one at a time, in order (uvicorn
-    for SGLang, http.server for the built-in engine), which is what keeps the engine's receiving
-    broadcasts in the order of the sender's. Opened per push: SGLang closes idle connections after
-    5 s, sooner than the next push."""
-
-    def __init__(self, record: EngineRecord, api_key: str, timeout_s: float) -> None:
-        self.url = record.url
-        self._head = (
-            f"Host: {record.host}:{record.port}\r\n"
-            f"Authorization: Bearer {api_key}\r\nContent-Type: application/json\r\n"
-        )
-        try:
-            self._sock = socket.create_connection((record.host, record.port), timeout=timeout_s)
-        except OSError as e:
-            raise EngineUnavailable(f"{self.url}: {e}") from None
-        # Small requests and answers: without this, Nagle's algorithm holds them up to 40 ms.
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._reader = self._sock.makefile("rb")
-        self._routes: list[str] = []  # sent, answer not read yet
-
-    def send(self, route: str, request: object) -> None:
-        body = json.dumps(P.to_json(request)).encode()
-        head = f"POST {route} HTTP/1.1\r\n{self._head}Content-Length: {len(body)}\r\n\r\n"
-        try:
-            self._sock.sendall(head.encode() + body)
-        except OSError as e:
-            raise EngineUnavailable(f"{self.url}{route}: {e}") from None
-        self._routes.append(route)
-
-    def wait_answers(self, leave: int = 0) -> None:
-        """Read pending answers in order until `leave` are left; raises on the first failed request."""
-        while len(self._routes) > leave:
-            self._answer(self._routes.pop(0))
-
-    def _answer(self, route: str) -> Any:
-        try:
-            status_line = self._reader.readline(65537)
-            if not status_line:
-                raise EngineUnavailable(f"{self.url}{route}: the engine closed the connection")
-            status = int(status_line.split()[1])
-            headers = http.client.parse_headers(self._reader)
-            length = headers.get("Content-Length")
-            if length is None:  # both servers send JSON with a length; anything else is not theirs
-                raise EngineUnavailable(f"{self.url}{route}: an answer without Content-Length")
-            body = self._reader.read(int(length))
-        except (OSError, ValueError, IndexError, http.client.HTTPException) as e:
-            raise EngineUnavailable(f"{self.url}{route}: {e}") from None
-        if 400 <= status < 500:
-            raise EngineRequestError(f"{self.url}{route}: HTTP {status}: {body[:500].decode(errors='replace')}")
-        if status >= 300:
-            raise EngineUnavailable(f"{self.url}{route}: HTTP {status}: {body[:500].decode(errors='replace')}")
-        try:
-            return json.loads(body or b"null")
-        except json.JSONDecodeError as e:
-            raise EngineUnavailable(f"{self.url}{route}: {e}") from None
-
-    def close(self) -> None:
-        self._reader.close()
-        self._sock.close()
 
 
 class WeightSender:
@@ -214,7 +148,7 @@ class WeightSender:
                 return 0
             if self.group is None or _engine_key(engines) != _engine_key(self.members):
                 self._form_group(engines)
-        self._pipelines = list(self._pool.map(lambda r: RequestPipeline(r, self.api_key, self.timeout_s), self.members))
+        self._pipelines = list(self._pool.map(lambda r: RequestPipeline(r.url, self.api_key, self.timeout_s), self.members))
         self._queue("/pause_generation", P.PauseGenerationReqInput(mode="in_place"))
         self._queue("/begin_weight_update", P.BeginWeightUpdateReqInput())
         return len(self.members)

@@ -43,7 +43,7 @@ def test_checkpoint_resumes_exactly_and_converts_to_hf(megatron_world, tmp_path)
     from relax_hpc.ckpt.manager import Checkpointer
     from relax_hpc.config.load import load_config, to_yaml
     from relax_hpc.paths import RunPaths
-    from relax_hpc.trainer.backend import make_backend
+    from relax_hpc.trainer.build import build_backend
 
     sys.path.insert(0, str(REPO / "tools"))
     import dcp_to_hf
@@ -55,7 +55,7 @@ def test_checkpoint_resumes_exactly_and_converts_to_hf(megatron_world, tmp_path)
     paths.config.write_text(to_yaml(cfg))
     device = torch.device("cuda", 0)
     vocab = 46
-    first = make_backend(cfg, device)
+    first = build_backend(cfg, device)
     first.train_step(_batch(0, vocab), 0)
     assert Checkpointer(paths.ckpt, keep=2).save(1, first.save_checkpoint, {}, {"step": 1, "version": 1})
     saved = _weights(first)
@@ -63,7 +63,7 @@ def test_checkpoint_resumes_exactly_and_converts_to_hf(megatron_world, tmp_path)
     expected = _weights(first)
     assert any(not torch.equal(saved[n], expected[n]) for n in saved)  # the second step moved them
 
-    resumed = make_backend(cfg, device)
+    resumed = build_backend(cfg, device)
     resumed.load_checkpoint(paths.ckpt / "step-00000001")
     for name, tensor in _weights(resumed).items():
         assert torch.equal(tensor, saved[name]), name

@@ -17,7 +17,7 @@ from relax_hpc.launch.commands import local_commands
 from relax_hpc.launch.supervisor import child_env
 from relax_hpc.metrics.jsonl import read_jsonl
 from relax_hpc.paths import RunPaths
-from relax_hpc.rollout.registry import read_records
+from relax_hpc.protocol.registry import read_records
 from relax_hpc.submit import freeze
 
 REPO = Path(__file__).resolve().parents[2]

@@ -4,7 +4,7 @@
 
 It parses its arguments with SGLang's own parser (ServerArgs.add_cli_args of the pinned release),
 so an argument that launch_server would refuse fails here too, and then serves the built-in torch
-engine's HTTP API (relax_hpc.rollout.torch_engine's engine and request handler) on --host/--port
+engine's HTTP API (relax_hpc.engines.torch_engine's engine and request handler) on --host/--port
 with --api-key as the key and --weight-version as the starting version. Like SGLang, it writes
 nothing to RUN_DIR: registering is the wrapper's job.
 
@@ -21,7 +21,7 @@ from http.server import ThreadingHTTPServer
 
 import torch
 
-from relax_hpc.rollout.torch_engine import TorchEngine, _Handler
+from relax_hpc.engines.torch_engine import TorchEngine, _Handler
 from tests.sglang_import import import_sglang
 
 NEVER_HEALTHY = "FAKE_SGLANG_NEVER_HEALTHY"

@@ -9,9 +9,9 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from relax_hpc.config.load import read_frozen
+from relax_hpc.engines.sampling import SamplingSpec, sample
 from relax_hpc.models.tiny import addition_problems
 from relax_hpc.paths import RunPaths
-from relax_hpc.rollout.sampling import SamplingSpec, sample
 from relax_hpc.trainer.torch_backend import TorchBackend
 from relax_hpc.weights.buckets import plan_buckets
 from relax_hpc.weights.sender import WeightSender, push

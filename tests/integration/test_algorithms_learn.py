@@ -1,7 +1,7 @@
 """Every advantage estimator and every policy loss learns the embedded default task.
 
 Each case runs a shipped config (configs/tiny-NAME.yaml) through the single-process loop
-(`python -m relax_hpc.trainer.inprocess`: the driver's batch construction, the trainer's backend
+(`python -m relax_hpc.inprocess`: the driver's batch construction, the trainer's backend
 and objective, asynchrony simulated at the config's max_staleness), shortened so that all of them
 fit in CI: 9 of the 100 problems (every 12th), 9 prompts x 16 samples per step, a higher
 learning rate (the default recipe's 5e-4 is for 64 prompts and 400 steps), 50 or 60 steps. Chance is 1/19 (about 0.05): the first 10 steps' mean reward stays
@@ -60,7 +60,7 @@ def learning_runs(tmp_path_factory) -> dict[str, list[dict]]:
         out = root / f"{name}.jsonl"
         lr, steps, _ = CASES[name]
         argv = [
-            sys.executable, "-m", "relax_hpc.trainer.inprocess", "--config", f"configs/tiny-{name}.yaml",
+            sys.executable, "-m", "relax_hpc.inprocess", "--config", f"configs/tiny-{name}.yaml",
             "--steps", str(steps), "--out", str(out), f"data.path={data}", "rollout.prompts_per_step=9",
             f"trainer.lr={lr}",
         ]  # fmt: skip

@@ -10,9 +10,9 @@ from transformers import AutoModelForCausalLM
 
 from relax_hpc.ckpt.manager import Checkpointer
 from relax_hpc.config.load import load_config, to_yaml
+from relax_hpc.engines.sampling import SamplingSpec, sample
+from relax_hpc.inprocess import InProcessRun
 from relax_hpc.paths import RunPaths
-from relax_hpc.rollout.sampling import SamplingSpec, sample
-from relax_hpc.trainer.inprocess import InProcessRun
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))

@@ -10,8 +10,8 @@ import time
 import pytest
 
 from relax_hpc.config.load import read_frozen
-from relax_hpc.rollout import protocol as P
-from relax_hpc.rollout.client import EngineClient
+from relax_hpc.protocol import requests as P
+from relax_hpc.protocol.client import EngineClient
 from relax_hpc.rollout.driver import Driver
 from tests.integration.conftest import Job, make_run
 

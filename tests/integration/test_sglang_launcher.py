@@ -1,4 +1,4 @@
-"""The SGLang engine wrapper (relax_hpc.rollout.sglang_engine) around a stand-in server.
+"""The SGLang engine wrapper (relax_hpc.engines.sglang_engine) around a stand-in server.
 
 SGLang cannot run here, so rollout.sglang.module points to tests/integration/fake_sglang_server.py:
 it parses the wrapper's launch_server arguments with SGLang's own parser and serves the built-in
@@ -19,9 +19,9 @@ import pytest
 
 from relax_hpc.launch.commands import local_commands
 from relax_hpc.launch.supervisor import child_env
-from relax_hpc.rollout import protocol as P
-from relax_hpc.rollout.client import EngineClient, EngineRequestError
-from relax_hpc.rollout.registry import EngineRecord, read_records
+from relax_hpc.protocol import requests as P
+from relax_hpc.protocol.client import EngineClient, EngineRequestError
+from relax_hpc.protocol.registry import EngineRecord, read_records
 from tests.integration.conftest import REPO, Job, make_run
 from tests.integration.fake_sglang_server import NEVER_HEALTHY
 

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from relax_hpc.rollout import protocol as P
-from relax_hpc.rollout.client import EngineClient
+from relax_hpc.protocol import requests as P
+from relax_hpc.protocol.client import EngineClient
 from tests.integration.conftest import REPO, make_run
 
 pytestmark = pytest.mark.integration

@@ -11,11 +11,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from relax_hpc.rollout import protocol as P
-from relax_hpc.rollout.client import EngineRequestError
-from relax_hpc.rollout.registry import EngineRecord
+from relax_hpc.protocol import requests as P
+from relax_hpc.protocol.client import EngineRequestError, RequestPipeline
+from relax_hpc.protocol.registry import EngineRecord
 from relax_hpc.weights.buckets import BucketPacker, BufferRing, pack, plan_buckets, unpack
-from relax_hpc.weights.sender import RequestPipeline, push
+from relax_hpc.weights.sender import push
 
 
 def test_buckets_respect_size_and_dtype_and_keep_order():
@@ -161,8 +161,7 @@ def test_request_pipeline_sends_ahead_and_reads_answers_in_order():
     server = ThreadingHTTPServer(("127.0.0.1", 0), _InOrderHandler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        record = EngineRecord("engine-0", "127.0.0.1", server.server_address[1], 0, "i", "0")
-        pipeline = RequestPipeline(record, "token", timeout_s=10)
+        pipeline = RequestPipeline(f"http://127.0.0.1:{server.server_address[1]}", "token", timeout_s=10)
         for route in ("/slow", "/a", "/bad", "/b"):
             pipeline.send(route, P.EndWeightUpdateReqInput())  # none waits for an answer
         pipeline.wait_answers(leave=2)  # /slow and /a

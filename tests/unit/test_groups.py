@@ -3,8 +3,8 @@
 from pathlib import Path
 
 from relax_hpc.config import load_config
+from relax_hpc.data.plan import BatchPlan, Group
 from relax_hpc.data.prompts import load_prompts
-from relax_hpc.rollout.groups import BatchPlan, Group
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -104,14 +104,14 @@ def test_sglang_engine_commands_run_the_wrapper(tmp_path):
     )  # fmt: skip
     paths = RunPaths(tmp_path / "run")
     engine = step_commands(cfg, paths, Allocation("7", [["a", "b"]], dict.fromkeys("ab", 8)))["engine-1"]
-    wrapper = engine.index("relax_hpc.rollout.sglang_engine")
+    wrapper = engine.index("relax_hpc.engines.sglang_engine")
     assert engine[wrapper - 5 : wrapper - 2] == ["relax_hpc.launch.gpus", "4-7", "--"]
     assert engine[wrapper + 1 :] == [
         "--run-dir", str(paths.root), "--engine-id", "engine-1", "--host", "0.0.0.0", "--port", "30001",
     ]  # fmt: skip
     # The wrapper reads the run token itself: it is on no command line the launcher prints.
     local = local_commands(cfg, paths)["engine-0"]
-    assert "relax_hpc.rollout.sglang_engine" in local and "--api-key" not in local
+    assert "relax_hpc.engines.sglang_engine" in local and "--api-key" not in local
 
 
 def test_config_refuses_impossible_layouts():

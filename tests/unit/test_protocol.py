@@ -2,7 +2,7 @@
 
 import pytest
 
-from relax_hpc.rollout import protocol as P
+from relax_hpc.protocol import requests as P
 
 
 def test_valid_bodies_parse_and_defaults_are_left_out_when_sent():

@@ -3,8 +3,8 @@
 import torch
 from transformers import Qwen3ForCausalLM
 
+from relax_hpc.engines.sampling import SamplingSpec, sample
 from relax_hpc.models.tiny import build_char_tokenizer, tiny_qwen3_config
-from relax_hpc.rollout.sampling import SamplingSpec, sample
 
 
 def test_same_seed_same_tokens_whatever_the_batch():

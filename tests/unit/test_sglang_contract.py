@@ -12,7 +12,7 @@ and torchvision. Checked against the imported classes:
 - the protocol's dataclasses: each field is one of SGLang's, with the same default;
 - sampling parameters (the driver's and the ones the torch engine accepts) against the signature of
   SamplingParams, which also verifies them;
-- launch_server's arguments as relax_hpc.rollout.sglang_engine builds them: parsed by SGLang's own
+- launch_server's arguments as relax_hpc.engines.sglang_engine builds them: parsed by SGLang's own
   parser (ServerArgs.add_cli_args), each one a field of ServerArgs with a value of its type.
 
 Routes are still read from the source (srt/entrypoints/http_server.py, with a regular expression):
@@ -40,9 +40,9 @@ from typing import Any
 import pytest
 
 from relax_hpc.config import load_config
-from relax_hpc.rollout import protocol as P
+from relax_hpc.engines.sglang_engine import server_args
+from relax_hpc.protocol import requests as P
 from relax_hpc.rollout.driver import Driver
-from relax_hpc.rollout.sglang_engine import server_args
 from tests.sglang_import import import_sglang
 
 REPO = Path(__file__).resolve().parents[2]
@@ -285,5 +285,5 @@ def test_routes_exist_in_sglang(sglang):
 
 
 def test_the_torch_engine_routes_cover_what_relax_hpc_calls():
-    source = (REPO / "relax_hpc" / "rollout" / "torch_engine.py").read_text()
+    source = (REPO / "relax_hpc" / "engines" / "torch_engine.py").read_text()
     assert [r for r in ROUTES if f'"{r}"' not in source] == []

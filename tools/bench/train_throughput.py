@@ -60,8 +60,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from relax_hpc.config.schema import JobConfig
-    from relax_hpc.trainer.backend import make_backend
     from relax_hpc.trainer.batching import pad_samples
+    from relax_hpc.trainer.build import build_backend
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
@@ -72,7 +72,7 @@ def worker(args: argparse.Namespace) -> None:
         "trainer": {"backend": args.backend, "num_ranks": 1, "lr": 1e-6,
                     "megatron": {"max_tokens_per_microbatch": args.microbatch_tokens}},
     })  # fmt: skip
-    backend = make_backend(job, device)
+    backend = build_backend(job, device)
     g = torch.Generator().manual_seed(0)
     half = args.seq // 2
     seqs = torch.randint(1, COMMON["vocab_size"], (args.batch, args.seq), generator=g).tolist()

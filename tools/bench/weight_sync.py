@@ -25,7 +25,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from relax_hpc.paths import RunPaths
-from relax_hpc.rollout.registry import read_records
+from relax_hpc.protocol.registry import read_records
 from relax_hpc.weights.buckets import plan_buckets
 from relax_hpc.weights.group import SideGroup
 from relax_hpc.weights.sender import WeightSender, free_port, push
@@ -80,7 +80,7 @@ def main() -> None:
         nbytes = sum(p.numel() * p.element_size() for _, p in params)
         buckets = plan_buckets([(n, p.shape, p.dtype) for n, p in params], int(args.bucket_mb * 2**20))
         engines = [
-            subprocess.Popen([sys.executable, "-m", "relax_hpc.rollout.torch_engine", "--run-dir", str(paths.root),
+            subprocess.Popen([sys.executable, "-m", "relax_hpc.engines.torch_engine", "--run-dir", str(paths.root),
                               "--engine-id", f"engine-{i}", "--model-path", str(model_dir)],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
             for i in range(2)

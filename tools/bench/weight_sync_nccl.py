@@ -38,9 +38,9 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from relax_hpc.paths import RunPaths
-from relax_hpc.rollout import protocol as P
-from relax_hpc.rollout.client import EngineClient
-from relax_hpc.rollout.registry import read_records
+from relax_hpc.protocol import requests as P
+from relax_hpc.protocol.client import EngineClient
+from relax_hpc.protocol.registry import read_records
 from relax_hpc.weights.buckets import BucketPacker, BucketPlan, plan_buckets
 from relax_hpc.weights.group import SideGroup
 from relax_hpc.weights.sender import WeightSender, free_port, push
@@ -118,7 +118,7 @@ def rerandomize(model: torch.nn.Module) -> None:
 
 
 def start_engine(args: argparse.Namespace, paths: RunPaths, model_dir: Path, log_path: Path) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "relax_hpc.rollout.torch_engine", "--run-dir", str(paths.root),
+    argv = [sys.executable, "-m", "relax_hpc.engines.torch_engine", "--run-dir", str(paths.root),
             "--engine-id", "engine-0", "--model-path", str(model_dir), "--dtype", "bfloat16",
             "--device", "cpu" if args.cpu_smoke else "cuda", "--threads", "1" if args.cpu_smoke else "4",
             "--weights-timeout-s", str(args.op_timeout_s)]  # fmt: skip

@@ -1,12 +1,13 @@
 """The whole RL loop in one process: sample -> reward -> train, with no spool, engines or HTTP.
 
-It builds batches with the driver's BatchPlan (prompt order, seeds, reward shaping, dynamic
-sampling) and trains them with the trainer's backend and objective on a world of one, so a run
-here trains exactly what the distributed system trains, minus the transport. Asynchrony is
+It builds batches with the BatchPlan the driver uses (prompt order, seeds, reward shaping, dynamic
+sampling), samples with the built-in engine's sampler and trains with the trainer's backend and
+objective on a world of one, so a run here trains exactly what the distributed system trains,
+minus the transport. It sits above both roles: nothing in them imports it. Asynchrony is
 simulated faithfully: batch `s` is sampled by the policy of version max(0, s - max_staleness),
 the oldest the real system would accept. Used by the learning tests and tools/recipe_sweep.py.
 
-    python -m relax_hpc.trainer.inprocess --config configs/tiny-ppo.yaml --steps 60 --out m.jsonl
+    python -m relax_hpc.inprocess --config configs/tiny-ppo.yaml --steps 60 --out m.jsonl
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from relax_hpc.config.load import load_config
 from relax_hpc.config.schema import JobConfig
+from relax_hpc.data.plan import BatchPlan, Group, to_sample_batch
 from relax_hpc.data.prompts import load_prompts
+from relax_hpc.engines.sampling import Completion, SamplingSpec, sample
 from relax_hpc.metrics.jsonl import JsonlWriter
-from relax_hpc.rollout.driver import sample_seed
-from relax_hpc.rollout.groups import BatchPlan, Group, to_sample_batch
-from relax_hpc.rollout.sampling import SamplingSpec, sample
-from relax_hpc.trainer.main import reduce_stats, share_of
+from relax_hpc.trainer.batching import share_of
+from relax_hpc.trainer.loop import reduce_stats
 from relax_hpc.trainer.torch_backend import TorchBackend
 
 
@@ -60,14 +61,14 @@ class InProcessRun:
         self.params = dict(self.sampler.named_parameters())  # tied weights appear once, as in weight sync
         self.spec = SamplingSpec(ro.max_new_tokens, ro.temperature, ro.top_p, ro.top_k)
 
-    def _generate(self, prompts: list[list[int]], specs: list[SamplingSpec], seeds: list[int]) -> list:
+    def _generate(self, prompts: list[list[int]], specs: list[SamplingSpec], seeds: list[int]) -> list[Completion]:
         eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
         return sample(self.sampler, prompts, specs, seeds, eos, pad)
 
     def sample_round(self, step: int, version: int, round_: int) -> list[Group]:
         indices = self.plan.prompts(step, round_)
         prompts = [self.prompt_ids[i] for i in indices for _ in range(self.cfg.rollout.group_size)]
-        seeds = [sample_seed(self.cfg.run.seed, step, self.plan.sample_index(round_, k)) for k in range(len(prompts))]
+        seeds = self.plan.seeds(step, round_, len(prompts))
         outs = self._generate(prompts, [self.spec] * len(prompts), seeds)
         return self.plan.groups(
             step,

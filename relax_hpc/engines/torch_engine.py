@@ -1,9 +1,9 @@
 """The built-in rollout engine: an HF transformers model behind SGLang's native HTTP protocol.
 
-    python -m relax_hpc.rollout.torch_engine --run-dir RUN_DIR --engine-id engine-0 --port 0
+    python -m relax_hpc.engines.torch_engine --run-dir RUN_DIR --engine-id engine-0 --port 0
 
 Requests queue up; a scheduler thread takes everything queued and samples it as one batch
-(relax_hpc.rollout.sampling), so concurrent /generate calls share forward passes. Weight updates
+(relax_hpc.engines.sampling), so concurrent /generate calls share forward passes. Weight updates
 take the model lock, so they land between batches: every completion comes from one policy
 version, which its meta_info reports as `weight_version`.
 """
@@ -30,12 +30,13 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from relax_hpc.engines.sampling import Completion, SamplingSpec, sample
 from relax_hpc.paths import RunPaths
-from relax_hpc.rollout import protocol as P
-from relax_hpc.rollout.registry import EngineRecord, remove_record, write_record
-from relax_hpc.rollout.sampling import Completion, SamplingSpec, sample
-from relax_hpc.weights.buckets import DTYPES, BucketPlan, BufferRing, side_stream, stream_done, unpack
+from relax_hpc.protocol import requests as P
+from relax_hpc.protocol.registry import EngineRecord, remove_record, write_record
+from relax_hpc.weights.buckets import BucketPlan
 from relax_hpc.weights.group import SideGroup
+from relax_hpc.weights.receiver import BucketReceiver
 
 log = logging.getLogger("relax_hpc.engine")
 
@@ -80,10 +81,7 @@ class TorchEngine:
         self.weight_version = "0"
         self.updating = False  # between /begin_weight_update and /end_weight_update
         self.groups: dict[str, SideGroup] = {}
-        # Received buckets: two buffers (during an update), copied into the parameters on a
-        # stream of their own so that the next bucket's broadcast overlaps the copy (CUDA only).
-        self._ring: BufferRing | None = None
-        self._copy_stream = side_stream(self.device)
+        self.receiver = BucketReceiver(self.params, self.device)
         self._model_lock = threading.Lock()
         self._cv = threading.Condition()
         self._pending: list[_Job] = []
@@ -213,7 +211,7 @@ class TorchEngine:
 
     def end_update(self) -> None:
         with self._model_lock:
-            self._settle(wait=False)
+            self.receiver.settle(wait=False)
         self.updating = False
 
     def update_from_distributed(self, req: P.UpdateWeightsFromDistributedReqInput) -> bool:
@@ -226,56 +224,17 @@ class TorchEngine:
         if req.abort_all_requests:
             self.abort(P.AbortReq(abort_all=True))
         plan = BucketPlan(req.names, req.dtypes, req.shapes)
-        # Checked now, raised once received: an engine that skipped a broadcast would take the
-        # next bucket's bytes for this one's.
-        unknown = [name for name in plan.names if name not in self.params]
+        # Checked now, raised once received (see BucketReceiver.receive).
+        unknown = self.receiver.unknown_names(plan)
         with self._model_lock:  # between batches: a completion never mixes two versions
-            if req.load_format == "flattened_bucket":
-                self._receive_flat(group, plan, copy=not unknown)
-            else:
-                self._receive_each(group, plan, copy=not unknown)
+            self.receiver.receive(group, plan, flattened=req.load_format == "flattened_bucket", copy=not unknown)
             if unknown:
                 raise P.ProtocolError(f"unknown parameter names {unknown[:5]}")
             if req.weight_version is None:
                 return False
-            self._settle(wait=True)  # the engine reports the new version only once it holds it
+            self.receiver.settle(wait=True)  # the engine reports the new version only once it holds it
             self.weight_version = req.weight_version
             return True
-
-    def _receive_flat(self, group: SideGroup, plan: BucketPlan, copy: bool) -> None:
-        """Into the next ring buffer, then into the parameters; no host sync on CUDA: the broadcast
-        waits (on the current stream) for the copy out of the buffer's previous use, the copy
-        waits (on the copy stream) for the broadcast."""
-        if self._ring is None:
-            self._ring = BufferRing(self.device, plan.nbytes)
-        flat = self._ring.acquire(plan.nbytes)
-        try:
-            work = group.broadcast_async(flat)
-            with torch.cuda.stream(self._copy_stream), torch.no_grad():
-                work.wait()  # CUDA: the copy stream waits for the broadcast; gloo: blocks until received
-                received = unpack(flat, plan)
-                if copy and received:  # one launch for the bucket: the host must keep ahead of the broadcasts
-                    torch._foreach_copy_([self.params[n] for n, _ in received], [t for _, t in received])
-        finally:
-            self._ring.release(stream_done(self._copy_stream))
-
-    def _receive_each(self, group: SideGroup, plan: BucketPlan, copy: bool) -> None:
-        """One broadcast per tensor (load_format None): SGLang's default, not what relax_hpc sends."""
-        with torch.no_grad():
-            for name, dtype, shape in zip(plan.names, plan.dtypes, plan.shapes):
-                tensor = torch.empty(shape, dtype=DTYPES[dtype], device=self.device)
-                group.broadcast(tensor)
-                if copy:
-                    self.params[name].copy_(tensor)
-
-    def _settle(self, wait: bool) -> None:
-        """After the last bucket: later work on the current stream (generation) sees every copy,
-        and the ring's buffers go back to the allocator (behind that wait)."""
-        if self._copy_stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
-            if wait:
-                torch.cuda.current_stream(self.device).synchronize()
-        self._ring = None
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -1,6 +1,6 @@
 """SGLang as a rollout engine: a small supervisor around `python -m sglang.launch_server`.
 
-    python -m relax_hpc.rollout.sglang_engine --run-dir RUN_DIR --engine-id engine-0 --host H --port P
+    python -m relax_hpc.engines.sglang_engine --run-dir RUN_DIR --engine-id engine-0 --host H --port P
 
 The launcher runs this in an engine's place when `rollout.engine: sglang`. It builds launch_server's
 arguments from the frozen config (rollout.sglang, model, run.seed), starts the server in a session
@@ -41,8 +41,8 @@ from pathlib import Path
 from relax_hpc.config.load import read_frozen
 from relax_hpc.config.schema import JobConfig
 from relax_hpc.paths import RunPaths
-from relax_hpc.rollout.client import EngineClient, EngineRequestError, EngineUnavailable
-from relax_hpc.rollout.registry import EngineRecord, remove_record, write_record
+from relax_hpc.protocol.client import EngineClient, EngineRequestError, EngineUnavailable
+from relax_hpc.protocol.registry import EngineRecord, remove_record, write_record
 
 log = logging.getLogger("relax_hpc.sglang_engine")
 

@@ -1,14 +1,16 @@
-"""Turning sampled prompt groups into a training batch: rewards with their shaping, and dynamic
-sampling (algo.dynamic_sampling, algo.overlong; relax_hpc.algos.shaping has the formulas).
+"""The plan of every batch: its prompts, the sampling seed of each sample, its group ids, and how
+sampled prompt groups become a training batch (rewards with their shaping, dynamic sampling:
+algo.dynamic_sampling, algo.overlong; relax_hpc.algos.shaping has the formulas).
 
-Shared by the rollout driver and the single-process loop (relax_hpc.trainer.inprocess), so that
-both build batches the same way. Round r of batch `seq` is fully determined by (run seed, seq, r):
-round 0 is the batch's own prompts, later rounds draw from a second prompt order, and a restart
-regenerates exactly the same batch.
+Shared by the rollout driver and the single-process loop (relax_hpc.inprocess), so that both build
+batches the same way. Round r of batch `seq` is fully determined by (run seed, seq, r): round 0 is
+the batch's own prompts, later rounds draw from a second prompt order, every sample's seed derives
+from (run seed, seq, its index), and a restart regenerates exactly the same batch.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,6 +19,12 @@ from relax_hpc.config.schema import JobConfig
 from relax_hpc.data.prompts import PromptOrder, PromptRow
 from relax_hpc.exchange.spool import SampleBatch
 from relax_hpc.rewards import REWARDS
+
+
+def sample_seed(run_seed: int, seq: int, sample: int) -> int:
+    """The sampling seed of sample `sample` of batch `seq`: a non-negative int64."""
+    digest = hashlib.blake2b(f"{run_seed}:{seq}:{sample}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
 
 
 @dataclass(slots=True)
@@ -64,6 +72,10 @@ class BatchPlan:
         """Index of sample k of a round among all samples of its batch (seeds derive from it)."""
         ro = self.cfg.rollout
         return round_ * ro.prompts_per_step * ro.group_size + k
+
+    def seeds(self, seq: int, round_: int, count: int) -> list[int]:
+        """The sampling seeds of a round's `count` samples (prompt-major, group_size per prompt)."""
+        return [sample_seed(self.cfg.run.seed, seq, self.sample_index(round_, k)) for k in range(count)]
 
     def reward(self, text: str, length: int, prompt_index: int) -> float:
         """The task reward plus the overlong penalty of a completion of `length` tokens."""

@@ -1,0 +1,163 @@
+"""The HTTP client of one engine (the built-in torch engine or an SGLang server: same protocol).
+
+Two ways to talk to an engine, one wire format and one mapping of answers to errors:
+
+- `EngineClient`: one request, one answer, on a connection of its own (thread-safe; what the
+  driver, the launcher and the sender's control calls use);
+- `RequestPipeline`: many requests over one keep-alive HTTP/1.1 connection, sent without waiting
+  for answers (HTTP pipelining), the answers read later in order. Servers answer pipelined
+  requests one at a time, in order (uvicorn for SGLang, http.server for the built-in engine),
+  which is what keeps an engine's receiving broadcasts in the order of the sender's.
+
+An answer becomes a value or one of two errors: `EngineRequestError` (HTTP 4xx: the request is
+wrong, retrying elsewhere won't help) or `EngineUnavailable` (no answer, a closed connection, a
+5xx or an unparsable body: the engine may be dead, re-issue its work elsewhere).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+from typing import IO, Any
+from urllib.parse import urlsplit
+
+from relax_hpc.protocol import requests as P
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine did not answer (refused, timed out, crashed): re-issue its work elsewhere."""
+
+
+class EngineRequestError(RuntimeError):
+    """The engine answered that the request is wrong (HTTP 4xx): retrying elsewhere won't help."""
+
+
+class _Stream:
+    """The buffered stream of a connection, as http.client reads answers from it: the same stream
+    for every answer (bytes of the next pipelined answer read ahead into the buffer must not be
+    lost between answers), and closed with the connection, not by http.client after each answer."""
+
+    def __init__(self, reader: IO[bytes]) -> None:
+        self._reader = reader
+
+    def makefile(self, *_: object, **__: object) -> _Stream:
+        return self
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reader, name)
+
+    def close(self) -> None:
+        """http.client closes its file once an answer is read; the connection lives on."""
+
+    def close_stream(self) -> None:
+        self._reader.close()
+
+
+class _Connection:
+    """One TCP connection to an engine: requests out, answers in, in order."""
+
+    def __init__(self, url: str, api_key: str, timeout_s: float) -> None:
+        parts = urlsplit(url)
+        self.url = url.rstrip("/")
+        host, port = parts.hostname or "127.0.0.1", parts.port or 80
+        self._head = (
+            f"Host: {parts.netloc}\r\nAuthorization: Bearer {api_key}\r\n"
+            "Content-Type: application/json\r\nConnection: keep-alive\r\n"
+        )
+        try:
+            self._sock = socket.create_connection((host, port), timeout=timeout_s)
+        except OSError as e:
+            raise EngineUnavailable(f"{self.url}: {e}") from None
+        # Small requests and answers: without this, Nagle's algorithm holds them up to 40 ms.
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._stream = _Stream(self._sock.makefile("rb"))
+
+    def send(self, method: str, route: str, body: Any = None) -> None:
+        data = b"" if body is None else json.dumps(body).encode()
+        head = f"{method} {route} HTTP/1.1\r\n{self._head}Content-Length: {len(data)}\r\n\r\n"
+        try:
+            self._sock.sendall(head.encode() + data)
+        except OSError as e:
+            raise EngineUnavailable(f"{self.url}{route}: {e}") from None
+
+    def answer(self, route: str) -> Any:
+        """The next answer on this connection, decoded, or the error it means."""
+        response = http.client.HTTPResponse(self._stream)  # type: ignore[arg-type]  # needs only makefile()
+        try:
+            response.begin()
+            body = response.read()
+        except (OSError, ValueError, http.client.HTTPException) as e:
+            raise EngineUnavailable(f"{self.url}{route}: {e or type(e).__name__}") from None
+        return decode_answer(f"{self.url}{route}", response.status, body)
+
+    def close(self) -> None:
+        self._stream.close_stream()
+        self._sock.close()
+
+
+def decode_answer(where: str, status: int, body: bytes) -> Any:
+    """The JSON value of an answer, or the error its status means (the one place that decides)."""
+    if 400 <= status < 500:
+        raise EngineRequestError(f"{where}: HTTP {status}: {body[:500].decode(errors='replace')}")
+    if status >= 300:
+        raise EngineUnavailable(f"{where}: HTTP {status}: {body[:500].decode(errors='replace')}")
+    try:
+        return json.loads(body or b"null")
+    except json.JSONDecodeError as e:
+        raise EngineUnavailable(f"{where}: not JSON ({e})") from None
+
+
+class EngineClient:
+    """Requests to one engine, each on a connection of its own."""
+
+    def __init__(self, url: str, api_key: str, timeout_s: float) -> None:
+        self.url = url.rstrip("/")
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+
+    def call(self, method: str, route: str, body: Any = None, timeout_s: float | None = None) -> Any:
+        connection = _Connection(self.url, self.api_key, timeout_s or self.timeout_s)
+        try:
+            connection.send(method, route, body)
+            return connection.answer(route)
+        finally:
+            connection.close()
+
+    def post(self, route: str, request: object, timeout_s: float | None = None) -> Any:
+        return self.call("POST", route, P.to_json(request), timeout_s)
+
+    def healthy(self, timeout_s: float = 2.0) -> bool:
+        try:
+            self.call("GET", "/health", timeout_s=timeout_s)
+            return True
+        except (EngineUnavailable, EngineRequestError):
+            return False
+
+    def weight_version(self) -> str:
+        return str(self.call("GET", "/model_info", timeout_s=5.0)["weight_version"])
+
+    def generate(self, request: P.GenerateReqInput) -> Any:
+        return self.post("/generate", request)
+
+
+class RequestPipeline:
+    """Requests to one engine over one keep-alive connection, sent without waiting for answers.
+    Opened per weight push: SGLang closes idle connections after 5 s, sooner than the next push."""
+
+    def __init__(self, url: str, api_key: str, timeout_s: float) -> None:
+        self.url = url.rstrip("/")
+        self._connection = _Connection(url, api_key, timeout_s)
+        self._routes: list[str] = []  # sent, answer not read yet
+
+    def send(self, route: str, request: object) -> None:
+        self._connection.send("POST", route, P.to_json(request))
+        self._routes.append(route)
+
+    def wait_answers(self, leave: int = 0) -> None:
+        """Read pending answers in order until `leave` are left; raises on the first failed request."""
+        while len(self._routes) > leave:
+            self._connection.answer(self._routes.pop(0))
+
+    def close(self) -> None:
+        self._connection.close()

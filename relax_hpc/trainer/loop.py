@@ -1,0 +1,254 @@
+"""The trainer's loop (relax_hpc.trainer.main runs it on every torchrun rank).
+
+Rank 0 owns everything outside the model (spool claims, weight-sync group, metrics, stop
+requests) and drives the other ranks with one small broadcast command per iteration:
+
+    wait   nothing to train yet            sync   push the current weights to the engines
+    train  a claimed batch (path, ids)     stop   checkpoint and leave
+
+so every collective (FSDP gathers for weight sync, DCP saves) happens on all ranks in the same
+order. The loop: claim -> train_step -> push weights (version + 1) -> checkpoint every N steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from relax_hpc.algos.stats import Stats
+from relax_hpc.ckpt.manager import Checkpointer
+from relax_hpc.config.schema import JobConfig
+from relax_hpc.exchange.spool import Spool, read_batch
+from relax_hpc.metrics.jsonl import JsonlWriter
+from relax_hpc.paths import RunPaths, write_atomic
+from relax_hpc.trainer.batching import share_of
+from relax_hpc.trainer.build import build_backend
+from relax_hpc.trainer.claims import claim_next
+from relax_hpc.weights.buckets import plan_buckets
+from relax_hpc.weights.sender import WeightSender, WeightSyncError, push
+
+log = logging.getLogger("relax_hpc.trainer")
+
+
+@dataclass
+class RunState:
+    """Everything besides tensors that a resume needs; saved as trainer_state.json."""
+
+    step: int = 0  # trainer steps done (rollout batches trained)
+    version: int = 0  # policy version of the current weights (= step)
+    claims: dict[str, list[str]] = field(default_factory=dict)  # step -> spool files it consumed
+    trained_samples: int = 0
+    stale_samples: int = 0
+    quarantined_files: int = 0
+
+
+class StopRequest:
+    """SIGTERM/SIGUSR1 (torchrun forwards them) or RUN_DIR/control/stop ask for a clean stop."""
+
+    def __init__(self, stop_file: Path) -> None:
+        self.file = stop_file
+        self.signalled = False
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        log.info("received %s: stopping at the next safe point", signal.Signals(signum).name)
+        self.signalled = True
+
+    def requested(self) -> bool:
+        return self.signalled or self.file.exists()
+
+
+def broadcast_command(command: dict | None) -> dict:
+    box = [command]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def reduce_stats(stats: Stats, epochs: int) -> dict[str, float]:
+    """The objective's statistics over all ranks: token means, extrema as NAME_max / NAME_min
+    (left out when no rank had a loss token), and `tokens`, the loss tokens of the batch. Ranks
+    that report nothing (megatron's tensor-parallel peers and earlier pipeline stages) send empty
+    Stats: gathered as objects, so the names need not match across ranks."""
+    everyone: list[Stats] = [Stats()] * dist.get_world_size()
+    dist.all_gather_object(everyone, stats)
+    total = Stats()
+    for s in everyone:
+        total.add(s)
+    tokens_seen = total.sums.pop("tokens", 0.0)
+    out = {name: value / max(tokens_seen, 1.0) for name, value in total.sums.items()}
+    out.update({f"{n}_max": v for n, v in total.maxes.items() if v != -float("inf")})
+    out.update({f"{n}_min": v for n, v in total.mins.items() if v != float("inf")})
+    out["tokens"] = tokens_seen / epochs
+    return out
+
+
+class Trainer:
+    def __init__(self, cfg: JobConfig, paths: RunPaths, device: torch.device) -> None:
+        self.cfg, self.paths = cfg, paths
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.backend = build_backend(cfg, device)
+        self.pad_id = self.backend.pad_token_id
+        self.ckpt = Checkpointer(paths.ckpt, cfg.ckpt.keep)
+        self.buckets = plan_buckets(self.backend.parameter_specs(), int(cfg.weights.bucket_mb * 2**20))
+        self.state = RunState()
+        self.stop = StopRequest(paths.stop_request)
+        self.delivered = -1  # policy version the engines hold (rank 0's knowledge)
+        self.last_engine_check = 0.0
+        if self.rank == 0:
+            auto = "nccl" if device.type == "cuda" else "gloo"
+            backend = cfg.weights.backend if cfg.weights.backend != "auto" else auto
+            self.sender = WeightSender(paths.engines, paths.read_token(), backend, cfg.weights.timeout_s)
+            self.spool = Spool(paths.spool)
+            self.metrics = JsonlWriter(paths.metrics / "train.jsonl")
+        else:
+            self.sender = None
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def resume(self) -> None:
+        loaded = self.ckpt.load(self.backend.load_checkpoint)
+        if loaded is None:
+            log.info("no checkpoint: starting from %s", self.cfg.model.path)
+            return
+        rank_state, trainer_state = loaded
+        self.backend.scheduler.load_state_dict(rank_state["scheduler"])
+        torch.set_rng_state(rank_state["torch_rng"])
+        np.random.set_state(rank_state["numpy_rng"])
+        random.setstate(rank_state["python_rng"])
+        self.state = RunState(**trainer_state)
+        log.info("resumed from step %d (policy version %d)", self.state.step, self.state.version)
+
+    def save(self) -> bool:
+        rank_state = {
+            "scheduler": self.backend.scheduler.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "numpy_rng": np.random.get_state(),
+            "python_rng": random.getstate(),
+        }
+        ok = self.ckpt.save(self.state.step, self.backend.save_checkpoint, rank_state, asdict(self.state))
+        if self.rank == 0:
+            log.info("checkpoint step %d %s", self.state.step, "saved" if ok else "FAILED (previous kept)")
+        return ok
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def decide(self) -> dict:
+        """Rank 0: what all ranks do next."""
+        if self.stop.requested():
+            return {"kind": "stop"}
+        # Push when the engines lack the current version or their set changed; at most every
+        # 0.5 s while no engine takes it (none started yet, all restarting).
+        if time.monotonic() - self.last_engine_check > 0.5 and (
+            self.delivered != self.state.version or self._engines_changed()
+        ):
+            self.last_engine_check = time.monotonic()
+            return {"kind": "sync"}
+        claim = claim_next(self.spool, self.state.step, self.state.version, self.cfg.rollout.max_staleness)
+        if claim is None:
+            return {"kind": "wait"}
+        self.state.quarantined_files += claim.quarantined
+        self.state.stale_samples += sum(len(f["stale"]) for f in claim.files)
+        self.state.claims.setdefault(str(self.state.step), []).extend(f["name"] for f in claim.files)
+        if claim.trained_file is None:
+            return {"kind": "wait"}
+        return {"kind": "train", "path": claim.trained_file, "trained": claim.trained}
+
+    def _engines_changed(self) -> bool:
+        return self.sender.engine_set_changed()
+
+    def sync(self) -> None:
+        try:
+            engines = push(self.sender, self.buckets, self.backend.full_parameters, self.state.version)
+        except WeightSyncError as e:
+            log.warning("%s; retrying with the engines that answer", e)
+            return
+        if self.rank == 0:
+            if engines:
+                self.delivered = self.state.version
+                self.announce_version(engines)
+
+    def announce_version(self, engines: int) -> None:
+        """Announce the delivered version in RUN_DIR/weights (a record for humans and tools)."""
+        write_atomic(self.paths.weights / "version", f"{self.state.version} {engines}\n".encode())
+
+    def train(self, command: dict, started: float) -> None:
+        t0 = time.monotonic()
+        batch = read_batch(Path(command["path"]))
+        b = self.backend
+        batch, stats = share_of(batch, command["trained"], b.data_rank, b.data_world, self.pad_id)
+        result = self.backend.train_step(batch, self.state.step)
+        objective = reduce_stats(result.stats, self.cfg.algo.epochs)
+        trained_version = self.state.version
+        self.state.step += 1
+        self.state.version += 1
+        self.state.trained_samples += stats["num_samples"]
+        t1 = time.monotonic()
+        self.sync()
+        if self.rank == 0:
+            versions = stats["policy_versions"]
+            self.metrics.log(
+                {
+                    "step": self.state.step,
+                    "version": self.state.version,
+                    "batch": stats["seq"],
+                    "loss": result.loss,
+                    **objective,
+                    "grad_norm": result.grad_norm,
+                    "lr": result.lr,
+                    "reward": stats["reward_sum"] / stats["num_samples"],
+                    "samples": stats["num_samples"],
+                    "staleness_mean": float((trained_version - versions).mean()),
+                    "staleness_max": int((trained_version - versions).max()),
+                    "stale_samples_total": self.state.stale_samples,
+                    "quarantined_files_total": self.state.quarantined_files,
+                    "engines": len(self.sender.members),
+                    "step_seconds": time.monotonic() - started,
+                    "train_seconds": t1 - t0,
+                    "sync_seconds": time.monotonic() - t1,
+                }
+            )
+
+    def log_start(self) -> None:
+        """One record per start: where the run resumed, and which Slurm job and restart this is."""
+        if self.rank == 0:
+            self.metrics.log({
+                "event": "start",
+                "step": self.state.step,
+                "world": self.world,
+                "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+                "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0")),
+            })  # fmt: skip
+
+    def run(self) -> None:
+        total = self.cfg.trainer.total_steps
+        wait_s = 0.05
+        step_started = time.monotonic()
+        while self.state.step < total:
+            command = broadcast_command(self.decide() if self.rank == 0 else None)
+            kind = command["kind"]
+            if kind == "stop":
+                log.info("stop requested at step %d", self.state.step)
+                break
+            if kind == "sync":
+                self.sync()
+            elif kind == "wait":
+                time.sleep(wait_s)
+                wait_s = min(wait_s * 1.5, 0.5)  # back off: the spool may live on NFS
+            elif kind == "train":
+                self.train(command, step_started)
+                step_started, wait_s = time.monotonic(), 0.05
+                if self.state.step % self.cfg.ckpt.every_steps == 0 and self.state.step < total:
+                    self.save()
+        self.save()
+        if self.rank == 0:
+            self.metrics.log({"event": "end", "step": self.state.step, "completed": self.state.step >= total})
