@@ -42,7 +42,7 @@ def _informative(r: torch.Tensor, index: torch.Tensor, num_groups: int) -> torch
     return (high - low)[index] > 0
 
 
-def grpo(rewards: torch.Tensor, group_ids: torch.Tensor, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+def grpo(rewards: torch.Tensor, group_ids: torch.Tensor, *, normalize_std: bool, eps: float) -> torch.Tensor:
     """Per-sample GRPO (or, without normalize_std, Dr. GRPO) advantages [n].
 
     Statistics run in float64, and a group whose rewards are all equal gets exactly 0: its float32

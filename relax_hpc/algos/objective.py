@@ -29,18 +29,16 @@ class Advantages:
 
 
 class Objective:
-    def __init__(self, algo: AlgoConfig, max_new_tokens: int, max_staleness: int, comm: Comm = LOCAL) -> None:
+    def __init__(self, algo: AlgoConfig, comm: Comm = LOCAL) -> None:
+        """`algo` as JobConfig resolves it: its settings that depend on others are concrete."""
+        off, loss = algo.off_policy, algo.policy_loss
+        assert off.old_logprobs != "auto" and loss.aggregation_constant > 0, "pass a resolved JobConfig's algo"
         self.cfg, self.comm = algo, comm
-        off = algo.off_policy
-        ratio_vs_rollout = off.old_logprobs == "rollout" or (
-            off.old_logprobs == "auto" and max_staleness > 0 and off.correction == "none"
-        )
-        self.old_is_rollout = ratio_vs_rollout
+        self.old_is_rollout = off.old_logprobs == "rollout"
         self.needs_reference = algo.kl.coef > 0
         self.needs_teacher = algo.advantage.estimator == "distill"
         self.needs_critic = algo.advantage.estimator == "gae"
-        loss = algo.policy_loss
-        self.agg_constant = float(loss.aggregation_constant or max_new_tokens)
+        self.agg_constant = float(loss.aggregation_constant)
 
     # -- advantages -------------------------------------------------------------------------------
 
@@ -60,18 +58,18 @@ class Objective:
         penalty = torch.zeros_like(mask)
         if self.needs_reference and kl.placement == "reward":
             clamp = self.cfg.policy_loss.log_ratio_clamp
-            penalty = -kl.coef * kl_estimate(old_logprobs, ref_logprobs, kl.estimator, clamp) * mask
+            penalty = -kl.coef * kl_estimate(old_logprobs, ref_logprobs, kl.estimator, clamp=clamp) * mask
         if a.estimator in ("grpo", "rloo"):
             rewards = rewards + penalty.sum(-1)
             if a.estimator == "grpo":
-                per_sample = adv_lib.grpo(rewards, group_ids, a.normalize_std, a.std_eps)
+                per_sample = adv_lib.grpo(rewards, group_ids, normalize_std=a.normalize_std, eps=a.std_eps)
             else:
                 per_sample = adv_lib.rloo(rewards, group_ids)
             return Advantages(adv_lib.per_token(per_sample, mask))
         if a.estimator == "distill":
             return Advantages(adv_lib.distillation(old_logprobs, teacher_logprobs, mask))
         if a.estimator == "reinforce_pp_baseline":
-            rewards = adv_lib.grpo(rewards, group_ids, normalize_std=False)
+            rewards = adv_lib.grpo(rewards, group_ids, normalize_std=False, eps=0.0)
         token_rewards = adv_lib.outcome_on_last_token(rewards, mask) + penalty
         if a.estimator in ("reinforce_pp", "reinforce_pp_baseline"):
             return Advantages(adv_lib.reinforce_pp(token_rewards, mask, a.gamma, self.comm))
@@ -88,15 +86,23 @@ class Objective:
         p = self.cfg.policy_loss
         clamp = p.log_ratio_clamp
         if p.kind == "ppo":
-            return policy_losses.ppo(logprobs, old, adv, p.clip_low, p.clip_high, p.dual_clip, clamp)
+            return policy_losses.ppo(
+                logprobs, old, adv, clip_low=p.clip_low, clip_high=p.clip_high, dual_clip=p.dual_clip, log_ratio_clamp=clamp
+            )
         if p.kind == "gspo":
-            return policy_losses.gspo(logprobs, old, adv, mask, p.clip_low, p.clip_high, clamp)
+            return policy_losses.gspo(
+                logprobs, old, adv, mask, clip_low=p.clip_low, clip_high=p.clip_high, log_ratio_clamp=clamp
+            )
         if p.kind == "sapo":
-            return policy_losses.sapo(logprobs, old, adv, p.sapo_tau_pos, p.sapo_tau_neg, clamp)
+            return policy_losses.sapo(
+                logprobs, old, adv, tau_pos=p.sapo_tau_pos, tau_neg=p.sapo_tau_neg, log_ratio_clamp=clamp
+            )
         if p.kind == "cispo":
-            return policy_losses.cispo(logprobs, old, adv, p.clip_low, p.clip_high, clamp)
+            return policy_losses.cispo(
+                logprobs, old, adv, clip_low=p.clip_low, clip_high=p.clip_high, log_ratio_clamp=clamp
+            )
         if p.kind == "m2po":
-            return policy_losses.m2po(logprobs, old, adv, mask, p.m2po_tau, self.comm, clamp)
+            return policy_losses.m2po(logprobs, old, adv, mask, tau=p.m2po_tau, log_ratio_clamp=clamp, comm=self.comm)
         return policy_losses.reinforce(logprobs, adv)
 
     def policy_loss(
@@ -117,15 +123,15 @@ class Objective:
             old_logprobs,
             rollout_logprobs,
             off.correction,
-            off.is_cap,
-            off.icepop_low,
-            off.icepop_high,
-            p.log_ratio_clamp,
+            cap=off.is_cap,
+            low=off.icepop_low,
+            high=off.icepop_high,
+            log_ratio_clamp=p.log_ratio_clamp,
         )
         per_token = terms.loss * weight - p.entropy_coef * entropy
         stats = Stats()
         if self.needs_reference:
-            divergence = kl_estimate(logprobs, ref_logprobs, kl.estimator, p.log_ratio_clamp)
+            divergence = kl_estimate(logprobs, ref_logprobs, kl.estimator, clamp=p.log_ratio_clamp)
             if kl.placement == "loss":
                 per_token = per_token + kl.coef * divergence
             stats.mean_of("kl_ref", divergence, mask)

@@ -29,10 +29,11 @@ def behaviour_weights(
     proximal_logprobs: torch.Tensor,
     behaviour_logprobs: torch.Tensor,
     correction: Correction,
-    cap: float = 2.0,
-    low: float = 0.5,
-    high: float = 2.0,
-    log_ratio_clamp: float = 20.0,
+    *,
+    cap: float,
+    low: float,
+    high: float,
+    log_ratio_clamp: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight, raw w), both [n, T] and detached; weight is 1 everywhere for `none`."""
     w = torch.exp((proximal_logprobs - behaviour_logprobs).detach().clamp(-log_ratio_clamp, log_ratio_clamp))

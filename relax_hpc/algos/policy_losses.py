@@ -60,10 +60,11 @@ def ppo(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     adv: torch.Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = None,
-    log_ratio_clamp: float = 20.0,
+    *,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+    log_ratio_clamp: float,
 ) -> PolicyTerms:
     ratio = _ratio(logprobs, old_logprobs, log_ratio_clamp)
     loss, clipped = _clipped_surrogate(ratio, adv, clip_low, clip_high, dual_clip)
@@ -75,9 +76,10 @@ def gspo(
     old_logprobs: torch.Tensor,
     adv: torch.Tensor,
     mask: torch.Tensor,
-    clip_low: float = 3e-4,
-    clip_high: float = 4e-4,
-    log_ratio_clamp: float = 20.0,
+    *,
+    clip_low: float,
+    clip_high: float,
+    log_ratio_clamp: float,
 ) -> PolicyTerms:
     log_ratio = (logprobs - old_logprobs) * mask
     seq_log_ratio = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
@@ -91,9 +93,10 @@ def sapo(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     adv: torch.Tensor,
-    tau_pos: float = 1.0,
-    tau_neg: float = 1.05,
-    log_ratio_clamp: float = 20.0,
+    *,
+    tau_pos: float,
+    tau_neg: float,
+    log_ratio_clamp: float,
 ) -> PolicyTerms:
     ratio = _ratio(logprobs, old_logprobs, log_ratio_clamp)
     tau = torch.where(adv > 0, tau_pos, tau_neg)
@@ -108,9 +111,10 @@ def cispo(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     adv: torch.Tensor,
-    clip_low: float = 1.0,
-    clip_high: float = 4.0,
-    log_ratio_clamp: float = 20.0,
+    *,
+    clip_low: float,
+    clip_high: float,
+    log_ratio_clamp: float,
 ) -> PolicyTerms:
     ratio = _ratio(logprobs, old_logprobs, log_ratio_clamp).detach()
     weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
@@ -118,7 +122,7 @@ def cispo(
     return PolicyTerms(loss, ratio, (ratio != weight))
 
 
-def m2po_mask(log_ratio: torch.Tensor, mask: torch.Tensor, tau: float = 0.04, comm: Comm = LOCAL) -> torch.Tensor:
+def m2po_mask(log_ratio: torch.Tensor, mask: torch.Tensor, *, tau: float, comm: Comm = LOCAL) -> torch.Tensor:
     """[n, T] 0/1: the tokens M2PO keeps. The greedy removal of the largest (log r)^2 runs over the
     whole global batch (all ranks' tokens gathered); ties with the last removed value go too."""
     second = (log_ratio.detach() ** 2).to(torch.float64)
@@ -139,12 +143,13 @@ def m2po(
     old_logprobs: torch.Tensor,
     adv: torch.Tensor,
     mask: torch.Tensor,
-    tau: float = 0.04,
+    *,
+    tau: float,
+    log_ratio_clamp: float,
     comm: Comm = LOCAL,
-    log_ratio_clamp: float = 20.0,
 ) -> PolicyTerms:
     ratio = _ratio(logprobs, old_logprobs, log_ratio_clamp)
-    keep = m2po_mask(logprobs - old_logprobs, mask, tau, comm)
+    keep = m2po_mask(logprobs - old_logprobs, mask, tau=tau, comm=comm)
     return PolicyTerms(-ratio * adv * keep, ratio.detach(), (mask > 0) & (keep == 0))
 
 

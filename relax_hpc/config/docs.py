@@ -53,7 +53,7 @@ def _section(defaults: BaseModel, prefix: str) -> list[str]:
 
 def render() -> str:
     header = HEADER.format(resumable=", ".join(f"`{k}`" for k in RESUMABLE_CHANGES))
-    return header + "\n".join(_section(JobConfig(), "")) + "\n"
+    return header + "\n".join(_section(JobConfig.model_construct(), "")) + "\n"
 
 
 if __name__ == "__main__":

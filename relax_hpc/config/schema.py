@@ -156,7 +156,8 @@ class PolicyLossConfig(Section):
     """How per-token losses become one number: over all tokens of the batch, per sample then over
     samples, per-sample sums over samples, or per-sample sums over samples and a constant (Dr. GRPO)."""
     aggregation_constant: int = Field(0, ge=0)
-    """seq_mean_token_sum_norm's constant L; 0 = rollout.max_new_tokens."""
+    """seq_mean_token_sum_norm's constant L; 0 = rollout.max_new_tokens (resolved when the config
+    is loaded, so RUN_DIR/config.yaml holds the number)."""
     entropy_coef: float = Field(0.01, ge=0.0)
     """Weight of the entropy bonus (added to the loss as -coef * token entropy)."""
 
@@ -179,7 +180,8 @@ class OffPolicyConfig(Section):
     reproducible). `rollout`: the engines' log-probabilities, so samples from an older policy are
     importance-weighted and clipped. `auto`: rollout when rollout.max_staleness > 0 and no
     correction is set, recompute otherwise (uncorrected stale samples made 2 of 3 seeds of the
-    embedded default stall or collapse)."""
+    embedded default stall or collapse); resolved when the config is loaded, so RUN_DIR/config.yaml
+    holds the concrete choice."""
     correction: Literal["none", "tis", "icepop", "decoupled"] = "none"
     """Weight on the policy loss for the rollout/trainer mismatch w = pi_proximal / pi_rollout
     (needs the recompute ratio): `tis` min(w, is_cap); `icepop` w inside [icepop_low, icepop_high],
@@ -430,6 +432,17 @@ class JobConfig(Section):
     ckpt: CheckpointConfig = CheckpointConfig()
     metrics: MetricsConfig = MetricsConfig()
     launch: LaunchConfig = LaunchConfig()
+
+    @model_validator(mode="after")
+    def _resolve(self) -> JobConfig:
+        """Settings whose default depends on others become concrete values (once, at load)."""
+        off, loss = self.algo.off_policy, self.algo.policy_loss
+        if off.old_logprobs == "auto":
+            stale = self.rollout.max_staleness > 0 and off.correction == "none"
+            off.old_logprobs = "rollout" if stale else "recompute"
+        if loss.aggregation_constant == 0:
+            loss.aggregation_constant = self.rollout.max_new_tokens
+        return self
 
     @model_validator(mode="after")
     def _groups(self) -> JobConfig:

@@ -88,7 +88,7 @@ class MegatronBackend:
         self.dp_group = parallel_state.get_data_parallel_group()
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
-        self.objective = Objective(algo, ro.max_new_tokens, ro.max_staleness, DistComm(self.dp_group, device))
+        self.objective = Objective(algo, DistComm(self.dp_group, device))
 
         module = _build(job, self.hf_config, job.model.path, trainable=True)
         self.model, self.optimizer = megatron_state.trainable(module, cfg, self.dtype, par.distributed_optimizer)

@@ -49,7 +49,7 @@ class TorchBackend:
         model_path = job.model.path
         self.cfg, self.algo, self.device = cfg, algo, device
         self.temperature = ro.temperature
-        self.objective = Objective(algo, ro.max_new_tokens, ro.max_staleness, DistComm())
+        self.objective = Objective(algo, DistComm())
         torch_dtype = getattr(torch, job.model.dtype)
         self.model = _sharded(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(device))
         self.optimizer = torch.optim.AdamW(

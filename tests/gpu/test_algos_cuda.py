@@ -8,7 +8,7 @@ import torch
 
 from relax_hpc.algos.aggregation import Normalizer, local_counts
 from relax_hpc.algos.objective import Objective
-from relax_hpc.config.schema import AlgoConfig
+from relax_hpc.config.schema import JobConfig
 from relax_hpc.trainer.batching import pad_samples
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -62,7 +62,8 @@ def inputs(seed: int = 0) -> dict[str, torch.Tensor]:
 
 def evaluate(cfg: dict, device: str) -> dict:
     x = {k: v.to(device) for k, v in inputs().items()}
-    objective = Objective(AlgoConfig.model_validate(cfg), max_new_tokens=7, max_staleness=1)
+    job = JobConfig.model_validate({"algo": cfg, "rollout": {"max_new_tokens": 7, "max_staleness": 1}})
+    objective = Objective(job.algo)
     tokens, seqs = local_counts(x["mask"])
     norm = Normalizer(tokens, seqs)
     adv = objective.advantages(x["rewards"], x["group_ids"], x["mask"], x["old"], x["ref"], x["teacher"], x["values"])

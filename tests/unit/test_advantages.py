@@ -32,19 +32,19 @@ def test_grpo_by_hand_with_unbiased_std():
 
 def test_grpo_adds_eps_to_the_std():
     # rewards 3, 1 -> mean 2, centred +-1, unbiased std sqrt(2 / 1); eps = 0.5 is added to the std.
-    out = adv.grpo(t([3.0, 1.0]), ids([0, 0]), eps=0.5)
+    out = adv.grpo(t([3.0, 1.0]), ids([0, 0]), eps=0.5, normalize_std=True)
     assert out.tolist() == pytest.approx([1 / (math.sqrt(2) + 0.5), -1 / (math.sqrt(2) + 0.5)])
 
 
 def test_grpo_groups_may_be_interleaved_and_use_any_integers():
     # group -4: rewards 2, 0 -> centred +1, -1, std sqrt(2); group 11: rewards 5, 1 -> +2, -2, std sqrt(8).
-    out = adv.grpo(t([2.0, 5.0, 0.0, 1.0]), ids([-4, 11, -4, 11]), eps=0.0)
+    out = adv.grpo(t([2.0, 5.0, 0.0, 1.0]), ids([-4, 11, -4, 11]), eps=0.0, normalize_std=True)
     assert out.tolist() == pytest.approx([1 / math.sqrt(2), 2 / math.sqrt(8), -1 / math.sqrt(2), -2 / math.sqrt(8)])
 
 
 def test_dr_grpo_only_centres():
     # Dr. GRPO: r - mean, mean of 2, 0, 1 is 1.
-    assert adv.grpo(t([2.0, 0.0, 1.0]), ids([0, 0, 0]), normalize_std=False).tolist() == pytest.approx([1.0, -1.0, 0.0])
+    assert adv.grpo(t([2.0, 0.0, 1.0]), ids([0, 0, 0]), normalize_std=False, eps=1e-6).tolist() == pytest.approx([1.0, -1.0, 0.0])
 
 
 @pytest.mark.parametrize("value, size, eps", [(0.7, 3, 1e-6), (0.9, 3, 1e-6), (1.3, 6, 1e-6), (0.7, 3, 0.0)])
@@ -52,7 +52,7 @@ def test_grpo_all_equal_group_gets_zero_advantage(value, size, eps):
     # value - mean(value, ..., value) = 0 and so is the std: nothing to learn from this group, with or
     # without eps (config: "all-equal groups get 0"). float32 rewards, as the trainer builds them.
     rewards = torch.tensor([value] * size + [1.0, 0.0])
-    out = adv.grpo(rewards, ids([0] * size + [1, 1]), eps=eps)
+    out = adv.grpo(rewards, ids([0] * size + [1, 1]), eps=eps, normalize_std=True)
     assert torch.isfinite(out).all()
     assert out[:size].tolist() == pytest.approx([0.0] * size, abs=1e-6)
 
@@ -60,15 +60,15 @@ def test_grpo_all_equal_group_gets_zero_advantage(value, size, eps):
 @pytest.mark.parametrize("value, size", [(0.7, 3), (0.9, 3), (1.3, 6)])
 def test_dr_grpo_and_rloo_all_equal_group_get_zero_advantage(value, size):
     rewards, groups = torch.tensor([value] * size), ids([0] * size)
-    assert adv.grpo(rewards, groups, normalize_std=False).tolist() == pytest.approx([0.0] * size, abs=1e-6)
+    assert adv.grpo(rewards, groups, normalize_std=False, eps=1e-6).tolist() == pytest.approx([0.0] * size, abs=1e-6)
     assert adv.rloo(rewards, groups).tolist() == pytest.approx([0.0] * size, abs=1e-6)
 
 
 def test_group_of_one_gets_zero_advantage_in_every_estimator():
     rewards = t([0.5, 1.0, 0.0])
     groups = ids([9, 1, 1])  # group 9 has one sample: no baseline
-    assert adv.grpo(rewards, groups)[0] == 0.0
-    assert adv.grpo(rewards, groups, normalize_std=False)[0] == 0.0
+    assert adv.grpo(rewards, groups, normalize_std=True, eps=1e-6)[0] == 0.0
+    assert adv.grpo(rewards, groups, normalize_std=False, eps=1e-6)[0] == 0.0
     assert adv.rloo(rewards, groups)[0] == 0.0
 
 
@@ -77,7 +77,7 @@ def test_empty_completion_counts_in_group_statistics_but_gets_no_tokens():
     # mean 1/3; centred 2/3, -1/3, -1/3; unbiased var (4/9 + 1/9 + 1/9) / 2 = 1/3.
     rewards = t([1.0, 0.0, 0.0])
     mask = t([[1, 1, 0], [0, 0, 0], [1, 0, 0]])
-    per_sample = adv.grpo(rewards, ids([0, 0, 0]), eps=0.0)
+    per_sample = adv.grpo(rewards, ids([0, 0, 0]), eps=0.0, normalize_std=True)
     s = math.sqrt(1 / 3)
     assert per_sample.tolist() == pytest.approx([2 / 3 / s, -1 / 3 / s, -1 / 3 / s])
     close(adv.per_token(per_sample, mask), [[2 / 3 / s, 2 / 3 / s, 0], [0, 0, 0], [-1 / 3 / s, 0, 0]])

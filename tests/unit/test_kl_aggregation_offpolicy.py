@@ -8,6 +8,7 @@ import torch
 from relax_hpc.algos.aggregation import Normalizer, aggregate, local_counts
 from relax_hpc.algos.kl import kl_estimate
 from relax_hpc.algos.off_policy import behaviour_weights
+from relax_hpc.config.schema import KLConfig
 from tests.unit.algo_helpers import close, t
 
 torch.set_num_threads(1)
@@ -31,14 +32,14 @@ def kl_inputs():
 
 def test_k1_by_hand():
     lp, ref = kl_inputs()
-    out = kl_estimate(lp, ref, "k1")
+    out = kl_estimate(lp, ref, "k1", clamp=20.0)
     close(out, [[0.5, -0.5, 0.0]])
     close(grad_of_sum(out, lp), [[1.0, 1.0, 1.0]])
 
 
 def test_k2_by_hand():
     lp, ref = kl_inputs()
-    out = kl_estimate(lp, ref, "k2")
+    out = kl_estimate(lp, ref, "k2", clamp=20.0)
     close(out, [[0.125, 0.125, 0.0]])
     close(grad_of_sum(out, lp), [[0.5, -0.5, 0.0]])
 
@@ -46,7 +47,7 @@ def test_k2_by_hand():
 def test_k3_by_hand():
     # d = 0.5: e^-0.5 - 1 + 0.5 = 0.1065307; d = -0.5: e^0.5 - 1 - 0.5 = 0.1487213; d = 0: 0.
     lp, ref = kl_inputs()
-    out = kl_estimate(lp, ref, "k3")
+    out = kl_estimate(lp, ref, "k3", clamp=20.0)
     close(out, [[math.exp(-0.5) - 0.5, math.exp(0.5) - 1.5, 0.0]])
     close(grad_of_sum(out, lp), [[1 - math.exp(-0.5), 1 - math.exp(0.5), 0.0]])
 
@@ -54,26 +55,26 @@ def test_k3_by_hand():
 def test_k3_is_the_default_and_nonnegative():
     torch.manual_seed(0)
     lp, ref = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
-    assert torch.equal(kl_estimate(lp, ref), kl_estimate(lp, ref, "k3"))
-    assert (kl_estimate(lp, ref) >= 0).all() and (kl_estimate(lp, ref, "k2") >= 0).all()
+    assert KLConfig().estimator == "k3"
+    assert (kl_estimate(lp, ref, "k3", clamp=20.0) >= 0).all() and (kl_estimate(lp, ref, "k2", clamp=20.0) >= 0).all()
 
 
 def test_kl_extreme_log_ratios_are_clamped_finite_and_gradient_free():
     # d = 50 -> 20: k1 = 20, k2 = 200, k3 = e^-20 + 19; d = -50 -> -20: k3 = e^20 - 21.
     lp = t([[50.0, -50.0]]).requires_grad_(True)
     ref = t([[0.0, 0.0]])
-    close(kl_estimate(lp, ref, "k1"), [[20.0, -20.0]])
-    close(kl_estimate(lp, ref, "k2"), [[200.0, 200.0]])
-    close(kl_estimate(lp, ref, "k3"), [[math.exp(-20.0) + 19.0, math.exp(20.0) - 21.0]])
+    close(kl_estimate(lp, ref, "k1", clamp=20.0), [[20.0, -20.0]])
+    close(kl_estimate(lp, ref, "k2", clamp=20.0), [[200.0, 200.0]])
+    close(kl_estimate(lp, ref, "k3", clamp=20.0), [[math.exp(-20.0) + 19.0, math.exp(20.0) - 21.0]])
     for est in ("k1", "k2", "k3"):
-        g = grad_of_sum(kl_estimate(lp, ref, est), lp)
+        g = grad_of_sum(kl_estimate(lp, ref, est, clamp=20.0), lp)
         assert g.tolist() == [[0.0, 0.0]], est
     close(kl_estimate(lp, ref, "k1", clamp=5.0), [[5.0, -5.0]])
 
 
 def test_unknown_kl_estimator_is_rejected():
     with pytest.raises(ValueError):
-        kl_estimate(t([[0.0]]), t([[0.0]]), "k4")
+        kl_estimate(t([[0.0]]), t([[0.0]]), "k4", clamp=20.0)
 
 
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
@@ -81,7 +82,7 @@ def test_kl_gradcheck(estimator):
     torch.manual_seed(0)
     lp = (torch.randn(3, 4, dtype=torch.float64) * 0.5).requires_grad_(True)
     ref = torch.randn(3, 4, dtype=torch.float64) * 0.5
-    assert torch.autograd.gradcheck(lambda x: kl_estimate(x, ref, estimator), (lp,))
+    assert torch.autograd.gradcheck(lambda x: kl_estimate(x, ref, estimator, clamp=20.0), (lp,))
 
 
 # -- aggregation -----------------------------------------------------------------------------------
@@ -168,48 +169,48 @@ def mismatch_case():
 
 def test_no_correction_weighs_one_and_reports_the_mismatch():
     prox, behav, w = mismatch_case()
-    weight, raw = behaviour_weights(prox, behav, "none")
+    weight, raw = behaviour_weights(prox, behav, "none", cap=2.0, low=0.5, high=2.0, log_ratio_clamp=20.0)
     close(weight, [[1.0] * 4])
     close(raw, [w])
 
 
 def test_tis_truncates_at_the_cap():
     prox, behav, _ = mismatch_case()
-    weight, _ = behaviour_weights(prox, behav, "tis", cap=2.0)
+    weight, _ = behaviour_weights(prox, behav, "tis", cap=2.0, low=0.5, high=2.0, log_ratio_clamp=20.0)
     close(weight, [[0.4, 0.9, 1.5, 2.0]])  # min(w, 2)
 
 
 def test_icepop_drops_tokens_outside_the_band():
     prox, behav, _ = mismatch_case()
-    weight, _ = behaviour_weights(prox, behav, "icepop", low=0.5, high=2.0)
+    weight, _ = behaviour_weights(prox, behav, "icepop", low=0.5, high=2.0, cap=2.0, log_ratio_clamp=20.0)
     close(weight, [[0.0, 0.9, 1.5, 0.0]])  # w in [0.5, 2] kept as w, else 0
-    weight, _ = behaviour_weights(prox, behav, "icepop", low=0.3, high=1.0)
+    weight, _ = behaviour_weights(prox, behav, "icepop", low=0.3, high=1.0, cap=2.0, log_ratio_clamp=20.0)
     close(weight, [[0.4, 0.9, 0.0, 0.0]])
 
 
 def test_decoupled_ppo_drops_tokens_above_the_cap():
     prox, behav, _ = mismatch_case()
-    weight, _ = behaviour_weights(prox, behav, "decoupled", cap=2.0)
+    weight, _ = behaviour_weights(prox, behav, "decoupled", cap=2.0, low=0.5, high=2.0, log_ratio_clamp=20.0)
     close(weight, [[0.4, 0.9, 1.5, 0.0]])  # w if w <= 2 else 0 (no lower bound)
 
 
 @pytest.mark.parametrize("correction", ["none", "tis", "icepop", "decoupled"])
 def test_behaviour_weights_carry_no_gradient(correction):
     prox, behav, _ = mismatch_case()
-    weight, raw = behaviour_weights(prox, behav, correction)
+    weight, raw = behaviour_weights(prox, behav, correction, cap=2.0, low=0.5, high=2.0, log_ratio_clamp=20.0)
     assert not weight.requires_grad and not raw.requires_grad
 
 
 def test_behaviour_weights_of_extreme_log_ratios_are_clamped():
     # log w = +-50 is clamped to +-20 first.
     prox, behav = t([[49.0, -51.0]]), t([[-1.0, -1.0]])
-    _, raw = behaviour_weights(prox, behav, "none")
+    _, raw = behaviour_weights(prox, behav, "none", cap=2.0, low=0.5, high=2.0, log_ratio_clamp=20.0)
     close(raw, [[math.exp(20.0), math.exp(-20.0)]])
-    close(behaviour_weights(prox, behav, "tis", cap=2.0)[0], [[2.0, math.exp(-20.0)]])
-    close(behaviour_weights(prox, behav, "icepop")[0], [[0.0, 0.0]])
-    close(behaviour_weights(prox, behav, "decoupled", cap=2.0)[0], [[0.0, math.exp(-20.0)]])
+    close(behaviour_weights(prox, behav, "tis", cap=2.0, low=0.5, high=2.0, log_ratio_clamp=20.0)[0], [[2.0, math.exp(-20.0)]])
+    close(behaviour_weights(prox, behav, "icepop", cap=2.0, low=0.5, high=2.0, log_ratio_clamp=20.0)[0], [[0.0, 0.0]])
+    close(behaviour_weights(prox, behav, "decoupled", cap=2.0, low=0.5, high=2.0, log_ratio_clamp=20.0)[0], [[0.0, math.exp(-20.0)]])
 
 
 def test_unknown_correction_is_rejected():
     with pytest.raises(ValueError):
-        behaviour_weights(t([[0.0]]), t([[0.0]]), "vtrace")
+        behaviour_weights(t([[0.0]]), t([[0.0]]), "vtrace", cap=2.0, low=0.5, high=2.0, log_ratio_clamp=20.0)

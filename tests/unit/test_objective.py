@@ -9,14 +9,16 @@ import torch
 from relax_hpc.algos.aggregation import Normalizer, local_counts
 from relax_hpc.algos.objective import Objective
 from relax_hpc.algos.stats import Stats
-from relax_hpc.config.schema import AlgoConfig
+from relax_hpc.config.schema import JobConfig
 from tests.unit.algo_helpers import close, ids, t
 
 torch.set_num_threads(1)
 
 
 def objective(cfg, max_new_tokens=4, max_staleness=0):
-    return Objective(AlgoConfig.model_validate(cfg), max_new_tokens=max_new_tokens, max_staleness=max_staleness)
+    """The Objective of `algo: cfg` in a job config, resolved as loading resolves it."""
+    rollout = {"max_new_tokens": max_new_tokens, "max_staleness": max_staleness}
+    return Objective(JobConfig.model_validate({"algo": cfg, "rollout": rollout}).algo)
 
 
 def norm_of(mask):

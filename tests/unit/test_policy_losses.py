@@ -47,7 +47,7 @@ def test_ppo_values_gradients_and_clip_flags_by_hand():
     r = [1.6, 1.1, 0.7, 0.9, 0.7, 1.6]
     lp, old = leaf_logprobs([[math.log(x) for x in r]])
     a = t([[1.0, 1.0, -1.0, -1.0, 1.0, -1.0]])
-    terms = pl.ppo(lp, old, a, clip_low=0.2, clip_high=0.2)
+    terms = pl.ppo(lp, old, a, clip_low=0.2, clip_high=0.2, dual_clip=None, log_ratio_clamp=20.0)
     close(terms.loss, [[-1.2, -1.1, 0.8, 0.9, -0.7, 1.6]])
     close(grad_of_sum(terms.loss, lp), [[0.0, -1.1, 0.0, 0.9, -0.7, 1.6]])
     assert terms.clipped.tolist() == [[True, False, True, False, False, False]]
@@ -63,10 +63,10 @@ def test_ppo_clip_higher_widens_only_the_upper_side():
     r = [1.25, 1.3, 0.75]
     lp, old = leaf_logprobs([[math.log(x) for x in r]])
     a = t([[1.0, 1.0, -1.0]])
-    terms = pl.ppo(lp, old, a, clip_low=0.2, clip_high=0.28)
+    terms = pl.ppo(lp, old, a, clip_low=0.2, clip_high=0.28, dual_clip=None, log_ratio_clamp=20.0)
     close(terms.loss, [[-1.25, -1.28, 0.8]])
     close(grad_of_sum(terms.loss, lp), [[-1.25, 0.0, 0.0]])
-    symmetric = pl.ppo(lp, old, a, clip_low=0.2, clip_high=0.2)
+    symmetric = pl.ppo(lp, old, a, clip_low=0.2, clip_high=0.2, dual_clip=None, log_ratio_clamp=20.0)
     close(symmetric.loss[0, :1], [-1.2])
     assert symmetric.clipped[0, 0]
 
@@ -81,7 +81,7 @@ def test_ppo_dual_clip_caps_negative_advantage_losses():
     r = [5.0, 2.0, 5.0, 5.0]
     lp, old = leaf_logprobs([[math.log(x) for x in r]])
     a = t([[-1.0, -1.0, -2.0, 1.0]])
-    terms = pl.ppo(lp, old, a, dual_clip=3.0)
+    terms = pl.ppo(lp, old, a, dual_clip=3.0, clip_low=0.2, clip_high=0.2, log_ratio_clamp=20.0)
     close(terms.loss, [[3.0, 2.0, 6.0, -1.2]])
     close(grad_of_sum(terms.loss, lp), [[0.0, 2.0, 0.0, 0.0]])
     assert terms.clipped.tolist() == [[True, False, True, True]]
@@ -89,7 +89,7 @@ def test_ppo_dual_clip_caps_negative_advantage_losses():
 
 def test_ppo_at_ratio_one_is_the_policy_gradient():
     lp, old = leaf_logprobs([[0.0, 0.0]])
-    terms = pl.ppo(lp, old, t([[1.5, -0.5]]))
+    terms = pl.ppo(lp, old, t([[1.5, -0.5]]), clip_low=0.2, clip_high=0.2, dual_clip=None, log_ratio_clamp=20.0)
     close(terms.loss, [[-1.5, 0.5]])
     close(grad_of_sum(terms.loss, lp), [[-1.5, 0.5]])
 
@@ -99,21 +99,21 @@ def test_ppo_extreme_log_ratios_are_clamped_and_finite():
     big, tiny = math.exp(20.0), math.exp(-20.0)
     lp, old = leaf_logprobs([[50.0, 50.0, -50.0, -50.0]])
     a = t([[1.0, -1.0, 1.0, -1.0]])
-    terms = pl.ppo(lp, old, a)
+    terms = pl.ppo(lp, old, a, clip_low=0.2, clip_high=0.2, dual_clip=None, log_ratio_clamp=20.0)
     #   (e^20, +1): clipped at 1.2 -> -1.2;  (e^20, -1): pessimistic, -min(-e^20, -1.2) = e^20
     #   (e^-20, +1): -min(e^-20, 0.8) = -e^-20;  (e^-20, -1): clipped at 0.8 -> 0.8
     close(terms.loss, [[-1.2, big, -tiny, 0.8]])
     close(terms.ratio, [[big, big, tiny, tiny]])
     g = grad_of_sum(terms.loss, lp)
     assert torch.isfinite(g).all() and g.tolist() == [[0.0, 0.0, 0.0, 0.0]]
-    dual = pl.ppo(lp, old, a, dual_clip=3.0)
+    dual = pl.ppo(lp, old, a, dual_clip=3.0, clip_low=0.2, clip_high=0.2, log_ratio_clamp=20.0)
     close(dual.loss, [[-1.2, 3.0, -tiny, 0.8]])  # dual-clip caps the e^20 loss at -cA = 3
     assert torch.isfinite(grad_of_sum(dual.loss, lp)).all()
 
 
 def test_ppo_clamp_is_configurable():
     lp, old = leaf_logprobs([[3.0]])
-    terms = pl.ppo(lp, old, t([[-1.0]]), log_ratio_clamp=1.0)
+    terms = pl.ppo(lp, old, t([[-1.0]]), log_ratio_clamp=1.0, clip_low=0.2, clip_high=0.2, dual_clip=None)
     close(terms.ratio, [[math.e]])
     close(terms.loss, [[math.e]])
 
@@ -132,7 +132,7 @@ def gspo_case():
 
 def test_gspo_uses_the_sequence_ratio_on_every_token():
     lp, old, mask, a = gspo_case()
-    terms = pl.gspo(lp, old, a, mask, clip_low=0.2, clip_high=0.2)
+    terms = pl.gspo(lp, old, a, mask, clip_low=0.2, clip_high=0.2, log_ratio_clamp=20.0)
     s0, s1 = math.exp(-0.1), math.exp(0.2)
     close(terms.ratio * mask, [[s0, s0, 0.0], [s1, s1, s1]])
     # seq 0: A = -1, s0 inside [0.8, 1.2] -> loss -(s0 * -1) = s0, gradient per token -s0 A = s0.
@@ -147,7 +147,7 @@ def test_gspo_token_form_matches_the_sequence_objective_gradient():
     # With seq_mean_token_mean aggregation the token form has the same gradient:
     # d(-J)/dlog pi_it = -s_i A_i / (G |y_i|) inside the clip range, 0 outside.
     lp, old, mask, a = gspo_case()
-    terms = pl.gspo(lp, old, a, mask, clip_low=0.2, clip_high=0.2)
+    terms = pl.gspo(lp, old, a, mask, clip_low=0.2, clip_high=0.2, log_ratio_clamp=20.0)
     loss = aggregate(terms.loss, mask, "seq_mean_token_mean", Normalizer(tokens=5, sequences=2))
     s0 = math.exp(-0.1)
     # seq 0: -s0 * (-1) / (2 * 2) = s0 / 4; seq 1 clipped -> 0
@@ -159,7 +159,7 @@ def test_gspo_token_form_matches_the_sequence_objective_gradient():
 def test_gspo_empty_sequence_has_ratio_one_and_no_gradient():
     lp, old = leaf_logprobs([[0.3, 0.4], [0.0, 0.0]])
     mask = t([[0, 0], [1, 1]])
-    terms = pl.gspo(lp, old, t([[1.0, 1.0], [1.0, 1.0]]), mask, clip_low=0.2, clip_high=0.2)
+    terms = pl.gspo(lp, old, t([[1.0, 1.0], [1.0, 1.0]]), mask, clip_low=0.2, clip_high=0.2, log_ratio_clamp=20.0)
     assert torch.isfinite(terms.loss).all()
     close(terms.ratio[0], [1.0, 1.0])
     close(grad_of_sum(terms.loss * mask, lp)[0], [0.0, 0.0])
@@ -168,7 +168,7 @@ def test_gspo_empty_sequence_has_ratio_one_and_no_gradient():
 def test_gspo_extreme_log_ratios_are_clamped_and_finite():
     lp, old = leaf_logprobs([[50.0, 50.0], [-50.0, -50.0]])
     mask = t([[1, 1], [1, 1]])
-    terms = pl.gspo(lp, old, t([[-1.0, -1.0], [1.0, 1.0]]), mask, clip_low=0.2, clip_high=0.2)
+    terms = pl.gspo(lp, old, t([[-1.0, -1.0], [1.0, 1.0]]), mask, clip_low=0.2, clip_high=0.2, log_ratio_clamp=20.0)
     close(terms.ratio, [[math.exp(20.0)] * 2, [math.exp(-20.0)] * 2])
     assert torch.isfinite(terms.loss).all() and torch.isfinite(grad_of_sum(terms.loss, lp)).all()
 
@@ -179,7 +179,7 @@ def test_gspo_extreme_log_ratios_are_clamped_and_finite():
 def test_sapo_at_ratio_one_has_gradient_minus_advantage():
     # f(r) = 4/tau sigmoid(tau (r - 1)); f(1) = 2/tau, f'(1) = 1, so d(-f(r)A)/dlog pi = -A r f'(r) = -A.
     lp, old = leaf_logprobs([[0.0, 0.0]])
-    terms = pl.sapo(lp, old, t([[1.5, -0.5]]), tau_pos=1.0, tau_neg=1.05)
+    terms = pl.sapo(lp, old, t([[1.5, -0.5]]), tau_pos=1.0, tau_neg=1.05, log_ratio_clamp=20.0)
     # loss: -(4/1) * 0.5 * 1.5 = -3; -(4/1.05) * 0.5 * (-0.5) = 1/1.05
     close(terms.loss, [[-3.0, 1 / 1.05]])
     close(grad_of_sum(terms.loss, lp), [[-1.5, 0.5]])
@@ -193,7 +193,7 @@ def test_sapo_soft_gate_by_hand():
     r0, r1 = math.exp(0.5), math.exp(-0.4)
     s0, s1 = sigmoid(r0 - 1), sigmoid(2 * (r1 - 1))
     lp, old = leaf_logprobs([[0.5, -0.4]])
-    terms = pl.sapo(lp, old, t([[1.0, -2.0]]), tau_pos=1.0, tau_neg=2.0)
+    terms = pl.sapo(lp, old, t([[1.0, -2.0]]), tau_pos=1.0, tau_neg=2.0, log_ratio_clamp=20.0)
     close(terms.loss, [[-4 * s0, 4 * s1]])
     close(grad_of_sum(terms.loss, lp), [[-4 * s0 * (1 - s0) * r0, 8 * s1 * (1 - s1) * r1]])
 
@@ -203,13 +203,13 @@ def test_sapo_marks_tokens_whose_gate_weight_fell_below_half():
     #   r = 1.5: s = sigmoid(0.5) = 0.6225, 4 s (1 - s) = 0.940 -> not clipped
     #   r = 3:   s = sigmoid(2) = 0.8808,   4 s (1 - s) = 0.420 -> clipped
     lp, old = leaf_logprobs([[math.log(1.5), math.log(3.0)]])
-    terms = pl.sapo(lp, old, t([[1.0, 1.0]]), tau_pos=1.0)
+    terms = pl.sapo(lp, old, t([[1.0, 1.0]]), tau_pos=1.0, tau_neg=1.05, log_ratio_clamp=20.0)
     assert terms.clipped.tolist() == [[False, True]]
 
 
 def test_sapo_extreme_log_ratios_are_finite():
     lp, old = leaf_logprobs([[50.0, -50.0, 50.0, -50.0]])
-    terms = pl.sapo(lp, old, t([[1.0, 1.0, -1.0, -1.0]]))
+    terms = pl.sapo(lp, old, t([[1.0, 1.0, -1.0, -1.0]]), tau_pos=1.0, tau_neg=1.05, log_ratio_clamp=20.0)
     # r = e^20: the gate saturates at 1 -> loss -4/tau A; r = e^-20: gate sigmoid(-tau) (approximately).
     close(terms.loss[0, :1], [-4.0])
     assert torch.isfinite(terms.loss).all() and torch.isfinite(grad_of_sum(terms.loss, lp)).all()
@@ -227,7 +227,7 @@ def test_cispo_values_and_gradients_by_hand():
     lp = t([[-1.0, -2.0, -0.5]]).requires_grad_(True)
     old = t([[-1.5, -1.9, 0.5]])
     w1 = math.exp(-0.1)
-    terms = pl.cispo(lp, old, t([[2.0, -1.0, 1.0]]), clip_low=0.2, clip_high=0.28)
+    terms = pl.cispo(lp, old, t([[2.0, -1.0, 1.0]]), clip_low=0.2, clip_high=0.28, log_ratio_clamp=20.0)
     close(terms.loss, [[2.56, -2 * w1, 0.4]])
     close(grad_of_sum(terms.loss, lp), [[-2.56, w1, -0.8]])
     close(terms.ratio, [[math.exp(0.5), w1, math.exp(-1.0)]])
@@ -237,7 +237,7 @@ def test_cispo_values_and_gradients_by_hand():
 def test_cispo_extreme_log_ratio_keeps_the_capped_weight():
     lp = t([[-0.5, -0.5]]).requires_grad_(True)
     old = t([[-50.5, 49.5]])  # log r = 50 and -50
-    terms = pl.cispo(lp, old, t([[1.0, 1.0]]), clip_low=1.0, clip_high=4.0)
+    terms = pl.cispo(lp, old, t([[1.0, 1.0]]), clip_low=1.0, clip_high=4.0, log_ratio_clamp=20.0)
     # weight clip(e^20, 0, 5) = 5 and clip(e^-20, 0, 5) = e^-20
     close(grad_of_sum(terms.loss, lp), [[-5.0, -math.exp(-20.0)]])
     assert torch.isfinite(terms.loss).all()
@@ -281,7 +281,7 @@ def test_m2po_loss_is_unclipped_ratio_times_advantage_on_kept_tokens():
     log_r, mask = m2po_case()
     lp, old = leaf_logprobs(log_r)
     a = t([[1.0, 1.0, -2.0, 0.0], [-1.0, 3.0, 1.0, 0.0]])
-    terms = pl.m2po(lp, old, a, mask, tau=0.055)
+    terms = pl.m2po(lp, old, a, mask, tau=0.055, log_ratio_clamp=20.0)
     # kept: (0,0) r=e^0.1, A=1; (0,2) r=e^0.3, A=-2; (1,0) r=e^0.05, A=-1; (1,1) r=e^-0.2, A=3.
     # loss -rA, gradient -rA (no clip even though e^0.3 > 1.2 would be outside PPO's range).
     e = math.exp
@@ -345,11 +345,11 @@ def test_reinforce_loss_and_gradient_are_minus_advantage():
 
 def all_losses(lp, old, a, mask):
     return {
-        "ppo": pl.ppo(lp, old, a, 0.2, 0.28, dual_clip=3.0),
-        "gspo": pl.gspo(lp, old, a, mask, 0.2, 0.2),
-        "sapo": pl.sapo(lp, old, a),
-        "cispo": pl.cispo(lp, old, a, 0.2, 0.28),
-        "m2po": pl.m2po(lp, old, a, mask, tau=0.04),
+        "ppo": pl.ppo(lp, old, a, clip_low=0.2, clip_high=0.28, dual_clip=3.0, log_ratio_clamp=20.0),
+        "gspo": pl.gspo(lp, old, a, mask, clip_low=0.2, clip_high=0.2, log_ratio_clamp=20.0),
+        "sapo": pl.sapo(lp, old, a, tau_pos=1.0, tau_neg=1.05, log_ratio_clamp=20.0),
+        "cispo": pl.cispo(lp, old, a, clip_low=0.2, clip_high=0.28, log_ratio_clamp=20.0),
+        "m2po": pl.m2po(lp, old, a, mask, tau=0.04, log_ratio_clamp=20.0),
         "reinforce": pl.reinforce(lp, a),
     }
 
@@ -398,10 +398,10 @@ def gradcheck_point():
 def test_gradcheck_of_the_losses_without_stop_gradients(name):
     lp, old, a, mask = gradcheck_point()
     fns = {
-        "ppo": lambda x: pl.ppo(x, old, a, 0.2, 0.28).loss,
-        "ppo_dual": lambda x: pl.ppo(x, old, a, 0.2, 0.28, dual_clip=1.5).loss,
-        "sapo": lambda x: pl.sapo(x, old, a, 1.0, 1.05).loss,
-        "m2po": lambda x: pl.m2po(x, old, a, mask, tau=0.04).loss,  # the mask is piecewise constant
+        "ppo": lambda x: pl.ppo(x, old, a, clip_low=0.2, clip_high=0.28, dual_clip=None, log_ratio_clamp=20.0).loss,
+        "ppo_dual": lambda x: pl.ppo(x, old, a, clip_low=0.2, clip_high=0.28, dual_clip=1.5, log_ratio_clamp=20.0).loss,
+        "sapo": lambda x: pl.sapo(x, old, a, tau_pos=1.0, tau_neg=1.05, log_ratio_clamp=20.0).loss,
+        "m2po": lambda x: pl.m2po(x, old, a, mask, tau=0.04, log_ratio_clamp=20.0).loss,  # the mask is piecewise constant
     }
     assert torch.autograd.gradcheck(lambda x: fns[name](x) * mask, (lp,))
 
@@ -415,7 +415,7 @@ def test_gradcheck_of_gspo_aggregated_as_in_the_paper():
     for clip in (0.2, 0.01):  # wide: nothing clipped; narrow: every sequence clipped
         assert torch.autograd.gradcheck(
             lambda x, clip=clip: aggregate(
-                pl.gspo(x, old, a, mask, clip, clip).loss, mask, "seq_mean_token_mean", norm
+                pl.gspo(x, old, a, mask, clip_low=clip, clip_high=clip, log_ratio_clamp=20.0).loss, mask, "seq_mean_token_mean", norm
             ),
             (lp,),
         )
@@ -448,7 +448,7 @@ def test_cispo_gradient_is_that_of_the_frozen_weight_objective():
     lp, old, a, mask = gradcheck_point()
     w0 = torch.exp(lp.detach() - old).clamp(0.8, 1.28)
     expected = numerical_grad(lambda x: (-w0 * a * x * mask).sum(), lp.detach())
-    close(grad_of_sum(pl.cispo(lp, old, a, 0.2, 0.28).loss * mask, lp), expected.tolist(), rel=1e-6, abs=1e-8)
+    close(grad_of_sum(pl.cispo(lp, old, a, clip_low=0.2, clip_high=0.28, log_ratio_clamp=20.0).loss * mask, lp), expected.tolist(), rel=1e-6, abs=1e-8)
 
 
 # -- the critic's clipped value loss ---------------------------------------------------------------
