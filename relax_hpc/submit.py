@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from relax_hpc.config.load import ConfigError, load_config, read_frozen, to_yaml
+from relax_hpc.config.path_options import path_problems
 from relax_hpc.config.schema import RESUMABLE_CHANGES, JobConfig
 from relax_hpc.data.prompts import DatasetError, load_prompts
 from relax_hpc.launch.allocation import AllocationError
@@ -35,22 +36,16 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
 
 
 def check_inputs(cfg: JobConfig) -> None:
-    """Fail before any process starts when an input is unusable."""
-    if not (Path(cfg.model.path) / "config.json").is_file():
-        raise ConfigError(
-            f"model.path: {cfg.model.path} is not an HF model folder (no config.json); "
-            "for the embedded default run `python tools/make_tiny_policy.py --out assets`"
-        )
-    teacher = cfg.algo.teacher.path
-    if cfg.algo.advantage.estimator == "distill" and not (Path(teacher) / "config.json").is_file():
-        raise ConfigError(
-            f"algo.teacher.path: {teacher} is not an HF model folder (no config.json); "
-            "for the embedded default run `python tools/make_teacher.py`"
-        )
-    try:
-        load_prompts(cfg.data.path, cfg.data.prompt_key, cfg.data.answer_key)
-    except DatasetError as e:
-        raise ConfigError(str(e)) from None
+    """Fail before any process starts when an input is unusable: every path option, the dataset's
+    rows."""
+    problems = path_problems(cfg)
+    if not problems:
+        try:
+            load_prompts(cfg.data.path, cfg.data.prompt_key, cfg.data.answer_key)
+        except DatasetError as e:
+            problems.append(str(e))
+    if problems:
+        raise ConfigError("\n".join(problems))
 
 
 def freeze(cfg: JobConfig, paths: RunPaths) -> None:

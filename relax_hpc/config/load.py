@@ -9,11 +9,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from relax_hpc.config.path_options import make_absolute
 from relax_hpc.config.schema import JobConfig
-
-# Options that hold paths: made absolute (against the working directory) when the config is
-# loaded, so every role, whatever its working directory, reads the same files.
-PATH_OPTIONS = ("run.dir", "model.path", "data.path", "algo.teacher.path")
 
 
 class ConfigError(ValueError):
@@ -89,8 +86,9 @@ def validate(tree: dict[str, Any]) -> JobConfig:
 
 
 def load_config(path: str | Path | None, overrides: list[str] = (), base_dir: Path | None = None) -> JobConfig:
-    """Read `path` (or start from the defaults when None), apply overrides, validate, and make the
-    path options absolute against `base_dir` (default: the working directory)."""
+    """Read `path` (or start from the defaults when None), apply overrides, validate (which also
+    resolves the settings that depend on others), and make the path options absolute against
+    `base_dir` (default: the working directory)."""
     tree: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -105,14 +103,7 @@ def load_config(path: str | Path | None, overrides: list[str] = (), base_dir: Pa
     for override in overrides:
         apply_override(tree, override)
     config = validate(tree)
-    base = base_dir or Path.cwd()
-    for dotted in PATH_OPTIONS:
-        *sections, option = dotted.split(".")
-        sub = config
-        for section in sections:
-            sub = getattr(sub, section)
-        if getattr(sub, option) is not None:
-            setattr(sub, option, str((base / getattr(sub, option)).resolve()))
+    make_absolute(config, base_dir or Path.cwd())
     return config
 
 

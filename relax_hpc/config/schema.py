@@ -4,7 +4,8 @@ generated from them by `python -m relax_hpc.config.docs`)."""
 from __future__ import annotations
 
 import re
-from typing import Literal
+from dataclasses import dataclass
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -22,12 +23,25 @@ RESUMABLE_CHANGES = (
 )
 
 
+@dataclass(frozen=True, slots=True)
+class PathOption:
+    """Marks an option that names a file or folder. Everything about path options derives from
+    this mark (relax_hpc.config.path_options): loading makes them absolute, submit checks them,
+    containers bind them.
+
+    kind: `run_dir` (created if missing), `hf_model` (a folder with config.json), `file`, `image`
+    (a container image: checked, never bound). `hint`: what to do when it is missing."""
+
+    kind: Literal["run_dir", "hf_model", "file", "image"]
+    hint: str = ""
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
 
 
 class RunConfig(Section):
-    dir: str = "runs/tiny-grpo"
+    dir: Annotated[str, PathOption("run_dir")] = "runs/tiny-grpo"
     """RUN_DIR: where every role reads and writes (spool, checkpoints, metrics, logs). Running the
     same command again on an existing RUN_DIR resumes the run from its latest checkpoint."""
     seed: int = 0
@@ -35,7 +49,9 @@ class RunConfig(Section):
 
 
 class ModelConfig(Section):
-    path: str = "assets/tiny-qwen3-addition"
+    path: Annotated[
+        str, PathOption("hf_model", "for the embedded default run `python tools/make_tiny_policy.py --out assets`")
+    ] = "assets/tiny-qwen3-addition"
     """An HF model folder (config.json, safetensors, tokenizer files) that both the trainer and
     the engines load."""
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -43,7 +59,7 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    path: str = "assets/addition.jsonl"
+    path: Annotated[str, PathOption("file")] = "assets/addition.jsonl"
     """JSONL prompt dataset, one object per line."""
     prompt_key: str = "prompt"
     """Field of each row that holds the prompt text."""
@@ -205,7 +221,9 @@ class CriticConfig(Section):
 
 
 class TeacherConfig(Section):
-    path: str | None = None
+    path: Annotated[
+        str | None, PathOption("hf_model", "for the embedded default run `python tools/make_teacher.py`")
+    ] = None
     """distill: an HF folder of the teacher, loaded frozen in the trainer (same tokenizer as the policy)."""
 
 
@@ -402,7 +420,7 @@ class LaunchConfig(Section):
     these tiny models slower, not faster."""
     max_wall_s: float = Field(0.0, ge=0)
     """Stop (with a checkpoint) after this many seconds of wall time; 0 = no limit."""
-    container: str | None = None
+    container: Annotated[str | None, PathOption("image", "build it: see containers/README.md")] = None
     """Run every role inside this container image (an Apptainer .sif file, or a charliecloud
     image directory), with RUN_DIR, the model, the data and the working directory bound."""
     container_runtime: Literal["apptainer", "charliecloud"] = "apptainer"

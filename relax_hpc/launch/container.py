@@ -13,26 +13,23 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from relax_hpc.config.path_options import bind_sources
 from relax_hpc.config.schema import JobConfig
-from relax_hpc.paths import RunPaths
 
 
-def bind_paths(cfg: JobConfig, paths: RunPaths) -> list[str]:
-    """Host paths a role needs, deduplicated, as absolute paths (binds need them)."""
-    wanted = [str(paths.root), cfg.model.path, str(Path(cfg.data.path).parent), os.getcwd()]
-    out: list[str] = []
-    for p in wanted:
-        p = str(Path(p).resolve())
-        if p not in out:
-            out.append(p)
-    return out + list(cfg.launch.container_binds)
+def bind_paths(cfg: JobConfig) -> list[str]:
+    """Host paths a role needs: every folder a path option names (RUN_DIR, models, the data's
+    folder), the working directory, then launch.container_binds."""
+    out = bind_sources(cfg)
+    cwd = str(Path.cwd().resolve())
+    return [*out, *([cwd] if cwd not in out else []), *cfg.launch.container_binds]
 
 
-def wrap_in_container(cfg: JobConfig, paths: RunPaths, argv: list[str]) -> list[str]:
+def wrap_in_container(cfg: JobConfig, argv: list[str]) -> list[str]:
     image = cfg.launch.container
     if image is None:
         return argv
-    binds = bind_paths(cfg, paths)
+    binds = bind_paths(cfg)
     if cfg.launch.container_runtime == "apptainer":
         return ["apptainer", "exec", "--nv", "--bind", ",".join(binds), "--pwd", os.getcwd(), image, *argv]
     flags = [f for b in binds for f in ("--bind", b if ":" in b else f"{b}:{b}")]

@@ -119,14 +119,12 @@ def submission_text(executor: HetSlurmExecutor) -> str:
 
 
 def preflight(cfg: JobConfig, paths: RunPaths) -> None:
-    """What can be known before submitting: tools on PATH, the image, RUN_DIR's filesystem, and
-    Slurm's own verdict on the request. Nothing is written before this passes."""
+    """What can be known before submitting, beyond the inputs submit checks for every executor:
+    Slurm's tools on PATH, RUN_DIR's filesystem, and Slurm's own verdict on the request. Nothing is
+    written before this passes."""
     for tool in ("sbatch", "srun", "scontrol", "sacct"):
         if shutil.which(tool) is None:
             raise ConfigError(f"launch.executor=slurm needs Slurm's `{tool}` on PATH (run on a login node, or use executor=local)")
-    image = cfg.launch.container
-    if image is not None and not Path(image).exists():
-        raise ConfigError(f"launch.container: {image} does not exist (build it: see containers/README.md)")
     sl = cfg.launch.slurm
     nodes = sl.trainer.nodes + sl.rollout.nodes
     fstype = filesystem_type(paths.root)

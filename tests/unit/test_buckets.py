@@ -13,7 +13,6 @@ import torch
 
 from relax_hpc.protocol import requests as P
 from relax_hpc.protocol.client import EngineRequestError, RequestPipeline
-from relax_hpc.protocol.registry import EngineRecord
 from relax_hpc.weights.buckets import BucketPacker, BufferRing, pack, plan_buckets, unpack
 from relax_hpc.weights.sender import push
 

@@ -86,3 +86,28 @@ def test_the_teacher_path_resolves_against_the_working_directory(tmp_path):
     cfg = load_config(REPO / "configs" / "tiny-distill.yaml", base_dir=REPO)
     assert cfg.algo.teacher.path == str(REPO / "assets" / "tiny-qwen3-addition-teacher")
     assert load_config(None).algo.teacher.path is None
+
+
+def test_every_path_option_is_checked_at_once_and_the_resolved_values_are_frozen(tmp_path):
+    """Path options come from one declaration: every set one is checked, all problems reported."""
+    cfg = load_config(
+        None,
+        [f"model.path={tmp_path}", f"data.path={tmp_path}/rows.jsonl", f"launch.container={tmp_path}/x.sif"],
+        base_dir=REPO,
+    )
+    with pytest.raises(ConfigError) as caught:
+        check_inputs(cfg)
+    lines = str(caught.value).splitlines()
+    assert [line.split(":")[0] for line in lines] == ["model.path", "data.path", "launch.container"]
+    assert "make_tiny_policy" in lines[0] and "containers/README.md" in lines[2]
+
+
+def test_settings_that_depend_on_others_are_frozen_as_concrete_values(tmp_path):
+    paths = RunPaths(tmp_path / "run")
+    freeze(load_config(None, [f"run.dir={paths.root}", "rollout.max_staleness=0", "rollout.max_new_tokens=9"]), paths)
+    frozen = paths.config.read_text()
+    assert "old_logprobs: recompute" in frozen and "aggregation_constant: 9" in frozen
+    stale = load_config(None, ["rollout.max_staleness=2"])
+    assert stale.algo.off_policy.old_logprobs == "rollout"
+    corrected = load_config(None, ["rollout.max_staleness=2", "algo.off_policy.correction=tis"])
+    assert corrected.algo.off_policy.old_logprobs == "recompute"

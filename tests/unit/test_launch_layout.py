@@ -1,5 +1,7 @@
 """Where each role runs inside an allocation, which GPUs it sees, and how it is wrapped."""
 
+from pathlib import Path
+
 import pytest
 
 from relax_hpc.config import load_config
@@ -131,17 +133,26 @@ def test_gpu_slice_counts_within_the_steps_devices():
 def test_container_wrapping_binds_what_roles_use(tmp_path):
     image = tmp_path / "relax.sif"
     cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", f"launch.container={image}"])
-    argv = wrap_in_container(cfg, RunPaths(tmp_path / "run"), ["python", "-m", "x"])
+    argv = wrap_in_container(cfg, ["python", "-m", "x"])
     assert argv[:4] == ["apptainer", "exec", "--nv", "--bind"]
     binds = argv[4].split(",")
     assert str(tmp_path / "run") in binds and cfg.model.path in binds
+    assert str(Path(cfg.data.path).parent) in binds and str(tmp_path) not in binds  # the image is not bound
     assert argv[-4:] == [str(image), "python", "-m", "x"]
     cfg = load_config(
         None, [f"run.dir={tmp_path / 'run'}", f"launch.container={tmp_path}", "launch.container_runtime=charliecloud"]
     )
-    argv = wrap_in_container(cfg, RunPaths(tmp_path / "run"), ["python", "-m", "x"])
+    argv = wrap_in_container(cfg, ["python", "-m", "x"])
     assert argv[:2] == ["ch-run", "--set-env"] and argv[-5:] == [str(tmp_path), "--", "python", "-m", "x"]
     assert f"{tmp_path / 'run'}:{tmp_path / 'run'}" in argv
+
+
+def test_container_binds_the_teacher_too(tmp_path):
+    """Every path option reaches the bind list: the teacher's folder once was resolved but not bound."""
+    teacher = tmp_path / "teacher"
+    cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", f"algo.teacher.path={teacher}", "launch.container=img.sif"])
+    binds = wrap_in_container(cfg, ["python"])[4].split(",")
+    assert str(teacher) in binds
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,76 @@
+"""Options that name files and folders (marked `PathOption` in the schema), and everything derived
+from the mark: absolute paths at load, existence checks before a job starts, container binds."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from relax_hpc.config.schema import PathOption
+
+
+@dataclass(frozen=True, slots=True)
+class PathField:
+    key: str  # dotted, e.g. model.path
+    owner: BaseModel  # the section that holds it
+    name: str
+    option: PathOption
+
+    @property
+    def value(self) -> str | None:
+        value = getattr(self.owner, self.name)
+        return None if value is None else str(value)
+
+
+def path_fields(section: BaseModel, prefix: str = "") -> Iterator[PathField]:
+    """Every path option of `section` and its subsections, in schema order."""
+    for name, field in type(section).model_fields.items():
+        value = getattr(section, name)
+        if isinstance(value, BaseModel):
+            yield from path_fields(value, f"{prefix}{name}.")
+            continue
+        marks = [m for m in field.metadata if isinstance(m, PathOption)]
+        if marks:
+            yield PathField(f"{prefix}{name}", section, name, marks[0])
+
+
+def make_absolute(config: BaseModel, base: Path) -> None:
+    """Resolve every set path option against `base`, so that every role, whatever its working
+    directory, reads the same files."""
+    for f in path_fields(config):
+        if f.value is not None:
+            setattr(f.owner, f.name, str((base / f.value).resolve()))
+
+
+def path_problems(config: BaseModel) -> list[str]:
+    """What is wrong with the set path options, one message each (empty: all usable)."""
+    problems = []
+    for f in path_fields(config):
+        path = None if f.value is None else Path(f.value)
+        if path is None or f.option.kind == "run_dir":
+            continue
+        hint = f"; {f.option.hint}" if f.option.hint else ""
+        if f.option.kind == "hf_model" and not (path / "config.json").is_file():
+            problems.append(f"{f.key}: {path} is not an HF model folder (no config.json){hint}")
+        elif f.option.kind == "file" and not path.is_file():
+            problems.append(f"{f.key}: {path} does not exist or is not a file{hint}")
+        elif f.option.kind == "image" and not path.exists():
+            problems.append(f"{f.key}: {path} does not exist{hint}")
+    return problems
+
+
+def bind_sources(config: BaseModel) -> list[str]:
+    """Host folders that roles read or write through path options (a file's folder), absolute,
+    without repeats: what a container must bind. Images are run, not bound."""
+    out: list[str] = []
+    for f in path_fields(config):
+        if f.value is None or f.option.kind == "image":
+            continue
+        path = Path(f.value).resolve()
+        folder = str(path.parent if f.option.kind == "file" else path)
+        if folder not in out:
+            out.append(folder)
+    return out
