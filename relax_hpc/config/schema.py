@@ -347,8 +347,9 @@ class CheckpointConfig(Section):
 
 
 class MetricsConfig(Section):
-    progress_every_s: float = Field(1.0, gt=0)
-    """Seconds between progress-line updates (a full line each time when not on a terminal)."""
+    progress_every_s: float = Field(15.0, gt=0)
+    """Seconds between two progress lines when the launcher's output is a file (a Slurm output
+    file, a redirect); on a terminal the line is redrawn in place as it changes."""
 
 
 class SlurmRoleConfig(Section):

@@ -130,7 +130,9 @@ class Supervisor:
         return path
 
     def _supervise(self, roles: dict[str, Role], env: dict[str, str]) -> int:
-        progress = Progress(self.paths.metrics, self.cfg.trainer.total_steps, self.out)
+        progress = Progress(
+            self.paths.metrics, self.cfg.trainer.total_steps, self.out, log_every_s=self.cfg.metrics.progress_every_s
+        )
         engines = [r for n, r in roles.items() if n.startswith("engine")]
         trainer, driver = roles["trainer"], roles["driver"]
         started = time.monotonic()
