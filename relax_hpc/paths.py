@@ -1,4 +1,16 @@
-"""Every path inside RUN_DIR, in one place. Roles never build RUN_DIR paths by hand."""
+"""Every path inside RUN_DIR, in one place. Roles never build RUN_DIR paths by hand.
+
+    RUN_DIR/
+      config.yaml  token                    the frozen config; the run's API key (0600)
+      registry/engines/ID.json              where each engine listens (relax_hpc.protocol.registry)
+      spool/ready|claimed|quarantine|orphaned   sample batches (SpoolDirs, relax_hpc.exchange.spool)
+      weights/version                       the policy version the engines hold, and how many
+      ckpt/step-N  ckpt/latest              checkpoints (CkptDirs, relax_hpc.ckpt)
+      metrics/train|rollout|eval.jsonl      the record of the run
+      logs/RESTART/ROLE.log                 one folder per start of the launcher
+      slurm/                                submitit's folder (submission file, job output), job_id
+      control/stop                          asks the trainer to checkpoint and stop
+"""
 
 from __future__ import annotations
 
@@ -33,12 +45,46 @@ class RunPaths:
         return self.root / "weights"
 
     @property
+    def weights_version(self) -> Path:
+        """`VERSION ENGINES`: the policy version the engines hold (a record for humans and tools)."""
+        return self.weights / "version"
+
+    @property
     def ckpt(self) -> Path:
         return self.root / "ckpt"
 
     @property
     def metrics(self) -> Path:
         return self.root / "metrics"
+
+    @property
+    def train_metrics(self) -> Path:
+        """One record per trainer step, plus `start` and `end` events (the trainer's rank 0)."""
+        return self.metrics / "train.jsonl"
+
+    @property
+    def rollout_metrics(self) -> Path:
+        """One record per published batch (the driver)."""
+        return self.metrics / "rollout.jsonl"
+
+    @property
+    def eval_metrics(self) -> Path:
+        """One record per evaluation of a policy version (the driver)."""
+        return self.metrics / "eval.jsonl"
+
+    @property
+    def logs_root(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def slurm(self) -> Path:
+        """submitit's folder: the submission file, each job's output and result."""
+        return self.root / "slurm"
+
+    @property
+    def slurm_job_id(self) -> Path:
+        """The id of the Slurm job `submit` handed the run to."""
+        return self.slurm / "job_id"
 
     @property
     def control(self) -> Path:
@@ -50,7 +96,11 @@ class RunPaths:
         return self.control / "stop"
 
     def logs(self, restart: int) -> Path:
-        return self.root / "logs" / str(restart)
+        return self.logs_root / str(restart)
+
+    def probe(self, name: str) -> Path:
+        """A file every node of an allocation must be able to read (is RUN_DIR shared?)."""
+        return self.control / f"probe-{name}"
 
     def create(self) -> None:
         """Create RUN_DIR (0700: it holds the run's weight-sync token) and its subfolders."""
@@ -85,3 +135,62 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+@dataclass(frozen=True)
+class SpoolDirs:
+    """The folders of the spool (relax_hpc.exchange.spool has the rules of each)."""
+
+    root: Path
+
+    @property
+    def ready(self) -> Path:
+        return self.root / "ready"
+
+    @property
+    def claimed(self) -> Path:
+        return self.root / "claimed"
+
+    @property
+    def quarantine(self) -> Path:
+        return self.root / "quarantine"
+
+    @property
+    def orphaned(self) -> Path:
+        return self.root / "orphaned"
+
+    def claimed_by(self, step: int) -> Path:
+        return self.claimed / f"step-{step:08d}"
+
+    @staticmethod
+    def step_of(claimed_dir: Path) -> int | None:
+        """The step a claimed/ subfolder belongs to (None: not a step's folder)."""
+        name = claimed_dir.name
+        return int(name[5:]) if name.startswith("step-") and name[5:].isdigit() else None
+
+
+@dataclass(frozen=True)
+class CkptDirs:
+    """The checkpoint folders (relax_hpc.ckpt has the rules: a step's folder counts once complete)."""
+
+    root: Path
+
+    def step(self, step: int) -> Path:
+        return self.root / f"step-{step:08d}"
+
+    def partial(self, step: int) -> Path:
+        """Where a step's checkpoint is written before it is renamed into place."""
+        return self.root / f".step-{step:08d}.tmp"
+
+    @property
+    def latest(self) -> Path:
+        """A symbolic link to the latest complete step folder, moved atomically."""
+        return self.root / "latest"
+
+    @property
+    def latest_partial(self) -> Path:
+        return self.root / ".latest.tmp"
+
+    def steps(self) -> list[Path]:
+        """Every step folder, complete or not, oldest first."""
+        return sorted(self.root.glob("step-*"))

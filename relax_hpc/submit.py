@@ -129,7 +129,7 @@ def submit_to_slurm(cfg: JobConfig, paths: RunPaths, wait: bool) -> int:
     from relax_hpc.launch import submission
 
     job = submission.submit(cfg, paths)
-    write_atomic(paths.root / "slurm" / "job_id", f"{job.job_id}\n".encode())
+    write_atomic(paths.slurm_job_id, f"{job.job_id}\n".encode())
     root = paths.root.resolve()
     print(
         f"submitted job {job.job_id} ({cfg.launch.slurm.job_name})\n"

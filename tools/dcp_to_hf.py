@@ -23,13 +23,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from relax_hpc.ckpt.layout import latest_dir
 from relax_hpc.config.load import read_frozen
-from relax_hpc.paths import RunPaths
+from relax_hpc.paths import CkptDirs, RunPaths
 
 MODEL_PREFIX = "model."  # the torch backend's state is {"model": ..., "optim": ...}
 
 
 def checkpoint_folder(paths: RunPaths, step: int | None) -> Path:
-    folder = latest_dir(paths.ckpt) if step is None else paths.ckpt / f"step-{step:08d}"
+    folder = latest_dir(paths.ckpt) if step is None else CkptDirs(paths.ckpt).step(step)
     if folder is None or not folder.is_dir():
         raise SystemExit(f"no complete checkpoint {'' if step is None else f'for step {step} '}in {paths.ckpt}")
     return folder

@@ -8,11 +8,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+from relax_hpc.paths import CkptDirs
+
 STATE_FILE = "trainer_state.json"
 
 
 def latest_dir(ckpt_root: Path) -> Path | None:
-    link = ckpt_root / "latest"
+    link = CkptDirs(ckpt_root).latest
     if not link.exists():
         return None
     target = ckpt_root / os.readlink(link)

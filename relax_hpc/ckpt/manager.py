@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from relax_hpc.ckpt.layout import STATE_FILE, latest_dir
-from relax_hpc.paths import fsync_dir, write_atomic
+from relax_hpc.paths import CkptDirs, fsync_dir, write_atomic
 
 log = logging.getLogger("relax_hpc.ckpt")
 def _any_rank(flag: bool) -> bool:
@@ -39,14 +39,15 @@ def _any_rank(flag: bool) -> bool:
 class Checkpointer:
     def __init__(self, ckpt_root: Path, keep: int) -> None:
         self.root = ckpt_root
+        self.dirs = CkptDirs(ckpt_root)
         self.keep = keep
         self.rank = dist.get_rank()
 
     def save(self, step: int, write_model: Callable[[Path], None], rank_state: dict, trainer_state: dict) -> bool:
         """Collective. `write_model(folder)` writes the backend's sharded state (a collective
         too). Returns False (and keeps the previous checkpoint) if any rank failed."""
-        name = f"step-{step:08d}"
-        tmp, final = self.root / f".{name}.tmp", self.root / name
+        tmp, final = self.dirs.partial(step), self.dirs.step(step)
+        name = final.name
         if self.rank == 0 and tmp.exists():
             shutil.rmtree(tmp)
         dist.barrier()
@@ -70,10 +71,10 @@ class Checkpointer:
                 if final.exists():
                     shutil.rmtree(final)
                 os.rename(tmp, final)
-                link_tmp = self.root / ".latest.tmp"
+                link_tmp = self.dirs.latest_partial
                 link_tmp.unlink(missing_ok=True)
                 os.symlink(name, link_tmp)
-                os.replace(link_tmp, self.root / "latest")
+                os.replace(link_tmp, self.dirs.latest)
                 fsync_dir(self.root)
                 self._prune()
             except OSError as e:
@@ -96,6 +97,6 @@ class Checkpointer:
         return rank_state, json.loads((target / STATE_FILE).read_text())
 
     def _prune(self) -> None:
-        complete = sorted(p for p in self.root.glob("step-*") if (p / STATE_FILE).is_file())
+        complete = [p for p in self.dirs.steps() if (p / STATE_FILE).is_file()]
         for old in complete[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)

@@ -25,7 +25,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from relax_hpc.paths import fsync_dir, write_atomic
+from relax_hpc.paths import SpoolDirs, fsync_dir, write_atomic
 
 SCHEMA_VERSION = 1
 BATCH_NAME = re.compile(r"^b(\d{9})\.h5$")
@@ -105,11 +105,30 @@ class SampleBatch:
         )
 
 
-def _checksum(arrays: dict[str, np.ndarray]) -> int:
+# The arrays with one entry per sample (offsets: one more); a header read covers these only.
+_PER_SAMPLE = ("offsets", "prompt_lens", "rewards", "group_ids", "policy_version", "prompt_index")
+
+
+def _checksum(arrays: dict[str, np.ndarray], names: tuple[str, ...] | dict[str, type] = _ARRAYS) -> int:
     crc = 0
-    for name in _ARRAYS:
+    for name in names:
         crc = zlib.crc32(np.ascontiguousarray(arrays[name]).tobytes(), crc)
     return crc
+
+
+@dataclass
+class BatchHeader:
+    """What deciding about a batch needs (which samples to train, which are stale) without reading
+    and checksumming its tokens: read by read_header."""
+
+    seq: int
+    group_ids: np.ndarray
+    policy_version: np.ndarray
+    rewards: np.ndarray
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.rewards)
 
 
 def write_batch(path: Path, batch: SampleBatch, writer: str) -> None:
@@ -120,12 +139,13 @@ def write_batch(path: Path, batch: SampleBatch, writer: str) -> None:
             f.create_dataset(name, data=arr)
         f.attrs.update(
             {
+                **batch.attrs,  # first: what the writer computes below wins over a read batch's old values
                 "schema_version": SCHEMA_VERSION,
                 "seq": batch.seq,
                 "writer": writer,
                 "created": time.time(),
                 "checksum": _checksum(arrays),
-                **batch.attrs,
+                "header_checksum": _checksum(arrays, _PER_SAMPLE),
             }
         )
     fd = os.open(path, os.O_RDONLY)
@@ -135,29 +155,54 @@ def write_batch(path: Path, batch: SampleBatch, writer: str) -> None:
         os.close(fd)
 
 
-def read_batch(path: Path) -> SampleBatch:
-    """Read and validate a batch file; any defect raises SpoolFormatError with the reason."""
+def _read(path: Path, names: tuple[str, ...] | dict[str, type]) -> tuple[dict, dict[str, np.ndarray], int]:
+    """(attrs, the named arrays, the length of `tokens`); any defect raises SpoolFormatError."""
     try:
         with h5py.File(path, "r", locking=False) as f:
             attrs = dict(f.attrs)
             missing = [name for name in _ARRAYS if name not in f]
             if missing:
                 raise SpoolFormatError(f"missing datasets {missing}")
-            arrays = {name: np.asarray(f[name][()], dtype=dtype) for name, dtype in _ARRAYS.items()}
+            arrays = {name: np.asarray(f[name][()], dtype=_ARRAYS[name]) for name in names}
+            num_tokens = int(f["tokens"].shape[0])
     except SpoolFormatError:
         raise
     except Exception as e:  # h5py raises OSError, KeyError, ValueError... for damaged files
         raise SpoolFormatError(f"unreadable HDF5 ({type(e).__name__}: {e})") from None
     if attrs.get("schema_version") != SCHEMA_VERSION:
         raise SpoolFormatError(f"schema_version {attrs.get('schema_version')!r}, expected {SCHEMA_VERSION}")
-    if int(attrs.get("checksum", -1)) != _checksum(arrays):
-        raise SpoolFormatError("checksum mismatch (the file was modified or damaged after it was written)")
+    return attrs, arrays, num_tokens
+
+
+def _check_structure(arrays: dict[str, np.ndarray], num_tokens: int) -> None:
     n, offsets = len(arrays["rewards"]), arrays["offsets"]
-    if len(offsets) != n + 1 or offsets[0] != 0 or offsets[-1] != len(arrays["tokens"]) or np.any(np.diff(offsets) <= 0):
+    if len(offsets) != n + 1 or offsets[0] != 0 or offsets[-1] != num_tokens or np.any(np.diff(offsets) <= 0):
         raise SpoolFormatError("offsets do not describe the token array")
     for name in ("prompt_lens", "group_ids", "policy_version", "prompt_index"):
         if len(arrays[name]) != n:
             raise SpoolFormatError(f"{name} has {len(arrays[name])} entries for {n} samples")
+
+
+def read_header(path: Path) -> BatchHeader:
+    """The per-sample arrays of a batch file, checked against their own checksum; the tokens are
+    neither read nor checksummed (read_batch does that, once, where they are trained). A file
+    written before header checksums existed is read and checked whole."""
+    attrs, arrays, num_tokens = _read(path, _PER_SAMPLE)
+    if "header_checksum" not in attrs:
+        batch = read_batch(path)
+        return BatchHeader(batch.seq, batch.group_ids, batch.policy_version, batch.rewards)
+    if int(attrs["header_checksum"]) != _checksum(arrays, _PER_SAMPLE):
+        raise SpoolFormatError("header checksum mismatch (the file was modified or damaged after it was written)")
+    _check_structure(arrays, num_tokens)
+    return BatchHeader(int(attrs["seq"]), arrays["group_ids"], arrays["policy_version"], arrays["rewards"])
+
+
+def read_batch(path: Path) -> SampleBatch:
+    """Read and validate a batch file; any defect raises SpoolFormatError with the reason."""
+    attrs, arrays, num_tokens = _read(path, _ARRAYS)
+    if int(attrs.get("checksum", -1)) != _checksum(arrays):
+        raise SpoolFormatError("checksum mismatch (the file was modified or damaged after it was written)")
+    _check_structure(arrays, num_tokens)
     meta = {k: (v.item() if hasattr(v, "item") else v) for k, v in attrs.items() if k not in ("seq",)}
     return SampleBatch(seq=int(attrs["seq"]), attrs=meta, **arrays)
 
@@ -166,11 +211,12 @@ class Spool:
     """The spool directory of one run. Only the trainer's rank 0 claims; only the driver publishes."""
 
     def __init__(self, root: Path) -> None:
+        self.dirs = SpoolDirs(root)
         self.root = root
-        self.ready = root / "ready"
-        self.claimed = root / "claimed"
-        self.quarantine_dir = root / "quarantine"
-        self.orphaned = root / "orphaned"
+        self.ready = self.dirs.ready
+        self.claimed = self.dirs.claimed
+        self.quarantine_dir = self.dirs.quarantine
+        self.orphaned = self.dirs.orphaned
         for d in (self.ready, self.claimed, self.quarantine_dir, self.orphaned):
             d.mkdir(parents=True, exist_ok=True)
 
@@ -208,7 +254,7 @@ class Spool:
         return sorted(batches)
 
     def claim(self, path: Path, step: int) -> Path:
-        step_dir = self.claimed / f"step-{step:08d}"
+        step_dir = self.dirs.claimed_by(step)
         step_dir.mkdir(exist_ok=True)
         target = step_dir / path.name
         os.rename(path, target)
@@ -230,7 +276,8 @@ class Spool:
         """Return batches claimed by steps >= from_step (not in the checkpoint) to ready/."""
         returned = 0
         for step_dir in sorted(self.claimed.iterdir()):
-            if not step_dir.name.startswith("step-") or int(step_dir.name[5:]) < from_step:
+            step = SpoolDirs.step_of(step_dir)
+            if step is None or step < from_step:
                 continue
             for path in step_dir.iterdir():
                 if BATCH_NAME.match(path.name):
@@ -248,7 +295,7 @@ class Spool:
         moved = 0
         for path in self.list_ready():
             try:
-                newest = int(read_batch(path).policy_version.max())
+                newest = int(read_header(path).policy_version.max())
             except SpoolFormatError as e:
                 self.quarantine(path, str(e))
                 continue

@@ -40,7 +40,7 @@ def check_shared_run_dir(paths: RunPaths, alloc: Allocation) -> None:
     nodes = [n for group in alloc.groups for n in group]
     if len(nodes) < 2:
         return
-    probe = paths.control / f"probe-{uuid.uuid4().hex}"
+    probe = paths.probe(uuid.uuid4().hex)
     probe.write_text(f"{alloc.job_id}\n")
     try:
         for g, group in enumerate(alloc.groups):

@@ -94,7 +94,7 @@ def make_executor(cfg: JobConfig, paths: RunPaths) -> HetSlurmExecutor:
             gpus_per_node=max(sl.trainer.gpus_per_node + (0 if sl.rollout.nodes else sl.rollout.gpus_per_node), sl.rollout.gpus_per_node),
         )
         first, components = _role_options(both, cfg, with_role_overrides=False), []
-    executor = HetSlurmExecutor(paths.root / "slurm", components, sl.max_timeouts)
+    executor = HetSlurmExecutor(paths.slurm, components, sl.max_timeouts)
     executor.update_parameters(
         job_name=sl.job_name,
         time=sl.time_min,

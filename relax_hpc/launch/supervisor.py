@@ -122,7 +122,7 @@ class Supervisor:
             self._stop_all(roles.values())
 
     def _next_log_dir(self) -> Path:
-        root = self.paths.root / "logs"
+        root = self.paths.logs_root
         root.mkdir(exist_ok=True)
         restart = len([p for p in root.iterdir() if p.name.isdigit()])
         path = self.paths.logs(restart)
@@ -131,7 +131,7 @@ class Supervisor:
 
     def _supervise(self, roles: dict[str, Role], env: dict[str, str]) -> int:
         progress = Progress(
-            self.paths.metrics, self.cfg.trainer.total_steps, self.out, log_every_s=self.cfg.metrics.progress_every_s
+            self.paths, self.cfg.trainer.total_steps, self.out, log_every_s=self.cfg.metrics.progress_every_s
         )
         engines = [r for n, r in roles.items() if n.startswith("engine")]
         trainer, driver = roles["trainer"], roles["driver"]
@@ -187,7 +187,7 @@ class Supervisor:
 
     def _training_completed(self) -> bool:
         """The trainer's own verdict: its last record says whether it reached total_steps."""
-        ends = [r for r in read_jsonl(self.paths.metrics / "train.jsonl") if r.get("event") == "end"]
+        ends = [r for r in read_jsonl(self.paths.train_metrics) if r.get("event") == "end"]
         return bool(ends and ends[-1]["completed"])
 
     def _stop_all(self, roles) -> None:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 import time
 from collections import deque
-from pathlib import Path
 from typing import TextIO
 
 from relax_hpc.metrics.jsonl import JsonlFollower
+from relax_hpc.paths import RunPaths
 
 
 class Progress:
@@ -18,9 +17,9 @@ class Progress:
     line is printed every `log_every_s` seconds.
     """
 
-    def __init__(self, metrics_dir: Path, total_steps: int, out: TextIO = sys.stdout, log_every_s: float = 15.0):
-        self.train = JsonlFollower(metrics_dir / "train.jsonl")
-        self.evals = JsonlFollower(metrics_dir / "eval.jsonl")
+    def __init__(self, paths: RunPaths, total_steps: int, out: TextIO, log_every_s: float):
+        self.train = JsonlFollower(paths.train_metrics)
+        self.evals = JsonlFollower(paths.eval_metrics)
         self.total = total_steps
         self.out = out
         self.tty = out.isatty()

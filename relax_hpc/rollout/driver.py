@@ -87,8 +87,8 @@ class Driver:
         self.plan = BatchPlan(cfg, self.rows)
         self.spool = Spool(paths.spool)
         self.pool = EnginePool(paths, self.ro.request_timeout_s)
-        self.metrics = JsonlWriter(paths.metrics / "rollout.jsonl")
-        self.evals = JsonlWriter(paths.metrics / "eval.jsonl")
+        self.metrics = JsonlWriter(paths.rollout_metrics)
+        self.evals = JsonlWriter(paths.eval_metrics)
         self.threads = ThreadPoolExecutor(max_workers=16, thread_name_prefix="generate")
         self.stopping = False
         self.reissued = 0

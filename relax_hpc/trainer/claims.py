@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
+import torch
+import torch.distributed as dist
 
-from relax_hpc.exchange.spool import SampleBatch, Spool, SpoolFormatError, read_batch
+from relax_hpc.exchange.spool import BatchHeader, SampleBatch, Spool, SpoolFormatError, read_batch, read_header
 
 log = logging.getLogger("relax_hpc.trainer")
 
@@ -28,7 +31,7 @@ class Claim:
     quarantined: int = 0
 
 
-def fresh_samples(batch: SampleBatch, version: int, max_staleness: int) -> tuple[list[int], list[int]]:
+def fresh_samples(batch: BatchHeader, version: int, max_staleness: int) -> tuple[list[int], list[int]]:
     """(trainable, stale) sample indices, deciding per group. Raises on samples from the future."""
     newest = int(batch.policy_version.max())
     if newest > version:
@@ -45,7 +48,7 @@ def claim_next(spool: Spool, step: int, version: int, max_staleness: int) -> Cla
     claim = Claim()
     for path in spool.list_ready():
         try:
-            batch = read_batch(path)
+            batch = read_header(path)  # the tokens are read (and checked) once, where they are trained
             trainable, stale = fresh_samples(batch, version, max_staleness)
         except SpoolFormatError as e:
             spool.quarantine(path, str(e))
@@ -62,3 +65,25 @@ def claim_next(spool: Spool, step: int, version: int, max_staleness: int) -> Cla
     if claim.trained_file is None:
         return claim if claim.files or claim.quarantined else None
     return claim
+
+
+def read_claimed(path: Path, spool: Spool | None, step_claims: list[str]) -> SampleBatch | None:
+    """Collective over the trainer's ranks: every rank reads a claimed batch whole (checksummed:
+    claim_next read only its header). If any rank cannot, every rank gets None, and rank 0 (the
+    one given the spool) moves the file to quarantine, drops its manifest and its name from the
+    step's claims."""
+    try:
+        batch, error = read_batch(path), ""
+    except SpoolFormatError as e:
+        batch, error = None, str(e)
+    everywhere = torch.tensor([int(batch is not None)])
+    dist.all_reduce(everywhere, op=dist.ReduceOp.MIN)
+    if everywhere.item():
+        return batch
+    if spool is not None:
+        reason = error or "unreadable on another trainer rank"
+        spool.quarantine(path, reason)
+        path.with_name(path.name + ".json").unlink(missing_ok=True)  # its manifest: it trained nothing
+        step_claims.remove(path.name)
+        log.warning("quarantined %s after its claim: %s", path.name, reason)
+    return None

@@ -27,12 +27,12 @@ import torch.distributed as dist
 from relax_hpc.algos.stats import Stats
 from relax_hpc.ckpt.manager import Checkpointer
 from relax_hpc.config.schema import JobConfig
-from relax_hpc.exchange.spool import Spool, read_batch
+from relax_hpc.exchange.spool import Spool
 from relax_hpc.metrics.jsonl import JsonlWriter
 from relax_hpc.paths import RunPaths, write_atomic
 from relax_hpc.trainer.batching import share_of
 from relax_hpc.trainer.build import build_backend
-from relax_hpc.trainer.claims import claim_next
+from relax_hpc.trainer.claims import claim_next, read_claimed
 from relax_hpc.weights.buckets import plan_buckets
 from relax_hpc.weights.sender import WeightSender, WeightSyncError, push
 
@@ -109,7 +109,7 @@ class Trainer:
             backend = cfg.weights.backend if cfg.weights.backend != "auto" else auto
             self.sender = WeightSender(paths.engines, paths.read_token(), backend, cfg.weights.timeout_s)
             self.spool = Spool(paths.spool)
-            self.metrics = JsonlWriter(paths.metrics / "train.jsonl")
+            self.metrics = JsonlWriter(paths.train_metrics)
         else:
             self.sender = None
 
@@ -179,11 +179,17 @@ class Trainer:
 
     def announce_version(self, engines: int) -> None:
         """Announce the delivered version in RUN_DIR/weights (a record for humans and tools)."""
-        write_atomic(self.paths.weights / "version", f"{self.state.version} {engines}\n".encode())
+        write_atomic(self.paths.weights_version, f"{self.state.version} {engines}\n".encode())
 
-    def train(self, command: dict, started: float) -> None:
+    def train(self, command: dict, started: float) -> bool:
+        """Train one claimed batch, push the new weights, log the step; False if the batch could
+        not be read (it is quarantined and the step is not taken)."""
         t0 = time.monotonic()
-        batch = read_batch(Path(command["path"]))
+        step_claims = self.state.claims.get(str(self.state.step), [])
+        batch = read_claimed(Path(command["path"]), self.spool if self.rank == 0 else None, step_claims)
+        if batch is None:
+            self.state.quarantined_files += 1
+            return False
         b = self.backend
         batch, stats = share_of(batch, command["trained"], b.data_rank, b.data_world, self.pad_id)
         result = self.backend.train_step(batch, self.state.step)
@@ -217,6 +223,7 @@ class Trainer:
                     "sync_seconds": time.monotonic() - t1,
                 }
             )
+        return True
 
     def log_start(self) -> None:
         """One record per start: where the run resumed, and which Slurm job and restart this is."""
@@ -244,8 +251,7 @@ class Trainer:
             elif kind == "wait":
                 time.sleep(wait_s)
                 wait_s = min(wait_s * 1.5, 0.5)  # back off: the spool may live on NFS
-            elif kind == "train":
-                self.train(command, step_started)
+            elif kind == "train" and self.train(command, step_started):
                 step_started, wait_s = time.monotonic(), 0.05
                 if self.state.step % self.cfg.ckpt.every_steps == 0 and self.state.step < total:
                     self.save()

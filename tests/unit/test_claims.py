@@ -1,9 +1,13 @@
 """Staleness: which samples a trainer step may use, decided per prompt group."""
 
+from pathlib import Path
+
+import h5py
 import pytest
+import torch.distributed as dist
 
 from relax_hpc.exchange.spool import Spool, SpoolFormatError
-from relax_hpc.trainer.claims import claim_next, fresh_samples
+from relax_hpc.trainer.claims import claim_next, fresh_samples, read_claimed
 from tests.unit.test_spool import make_batch
 
 
@@ -33,3 +37,25 @@ def test_claim_skips_stale_and_corrupt_batches_and_records_them(tmp_path):
     assert claim.files[0]["stale"] == [0, 1, 2, 3] and claim.files[0]["trained"] == []
     assert (spool.claimed / "step-00000004" / "b000000000.h5.json").exists()
     assert claim_next(spool, step=5, version=5, max_staleness=1) is None
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_batch_damaged_after_its_claim_is_quarantined_not_trained(tmp_path, one_rank):
+    """The claim reads headers only; the full read where the batch is trained catches the rest."""
+    spool = Spool(tmp_path / "spool")
+    spool.publish(make_batch(0, version=0), writer="t")
+    claim = claim_next(spool, step=0, version=0, max_staleness=0)
+    path = Path(claim.trained_file)
+    claims = {"0": [f["name"] for f in claim.files]}
+    assert read_claimed(path, spool, claims["0"]).seq == 0  # intact: read whole
+    with h5py.File(path, "r+") as f:
+        f["tokens"][0] = 99
+    assert read_claimed(path, spool, claims["0"]) is None
+    assert claims == {"0": []} and not path.exists() and not path.with_name(path.name + ".json").exists()
+    assert "checksum" in (spool.quarantine_dir / "b000000000.h5.reason").read_text()

@@ -36,7 +36,7 @@ def _aliases(source: str, section: str, cls: str) -> set[str]:
     """Names a section is bound to: `ro` in `ro = cfg.rollout` or `sl, x = cfg.launch.slurm, ...`,
     and parameters of its class (`role: SlurmRoleConfig`)."""
     names = {section} | set(re.findall(rf"(\w+): {cls}\b", source))
-    for match in re.finditer(rf"^\s*([\w, ]+?)\s*=\s*([^\n]+)$", source, re.M):
+    for match in re.finditer(r"^\s*([\w, ]+?)\s*=\s*([^\n]+)$", source, re.M):
         targets = [t.strip() for t in match[1].split(",")]
         values = [v.strip() for v in match[2].split(",")]
         for target, value in zip(targets, values, strict=False):

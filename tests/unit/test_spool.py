@@ -6,7 +6,7 @@ import h5py
 import numpy as np
 import pytest
 
-from relax_hpc.exchange.spool import SampleBatch, Spool, SpoolFormatError, read_batch
+from relax_hpc.exchange.spool import SampleBatch, Spool, SpoolFormatError, read_batch, read_header
 
 
 def make_batch(seq: int, version: int = 0, n_groups: int = 2, group_size: int = 2) -> SampleBatch:
@@ -55,6 +55,33 @@ def test_modified_data_fails_the_checksum(tmp_path):
         f["rewards"][0] = 7.0
     with pytest.raises(SpoolFormatError, match="checksum"):
         read_batch(path)
+
+
+def test_a_header_read_checks_the_per_sample_arrays_and_leaves_the_tokens_to_the_full_read(tmp_path):
+    path = Spool(tmp_path).publish(make_batch(5, version=3), writer="test")
+    header = read_header(path)
+    assert header.seq == 5 and header.num_samples == 4 and header.policy_version.tolist() == [3] * 4
+    with h5py.File(path, "r+") as f:
+        f["tokens"][0] = 99  # damage the tokens only: the header read cannot see it, the full read can
+    assert read_header(path).seq == 5
+    with pytest.raises(SpoolFormatError, match="checksum"):
+        read_batch(path)
+    with h5py.File(path, "r+") as f:
+        f["policy_version"][0] = 0
+    with pytest.raises(SpoolFormatError, match="header checksum"):
+        read_header(path)
+
+
+def test_a_file_without_a_header_checksum_is_read_whole(tmp_path):
+    """Files written before header checksums existed are still judged, by the full read."""
+    path = Spool(tmp_path).publish(make_batch(1), writer="test")
+    with h5py.File(path, "r+") as f:
+        del f.attrs["header_checksum"]
+    assert read_header(path).seq == 1
+    with h5py.File(path, "r+") as f:
+        f["tokens"][0] = 99
+    with pytest.raises(SpoolFormatError, match="checksum"):
+        read_header(path)
 
 
 def test_foreign_files_are_quarantined_with_a_reason(tmp_path):

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from relax_hpc.metrics.jsonl import read_jsonl
+from relax_hpc.paths import RunPaths
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -31,7 +32,7 @@ def run(run_dir: Path, steps: int, staleness: int) -> dict:
     start = time.perf_counter()
     subprocess.run(argv, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - start
-    records = [r for r in read_jsonl(run_dir / "metrics" / "train.jsonl") if "loss" in r]
+    records = [r for r in read_jsonl(RunPaths(run_dir).train_metrics) if "loss" in r]
     span = records[-1]["time"] - records[0]["time"]
     return {
         "job_wall_s": round(wall, 1),

@@ -33,6 +33,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+from relax_hpc.paths import RunPaths
 from tests.slurm.jobs import job_id, slurm, submit, train_events, wait_until
 
 STAMP = re.compile(r"submitit \w+ \((\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\) - (.*)")
@@ -54,7 +55,7 @@ def steps_after(run_dir: Path, t: float) -> list[dict]:
 def _records(run_dir: Path) -> list[dict]:
     from relax_hpc.metrics.jsonl import read_jsonl
 
-    return read_jsonl(run_dir / "metrics" / "train.jsonl")
+    return read_jsonl(RunPaths(run_dir).train_metrics)
 
 
 def relax_cycles(work: Path, cycles: int) -> list[dict]:
