@@ -22,6 +22,8 @@ from relax_hpc.config.path_options import path_problems
 from relax_hpc.config.schema import RESUMABLE_CHANGES, JobConfig
 from relax_hpc.data.prompts import DatasetError, load_prompts
 from relax_hpc.launch.allocation import AllocationError
+from relax_hpc.launch.gpus import span, visible_gpu_count
+from relax_hpc.models.arch import check_megatron_job
 from relax_hpc.paths import RunPaths, write_atomic
 
 
@@ -35,17 +37,46 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
     return out
 
 
-def check_inputs(cfg: JobConfig) -> None:
-    """Fail before any process starts when an input is unusable: every path option, the dataset's
-    rows."""
+def check_inputs(cfg: JobConfig, in_allocation: bool = False) -> None:
+    """Fail before any process starts (and before anything is queued) when an input is unusable:
+    every path option, the dataset's rows, and what the trainer backend needs of the model and
+    the machines."""
     problems = path_problems(cfg)
     if not problems:
         try:
             load_prompts(cfg.data.path, cfg.data.prompt_key, cfg.data.answer_key)
         except DatasetError as e:
             problems.append(str(e))
+        if cfg.trainer.backend == "megatron":
+            problems += check_megatron_job(cfg.model.path, cfg.trainer.megatron)
+            problems += megatron_gpu_problems(cfg, in_allocation)
     if problems:
         raise ConfigError("\n".join(problems))
+
+
+def megatron_gpu_problems(cfg: JobConfig, in_allocation: bool) -> list[str]:
+    """The megatron backend runs one rank per GPU: are there that many where the trainer will run?"""
+    ranks = cfg.trainer.num_ranks
+    if cfg.launch.executor == "slurm" or in_allocation:
+        role = cfg.launch.slurm.trainer
+        if role.gpus_per_node * role.nodes < ranks:
+            return [
+                f"trainer.backend=megatron runs one rank per GPU: launch.slurm.trainer.gpus_per_node "
+                f"({role.gpus_per_node}) x launch.slurm.trainer.nodes ({role.nodes}) is less than "
+                f"trainer.num_ranks ({ranks})"
+            ]
+        return []
+    if cfg.launch.container:
+        return []  # the image's view of the GPUs is not this process's
+    visible = visible_gpu_count()
+    usable = span(cfg.launch.local_trainer_gpus) if cfg.launch.local_trainer_gpus else visible
+    if min(usable, visible) < ranks:
+        return [
+            f"trainer.backend=megatron runs one rank per GPU: this machine shows {visible} GPU(s) "
+            f"(launch.local_trainer_gpus: {cfg.launch.local_trainer_gpus or 'all'}) for trainer.num_ranks={ranks}; "
+            "use trainer.backend=torch here, or fewer ranks"
+        ]
+    return []
 
 
 def freeze(cfg: JobConfig, paths: RunPaths) -> None:
@@ -81,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         cfg = load_config(args.config, args.overrides)
-        check_inputs(cfg)
+        check_inputs(cfg, args.in_allocation)
         paths = RunPaths(Path(cfg.run.dir))
         slurm = cfg.launch.executor == "slurm" and not args.in_allocation
         if slurm:

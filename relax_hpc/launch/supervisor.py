@@ -170,11 +170,15 @@ class Supervisor:
                 return EXIT_STOPPED
             if trainer.alive():
                 continue
-            if trainer.proc.returncode != 0:
+            if trainer.proc.returncode != 0 and progress.trainer_end is None:
                 progress.finish()
                 self.out.write(f"\ntrainer failed (exit {trainer.proc.returncode}); last lines of "
                                f"{trainer.log_path}:\n{trainer.log_tail()}\n")
                 return EXIT_FAILED
+            if trainer.proc.returncode != 0 and trainer_done_at is None:
+                # Its end record comes after its last checkpoint: a fault in the teardown that
+                # follows (gloo's threads at exit) loses nothing.
+                log.warning("trainer exited with %s after its end record; its state is complete", trainer.proc.returncode)
             trainer_done_at = trainer_done_at or time.monotonic()
             completed = self._training_completed()
             # Training is over: give the driver time for its final evaluation, then stop.

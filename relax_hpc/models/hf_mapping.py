@@ -46,7 +46,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from safetensors import safe_open
 
-from relax_hpc.models.megatron import Arch, arch_of, padded_vocab_size
+from relax_hpc.models.arch import Arch, arch_of, padded_vocab_size
 
 HF_EMBED = "model.embed_tokens.weight"
 HF_NORM = "model.norm.weight"

@@ -2,11 +2,15 @@
 
 from pathlib import Path
 
+import subprocess
+import sys
+
 import pytest
 
 from relax_hpc.config import ConfigError, load_config
 from relax_hpc.config.load import read_frozen, to_yaml
 from relax_hpc.paths import RunPaths
+from relax_hpc.launch.gpus import visible_gpu_count
 from relax_hpc.submit import check_inputs, freeze
 
 REPO = Path(__file__).resolve().parents[2]
@@ -18,6 +22,11 @@ def test_every_shipped_config_validates_and_its_inputs_exist(path):
     if cfg.model.path.startswith("/shared/"):
         # A GPU-cluster recipe: its model and data are placeholders the user edits.
         assert cfg.launch.executor == "slurm" and cfg.data.path.startswith("/shared/")
+        return
+    if cfg.trainer.backend == "megatron" and visible_gpu_count() < cfg.trainer.num_ranks:
+        # A GPU recipe on a machine without enough GPUs: that must be its only problem.
+        with pytest.raises(ConfigError, match=r"^trainer.backend=megatron runs one rank per GPU[^\n]*$"):
+            check_inputs(cfg)
         return
     check_inputs(cfg)
 
@@ -111,3 +120,39 @@ def test_settings_that_depend_on_others_are_frozen_as_concrete_values(tmp_path):
     assert stale.algo.off_policy.old_logprobs == "rollout"
     corrected = load_config(None, ["rollout.max_staleness=2", "algo.off_policy.correction=tis"])
     assert corrected.algo.off_policy.old_logprobs == "recompute"
+
+
+def test_megatron_jobs_are_checked_at_submit_without_megatron_or_torch(tmp_path):
+    """What needs only config.json and the config fails before anything is queued, keys named in
+    full; the check imports neither megatron-core nor torch (a login node may have neither)."""
+    script = f"""
+import os, sys
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+from relax_hpc.config import ConfigError, load_config
+from relax_hpc.submit import check_inputs
+def problems(*overrides):
+    try:
+        check_inputs(load_config(None, ["trainer.backend=megatron", *overrides]))
+    except ConfigError as e:
+        return str(e).replace("\\n", " | ")
+    return ""
+print(problems("trainer.megatron.tensor_parallel=8", "trainer.num_ranks=8"))
+print(problems("trainer.megatron.pipeline_parallel=4", "trainer.num_ranks=4", "trainer.megatron.attention=sdpa"))
+print(problems("launch.executor=slurm"))
+print("megatron" in sys.modules, "torch" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True)
+    tp, pp, slurm, imported = out.stdout.strip().split("\n")[-4:]
+    assert "trainer.megatron.tensor_parallel=8 must divide num_attention_heads=4" in tp
+    assert "this machine shows 0 GPU(s)" in tp
+    assert "trainer.megatron.pipeline_parallel=4 must divide the model's num_hidden_layers=2" in pp
+    assert "launch.slurm.trainer.gpus_per_node (0) x launch.slurm.trainer.nodes (1)" in slurm
+    assert imported == "False False"
+
+
+def test_visible_gpus_are_counted_without_torch():
+    from relax_hpc.launch.gpus import visible_gpu_count
+
+    assert visible_gpu_count({"CUDA_VISIBLE_DEVICES": "2,3"}) == 2
+    assert visible_gpu_count({"CUDA_VISIBLE_DEVICES": ""}) == 0
+    assert visible_gpu_count({"CUDA_VISIBLE_DEVICES": "-1"}) == 0

@@ -35,9 +35,9 @@ from relax_hpc.models.hf_mapping import (
     rank_experts,
     stage_layers,
 )
+from relax_hpc.models.arch import arch_of
 from relax_hpc.models.megatron import (
     SDPAttention,
-    arch_of,
     build_model,
     layer_spec,
     packed_seq_params,

@@ -1,0 +1,172 @@
+"""What the megatron backend needs to know of an HF model, from its config alone: the facts the
+megatron model and the weight mapping depend on (`Arch`), and whether the job's parallel layout
+fits them. Imports neither torch nor megatron-core, so that submit runs these checks before
+anything is queued, on a login node without GPUs.
+
+Architectures outside what the mapping reproduces exactly (sliding-window layers, RoPE scaling,
+Qwen3 attention biases, MoE models with dense layers) are refused with the reason, never
+approximated.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from relax_hpc.config.schema import MegatronConfig
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe")
+
+
+@dataclass(frozen=True)
+class Arch:
+    """The facts of an HF config that the megatron model and the weight mapping depend on."""
+
+    model_type: str
+    num_layers: int
+    hidden: int
+    heads: int
+    groups: int  # key/value heads (megatron: query groups)
+    head_dim: int
+    ffn: int  # dense MLP intermediate size
+    vocab: int
+    tied: bool
+    qkv_bias: bool  # Qwen2: q/k/v projections have biases, o_proj has none
+    qk_norm: bool  # Qwen3: RMSNorm over each head of q and k
+    num_experts: int  # 0: dense
+    moe_ffn: int
+    topk: int
+    norm_topk: bool
+    rope_theta: float
+    norm_eps: float
+    max_positions: int
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
+
+
+def arch_of(hf_config: Any) -> Arch:
+    """Read and validate an HF config; raise ValueError for anything this module cannot reproduce."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"megatron backend: unsupported architecture model_type={model_type!r}; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    if hf_config.hidden_act != "silu":
+        raise ValueError(f"megatron backend: hidden_act={hf_config.hidden_act!r} is not supported (SwiGLU/silu only)")
+    _refuse_sliding_window(hf_config)
+    if model_type != "qwen2" and getattr(hf_config, "attention_bias", False):
+        raise ValueError("megatron backend: attention_bias=True (biases on q/k/v/o) is not supported")
+    heads = hf_config.num_attention_heads
+    num_experts = _num_experts(hf_config)
+    return Arch(
+        model_type=model_type,
+        num_layers=hf_config.num_hidden_layers,
+        hidden=hf_config.hidden_size,
+        heads=heads,
+        groups=getattr(hf_config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+        ffn=hf_config.intermediate_size,
+        vocab=hf_config.vocab_size,
+        tied=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        qkv_bias=model_type == "qwen2",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        num_experts=num_experts,
+        moe_ffn=hf_config.moe_intermediate_size if num_experts else 0,
+        topk=hf_config.num_experts_per_tok if num_experts else 0,
+        norm_topk=bool(getattr(hf_config, "norm_topk_prob", False)),
+        rope_theta=_rope_theta(hf_config),
+        norm_eps=hf_config.rms_norm_eps,
+        max_positions=hf_config.max_position_embeddings,
+    )
+
+
+def _refuse_sliding_window(hf_config: Any) -> None:
+    layer_types = getattr(hf_config, "layer_types", None) or []
+    if getattr(hf_config, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
+        raise ValueError("megatron backend: sliding-window attention layers are not supported")
+
+
+def _num_experts(hf_config: Any) -> int:
+    if hf_config.model_type != "qwen3_moe":
+        return 0
+    # megatron's MoE spec here makes every layer an MoE layer; a mixed model would load wrongly.
+    if getattr(hf_config, "decoder_sparse_step", 1) != 1 or getattr(hf_config, "mlp_only_layers", None):
+        raise ValueError(
+            "megatron backend: Qwen3-MoE with dense layers (decoder_sparse_step != 1 or mlp_only_layers) "
+            "is not supported; every layer must be an MoE layer"
+        )
+    return hf_config.num_experts
+
+
+def _rope_theta(hf_config: Any) -> float:
+    """RoPE base; transformers 5 keeps it in rope_parameters, older configs in rope_theta."""
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"megatron backend: RoPE scaling type {rope_type!r} is not implemented (default RoPE only)")
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    if theta is None:
+        raise ValueError("megatron backend: the HF config has no rope_theta")
+    return float(theta)
+
+
+def use_transformer_engine(attention: str) -> bool:
+    """`te`: required; `auto`: when transformer_engine is importable; `sdpa`: never."""
+    available = importlib.util.find_spec("transformer_engine") is not None
+    if attention == "te" and not available:
+        raise ValueError("trainer.megatron.attention=te but transformer_engine is not installed")
+    return attention == "te" or (attention == "auto" and available)
+
+
+def padded_vocab_size(vocab: int, tensor_parallel: int) -> int:
+    """The embedding/output rows: the HF vocabulary, padded only as far as TP divisibility needs.
+    Logits of the padded rows (zero weights) are not tokens: the backend drops them."""
+    return math.ceil(vocab / tensor_parallel) * tensor_parallel
+
+
+def megatron_problems(arch: Arch, par: MegatronConfig, te: bool) -> list[str]:
+    """What keeps the job's parallel layout from fitting the model, one message each."""
+    problems = []
+    tp = par.tensor_parallel
+    if arch.heads % tp or arch.groups % tp:
+        # A TP rank must hold whole query groups (q heads with their k/v head) for the mapping.
+        problems.append(
+            f"trainer.megatron.tensor_parallel={tp} must divide num_attention_heads={arch.heads} "
+            f"and num_key_value_heads={arch.groups} of the model"
+        )
+    if arch.num_layers % par.pipeline_parallel:
+        problems.append(
+            f"trainer.megatron.pipeline_parallel={par.pipeline_parallel} must divide the model's "
+            f"num_hidden_layers={arch.num_layers}"
+        )
+    if par.context_parallel > 1 and not te:
+        problems.append("trainer.megatron.context_parallel > 1 needs Transformer Engine attention")
+    if arch.moe and arch.num_experts % par.expert_parallel:
+        problems.append(
+            f"trainer.megatron.expert_parallel={par.expert_parallel} must divide num_experts={arch.num_experts}"
+        )
+    if not arch.moe and par.expert_parallel > 1:
+        problems.append("trainer.megatron.expert_parallel > 1 needs an MoE model")
+    return problems
+
+
+def check_megatron_job(model_dir: str, par: MegatronConfig) -> list[str]:
+    """The checks of a megatron job that need only the model's config.json (what submit runs)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        return [f"model.path: cannot read {model_dir}/config.json ({e})"]
+    try:
+        arch = arch_of(SimpleNamespace(**config))
+        te = use_transformer_engine(par.attention)
+    except (ValueError, AttributeError) as e:
+        return [f"trainer.backend=megatron: {e}"]
+    return megatron_problems(arch, par, te)
