@@ -1,15 +1,15 @@
 """Every path inside RUN_DIR, in one place. Roles never build RUN_DIR paths by hand.
 
-    RUN_DIR/
-      config.yaml  token                    the frozen config; the run's API key (0600)
-      registry/engines/ID.json              where each engine listens (relax_hpc.protocol.registry)
-      spool/ready|claimed|quarantine|orphaned   sample batches (SpoolDirs, relax_hpc.exchange.spool)
-      weights/version                       the policy version the engines hold, and how many
-      ckpt/step-N  ckpt/latest              checkpoints (CkptDirs, relax_hpc.ckpt)
-      metrics/train|rollout|eval.jsonl      the record of the run
-      logs/RESTART/ROLE.log                 one folder per start of the launcher
-      slurm/                                submitit's folder (submission file, job output), job_id
-      control/stop                          asks the trainer to checkpoint and stop
+RUN_DIR/
+  config.yaml  token                    the frozen config; the run's API key (0600)
+  registry/engines/ID.json              where each engine listens (relax_hpc.protocol.registry)
+  spool/ready|claimed|quarantine|orphaned   sample batches (SpoolDirs, relax_hpc.exchange.spool)
+  weights/version                       the policy version the engines hold, and how many
+  ckpt/step-N  ckpt/latest              checkpoints (CkptDirs, relax_hpc.ckpt)
+  metrics/train|rollout|eval.jsonl      the record of the run
+  logs/RESTART/ROLE.log                 one folder per start of the launcher
+  slurm/                                submitit's folder (submission file, job output), job_id
+  control/stop                          asks the trainer to checkpoint and stop
 """
 
 from __future__ import annotations

@@ -104,9 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--wait", action="store_true", help="slurm: wait for the job to finish (through every requeue)")
     parser.add_argument(
-        "--in-allocation", action="store_true",
+        "--in-allocation",
+        action="store_true",
         help="run the roles as job steps of the Slurm allocation this command runs in (what sbatch recipes use)",
-    )  # fmt: skip
+    )
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. trainer.lr=3e-4 rollout.num_engines=4")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

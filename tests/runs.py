@@ -61,7 +61,9 @@ def assert_nothing_lost_or_repeated(run_dir: Path, steps: int) -> None:
         stale |= ids - trained_here
         seen_files.append(batch.seq)
     assert len(seen_files) == len(set(seen_files))  # each batch claimed by exactly one step
-    waiting = {(read_batch(p).seq, i) for p in (spool / "ready").glob("b*.h5") for i in range(read_batch(p).num_samples)}
+    waiting = {
+        (read_batch(p).seq, i) for p in (spool / "ready").glob("b*.h5") for i in range(read_batch(p).num_samples)
+    }
     orphaned = {int(p.name[1:10]) for p in (spool / "orphaned").iterdir()}
     published = set(range(max(set(seen_files) | {s for s, _ in waiting}) + 1))
     # Every batch number up to the newest is trained, set aside, or waiting: none is missing.

@@ -18,7 +18,9 @@ import torch
 KLEstimator = Literal["k1", "k2", "k3"]
 
 
-def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator, *, clamp: float) -> torch.Tensor:
+def kl_estimate(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator, *, clamp: float
+) -> torch.Tensor:
     log_ratio = (logprobs - ref_logprobs).clamp(-clamp, clamp)
     if estimator == "k1":
         return log_ratio

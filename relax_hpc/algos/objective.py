@@ -87,7 +87,13 @@ class Objective:
         clamp = p.log_ratio_clamp
         if p.kind == "ppo":
             return policy_losses.ppo(
-                logprobs, old, adv, clip_low=p.clip_low, clip_high=p.clip_high, dual_clip=p.dual_clip, log_ratio_clamp=clamp
+                logprobs,
+                old,
+                adv,
+                clip_low=p.clip_low,
+                clip_high=p.clip_high,
+                dual_clip=p.dual_clip,
+                log_ratio_clamp=clamp,
             )
         if p.kind == "gspo":
             return policy_losses.gspo(

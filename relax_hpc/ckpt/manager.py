@@ -30,6 +30,8 @@ from relax_hpc.ckpt.layout import STATE_FILE, latest_dir
 from relax_hpc.paths import CkptDirs, fsync_dir, write_atomic
 
 log = logging.getLogger("relax_hpc.ckpt")
+
+
 def _any_rank(flag: bool) -> bool:
     t = torch.tensor([int(flag)])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)

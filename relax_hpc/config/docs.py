@@ -35,7 +35,11 @@ def _section(defaults: BaseModel, prefix: str) -> list[str]:
     """One table per section; defaults come from the instance, since a nested section's default
     may differ from its class's (launch.slurm.rollout.nodes is 0, trainer.nodes 1)."""
     model = type(defaults)
-    lines = [f"\n## `{prefix.rstrip('.')}`\n" if prefix else "\n## top level\n", "| key | type | default | meaning |", "|---|---|---|---|"]
+    lines = [
+        f"\n## `{prefix.rstrip('.')}`\n" if prefix else "\n## top level\n",
+        "| key | type | default | meaning |",
+        "|---|---|---|---|",
+    ]
     nested = []
     for name, field in model.model_fields.items():
         annotation = field.annotation

@@ -78,9 +78,14 @@ def sample(
     step_ids = ids
     for _ in range(max(s.max_new_tokens for s in specs)):
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
-        logits = model(
-            input_ids=step_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
-        ).logits[:, -1, :].float().cpu()
+        logits = (
+            model(
+                input_ids=step_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
+            )
+            .logits[:, -1, :]
+            .float()
+            .cpu()
+        )
         scaled = logits / temps
         logp = torch.log_softmax(scaled, dim=-1)  # reported: after temperature, before filtering (as SGLang)
         for i, spec in enumerate(specs):

@@ -241,9 +241,11 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0: a free port")
     parser.add_argument(
-        "--unhealthy-after-s", type=float, default=60.0,
+        "--unhealthy-after-s",
+        type=float,
+        default=60.0,
         help="a running server that does not answer /health this long counts as dead",
-    )  # fmt: skip
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     wrapper = Wrapper(args)

@@ -122,7 +122,11 @@ class TorchEngine:
         else:
             c = job.completions[i]
             ids, logprobs = c.output_ids, c.logprobs
-            finish = {"type": "stop", "matched": c.matched} if c.finish_reason == "stop" else {"type": "length", "length": len(ids)}
+            finish = (
+                {"type": "stop", "matched": c.matched}
+                if c.finish_reason == "stop"
+                else {"type": "length", "length": len(ids)}
+            )
         meta: dict[str, Any] = {
             "id": job.rids[i],
             "finish_reason": finish,
@@ -347,7 +351,9 @@ def serve(args: argparse.Namespace) -> None:
     advertised = socket.gethostname() if args.host in ("0.0.0.0", "::") else args.host
 
     def announce() -> None:
-        record = EngineRecord(args.engine_id, advertised, server.server_address[1], os.getpid(), instance, engine.weight_version)
+        record = EngineRecord(
+            args.engine_id, advertised, server.server_address[1], os.getpid(), instance, engine.weight_version
+        )
         write_record(paths.engines, record)
 
     # A record write fsyncs (milliseconds): off the answer's path, in order.
@@ -360,8 +366,12 @@ def serve(args: argparse.Namespace) -> None:
     announce()
     log.info(
         "engine %s serving %s on %s:%d (python %s)",
-        args.engine_id, args.model_path, args.host, server.server_address[1], sys.executable,
-    )  # fmt: skip
+        args.engine_id,
+        args.model_path,
+        args.host,
+        server.server_address[1],
+        sys.executable,
+    )
     try:
         server.serve_forever(poll_interval=0.2)
     finally:

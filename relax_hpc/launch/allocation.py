@@ -38,7 +38,9 @@ class Allocation:
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> Allocation:
         if "SLURM_JOB_ID" not in env:
-            raise AllocationError("not inside a Slurm job (no SLURM_JOB_ID); submit with sbatch or launch.executor=slurm")
+            raise AllocationError(
+                "not inside a Slurm job (no SLURM_JOB_ID); submit with sbatch or launch.executor=slurm"
+            )
         het_size = int(env.get("SLURM_HET_SIZE", "0"))
         suffixes = [f"_HET_GROUP_{g}" for g in range(het_size)] if het_size > 1 else [""]
         groups, cpus = [], {}
@@ -57,7 +59,9 @@ def expand_hostlist(hostlist: str) -> list[str]:
 
 def node_addresses(nodes: list[str]) -> dict[str, str]:
     """NodeName -> NodeAddr from slurmctld: where other nodes reach it (a rendezvous host)."""
-    out = subprocess.run(["scontrol", "-o", "show", "node", ",".join(nodes)], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        ["scontrol", "-o", "show", "node", ",".join(nodes)], capture_output=True, text=True, check=True
+    )
     fields = (dict(f.split("=", 1) for f in line.split() if "=" in f) for line in out.stdout.splitlines())
     return {f["NodeName"]: f.get("NodeAddr", f["NodeName"]) for f in fields if "NodeName" in f}
 

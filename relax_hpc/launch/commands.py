@@ -72,9 +72,13 @@ def step_commands(cfg: JobConfig, paths: RunPaths, alloc: Allocation) -> dict[st
         # Engines listen on every interface and announce the node's name: the trainer and the
         # driver may run on other nodes.
         argv = _on_gpus(gpus, [py, *engine_args(cfg, paths, i, "0.0.0.0")])
-        commands[f"engine-{i}"] = _srun(cfg, alloc, layout.engine_group, [node], f"engine-{i}") + wrap_in_container(cfg, argv)
+        commands[f"engine-{i}"] = _srun(cfg, alloc, layout.engine_group, [node], f"engine-{i}") + wrap_in_container(
+            cfg, argv
+        )
     driver = [py, *driver_args(paths)]
-    commands["driver"] = _srun(cfg, alloc, layout.trainer_group, layout.trainer_nodes[:1], "driver") + wrap_in_container(cfg, driver)
+    commands["driver"] = _srun(
+        cfg, alloc, layout.trainer_group, layout.trainer_nodes[:1], "driver"
+    ) + wrap_in_container(cfg, driver)
     commands["trainer"] = _srun(cfg, alloc, layout.trainer_group, layout.trainer_nodes, "trainer") + wrap_in_container(
         cfg, _on_gpus(layout.trainer_gpus, [py, *trainer_args(paths, _torchrun_args(cfg, alloc, layout))])
     )

@@ -18,7 +18,9 @@ def select(visible: str | None, first_last: str) -> str:
     first, last = (int(x) for x in first_last.split("-"))
     devices = visible.split(",") if visible else [str(i) for i in range(last + 1)]
     if last >= len(devices):
-        raise SystemExit(f"relax_hpc.launch.gpus: GPUs {first_last} asked, the step sees only {len(devices)} ({visible})")
+        raise SystemExit(
+            f"relax_hpc.launch.gpus: GPUs {first_last} asked, the step sees only {len(devices)} ({visible})"
+        )
     return ",".join(devices[first : last + 1])
 
 

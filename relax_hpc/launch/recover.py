@@ -46,6 +46,10 @@ def recover(paths: RunPaths) -> Recovery:
         log.info(
             "resuming at step %d (policy version %d): %d claimed batch(es) returned to the spool, "
             "%d orphaned, %d partial file(s) removed",
-            result.step, result.version, result.returned, result.orphaned, result.partial,
+            result.step,
+            result.version,
+            result.returned,
+            result.orphaned,
+            result.partial,
         )
     return result

@@ -91,7 +91,10 @@ def make_executor(cfg: JobConfig, paths: RunPaths) -> HetSlurmExecutor:
     else:
         both = SlurmRoleConfig(
             nodes=sl.trainer.nodes + sl.rollout.nodes,
-            gpus_per_node=max(sl.trainer.gpus_per_node + (0 if sl.rollout.nodes else sl.rollout.gpus_per_node), sl.rollout.gpus_per_node),
+            gpus_per_node=max(
+                sl.trainer.gpus_per_node + (0 if sl.rollout.nodes else sl.rollout.gpus_per_node),
+                sl.rollout.gpus_per_node,
+            ),
         )
         first, components = _role_options(both, cfg, with_role_overrides=False), []
     executor = HetSlurmExecutor(paths.slurm, components, sl.max_timeouts)
@@ -124,7 +127,9 @@ def preflight(cfg: JobConfig, paths: RunPaths) -> None:
     written before this passes."""
     for tool in ("sbatch", "srun", "scontrol", "sacct"):
         if shutil.which(tool) is None:
-            raise ConfigError(f"launch.executor=slurm needs Slurm's `{tool}` on PATH (run on a login node, or use executor=local)")
+            raise ConfigError(
+                f"launch.executor=slurm needs Slurm's `{tool}` on PATH (run on a login node, or use executor=local)"
+            )
     sl = cfg.launch.slurm
     nodes = sl.trainer.nodes + sl.rollout.nodes
     fstype = filesystem_type(paths.root)

@@ -44,7 +44,9 @@ class Role:
         with self.log_path.open("ab") as out:
             # A new session: Ctrl-C in the terminal reaches the launcher only, which then asks
             # the trainer to checkpoint instead of every process dying at once.
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -153,8 +155,10 @@ class Supervisor:
                     continue  # the driver finishes after the final evaluation
                 if role.restarts >= role.max_restarts:
                     progress.finish()
-                    self.out.write(f"\n{role.name} failed {role.restarts + 1} times (exit {code}); giving up.\n"
-                                   f"last lines of {role.log_path}:\n{role.log_tail()}\n")
+                    self.out.write(
+                        f"\n{role.name} failed {role.restarts + 1} times (exit {code}); giving up.\n"
+                        f"last lines of {role.log_path}:\n{role.log_tail()}\n"
+                    )
                     return EXIT_FAILED
                 role.restarts += 1
                 log.warning("%s exited with %s; restart %d/%d", role.name, code, role.restarts, role.max_restarts)
@@ -172,13 +176,17 @@ class Supervisor:
                 continue
             if trainer.proc.returncode != 0 and progress.trainer_end is None:
                 progress.finish()
-                self.out.write(f"\ntrainer failed (exit {trainer.proc.returncode}); last lines of "
-                               f"{trainer.log_path}:\n{trainer.log_tail()}\n")
+                self.out.write(
+                    f"\ntrainer failed (exit {trainer.proc.returncode}); last lines of "
+                    f"{trainer.log_path}:\n{trainer.log_tail()}\n"
+                )
                 return EXIT_FAILED
             if trainer.proc.returncode != 0 and trainer_done_at is None:
                 # Its end record comes after its last checkpoint: a fault in the teardown that
                 # follows (gloo's threads at exit) loses nothing.
-                log.warning("trainer exited with %s after its end record; its state is complete", trainer.proc.returncode)
+                log.warning(
+                    "trainer exited with %s after its end record; its state is complete", trainer.proc.returncode
+                )
             trainer_done_at = trainer_done_at or time.monotonic()
             completed = self._training_completed()
             # Training is over: give the driver time for its final evaluation, then stop.

@@ -50,7 +50,9 @@ class Progress:
         parts = [
             f"step {s.get('step', 0)}/{self.total}",
             f"reward {s['reward']:.3f}" if s else "reward -",
-            f"greedy {self.last_eval['greedy_accuracy']:.2f}@v{self.last_eval['version']}" if self.last_eval else "greedy -",
+            f"greedy {self.last_eval['greedy_accuracy']:.2f}@v{self.last_eval['version']}"
+            if self.last_eval
+            else "greedy -",
             f"{rate:.0f} samples/s",
             f"staleness {s['staleness_mean']:.2f}" if s else "staleness -",
             f"engines {engines_up}/{engines_total}",

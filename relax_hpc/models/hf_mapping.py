@@ -624,7 +624,9 @@ def megatron_checkpoint_to_hf(folder: str | Path, hf_config: Any) -> dict[str, t
         for i, layer in enumerate(tensor):
             if rest.startswith(_STACKED_EXPERTS):  # SequentialMLP stacks its experts on a second axis
                 tail = rest[len(_STACKED_EXPERTS) :]
-                state.update({f"decoder.layers.{i}.mlp.experts.local_experts.{e}.{tail}": t for e, t in enumerate(layer)})
+                state.update(
+                    {f"decoder.layers.{i}.mlp.experts.local_experts.{e}.{tail}": t for e, t in enumerate(layer)}
+                )
             else:
                 state[f"decoder.layers.{i}.{rest}"] = layer
     return mcore_to_hf(state, hf_config)

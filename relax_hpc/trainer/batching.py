@@ -108,7 +108,9 @@ def token_logprobs_and_entropy(
     return logprobs, entropy
 
 
-def share_of(batch: SampleBatch, trained: list[int], rank: int, world: int, pad_id: int) -> tuple[TrainBatch, dict[str, Any]]:
+def share_of(
+    batch: SampleBatch, trained: list[int], rank: int, world: int, pad_id: int
+) -> tuple[TrainBatch, dict[str, Any]]:
     """This rank's share of the `trained` samples of a batch: whole groups, dealt round-robin in
     group order."""
     groups = sorted(set(batch.group_ids[trained].tolist()))

@@ -228,13 +228,15 @@ class Trainer:
     def log_start(self) -> None:
         """One record per start: where the run resumed, and which Slurm job and restart this is."""
         if self.rank == 0:
-            self.metrics.log({
-                "event": "start",
-                "step": self.state.step,
-                "world": self.world,
-                "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-                "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0")),
-            })  # fmt: skip
+            self.metrics.log(
+                {
+                    "event": "start",
+                    "step": self.state.step,
+                    "world": self.world,
+                    "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+                    "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0")),
+                }
+            )
 
     def run(self) -> None:
         total = self.cfg.trainer.total_steps

@@ -148,7 +148,9 @@ class WeightSender:
                 return 0
             if self.group is None or _engine_key(engines) != _engine_key(self.members):
                 self._form_group(engines)
-        self._pipelines = list(self._pool.map(lambda r: RequestPipeline(r.url, self.api_key, self.timeout_s), self.members))
+        self._pipelines = list(
+            self._pool.map(lambda r: RequestPipeline(r.url, self.api_key, self.timeout_s), self.members)
+        )
         self._queue("/pause_generation", P.PauseGenerationReqInput(mode="in_place"))
         self._queue("/begin_weight_update", P.BeginWeightUpdateReqInput())
         return len(self.members)

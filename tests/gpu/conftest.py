@@ -13,8 +13,11 @@ def one_gpu_world():
     torch.cuda.set_device(0)
     # The trainer's group: NCCL for CUDA tensors, gloo for the CPU ones (checkpoint flags, counts).
     dist.init_process_group(
-        "cpu:gloo,cuda:nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-        device_id=torch.device("cuda", 0)
+        "cpu:gloo,cuda:nccl",
+        init_method=f"tcp://127.0.0.1:{free_port()}",
+        rank=0,
+        world_size=1,
+        device_id=torch.device("cuda", 0),
     )
     yield
     dist.destroy_process_group()

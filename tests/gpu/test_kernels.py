@@ -42,8 +42,14 @@ def _attention(heads: int, groups: int, head_dim: int):
 
     from relax_hpc.models.megatron_layers import SDPAttention
 
-    config = TransformerConfig(num_layers=1, hidden_size=heads * head_dim, num_attention_heads=heads,
-                               num_query_groups=groups, kv_channels=head_dim, attention_dropout=0.0)  # fmt: skip
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=heads * head_dim,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=head_dim,
+        attention_dropout=0.0,
+    )
     return SDPAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
 
 
@@ -59,9 +65,12 @@ def test_packed_attention_equals_one_call_per_document(mp):
     total = sum(lengths)
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(total, 16, 128, device="cuda", generator=g, dtype=torch.bfloat16, requires_grad=True)
-    k, v = (torch.randn(total, 4, 128, device="cuda", generator=g, dtype=torch.bfloat16, requires_grad=True) for _ in "kv")
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                             max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))  # fmt: skip
+    k, v = (
+        torch.randn(total, 4, 128, device="cuda", generator=g, dtype=torch.bfloat16, requires_grad=True) for _ in "kv"
+    )
+    params = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths)
+    )
     grad = torch.randn(total, 16 * 128, device="cuda", generator=g, dtype=torch.bfloat16)
     out = attention(q, k, v, None, packed_seq_params=params)  # the fused path (bf16 on CUDA)
     grads = torch.autograd.grad(out, (q, k, v), grad)

@@ -87,7 +87,15 @@ class Job:
 
     def __init__(self, run_dir: Path, *overrides: str) -> None:
         self.run_dir = run_dir
-        self.argv = [sys.executable, "-m", "relax_hpc.submit", "--config", str(CONFIG), f"run.dir={run_dir}", *overrides]
+        self.argv = [
+            sys.executable,
+            "-m",
+            "relax_hpc.submit",
+            "--config",
+            str(CONFIG),
+            f"run.dir={run_dir}",
+            *overrides,
+        ]
         self.output = run_dir.parent / f"{run_dir.name}-submit.log"
         self.proc: subprocess.Popen | None = None
 

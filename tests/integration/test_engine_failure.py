@@ -24,7 +24,9 @@ def test_prompts_of_a_killed_engine_are_reissued(tmp_path, engines):
     records = {r.engine_id: r for r in group.wait_registered(2)}
     victim = records["engine-0"]
     # Hold engine-0's scheduler so the driver's request is in flight there when it dies.
-    EngineClient(victim.url, paths.read_token(), 10).post("/pause_generation", P.PauseGenerationReqInput(mode="in_place"))
+    EngineClient(victim.url, paths.read_token(), 10).post(
+        "/pause_generation", P.PauseGenerationReqInput(mode="in_place")
+    )
     driver = Driver(read_frozen(paths.config), paths)
     driver.pool.refresh(force=True)
     driver._load = {records["engine-1"].instance: 5}  # make engine-0 the least loaded: it gets the chunk
@@ -42,7 +44,9 @@ def test_prompts_of_a_killed_engine_are_reissued(tmp_path, engines):
 
 
 def test_a_killed_engine_is_restarted_and_rejoins_weight_sync(tmp_path):
-    job = Job(tmp_path / "run", "trainer.total_steps=400", "ckpt.every_steps=1000", "rollout.prompts_per_step=8").start()
+    job = Job(
+        tmp_path / "run", "trainer.total_steps=400", "ckpt.every_steps=1000", "rollout.prompts_per_step=8"
+    ).start()
     job.wait_for_step(6, timeout_s=240)
     record_path = job.run_dir / "registry" / "engines" / "engine-0.json"
     killed = json.loads(record_path.read_text())

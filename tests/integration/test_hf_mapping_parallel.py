@@ -184,9 +184,14 @@ def _run_model(folder: str, layout: str) -> dict:
         for name, tensor in tensors:
             assert torch.equal(tensor.cpu(), hf[name]), name
         return {
-            "layers": facts["layers"], "experts": facts["experts"], "params": len(params),
-            "checked": len(facts["expected"]), "specs": len(specs), "exported": len(exported), "tensors": len(tensors),
-        }  # fmt: skip
+            "layers": facts["layers"],
+            "experts": facts["experts"],
+            "params": len(params),
+            "checked": len(facts["expected"]),
+            "specs": len(specs),
+            "exported": len(exported),
+            "tensors": len(tensors),
+        }
     finally:
         ps.destroy_model_parallel()
 

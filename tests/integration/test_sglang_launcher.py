@@ -40,9 +40,13 @@ class Wrapper:
         argv = [*local_commands(self.cfg, self.paths)["engine-0"], *extra]
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
-                argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env={**child_env(self.cfg), **(env or {})},
+                argv,
+                cwd=REPO,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**child_env(self.cfg), **(env or {})},
                 start_new_session=True,
-            )  # fmt: skip
+            )
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")

@@ -34,7 +34,9 @@ def test_engines_hold_the_trainer_weights_after_a_push(tmp_path, engines):
             got = client.post("/get_weights_by_name", P.GetWeightsByNameReqInput(name=name, truncate_size=2))
             assert got == rows, name  # bit-exact: float32 -> JSON -> float32 round trip
         prompts = [[int(t) for t in row] for row in _prompts()]
-        outputs = client.generate(P.GenerateReqInput(input_ids=prompts, sampling_params={"max_new_tokens": 4, "temperature": 0.0}))
+        outputs = client.generate(
+            P.GenerateReqInput(input_ids=prompts, sampling_params={"max_new_tokens": 4, "temperature": 0.0})
+        )
         assert [o["output_ids"] for o in outputs] == expected["greedy"]
         assert all(o["meta_info"]["weight_version"] == "7" for o in outputs)
 

@@ -63,9 +63,7 @@ def _cluster(cmd: str, directory: Path, timeout: float) -> subprocess.CompletedP
 def slurm_cluster(tmp_path_factory):
     missing = _missing_binaries()
     if missing:
-        reason = (
-            f"Slurm not installed (missing {', '.join(missing)}): run `bash tools/slurm/install.sh`"
-        )
+        reason = f"Slurm not installed (missing {', '.join(missing)}): run `bash tools/slurm/install.sh`"
         if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
             pytest.fail(f"{reason} before the tests (CI must run the slurm tests)")
         pytest.skip(reason)

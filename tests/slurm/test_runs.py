@@ -60,8 +60,13 @@ def test_sbatch_recipe_requeues_itself_and_completes(slurm_cluster, tmp_path):
     wait_until(lambda: finished(job), 400, "the job to finish", every=1)
     log = next(tmp_path.glob("relax-tiny-*.out")).read_text()
     assert job_state(job) == "COMPLETED", log[-3000:]
-    for line in (f"slurm job {job}, restart count 0", "USR2 (time limit or preemption ahead)",
-                 f"requeued job {job}", f"slurm job {job}, restart count 1", "step 8/8"):  # fmt: skip
+    for line in (
+        f"slurm job {job}, restart count 0",
+        "USR2 (time limit or preemption ahead)",
+        f"requeued job {job}",
+        f"slurm job {job}, restart count 1",
+        "step 8/8",
+    ):
         assert line in log, line
     assert ROLE_STEPS <= {r["JobName"] for r in sacct(job)}
     starts, ends = train_events(run_dir, "start"), train_events(run_dir, "end")
@@ -152,7 +157,9 @@ def test_interrupted_every_way_reproduces_the_uninterrupted_run(slurm_cluster, t
     job = job_id(run_dir)
     target = 0
     for restart, (name, interrupt) in enumerate(INTERRUPTIONS.items()):
-        target = wait_until(lambda: last_step(run_dir) > target and last_step(run_dir), 240, f"training before {name}", every=0.05)
+        target = wait_until(
+            lambda: last_step(run_dir) > target and last_step(run_dir), 240, f"training before {name}", every=0.05
+        )
         target += rng.randint(0, 1)
         wait_until(lambda: last_step(run_dir) >= target, 120, f"step {target}", every=0.05)
         interrupt(job, slurm_cluster)

@@ -9,11 +9,19 @@ from tests.slurm.jobs import submit
 
 
 def test_dry_run_shows_the_submission_file_and_every_job_step(slurm_cluster, tmp_path):
-    out = submit(tmp_path / "run", "launch.slurm.heterogeneous=true", "launch.slurm.rollout.partition=high", "--dry-run")
+    out = submit(
+        tmp_path / "run", "launch.slurm.heterogeneous=true", "launch.slurm.rollout.partition=high", "--dry-run"
+    )
     assert out.returncode == 0, out.stderr
     text = out.stdout
-    for line in ("#SBATCH --signal=B:USR2@120", "#SBATCH --requeue", "#SBATCH --open-mode=append",
-                 "#SBATCH hetjob", "#SBATCH --partition=high", "exec "):  # fmt: skip
+    for line in (
+        "#SBATCH --signal=B:USR2@120",
+        "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
+        "#SBATCH hetjob",
+        "#SBATCH --partition=high",
+        "exec ",
+    ):
         assert line in text, line
     assert text.count("srun --overlap") == 4 and "--het-group=1" in text
     assert not (tmp_path / "run").exists()  # a dry run writes nothing

@@ -44,7 +44,9 @@ def test_grpo_groups_may_be_interleaved_and_use_any_integers():
 
 def test_dr_grpo_only_centres():
     # Dr. GRPO: r - mean, mean of 2, 0, 1 is 1.
-    assert adv.grpo(t([2.0, 0.0, 1.0]), ids([0, 0, 0]), normalize_std=False, eps=1e-6).tolist() == pytest.approx([1.0, -1.0, 0.0])
+    assert adv.grpo(t([2.0, 0.0, 1.0]), ids([0, 0, 0]), normalize_std=False, eps=1e-6).tolist() == pytest.approx(
+        [1.0, -1.0, 0.0]
+    )
 
 
 @pytest.mark.parametrize("value, size, eps", [(0.7, 3, 1e-6), (0.9, 3, 1e-6), (1.3, 6, 1e-6), (0.7, 3, 0.0)])

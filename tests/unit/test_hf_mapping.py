@@ -189,8 +189,14 @@ def _rows(values) -> torch.Tensor:
 
 def test_qkv_interleave_matches_a_hand_written_example():
     # 4 query heads in 2 groups, head_dim 2: q rows 0..7, k rows 100..103, v rows 200..203.
-    config = Qwen2Config(vocab_size=8, hidden_size=8, intermediate_size=4, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    config = Qwen2Config(
+        vocab_size=8,
+        hidden_size=8,
+        intermediate_size=4,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     a = "model__layers__0__self_attn__"
     state = _state_with(
         config,
@@ -206,12 +212,23 @@ def test_qkv_interleave_matches_a_hand_written_example():
 
 
 def test_swiglu_fc1_and_vocab_layouts_per_tensor_parallel_rank():
-    config = Qwen3Config(vocab_size=7, hidden_size=8, intermediate_size=4, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, head_dim=4)  # fmt: skip
+    config = Qwen3Config(
+        vocab_size=7,
+        hidden_size=8,
+        intermediate_size=4,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=4,
+    )
     gate, up = torch.arange(4.0)[:, None].expand(-1, 8), torch.arange(10.0, 14.0)[:, None].expand(-1, 8)
     embed = torch.arange(7.0)[:, None].expand(-1, 8)
-    state = _state_with(config, model__layers__0__mlp__gate_proj__weight=gate, model__layers__0__mlp__up_proj__weight=up,
-                        model__embed_tokens__weight=embed)  # fmt: skip
+    state = _state_with(
+        config,
+        model__layers__0__mlp__gate_proj__weight=gate,
+        model__layers__0__mlp__up_proj__weight=up,
+        model__embed_tokens__weight=embed,
+    )
     tp1, tp2 = hf_to_mcore(state, config), hf_to_mcore(state, config, tp=2)
     fc1 = "decoder.layers.0.mlp.linear_fc1.weight"
     assert tp1[fc1][:, 0].tolist() == [0, 1, 2, 3, 10, 11, 12, 13]
@@ -315,8 +332,14 @@ def _attention_module(heads: int = 4, groups: int = 2, head_dim: int = 8) -> SDP
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    config = TransformerConfig(num_layers=1, hidden_size=heads * head_dim, num_attention_heads=heads,
-                               num_query_groups=groups, kv_channels=head_dim, attention_dropout=0.0)  # fmt: skip
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=heads * head_dim,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=head_dim,
+        attention_dropout=0.0,
+    )
     return SDPAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
 
 

@@ -206,9 +206,15 @@ def test_behaviour_weights_of_extreme_log_ratios_are_clamped():
     prox, behav = t([[49.0, -51.0]]), t([[-1.0, -1.0]])
     _, raw = behaviour_weights(prox, behav, "none", cap=2.0, low=0.5, high=2.0, log_ratio_clamp=20.0)
     close(raw, [[math.exp(20.0), math.exp(-20.0)]])
-    close(behaviour_weights(prox, behav, "tis", cap=2.0, low=0.5, high=2.0, log_ratio_clamp=20.0)[0], [[2.0, math.exp(-20.0)]])
+    close(
+        behaviour_weights(prox, behav, "tis", cap=2.0, low=0.5, high=2.0, log_ratio_clamp=20.0)[0],
+        [[2.0, math.exp(-20.0)]],
+    )
     close(behaviour_weights(prox, behav, "icepop", cap=2.0, low=0.5, high=2.0, log_ratio_clamp=20.0)[0], [[0.0, 0.0]])
-    close(behaviour_weights(prox, behav, "decoupled", cap=2.0, low=0.5, high=2.0, log_ratio_clamp=20.0)[0], [[0.0, math.exp(-20.0)]])
+    close(
+        behaviour_weights(prox, behav, "decoupled", cap=2.0, low=0.5, high=2.0, log_ratio_clamp=20.0)[0],
+        [[0.0, math.exp(-20.0)]],
+    )
 
 
 def test_unknown_correction_is_rejected():

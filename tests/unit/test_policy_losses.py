@@ -401,7 +401,9 @@ def test_gradcheck_of_the_losses_without_stop_gradients(name):
         "ppo": lambda x: pl.ppo(x, old, a, clip_low=0.2, clip_high=0.28, dual_clip=None, log_ratio_clamp=20.0).loss,
         "ppo_dual": lambda x: pl.ppo(x, old, a, clip_low=0.2, clip_high=0.28, dual_clip=1.5, log_ratio_clamp=20.0).loss,
         "sapo": lambda x: pl.sapo(x, old, a, tau_pos=1.0, tau_neg=1.05, log_ratio_clamp=20.0).loss,
-        "m2po": lambda x: pl.m2po(x, old, a, mask, tau=0.04, log_ratio_clamp=20.0).loss,  # the mask is piecewise constant
+        "m2po": lambda x: (
+            pl.m2po(x, old, a, mask, tau=0.04, log_ratio_clamp=20.0).loss
+        ),  # the mask is piecewise constant
     }
     assert torch.autograd.gradcheck(lambda x: fns[name](x) * mask, (lp,))
 
@@ -415,7 +417,10 @@ def test_gradcheck_of_gspo_aggregated_as_in_the_paper():
     for clip in (0.2, 0.01):  # wide: nothing clipped; narrow: every sequence clipped
         assert torch.autograd.gradcheck(
             lambda x, clip=clip: aggregate(
-                pl.gspo(x, old, a, mask, clip_low=clip, clip_high=clip, log_ratio_clamp=20.0).loss, mask, "seq_mean_token_mean", norm
+                pl.gspo(x, old, a, mask, clip_low=clip, clip_high=clip, log_ratio_clamp=20.0).loss,
+                mask,
+                "seq_mean_token_mean",
+                norm,
             ),
             (lp,),
         )
@@ -448,7 +453,12 @@ def test_cispo_gradient_is_that_of_the_frozen_weight_objective():
     lp, old, a, mask = gradcheck_point()
     w0 = torch.exp(lp.detach() - old).clamp(0.8, 1.28)
     expected = numerical_grad(lambda x: (-w0 * a * x * mask).sum(), lp.detach())
-    close(grad_of_sum(pl.cispo(lp, old, a, clip_low=0.2, clip_high=0.28, log_ratio_clamp=20.0).loss * mask, lp), expected.tolist(), rel=1e-6, abs=1e-8)
+    close(
+        grad_of_sum(pl.cispo(lp, old, a, clip_low=0.2, clip_high=0.28, log_ratio_clamp=20.0).loss * mask, lp),
+        expected.tolist(),
+        rel=1e-6,
+        abs=1e-8,
+    )
 
 
 # -- the critic's clipped value loss ---------------------------------------------------------------

@@ -10,8 +10,10 @@ def test_valid_bodies_parse_and_defaults_are_left_out_when_sent():
     assert req.input_ids == [[1, 2], [3]] and req.return_logprob is None
     assert P.to_json(P.PauseGenerationReqInput(mode="in_place")) == {"mode": "in_place"}
     assert P.to_json(P.UpdateWeightsFromDistributedReqInput(["a"], ["float32"], [[2]])) == {
-        "names": ["a"], "dtypes": ["float32"], "shapes": [[2]],
-    }  # fmt: skip
+        "names": ["a"],
+        "dtypes": ["float32"],
+        "shapes": [[2]],
+    }
 
 
 @pytest.mark.parametrize(

@@ -50,15 +50,32 @@ PINNED = re.search(r"^sglang==(\S+)$", (REPO / "constraints.txt").read_text(), r
 
 # Every request class relax_hpc sends (or the torch engine accepts) and every route it calls.
 CLASSES = [
-    P.GenerateReqInput, P.InitWeightsUpdateGroupReqInput, P.DestroyWeightsUpdateGroupReqInput,
-    P.UpdateWeightsFromDistributedReqInput, P.GetWeightsByNameReqInput, P.BeginWeightUpdateReqInput,
-    P.EndWeightUpdateReqInput, P.AbortReq, P.PauseGenerationReqInput, P.ContinueGenerationReqInput,
-]  # fmt: skip
+    P.GenerateReqInput,
+    P.InitWeightsUpdateGroupReqInput,
+    P.DestroyWeightsUpdateGroupReqInput,
+    P.UpdateWeightsFromDistributedReqInput,
+    P.GetWeightsByNameReqInput,
+    P.BeginWeightUpdateReqInput,
+    P.EndWeightUpdateReqInput,
+    P.AbortReq,
+    P.PauseGenerationReqInput,
+    P.ContinueGenerationReqInput,
+]
 ROUTES = [
-    "/generate", "/health", "/model_info", "/flush_cache", "/abort_request", "/pause_generation",
-    "/continue_generation", "/init_weights_update_group", "/destroy_weights_update_group",
-    "/begin_weight_update", "/update_weights_from_distributed", "/end_weight_update", "/get_weights_by_name",
-]  # fmt: skip
+    "/generate",
+    "/health",
+    "/model_info",
+    "/flush_cache",
+    "/abort_request",
+    "/pause_generation",
+    "/continue_generation",
+    "/init_weights_update_group",
+    "/destroy_weights_update_group",
+    "/begin_weight_update",
+    "/update_weights_from_distributed",
+    "/end_weight_update",
+    "/get_weights_by_name",
+]
 
 
 @pytest.fixture(scope="module")
@@ -81,18 +98,26 @@ def sent_requests(cfg) -> list[Any]:
     driver = SimpleNamespace(ro=cfg.rollout)  # all that Driver._sampling reads
     sampling, greedy = Driver._sampling(driver), Driver._sampling(driver, temperature=0.0)
     init = P.InitWeightsUpdateGroupReqInput(
-        master_address="127.0.0.1", master_port=29517, rank_offset=0, world_size=3, group_name="relax-0123456789ab",
+        master_address="127.0.0.1",
+        master_port=29517,
+        rank_offset=0,
+        world_size=3,
+        group_name="relax-0123456789ab",
         backend="gloo",
-    )  # fmt: skip
+    )
     bucket = {
-        "names": ["model.embed_tokens.weight", "lm_head.weight"], "dtypes": ["float32", "bfloat16"],
-        "shapes": [[32, 128], [32, 128]], "group_name": init.group_name, "load_format": "flattened_bucket",
-    }  # fmt: skip
+        "names": ["model.embed_tokens.weight", "lm_head.weight"],
+        "dtypes": ["float32", "bfloat16"],
+        "shapes": [[32, 128], [32, 128]],
+        "group_name": init.group_name,
+        "load_format": "flattened_bucket",
+    }
     return [
         P.GenerateReqInput(
-            input_ids=[[5, 6, 7], [5, 6, 7]], sampling_params=[{**sampling, "sampling_seed": s} for s in (11, 12)],
+            input_ids=[[5, 6, 7], [5, 6, 7]],
+            sampling_params=[{**sampling, "sampling_seed": s} for s in (11, 12)],
             return_logprob=True,
-        ),  # fmt: skip
+        ),
         P.GenerateReqInput(input_ids=[[5, 6, 7], [8, 9]], sampling_params=greedy),  # evaluation
         init,
         P.InitWeightsUpdateGroupReqInput(**{**P.to_json(init), "rank_offset": 1}),
@@ -149,9 +174,14 @@ def _conforms_source(value: Any, annotation: str) -> bool:
     if "Any" in names:
         return True
     json_names = {
-        bool: {"bool"}, int: {"int", "float"}, float: {"float"}, str: {"str"}, type(None): {"None", "Optional"},
-        list: {"list", "List", "Set", "set", "Sequence", "Tuple", "tuple"}, dict: {"dict", "Dict", "Mapping"},
-    }  # fmt: skip
+        bool: {"bool"},
+        int: {"int", "float"},
+        float: {"float"},
+        str: {"str"},
+        type(None): {"None", "Optional"},
+        list: {"list", "List", "Set", "set", "Sequence", "Tuple", "tuple"},
+        dict: {"dict", "Dict", "Mapping"},
+    }
     return bool(json_names[type(value)] & names)
 
 
@@ -234,8 +264,18 @@ def check_sampling_params(sglang, params: dict[str, Any]) -> None:
 
 def test_sampling_params_the_torch_engine_accepts_are_sglangs(sglang):
     assert set(P.SAMPLING_PARAMS) <= set(inspect.signature(sglang.SamplingParams).parameters)
-    check_sampling_params(sglang, {"max_new_tokens": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 5,
-                                   "stop_token_ids": [2], "ignore_eos": True, "sampling_seed": 3})  # fmt: skip
+    check_sampling_params(
+        sglang,
+        {
+            "max_new_tokens": 4,
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "top_k": 5,
+            "stop_token_ids": [2],
+            "ignore_eos": True,
+            "sampling_seed": 3,
+        },
+    )
 
 
 class _Parser(argparse.ArgumentParser):

@@ -51,13 +51,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         sync = run(Path(tmp) / "sync", args.steps, 0)
         asyn = run(Path(tmp) / "async", args.steps, args.staleness)
-    print(json.dumps({
-        "benchmark": "async_vs_sync",
-        "steps": args.steps,
-        "sync": sync,
-        f"async_k{args.staleness}": asyn,
-        "speedup": round(sync["steps_s"] / asyn["steps_s"], 2),
-    }))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "benchmark": "async_vs_sync",
+                "steps": args.steps,
+                "sync": sync,
+                f"async_k{args.staleness}": asyn,
+                "speedup": round(sync["steps_s"] / asyn["steps_s"], 2),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

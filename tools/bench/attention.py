@@ -54,8 +54,15 @@ def main() -> None:
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     parallel_state.initialize_model_parallel()
-    config = TransformerConfig(num_layers=1, hidden_size=h * d, num_attention_heads=h, num_query_groups=g,
-                               kv_channels=d, attention_dropout=0.0, bf16=True)  # fmt: skip
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=h * d,
+        num_attention_heads=h,
+        num_query_groups=g,
+        kv_channels=d,
+        attention_dropout=0.0,
+        bf16=True,
+    )
     attention = SDPAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
     for layout in args.docs.split(","):
         count, length = (int(x) for x in layout.split("x"))
@@ -82,8 +89,15 @@ def main() -> None:
         }
         reference = variants["per_document_sdpa"](q, k, v).float()
         flops = 3.5 * count * 2 * length**2 * h * d
-        result = {"benchmark": "attention", "docs": layout, "heads": h, "groups": g, "head_dim": d,
-                  "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}  # fmt: skip
+        result = {
+            "benchmark": "attention",
+            "docs": layout,
+            "heads": h,
+            "groups": g,
+            "head_dim": d,
+            "gpu": torch.cuda.get_device_name(0),
+            "torch": torch.__version__,
+        }
         for name, fn in variants.items():
             try:
                 err = ((fn(q, k, v).float() - reference).norm() / reference.norm()).item()

@@ -50,9 +50,14 @@ def measure(fn, logits: torch.Tensor, targets: torch.Tensor, repeat: int) -> dic
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b))
     extra = (torch.cuda.max_memory_allocated() - base) / 2**30
-    return {"ms": round(statistics.median(times), 2), "first_call_s": round(first_s, 1),
-            "peak_extra_gib": round(extra, 2), "lp": lp.detach(), "ent": ent.detach(),
-            "grad": logits.grad.detach().clone()}  # fmt: skip
+    return {
+        "ms": round(statistics.median(times), 2),
+        "first_call_s": round(first_s, 1),
+        "peak_extra_gib": round(extra, 2),
+        "lp": lp.detach(),
+        "ent": ent.detach(),
+        "grad": logits.grad.detach().clone(),
+    }
 
 
 def main() -> None:
@@ -64,13 +69,20 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     logits = (torch.randn(args.tokens, args.vocab, device="cuda", generator=g) * 3).bfloat16().requires_grad_(True)
     targets = torch.randint(0, args.vocab, (args.tokens,), device="cuda", generator=g)
-    results = {"fused": measure(logprobs_and_entropy, logits, targets, args.repeat),
-               "plain": measure(plain, logits, targets, args.repeat)}  # fmt: skip
+    results = {
+        "fused": measure(logprobs_and_entropy, logits, targets, args.repeat),
+        "plain": measure(plain, logits, targets, args.repeat),
+    }
     ref_in = logits.detach().double().requires_grad_(True)
     ref_lp, ref_ent = plain(ref_in, targets)
     (ref_lp.sum() + 0.01 * ref_ent.sum()).backward()
-    out = {"benchmark": "logprobs", "tokens": args.tokens, "vocab": args.vocab,
-           "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}  # fmt: skip
+    out = {
+        "benchmark": "logprobs",
+        "tokens": args.tokens,
+        "vocab": args.vocab,
+        "gpu": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+    }
     for name, r in results.items():
         out[name] = {k: r[k] for k in ("ms", "first_call_s", "peak_extra_gib")} | {
             "max_err_logprob": f"{(r['lp'].double() - ref_lp).abs().max().item():.1e}",

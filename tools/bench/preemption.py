@@ -80,15 +80,17 @@ def relax_cycles(work: Path, cycles: int) -> list[dict]:
             restarted = next(t for t, m in events if m.startswith("Starting with") and t > requeued)
             resumed = train_events(run_dir, "start")[-1]["time"]
             first = steps_after(run_dir, resumed)[0]["time"]
-            results.append({
-                "checkpoint_s": stop["time"] - notice,
-                "requeue_s": requeued - notice,
-                "restart_s": restarted - requeued,
-                "resume_s": resumed - restarted,
-                "first_step_s": first - resumed,
-                "total_s": first - notice,
-                "checkpoint_step": stop["step"],
-            })  # fmt: skip
+            results.append(
+                {
+                    "checkpoint_s": stop["time"] - notice,
+                    "requeue_s": requeued - notice,
+                    "restart_s": restarted - requeued,
+                    "resume_s": resumed - restarted,
+                    "first_step_s": first - resumed,
+                    "total_s": first - notice,
+                    "checkpoint_step": stop["step"],
+                }
+            )
     finally:
         subprocess.run(["scancel", job], check=False)
     return results
@@ -130,7 +132,12 @@ def main() -> None:
     cluster = None
     if "SLURM_CONF" not in os.environ:
         cluster = work / "cluster"
-        started = subprocess.run(["bash", str(REPO / "tools/slurm/cluster.sh"), "start", str(cluster)], capture_output=True, text=True, check=True)
+        started = subprocess.run(
+            ["bash", str(REPO / "tools/slurm/cluster.sh"), "start", str(cluster)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         os.environ["SLURM_CONF"] = started.stdout.strip().splitlines()[-1].split("=", 1)[1]
     try:
         baseline = baseline_cycles(work, args.cycles)
@@ -140,12 +147,17 @@ def main() -> None:
             subprocess.run(["bash", str(REPO / "tools/slurm/cluster.sh"), "stop", str(cluster)], check=False)
     keys = [k for k in cycles[0] if k.endswith("_s")]
     median = {k: round(statistics.median(c[k] for c in cycles), 2) for k in keys}
-    print(json.dumps({
-        "cycles": [{k: round(v, 2) for k, v in c.items()} for c in cycles],
-        "median": median,
-        "baseline_slurm_requeue_s": round(statistics.median(baseline), 2),
-        "total_over_baseline": round(median["total_s"] / statistics.median(baseline), 2),
-    }, indent=1))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "cycles": [{k: round(v, 2) for k, v in c.items()} for c in cycles],
+                "median": median,
+                "baseline_slurm_requeue_s": round(statistics.median(baseline), 2),
+                "total_over_baseline": round(median["total_s"] / statistics.median(baseline), 2),
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

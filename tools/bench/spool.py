@@ -70,8 +70,17 @@ def main() -> None:
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     batch = make_batch(0, args.samples, args.tokens, rng)
-    arrays = [batch.tokens, batch.offsets, batch.prompt_lens, batch.loss_mask, batch.rollout_logprobs,
-              batch.rewards, batch.group_ids, batch.policy_version, batch.prompt_index]  # fmt: skip
+    arrays = [
+        batch.tokens,
+        batch.offsets,
+        batch.prompt_lens,
+        batch.loss_mask,
+        batch.rollout_logprobs,
+        batch.rewards,
+        batch.group_ids,
+        batch.policy_version,
+        batch.prompt_index,
+    ]
     nbytes = sum(a.nbytes for a in arrays)
     spool_s, raw_s = [], []
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as tmp:
@@ -80,16 +89,20 @@ def main() -> None:
             batch.seq = i
             spool_s.append(spool_round_trip(Path(tmp), batch, i))
     spool_med, raw_med = statistics.median(spool_s), statistics.median(raw_s)
-    print(json.dumps({
-        "benchmark": "spool_write_claim_read",
-        "samples": args.samples,
-        "tokens": int(batch.tokens.size),
-        "mib": round(nbytes / 2**20, 2),
-        "spool_s_median": round(spool_med, 4),
-        "raw_s_median": round(raw_med, 4),
-        "ratio": round(spool_med / raw_med, 2),
-        "spool_mib_per_s": round(nbytes / 2**20 / spool_med, 1),
-    }))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "benchmark": "spool_write_claim_read",
+                "samples": args.samples,
+                "tokens": int(batch.tokens.size),
+                "mib": round(nbytes / 2**20, 2),
+                "spool_s_median": round(spool_med, 4),
+                "raw_s_median": round(raw_med, 4),
+                "ratio": round(spool_med / raw_med, 2),
+                "spool_mib_per_s": round(nbytes / 2**20 / spool_med, 1),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

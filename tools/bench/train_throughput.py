@@ -66,12 +66,18 @@ def worker(args: argparse.Namespace) -> None:
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
-    job = JobConfig.model_validate({
-        "model": {"path": args.model, "dtype": "bfloat16"},
-        "rollout": {"max_staleness": 0, "max_new_tokens": args.seq // 2, "group_size": 2},
-        "trainer": {"backend": args.backend, "num_ranks": 1, "lr": 1e-6,
-                    "megatron": {"max_tokens_per_microbatch": args.microbatch_tokens}},
-    })  # fmt: skip
+    job = JobConfig.model_validate(
+        {
+            "model": {"path": args.model, "dtype": "bfloat16"},
+            "rollout": {"max_staleness": 0, "max_new_tokens": args.seq // 2, "group_size": 2},
+            "trainer": {
+                "backend": args.backend,
+                "num_ranks": 1,
+                "lr": 1e-6,
+                "megatron": {"max_tokens_per_microbatch": args.microbatch_tokens},
+            },
+        }
+    )
     backend = build_backend(job, device)
     g = torch.Generator().manual_seed(0)
     half = args.seq // 2
@@ -91,11 +97,16 @@ def worker(args: argparse.Namespace) -> None:
     tokens_per_s = args.batch * args.seq / seconds
     mfu = tokens_per_s * flops_per_token(SHAPES[args.size], args.seq) / PEAK_FLOPS
     result = {
-        "backend": args.backend, "step_s": round(seconds, 3), "tokens_per_s": round(tokens_per_s),
-        "mfu": round(mfu, 3), "max_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
-    }  # fmt: skip
+        "backend": args.backend,
+        "step_s": round(seconds, 3),
+        "tokens_per_s": round(tokens_per_s),
+        "mfu": round(mfu, 3),
+        "max_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
+    }
     if args.profile_dir:
-        result["gpu_ms"] = profile_step(lambda: backend.train_step(batch, 0), Path(args.profile_dir) / f"{args.size}-{args.backend}.txt")
+        result["gpu_ms"] = profile_step(
+            lambda: backend.train_step(batch, 0), Path(args.profile_dir) / f"{args.size}-{args.backend}.txt"
+        )
     print("RESULT " + json.dumps(result), flush=True)
     dist.destroy_process_group()
 
@@ -130,10 +141,15 @@ def profile_step(step, table_path: Path) -> dict:
         kind = next((k for k, words in KERNEL_KINDS.items() if any(w in name for w in words)), "other")
         kinds[kind] = kinds.get(kind, 0.0) + event.self_device_time_total / 1e3
     table_path.parent.mkdir(parents=True, exist_ok=True)
-    table_path.write_text(prof.key_averages().table(sort_by="self_device_time_total", row_limit=60, max_name_column_width=90))
+    table_path.write_text(
+        prof.key_averages().table(sort_by="self_device_time_total", row_limit=60, max_name_column_width=90)
+    )
     busy = sum(kinds.values())
     return {k: round(v, 1) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])} | {
-        "busy": round(busy, 1), "wall": round(wall_ms, 1), "idle_fraction": round(1 - busy / wall_ms, 3)}
+        "busy": round(busy, 1),
+        "wall": round(wall_ms, 1),
+        "idle_fraction": round(1 - busy / wall_ms, 3),
+    }
 
 
 def run(size: str, backend: str, model: Path, args: argparse.Namespace) -> dict:
@@ -173,11 +189,22 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             make_model(size, Path(tmp))
             results = {b: run(size, b, Path(tmp), args) for b in args.backends.split(",")}
-        print(json.dumps({
-            "benchmark": "train_throughput", "size": size, "seq": args.seq, "batch": args.batch,
-            "microbatch_tokens": args.microbatch_tokens, "flops_per_token": flops_per_token(SHAPES[size], args.seq),
-            "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, **results,
-        }), flush=True)  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "benchmark": "train_throughput",
+                    "size": size,
+                    "seq": args.seq,
+                    "batch": args.batch,
+                    "microbatch_tokens": args.microbatch_tokens,
+                    "flops_per_token": flops_per_token(SHAPES[size], args.seq),
+                    "gpu": torch.cuda.get_device_name(0),
+                    "torch": torch.__version__,
+                    **results,
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

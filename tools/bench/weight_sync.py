@@ -71,9 +71,16 @@ def main() -> None:
         paths = RunPaths(Path(tmp) / "run")
         paths.create()
         model_dir = Path(tmp) / "model"
-        config = Qwen3Config(vocab_size=32000, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-                             num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
-                             head_dim=args.hidden // 8, tie_word_embeddings=False)  # fmt: skip
+        config = Qwen3Config(
+            vocab_size=32000,
+            hidden_size=args.hidden,
+            intermediate_size=4 * args.hidden,
+            num_hidden_layers=args.layers,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=args.hidden // 8,
+            tie_word_embeddings=False,
+        )
         model = Qwen3ForCausalLM(config)
         model.save_pretrained(model_dir)
         params = list(model.named_parameters())
@@ -102,17 +109,21 @@ def main() -> None:
                 e.wait()
         raw_s = raw_broadcast([b.nbytes for b in buckets], args.repeat)
     push_med, raw_med = statistics.median(push_s), statistics.median(raw_s)
-    print(json.dumps({
-        "benchmark": "weight_sync_cpu_gloo",
-        "params_m": round(sum(p.numel() for _, p in params) / 1e6, 1),
-        "mib": round(nbytes / 2**20, 1),
-        "buckets": len(buckets),
-        "engines": 2,
-        "push_s_median": round(push_med, 4),
-        "raw_broadcast_s_median": round(raw_med, 4),
-        "ratio": round(push_med / raw_med, 2),
-        "push_gib_per_s": round(nbytes / 2**30 / push_med, 2),
-    }))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "benchmark": "weight_sync_cpu_gloo",
+                "params_m": round(sum(p.numel() for _, p in params) / 1e6, 1),
+                "mib": round(nbytes / 2**20, 1),
+                "buckets": len(buckets),
+                "engines": 2,
+                "push_s_median": round(push_med, 4),
+                "raw_broadcast_s_median": round(raw_med, 4),
+                "ratio": round(push_med / raw_med, 2),
+                "push_gib_per_s": round(nbytes / 2**30 / push_med, 2),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

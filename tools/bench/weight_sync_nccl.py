@@ -49,8 +49,17 @@ REPO = Path(__file__).resolve().parents[2]
 TOKENIZER = REPO / "assets" / "tiny-qwen3-addition"  # any tokenizer: the engine never generates here
 CHILDREN: list[subprocess.Popen] = []
 TEMP_DIRS: list[str] = []  # removed by the deadline too (the model alone is 3.2 GiB)
-SMOKE = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "head_dim": 16, "intermediate": 128,
-         "vocab": 1024, "bucket_mb": 0.05, "repeat": 3}  # fmt: skip
+SMOKE = {
+    "hidden": 64,
+    "layers": 2,
+    "heads": 4,
+    "kv_heads": 2,
+    "head_dim": 16,
+    "intermediate": 128,
+    "vocab": 1024,
+    "bucket_mb": 0.05,
+    "repeat": 3,
+}
 
 
 # -- setup ----------------------------------------------------------------------------------------
@@ -123,8 +132,13 @@ def start_engine(args: argparse.Namespace, paths: RunPaths, model_dir: Path, log
             "--device", "cpu" if args.cpu_smoke else "cuda", "--threads", "1" if args.cpu_smoke else "4",
             "--weights-timeout-s", str(args.op_timeout_s)]  # fmt: skip
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                env=child_env(None if args.cpu_smoke else second_gpu()))  # fmt: skip
+        proc = subprocess.Popen(
+            argv,
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=child_env(None if args.cpu_smoke else second_gpu()),
+        )
     CHILDREN.append(proc)
     return proc
 
