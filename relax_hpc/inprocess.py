@@ -85,7 +85,7 @@ class InProcessRun:
         spec = SamplingSpec(max_new_tokens=self.cfg.rollout.max_new_tokens, temperature=0.0)
         outs = self._generate(self.prompt_ids, [spec] * len(self.rows), [0] * len(self.rows))
         texts = [self.tokenizer.decode(o.output_ids, skip_special_tokens=True) for o in outs]
-        return sum(self.plan.reward_fn(t, r.answer) for t, r in zip(texts, self.rows)) / len(self.rows)
+        return sum(self.plan.reward_fn(t, r.answer) for t, r in zip(texts, self.rows, strict=True)) / len(self.rows)
 
     def train(self, step: int, version: int) -> dict:
         selection = self.plan.select(functools.partial(self.sample_round, step, version))

@@ -61,7 +61,7 @@ def main() -> None:
     args = parser.parse_args()
     grid = json.loads(args.grid)
     grids = grid if isinstance(grid, list) else [grid]
-    settings = [dict(zip(g, values)) for g in grids for values in itertools.product(*g.values())] or [{}]
+    settings = [dict(zip(g, values, strict=True)) for g in grids for values in itertools.product(*g.values())] or [{}]
     greedy = args.greedy_every or args.steps
     jobs = [(args.config, args.set, s, seed, args.steps, greedy) for s in settings for seed in args.seeds]
     with mp.get_context("spawn").Pool(args.workers) as pool:

@@ -105,7 +105,7 @@ class TorchEngine:
             return [default if value is None else value] * n
 
         params = per_item(req.sampling_params, {})
-        specs, seeds = zip(*(_spec(p) for p in params))
+        specs, seeds = zip(*(_spec(p) for p in params), strict=True)
         rids = per_item(req.rid, None)
         rids = [r if r is not None else uuid.uuid4().hex for r in rids]
         job = _Job(prompts, list(specs), list(seeds), rids, [bool(x) for x in per_item(req.return_logprob, False)])
@@ -135,7 +135,7 @@ class TorchEngine:
             "weight_version": job.version or self.weight_version,
         }
         if job.return_logprob[i]:
-            meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(logprobs, ids)]
+            meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(logprobs, ids, strict=True)]
         return {"text": self.tokenizer.decode(ids, skip_special_tokens=True), "output_ids": ids, "meta_info": meta}
 
     def _schedule_loop(self) -> None:

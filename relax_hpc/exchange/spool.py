@@ -88,7 +88,7 @@ class SampleBatch:
         offsets[1:] = np.cumsum(lengths)
         loss_mask = np.zeros(offsets[-1], dtype=np.uint8)
         flat_logprobs = np.zeros(offsets[-1], dtype=np.float32)
-        for i, (start, plen) in enumerate(zip(offsets[:-1], prompt_lens)):
+        for i, (start, plen) in enumerate(zip(offsets[:-1], prompt_lens, strict=True)):
             loss_mask[start + plen : offsets[i + 1]] = 1
             flat_logprobs[start + plen : offsets[i + 1]] = logprobs[i]
         return cls(

@@ -47,7 +47,7 @@ class Allocation:
         for suffix in suffixes:
             nodes = expand_hostlist(env[f"SLURM_JOB_NODELIST{suffix}"])
             groups.append(nodes)
-            cpus.update(zip(nodes, expand_counts(env[f"SLURM_JOB_CPUS_PER_NODE{suffix}"])))
+            cpus.update(zip(nodes, expand_counts(env[f"SLURM_JOB_CPUS_PER_NODE{suffix}"]), strict=True))
         return cls(env["SLURM_JOB_ID"], groups, cpus, node_addresses(list(cpus)))
 
 

@@ -68,7 +68,7 @@ def step_commands(cfg: JobConfig, paths: RunPaths, alloc: Allocation) -> dict[st
     layout = plan_layout(cfg, alloc)
     py = python(cfg)
     commands = {}
-    for i, (node, gpus) in enumerate(zip(layout.engine_nodes, layout.engine_gpus)):
+    for i, (node, gpus) in enumerate(zip(layout.engine_nodes, layout.engine_gpus, strict=True)):
         # Engines listen on every interface and announce the node's name: the trainer and the
         # driver may run on other nodes.
         argv = _on_gpus(gpus, [py, *engine_args(cfg, paths, i, "0.0.0.0")])

@@ -551,7 +551,7 @@ def _gather_unit(items: list[_Local], arch: Arch) -> dict[str, torch.Tensor]:
     # Data-parallel replicas hold the same weights: replica 0 alone gathers.
     if dense and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0:
         group = parallel_state.get_tensor_model_parallel_group()
-        for it, full in zip(dense, _gather_split(dense, group)):
+        for it, full in zip(dense, _gather_split(dense, group), strict=True):
             out.update(_to_hf(full, it.entry, arch, group.size()))
     if experts and parallel_state.get_expert_data_parallel_rank() == 0:
         out.update(_gather_experts(experts, arch))
@@ -561,7 +561,7 @@ def _gather_unit(items: list[_Local], arch: Arch) -> dict[str, torch.Tensor]:
 def _gather_split(items: list[_Local], group: dist.ProcessGroup) -> list[torch.Tensor]:
     """Full tensors of items: TP-split ones gathered over group (one collective), others as held."""
     split = [it for it in items if it.entry.split is not None]
-    per_rank = iter(zip(*_all_gather([it.param for it in split], group))) if split else iter(())
+    per_rank = iter(zip(*_all_gather([it.param for it in split], group), strict=True)) if split else iter(())
     return [torch.cat(next(per_rank), dim=it.entry.split) if it.entry.split is not None else it.param for it in items]
 
 
@@ -573,7 +573,7 @@ def _gather_experts(items: list[_Local], arch: Arch) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for ep_rank, tensors in enumerate(_all_gather(fulls, ep_group)):
         shift = rank_experts(arch.num_experts, ep_group.size(), ep_rank).start - first
-        for it, full in zip(items, tensors):
+        for it, full in zip(items, tensors, strict=True):
             e = entry(_with_expert(it.name, _expert_index(it.name) + shift), arch)
             out.update(_to_hf(full, e, arch, expert_tp.size()))
     return out
@@ -593,7 +593,7 @@ def _all_gather(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> list[l
     out = []
     for chunk in gathered.chunk(group.size()):
         sizes = [t.numel() for t in tensors]
-        out.append([part.view(t.shape) for part, t in zip(chunk.split(sizes), tensors)])
+        out.append([part.view(t.shape) for part, t in zip(chunk.split(sizes), tensors, strict=True)])
     return out
 
 

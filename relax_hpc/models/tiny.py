@@ -76,7 +76,7 @@ def _supervised(
     for _ in range(steps):
         a, b, c = (torch.randint(0, hi, (64,), generator=gen) for hi in (10, 10, 19))
         answers = (a + b) if correct else c
-        texts = [(f"{x}+{y}=", str(z)) for x, y, z in zip(a.tolist(), b.tolist(), answers.tolist())]
+        texts = [(f"{x}+{y}=", str(z)) for x, y, z in zip(a.tolist(), b.tolist(), answers.tolist(), strict=True)]
         rows = [tokenizer(p)["input_ids"] + tokenizer(ans)["input_ids"] + [tokenizer.eos_token_id] for p, ans in texts]
         width = max(map(len, rows))
         ids = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows])

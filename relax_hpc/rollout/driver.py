@@ -178,7 +178,7 @@ class Driver:
     def evaluate(self, engine: Engine) -> float:
         request = P.GenerateReqInput(input_ids=self.prompt_ids, sampling_params=self._sampling(temperature=0.0))
         outputs = engine.client.generate(request)
-        correct = sum(self.plan.reward_fn(o["text"], r.answer) for o, r in zip(outputs, self.rows))
+        correct = sum(self.plan.reward_fn(o["text"], r.answer) for o, r in zip(outputs, self.rows, strict=True))
         version = min(int(o["meta_info"]["weight_version"]) for o in outputs)
         accuracy = correct / len(self.rows)
         self.evals.log({"version": version, "greedy_accuracy": accuracy, "problems": len(self.rows)})

@@ -52,7 +52,7 @@ class DistComm:
         longest = max(int(s) for s in sizes)
         padded = [self._on(t.new_zeros(longest)) for _ in sizes]
         dist.all_gather(padded, self._on(torch.cat([t, t.new_zeros(longest - t.numel())])), group=self.group)
-        return torch.cat([p[: int(s)] for p, s in zip(padded, sizes)]).to(t.device)
+        return torch.cat([p[: int(s)] for p, s in zip(padded, sizes, strict=True)]).to(t.device)
 
 
 class Backend(Protocol):

@@ -212,7 +212,7 @@ class MegatronBackend:
         norms = self._global_counts(batch, rows)
         stats, losses, grad_norm = Stats(), [], 0.0
         for _ in range(algo.epochs):
-            for r, norm in zip(rows, norms):
+            for r, norm in zip(rows, norms, strict=True):
                 part = batch.select(r) if len(r) else batch.select(torch.zeros(1, dtype=torch.long)).without_loss()
                 index = r.to(self.device) if len(r) else torch.zeros(1, dtype=torch.long, device=self.device)
                 loss, part_stats = self._minibatch(part, index, old, advantages, ref, norm)

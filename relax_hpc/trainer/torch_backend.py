@@ -133,7 +133,7 @@ class TorchBackend:
         policy_learns = self.critic is None or step >= algo.critic.warmup_steps
         stats, losses, grad_norm = Stats(), [], 0.0
         for _ in range(algo.epochs):
-            for r, part, norm in zip(rows, parts, norms):
+            for r, part, norm in zip(rows, parts, norms, strict=True):
                 logprobs, entropy = token_logprobs_and_entropy(self.model, part, self.temperature)
                 if advantages is None:
                     old = logprobs.detach()

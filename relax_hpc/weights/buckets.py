@@ -32,7 +32,7 @@ class BucketPlan:
 
     @property
     def nbytes(self) -> int:
-        return sum(torch.Size(s).numel() * DTYPES[d].itemsize for s, d in zip(self.shapes, self.dtypes))
+        return sum(torch.Size(s).numel() * DTYPES[d].itemsize for s, d in zip(self.shapes, self.dtypes, strict=True))
 
 
 def plan_buckets(params: Iterable[tuple[str, torch.Size, torch.dtype]], max_bytes: int) -> list[BucketPlan]:
@@ -72,11 +72,11 @@ def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
 def unpack(flat: torch.Tensor, plan: BucketPlan) -> list[tuple[str, torch.Tensor]]:
     """Split a received uint8 buffer back into named tensors (views of `flat`)."""
     dtypes = [DTYPES[d] for d in plan.dtypes]
-    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in zip(plan.shapes, dtypes)]
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in zip(plan.shapes, dtypes, strict=True)]
     if sum(sizes) != flat.numel():
         raise ValueError(f"bucket holds {flat.numel()} bytes, its metadata describes {sum(sizes)}")
     parts = flat.split(sizes)  # one call for every view: this runs once per bucket on the engine's critical path
-    return [(n, part.view(d).view(s)) for n, part, d, s in zip(plan.names, parts, dtypes, plan.shapes)]
+    return [(n, part.view(d).view(s)) for n, part, d, s in zip(plan.names, parts, dtypes, plan.shapes, strict=True)]
 
 
 class Fence(Protocol):

@@ -73,7 +73,7 @@ class WeightSender:
         """The engines of `records` (default: the registry's) that answer /health."""
         records = read_records(self.registry) if records is None else records
         alive = list(self._pool.map(lambda r: self._client(r).healthy(), records))
-        return [r for r, ok in zip(records, alive) if ok]
+        return [r for r, ok in zip(records, alive, strict=True) if ok]
 
     def engine_set_changed(self) -> bool:
         """True when the engines that answer differ from the current group's members."""

@@ -77,7 +77,7 @@ def test_packed_attention_equals_one_call_per_document(mp):
     positions = megatron_layers.document_positions(cu, total)
     ref = attention._per_document(*attention._rotate(q, k, positions), v, cu)
     ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
-    for mine, theirs in zip((out, *grads), (ref, *ref_grads)):
+    for mine, theirs in zip((out, *grads), (ref, *ref_grads), strict=True):
         err = ((mine.float() - theirs.float()).norm() / theirs.float().norm()).item()
         assert err < 1e-2, err  # bf16 kernels with different tilings
 
@@ -100,6 +100,8 @@ def test_compiled_norm_and_rope_equal_their_eager_forms():
         ref = eager(x, *args)
         torch.testing.assert_close(out, ref)
         inputs = (x, w) if compiled is layers._rms_norm else (x,)
-        for mine, theirs in zip(torch.autograd.grad(out, inputs, grad), torch.autograd.grad(ref, inputs, grad)):
+        for mine, theirs in zip(
+            torch.autograd.grad(out, inputs, grad), torch.autograd.grad(ref, inputs, grad), strict=True
+        ):
             err = ((mine.float() - theirs.float()).norm() / theirs.float().norm()).item()
             assert err < 1e-2, err  # bf16 gradients, the weight's summed over 48,000 rows

@@ -97,7 +97,7 @@ def _optimizer_state(optimizer) -> list[dict[str, torch.Tensor]]:
 
 def _assert_same(a, b) -> None:
     assert len(a) == len(b)
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         assert x.keys() == y.keys() == {"param", "step", "exp_avg", "exp_avg_sq"}
         for key in x:
             assert torch.equal(x[key], y[key]), key
@@ -127,10 +127,10 @@ def test_a_loaded_checkpoint_takes_the_next_step_of_the_run_that_saved_it(
     _assert_same(_optimizer_state(optimizer), _optimizer_state(resumed))
     steps = [s["step"] for s in resumed.optimizer.state.values()]
     assert {float(s) for s in steps} == {3.0} and len({id(s) for s in steps}) == len(steps)
-    for (name, p), (_, q) in zip(model.module.named_parameters(), resumed_model.module.named_parameters()):
+    for (name, p), (_, q) in zip(model.module.named_parameters(), resumed_model.module.named_parameters(), strict=True):
         assert torch.equal(p, q), name
 
     assert _step(model, optimizer, 7) == _step(resumed_model, resumed, 7)
     _assert_same(_optimizer_state(optimizer), _optimizer_state(resumed))
-    for (name, p), (_, q) in zip(model.module.named_parameters(), resumed_model.module.named_parameters()):
+    for (name, p), (_, q) in zip(model.module.named_parameters(), resumed_model.module.named_parameters(), strict=True):
         assert torch.equal(p, q), name

@@ -40,7 +40,7 @@ def slurm(*argv: str, **kwargs) -> str:
 def sacct(job: str, fields: str = "JobID,JobName,State,Partition,NodeList") -> list[dict[str, str]]:
     names = fields.split(",")
     lines = slurm("sacct", "-n", "-P", "-D", "-j", job, "-o", fields).splitlines()
-    return [dict(zip(names, line.split("|"))) for line in lines if line]
+    return [dict(zip(names, line.split("|"), strict=True)) for line in lines if line]
 
 
 def job_state(job: str) -> str:

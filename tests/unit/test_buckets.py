@@ -109,7 +109,7 @@ def test_double_buffered_packer_waits_for_the_consumer_before_reusing_a_buffer()
         reads.append(read)
     packer.drain()
     # Every consumer saw its own bucket's bytes: no buffer was packed again while being read.
-    assert all(torch.equal(read.result(timeout=10), pack(t)) for read, t in zip(reads, buckets))
+    assert all(torch.equal(read.result(timeout=10), pack(t)) for read, t in zip(reads, buckets, strict=True))
     # Bucket i+2 (same buffer as bucket i) was packed only after bucket i was consumed.
     order = consumer.log
     for i in range(len(buckets) - 2):

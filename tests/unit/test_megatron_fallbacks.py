@@ -25,10 +25,10 @@ def test_scale_in_place_and_into_other_tensors():
     src, dst = _tensors(0), _tensors(1)
     expected = [t * 0.25 for t in src]
     foreach_scale(2048, None, [src, dst], 0.25)
-    for d, e in zip(dst, expected):
+    for d, e in zip(dst, expected, strict=True):
         torch.testing.assert_close(d, e)
     foreach_scale(2048, None, [dst, dst], 2.0)  # clipping passes the same list twice
-    for d, e in zip(dst, expected):
+    for d, e in zip(dst, expected, strict=True):
         torch.testing.assert_close(d, e * 2.0)
 
 
@@ -39,12 +39,12 @@ def _adam_steps(fuse: bool) -> list[torch.Tensor]:
         fuse_adam(SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=adam)]))
         assert all(group["fused"] for group in adam.param_groups)
     for step in range(3):
-        for p, g in zip(params, _tensors(10 + step)):
+        for p, g in zip(params, _tensors(10 + step), strict=True):
             p.grad = g
         adam.step()
     return [p.detach() for p in params]
 
 
 def test_fused_adam_takes_the_same_steps():
-    for fused, plain in zip(_adam_steps(True), _adam_steps(False)):
+    for fused, plain in zip(_adam_steps(True), _adam_steps(False), strict=True):
         torch.testing.assert_close(fused, plain)

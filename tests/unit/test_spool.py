@@ -16,7 +16,7 @@ def make_batch(seq: int, version: int = 0, n_groups: int = 2, group_size: int = 
     completions = [rng.integers(2, 12, size=int(rng.integers(1, 4))).tolist() for _ in range(n)]
     return SampleBatch.from_samples(
         seq=seq,
-        sequences=[p + c for p, c in zip(prompts, completions)],
+        sequences=[p + c for p, c in zip(prompts, completions, strict=True)],
         prompt_lens=[4] * n,
         logprobs=[[-0.5] * len(c) for c in completions],
         rewards=[float(i % 2) for i in range(n)],
