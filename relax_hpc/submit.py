@@ -61,9 +61,11 @@ def megatron_gpu_problems(cfg: JobConfig, in_allocation: bool) -> list[str]:
         role = cfg.launch.slurm.trainer
         if role.gpus_per_node * role.nodes < ranks:
             return [
-                f"trainer.backend=megatron runs one rank per GPU: launch.slurm.trainer.gpus_per_node "
-                f"({role.gpus_per_node}) x launch.slurm.trainer.nodes ({role.nodes}) is less than "
-                f"trainer.num_ranks ({ranks})"
+                (
+                    f"trainer.backend=megatron runs one rank per GPU: launch.slurm.trainer.gpus_per_node "
+                    f"({role.gpus_per_node}) x launch.slurm.trainer.nodes ({role.nodes}) is less than "
+                    f"trainer.num_ranks ({ranks})"
+                )
             ]
         return []
     if cfg.launch.container:
@@ -72,9 +74,11 @@ def megatron_gpu_problems(cfg: JobConfig, in_allocation: bool) -> list[str]:
     usable = span(cfg.launch.local_trainer_gpus) if cfg.launch.local_trainer_gpus else visible
     if min(usable, visible) < ranks:
         return [
-            f"trainer.backend=megatron runs one rank per GPU: this machine shows {visible} GPU(s) "
-            f"(launch.local_trainer_gpus: {cfg.launch.local_trainer_gpus or 'all'}) for trainer.num_ranks={ranks}; "
-            "use trainer.backend=torch here, or fewer ranks"
+            (
+                f"trainer.backend=megatron runs one rank per GPU: this machine shows {visible} GPU(s) "
+                f"(launch.local_trainer_gpus: {cfg.launch.local_trainer_gpus or 'all'}) for trainer.num_ranks={ranks}; "
+                "use trainer.backend=torch here, or fewer ranks"
+            )
         ]
     return []
 
@@ -174,7 +178,7 @@ def submit_to_slurm(cfg: JobConfig, paths: RunPaths, wait: bool) -> int:
         return 0
     try:
         print(job.result())
-    except Exception as e:  # submitit re-raises the job's failure, whatever its type
+    except Exception as e:  # noqa: BLE001  # submitit re-raises the job's failure, whatever its type
         print(f"job {job.job_id} did not complete: {e}", file=sys.stderr)
         return 1
     return 0

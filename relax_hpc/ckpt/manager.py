@@ -59,7 +59,7 @@ class Checkpointer:
             torch.save(rank_state, tmp / f"rank-{self.rank}.pt")
         # ENOSPC, EIO, quota: keep training, keep the old checkpoint. DCP wraps a rank's failure
         # in CheckpointException, which derives from BaseException, not Exception.
-        except (Exception, CheckpointException) as e:
+        except (Exception, CheckpointException) as e:  # noqa: BLE001  # any failure to write: keep training
             log.error("checkpoint %s failed on rank %d: %s", name, self.rank, e)
             failed = True
         if _any_rank(failed):

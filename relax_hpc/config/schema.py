@@ -486,7 +486,8 @@ class JobConfig(Section):
         engines = self.launch.local_engine_gpus
         if engines and len(engines) != self.rollout.num_engines:
             raise ValueError(
-                f"launch.local_engine_gpus has {len(engines)} entries for rollout.num_engines={self.rollout.num_engines}"
+                f"launch.local_engine_gpus has {len(engines)} entries "
+                f"for rollout.num_engines={self.rollout.num_engines}"
             )
         if any(not re.fullmatch(r"\d+-\d+", e) for e in engines):
             raise ValueError(f"launch.local_engine_gpus entries are FIRST-LAST GPU indices, e.g. 1-1; got {engines}")

@@ -24,6 +24,7 @@ this module writes (the command line is logged with the key replaced).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import logging
 import os
@@ -106,16 +107,16 @@ def start_server(cfg: JobConfig, argv: list[str]) -> subprocess.Popen:
     # Its own session: the supervisor's signals to this process's group do not reach the server
     # directly, so this process decides how it stops, and can kill every SGLang subprocess at once.
     return subprocess.Popen(
-        [sys.executable, "-m", cfg.rollout.sglang.module, *argv], start_new_session=True, preexec_fn=_die_with_parent
+        [sys.executable, "-m", cfg.rollout.sglang.module, *argv],
+        start_new_session=True,
+        preexec_fn=_die_with_parent,  # noqa: PLW1509  # only prctl(PR_SET_PDEATHSIG), which must run in the child
     )
 
 
 def kill_group(proc: subprocess.Popen) -> None:
     """SIGKILL the server and every process of its group (SGLang's scheduler and detokenizer)."""
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     proc.wait()
 
 
@@ -142,10 +143,8 @@ class Wrapper:
 
     def _forward(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):  # it exited a moment ago
                 os.killpg(self.proc.pid, self.signum)
-            except ProcessLookupError:  # it exited a moment ago
-                pass
 
     def run(self) -> int:
         argv = server_args(self.cfg, self.args.host, self.port, self.api_key)

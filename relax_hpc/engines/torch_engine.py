@@ -252,7 +252,8 @@ class _Handler(BaseHTTPRequestHandler):
     disable_nagle_algorithm = True
 
     def log_message(self, fmt: str, *args: Any) -> None:  # route http.server's access log to logging
-        log.debug("%s " + fmt, self.address_string(), *args)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s %s", self.address_string(), fmt % args)
 
     def _reply(self, status: int, body: Any) -> None:
         data = json.dumps(body).encode()

@@ -167,7 +167,7 @@ def _read(path: Path, names: tuple[str, ...] | dict[str, type]) -> tuple[dict, d
             num_tokens = int(f["tokens"].shape[0])
     except SpoolFormatError:
         raise
-    except Exception as e:  # h5py raises OSError, KeyError, ValueError... for damaged files
+    except Exception as e:  # noqa: BLE001  # h5py raises OSError, KeyError, ValueError... for damaged files
         raise SpoolFormatError(f"unreadable HDF5 ({type(e).__name__}: {e})") from None
     if attrs.get("schema_version") != SCHEMA_VERSION:
         raise SpoolFormatError(f"schema_version {attrs.get('schema_version')!r}, expected {SCHEMA_VERSION}")

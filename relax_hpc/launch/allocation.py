@@ -161,4 +161,4 @@ def example_allocation(cfg: JobConfig) -> Allocation:
     trainer = [f"trainer-node{i}" for i in range(sl.trainer.nodes)]
     rollout = [f"rollout-node{i}" for i in range(sl.rollout.nodes)]
     groups = [trainer, rollout] if sl.heterogeneous else [trainer + rollout]
-    return Allocation("JOBID", groups, {n: cpus for n in trainer + rollout})
+    return Allocation("JOBID", groups, dict.fromkeys(trainer + rollout, cpus))

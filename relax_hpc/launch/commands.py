@@ -89,8 +89,8 @@ def _torchrun_args(cfg: JobConfig, alloc: Allocation, layout: Layout) -> list[st
     nodes = len(layout.trainer_nodes)
     port = cfg.launch.slurm.rdzv_port or (20000 + int(alloc.job_id) % 20000 if alloc.job_id.isdigit() else 29500)
     return [
-        f"--nnodes={nodes}", f"--nproc-per-node={cfg.trainer.num_ranks // nodes}",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint={alloc.address(layout.trainer_nodes[0])}:{port}", f"--rdzv-id={alloc.job_id}",
+        f"--nnodes={nodes}", f"--nproc-per-node={cfg.trainer.num_ranks // nodes}", "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={alloc.address(layout.trainer_nodes[0])}:{port}", f"--rdzv-id={alloc.job_id}",
     ]  # fmt: skip
 
 

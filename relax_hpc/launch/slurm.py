@@ -48,11 +48,12 @@ def check_shared_run_dir(paths: RunPaths, alloc: Allocation) -> None:
                     f"--nodelist={','.join(group)}", "cat", str(probe)]  # fmt: skip
             if alloc.heterogeneous:
                 argv.insert(1, f"--het-group={g}")
-            out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+            out = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=120)
             if out.returncode != 0 or out.stdout.split() != [alloc.job_id] * len(group):
                 raise AllocationError(
                     f"run.dir {paths.root} is not shared by all nodes of job {alloc.job_id} (a node could not "
-                    f"read {probe.name}; srun exit {out.returncode}: {(out.stdout + out.stderr).strip()[-300:]}); put RUN_DIR on a shared filesystem"
+                    f"read {probe.name}; srun exit {out.returncode}: {(out.stdout + out.stderr).strip()[-300:]}); "
+                    "put RUN_DIR on a shared filesystem"
                 )
     finally:
         probe.unlink(missing_ok=True)

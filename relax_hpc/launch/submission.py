@@ -159,7 +159,9 @@ def ask_slurm(executor: HetSlurmExecutor) -> str:
     with tempfile.NamedTemporaryFile("w", suffix=".sbatch", delete=False) as f:
         f.write(submission_text(executor))
     try:
-        out = subprocess.run(["sbatch", "--test-only", f.name], capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            ["sbatch", "--test-only", f.name], check=False, capture_output=True, text=True, timeout=120
+        )
     finally:
         Path(f.name).unlink()
     message = (out.stderr + out.stdout).strip()

@@ -11,6 +11,7 @@ failure.
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import logging
 import os
@@ -53,10 +54,8 @@ class Role:
 
     def signal(self, sig: int) -> None:
         if self.alive():
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
 
     def log_tail(self, lines: int = 15) -> str:
         try:
@@ -147,7 +146,7 @@ class Supervisor:
             wall = self.cfg.launch.max_wall_s
             if wall and time.monotonic() - started > wall:
                 self.request_stop(f"launch.max_wall_s ({wall:.0f} s) reached")
-            for role in engines + [driver]:
+            for role in [*engines, driver]:
                 if role.alive() or trainer_done_at is not None or self.stop_requested:
                     continue
                 code = role.proc.returncode

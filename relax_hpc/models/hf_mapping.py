@@ -157,7 +157,7 @@ def _layer_names(arch: Arch, te: bool) -> list[str]:
         names += ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
     if not arch.moe:
         names.append("mlp.linear_fc1.layer_norm_weight" if te else "pre_mlp_layernorm.weight")
-        return names + ["mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+        return [*names, "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
     names += ["pre_mlp_layernorm.weight", "mlp.router.weight"]
     for e, fc in itertools.product(range(arch.num_experts), (1, 2)):
         names.append(
@@ -234,7 +234,8 @@ def canonical_name(name: str, model: GPTModel) -> str:
 def _global_experts(rest: str, layer: torch.nn.Module) -> str:
     def renumber(m: re.Match) -> str:
         if m["seq"] is not None:
-            return f"mlp.experts.local_experts.{layer.mlp.local_expert_indices[int(m['seq'])]}.linear_fc{m['seq_fc']}.weight"
+            expert = layer.mlp.local_expert_indices[int(m["seq"])]
+            return f"mlp.experts.local_experts.{expert}.linear_fc{m['seq_fc']}.weight"
         return f"mlp.experts.linear_fc{m['grp_fc']}.weight{layer.mlp.local_expert_indices[int(m['grp'])]}"
 
     return _EXPERT.sub(renumber, rest)
@@ -473,8 +474,8 @@ def export_hf(model: torch.nn.Module, hf_config: Any) -> Iterator[tuple[str, tor
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     pp_ranks = dist.get_process_group_ranks(pp_group)
     stage, rank = parallel_state.get_pipeline_model_parallel_rank(), dist.get_rank()
-    for unit, specs in itertools.groupby(hf_specs(hf_config, dtype), key=lambda spec: _unit_of_hf(spec[0])):
-        specs = list(specs)
+    for unit, unit_specs in itertools.groupby(hf_specs(hf_config, dtype), key=lambda spec: _unit_of_hf(spec[0])):
+        specs = list(unit_specs)
         if owners[unit] == stage:
             tensors = _gather_unit(local.get(unit, []), arch)
             if rank == 0:
@@ -531,7 +532,8 @@ def _check_names(unit: str | int, tensors: dict[str, torch.Tensor], specs: list)
     expected = {name for name, _, _ in specs}
     if set(tensors) != expected:
         raise RuntimeError(
-            f"export unit {unit}: missing {sorted(expected - set(tensors))}, unexpected {sorted(set(tensors) - expected)}"
+            f"export unit {unit}: missing {sorted(expected - set(tensors))}, "
+            f"unexpected {sorted(set(tensors) - expected)}"
         )
 
 

@@ -172,10 +172,9 @@ class Trainer:
         except WeightSyncError as e:
             log.warning("%s; retrying with the engines that answer", e)
             return
-        if self.rank == 0:
-            if engines:
-                self.delivered = self.state.version
-                self.announce_version(engines)
+        if self.rank == 0 and engines:
+            self.delivered = self.state.version
+            self.announce_version(engines)
 
     def announce_version(self, engines: int) -> None:
         """Announce the delivered version in RUN_DIR/weights (a record for humans and tools)."""

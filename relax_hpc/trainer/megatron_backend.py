@@ -208,7 +208,7 @@ class MegatronBackend:
         if parallel_state.is_pipeline_last_stage():
             base = batch.rollout_logprobs if old is None else old
             advantages = objective.advantages(batch.rewards, batch.group_ids, batch.loss_mask, base, ref, teacher)
-        rows = [r for r in batch.minibatches(algo.minibatches)]
+        rows = list(batch.minibatches(algo.minibatches))
         norms = self._global_counts(batch, rows)
         stats, losses, grad_norm = Stats(), [], 0.0
         for _ in range(algo.epochs):
@@ -236,7 +236,9 @@ class MegatronBackend:
         (on the last stage; 0 elsewhere) and the objective's statistics."""
         stats = Stats()
         entropy_grad = self.algo.policy_loss.entropy_coef > 0
-        pick = lambda t, mb: None if t is None else t[index][mb.rows]
+
+        def pick(t: torch.Tensor | None, mb: packing.Microbatch) -> torch.Tensor | None:
+            return None if t is None else t[index][mb.rows]
 
         def loss_fn(mb, logits):
             lp, ent = self._token_logprobs(logits, mb, entropy_grad)

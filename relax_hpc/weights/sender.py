@@ -20,6 +20,7 @@ and the next push forms a new one with the engines that answer /health.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import uuid
@@ -123,10 +124,8 @@ class WeightSender:
                 ("/destroy_weights_update_group", P.DestroyWeightsUpdateGroupReqInput(self.group.group_name)),
             ):
                 for f in self._fan_out(route, request):
-                    try:
+                    with contextlib.suppress(EngineUnavailable, EngineRequestError):
                         f.result()
-                    except (EngineUnavailable, EngineRequestError):
-                        pass
             self.group.close()
         self._close_pipelines()
         self.group, self.members = None, []
