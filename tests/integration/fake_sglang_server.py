@@ -46,7 +46,9 @@ def main() -> None:
     settings = {"engine": engine, "api_key": args.api_key, "timeout_s": 60.0, "on_weights": staticmethod(lambda: None)}
     server = ThreadingHTTPServer((args.host, args.port), type("Handler", (_Handler,), settings))
     server.daemon_threads = True
-    logging.info("serving %s on %s:%d (tp_size %d)", args.model_path, args.host, args.port, args.tp_size)
+    logging.getLogger("fake_sglang").info(
+        "serving %s on %s:%d (tp_size %d)", args.model_path, args.host, args.port, args.tp_size
+    )
     server.serve_forever(poll_interval=0.2)
 
 

@@ -4,10 +4,11 @@ Each case runs a shipped config (configs/tiny-NAME.yaml) through the single-proc
 (`python -m relax_hpc.inprocess`: the driver's batch construction, the trainer's backend
 and objective, asynchrony simulated at the config's max_staleness), shortened so that all of them
 fit in CI: 9 of the 100 problems (every 12th), 9 prompts x 16 samples per step, a higher
-learning rate (the default recipe's 5e-4 is for 64 prompts and 400 steps), 50 or 60 steps. Chance is 1/19 (about 0.05): the first 10 steps' mean reward stays
-below 0.2 and the last 10 steps' mean must reach the case's stated level. The runs are seeded
-and single-threaded, so each is deterministic on a given torch build; the levels leave margin
-below what was measured (docs/algorithms.md, "How it is tested").
+learning rate (the default recipe's 5e-4 is for 64 prompts and 400 steps), 50 or 60 steps.
+Chance is 1/19 (about 0.05): the first 10 steps' mean reward stays below 0.2 and the last 10
+steps' mean must reach the case's stated level. The runs are seeded and single-threaded, so each
+is deterministic on a given torch build; the levels leave margin below what was measured
+(docs/algorithms.md, "How it is tested").
 """
 
 from __future__ import annotations

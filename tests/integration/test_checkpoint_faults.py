@@ -45,7 +45,7 @@ def test_full_disk_keeps_the_previous_checkpoint(small_disk, process_group):
     assert read_trainer_state(small_disk) == {"step": 1, "version": 1}
     assert sorted(os.listdir(small_disk)) == ["latest", "step-00000001"]  # the partial one is gone
     loaded = {"w": torch.zeros(1000)}
-    rank_state, state = ckpt.load(lambda folder: dcp.load(loaded, checkpoint_id=str(folder)))
+    _, state = ckpt.load(lambda folder: dcp.load(loaded, checkpoint_id=str(folder)))
     assert torch.equal(loaded["w"], small["w"]) and state["step"] == 1
     # Space is free again: the next save succeeds and older ones are pruned to `keep`.
     for step in (3, 4):

@@ -16,7 +16,7 @@ from relax_hpc.paths import RunPaths
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
-import dcp_to_hf
+import dcp_to_hf  # noqa: E402  # tools/ is no package: importable only after the sys.path insert
 
 pytestmark = pytest.mark.integration
 

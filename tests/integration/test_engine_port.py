@@ -19,7 +19,12 @@ def test_port_in_use_is_reported(tmp_path):
         port = taken.getsockname()[1]
         cfg, paths = make_run(tmp_path / "run", f"rollout.base_port={port}")
         result = subprocess.run(
-            local_commands(cfg, paths)["engine-0"], env=child_env(cfg), capture_output=True, text=True, timeout=120
+            local_commands(cfg, paths)["engine-0"],
+            check=False,
+            env=child_env(cfg),
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
     assert result.returncode != 0
     assert f"port {port} on 127.0.0.1 is already in use" in result.stderr

@@ -1,7 +1,7 @@
 """HF <-> megatron mapping across real process groups: two torchrun ranks on CPU (gloo; on a
-machine with two GPUs, NCCL) with TP=2, PP=2 or EP=2. Every rank loads an HF folder, holds exactly the block of every tensor that an
-independent, naive computation expects, and export_hf run on all ranks gives rank 0 the HF
-checkpoint bit for bit (the other rank gets the same names with None).
+machine with two GPUs, NCCL) with TP=2, PP=2 or EP=2. Every rank loads an HF folder, holds
+exactly the block of every tensor that an independent, naive computation expects, and export_hf
+run on all ranks gives rank 0 the HF checkpoint bit for bit (the other rank gets the same names with None).
 
 This file is also the torchrun worker: `python -m torch.distributed.run --nproc-per-node=2
 tests/integration/test_hf_mapping_parallel.py FOLDERS_JSON OUT_DIR` runs every layout in turn."""

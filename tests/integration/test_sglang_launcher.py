@@ -7,6 +7,7 @@ engine's HTTP API. The wrapper is started with the launcher's own command line.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -73,10 +74,8 @@ class Wrapper:
 
     def kill(self) -> None:
         for pid in (self.proc.pid, *re.findall(r"SGLang server pid (\d+)", self.text())):
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(int(pid), signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
         self.proc.wait()
 
 
@@ -163,7 +162,10 @@ def test_the_supervisor_restarts_a_crashed_sglang_engine(tmp_path):
     ).start()  # fmt: skip
     job.wait_for_step(3, timeout_s=240)
     log = job.run_dir / "logs" / "0" / "engine-0.log"
-    servers = lambda: [int(pid) for pid in re.findall(r"SGLang server pid (\d+)", log.read_text())]
+
+    def servers() -> list[int]:
+        return [int(pid) for pid in re.findall(r"SGLang server pid (\d+)", log.read_text())]
+
     record_path = job.run_dir / "registry" / "engines" / "engine-0.json"
     killed = EngineRecord(**json.loads(record_path.read_text()))
     os.kill(servers()[0], signal.SIGKILL)

@@ -51,6 +51,7 @@ def _cluster(cmd: str, directory: Path, timeout: float) -> subprocess.CompletedP
     env["PATH"] = _PATH
     return subprocess.run(
         ["bash", str(CLUSTER_SH), cmd, str(directory)],
+        check=False,
         env=env,
         capture_output=True,
         text=True,

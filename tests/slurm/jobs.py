@@ -26,7 +26,7 @@ TINY_SLURM = (
 
 def submit(run_dir: Path, *args: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
     argv = [sys.executable, "-m", "relax_hpc.submit", "--config", str(CONFIG), f"run.dir={run_dir}", *TINY_SLURM, *args]
-    return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+    return subprocess.run(argv, check=False, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
 
 
 def job_id(run_dir: Path) -> str:
@@ -87,8 +87,10 @@ def job_log(run_dir: Path, job: str) -> str:
 def describe(run_dir: Path, job: str) -> str:
     """What to look at when an assertion fails."""
     parts = [f"job {job}: {sacct(job)}", job_log(run_dir, job)[-3000:]]
-    for log in sorted((run_dir / "logs").glob("*/trainer.log"))[-1:]:
-        parts.append(f"{log}:\n" + log.read_text(errors="replace")[-2000:])
+    parts += [
+        f"{log}:\n" + log.read_text(errors="replace")[-2000:]
+        for log in sorted((run_dir / "logs").glob("*/trainer.log"))[-1:]
+    ]
     return "\n".join(parts)
 
 

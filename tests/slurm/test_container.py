@@ -23,7 +23,12 @@ def image(tmp_path_factory):
         pytest.skip(reason)
     out = tmp_path_factory.mktemp("image") / "relax_hpc"
     build = subprocess.run(
-        ["bash", "tools/containers/make_test_image.sh", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600
+        ["bash", "tools/containers/make_test_image.sh", str(out)],
+        check=False,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-3000:]
     return out

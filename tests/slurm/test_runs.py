@@ -40,7 +40,7 @@ def test_submitit_run_completes_with_roles_as_job_steps(slurm_cluster, tmp_path)
     assert f"submitted job {job}" in out.stdout and f"run dir: {run_dir}" in out.stdout
     assert job_state(job) == "COMPLETED", describe(run_dir, job)
     rows = sacct(job)
-    assert ROLE_STEPS <= {r["JobName"] for r in rows}, rows
+    assert {r["JobName"] for r in rows} >= ROLE_STEPS, rows
     engines = {r["NodeList"] for r in rows if r["JobName"].startswith("relax_hpc:engine")}
     trainer = {r["NodeList"] for r in rows if r["JobName"] == "relax_hpc:trainer"}
     assert len(engines) == len(trainer) == 1 and engines != trainer  # a node each
@@ -68,7 +68,7 @@ def test_sbatch_recipe_requeues_itself_and_completes(slurm_cluster, tmp_path):
         "step 8/8",
     ):
         assert line in log, line
-    assert ROLE_STEPS <= {r["JobName"] for r in sacct(job)}
+    assert {r["JobName"] for r in sacct(job)} >= ROLE_STEPS
     starts, ends = train_events(run_dir, "start"), train_events(run_dir, "end")
     assert [s["slurm_restart_count"] for s in starts] == [0, 1]
     assert ends[0]["completed"] is False and starts[1]["step"] == ends[0]["step"] >= 2
@@ -158,12 +158,17 @@ def test_interrupted_every_way_reproduces_the_uninterrupted_run(slurm_cluster, t
     target = 0
     for restart, (name, interrupt) in enumerate(INTERRUPTIONS.items()):
         target = wait_until(
-            lambda: last_step(run_dir) > target and last_step(run_dir), 240, f"training before {name}", every=0.05
+            lambda target=target: last_step(run_dir) > target and last_step(run_dir),
+            240,
+            f"training before {name}",
+            every=0.05,
         )
         target += rng.randint(0, 1)
-        wait_until(lambda: last_step(run_dir) >= target, 120, f"step {target}", every=0.05)
+        wait_until(lambda target=target: last_step(run_dir) >= target, 120, f"step {target}", every=0.05)
         interrupt(job, slurm_cluster)
-        wait_until(lambda: len(train_events(run_dir, "start")) > restart + 1, 300, f"the start after {name}")
+        wait_until(
+            lambda restart=restart: len(train_events(run_dir, "start")) > restart + 1, 300, f"the start after {name}"
+        )
     wait_until(lambda: finished(job), 400, "the job to finish")
     assert job_state(job) == "COMPLETED", describe(run_dir, job)
 

@@ -7,6 +7,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
 
 import pytest
 import torch
@@ -140,7 +141,7 @@ def test_push_on_a_rank_without_a_sender_walks_every_parameter_and_ignores_none(
 
 class _InOrderHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, as the built-in engine
-    seen: list[str] = []
+    seen: ClassVar[list[str]] = []  # shared by every handler instance: the server makes one per connection
 
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers["Content-Length"]))

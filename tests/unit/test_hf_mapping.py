@@ -23,6 +23,7 @@ from transformers import (
 )
 
 from relax_hpc.config.schema import MegatronConfig
+from relax_hpc.models.arch import arch_of
 from relax_hpc.models.hf_mapping import (
     canonical_name,
     entry,
@@ -35,7 +36,6 @@ from relax_hpc.models.hf_mapping import (
     rank_experts,
     stage_layers,
 )
-from relax_hpc.models.arch import arch_of
 from relax_hpc.models.megatron import (
     SDPAttention,
     build_model,

@@ -1,5 +1,6 @@
 """Where each role runs inside an allocation, which GPUs it sees, and how it is wrapped."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -92,10 +93,10 @@ def test_sglang_layouts_that_do_not_fit_are_refused():
         "rollout.engine=sglang", "rollout.sglang.tp_size=2", "launch.slurm.rollout.nodes=1",
         "launch.slurm.rollout.gpus_per_node=4", "rollout.num_engines=3",
     )  # fmt: skip
-    with pytest.raises(AllocationError, match="3 SGLang engines of rollout.sglang.tp_size=2 GPUs each"):
+    with pytest.raises(AllocationError, match=re.escape("3 SGLang engines of rollout.sglang.tp_size=2 GPUs each")):
         plan_layout(cfg, Allocation("7", [["a", "b"]], dict.fromkeys("ab", 8)))
     cfg = cfg_with("rollout.engine=sglang", "launch.slurm.rollout.nodes=1")
-    with pytest.raises(AllocationError, match="rollout.engine=sglang needs GPUs"):
+    with pytest.raises(AllocationError, match=re.escape("rollout.engine=sglang needs GPUs")):
         plan_layout(cfg, Allocation("7", [["a", "b"]], {}))
 
 

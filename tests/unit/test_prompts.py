@@ -1,5 +1,7 @@
 """Prompt datasets: clear errors for bad rows; a deterministic, resumable order."""
 
+import re
+
 import pytest
 
 from relax_hpc.data.prompts import DatasetError, PromptOrder, load_prompts
@@ -16,7 +18,7 @@ def test_row_without_the_prompt_field_names_line_and_option(tmp_path):
 def test_malformed_rows_are_rejected(tmp_path, line):
     path = tmp_path / "d.jsonl"
     path.write_text(line + "\n")
-    with pytest.raises(DatasetError, match="d.jsonl:1"):
+    with pytest.raises(DatasetError, match=re.escape("d.jsonl:1")):
         load_prompts(path, "prompt", "answer")
 
 

@@ -15,7 +15,7 @@ def test_same_seed_same_tokens_whatever_the_batch():
     spec = SamplingSpec(max_new_tokens=6, temperature=1.0)
     alone = sample(model, [prompt], [spec], [123], tok.eos_token_id, tok.pad_token_id)[0]
     others = [tok("12+7=")["input_ids"], tok("1=")["input_ids"]]
-    mixed = sample(model, others + [prompt], [spec] * 3, [9, 8, 123], tok.eos_token_id, tok.pad_token_id)[2]
+    mixed = sample(model, [*others, prompt], [spec] * 3, [9, 8, 123], tok.eos_token_id, tok.pad_token_id)[2]
     assert alone.output_ids == mixed.output_ids
     assert torch.allclose(torch.tensor(alone.logprobs), torch.tensor(mixed.logprobs), atol=1e-5)
     different = sample(model, [prompt], [spec], [124], tok.eos_token_id, tok.pad_token_id)[0]

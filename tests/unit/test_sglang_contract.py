@@ -189,7 +189,7 @@ def hints(cls: type) -> dict[str, Any]:
     """Field -> resolved type hint, or the annotation's source where it does not resolve."""
     try:
         return typing.get_type_hints(cls)
-    except Exception:  # a name imported only under TYPE_CHECKING, say
+    except Exception:  # noqa: BLE001  # any hint that does not resolve (a TYPE_CHECKING-only name, say): read the source
         annotations: dict[str, Any] = {}
         for klass in reversed(cls.__mro__):
             annotations.update(getattr(klass, "__annotations__", {}))

@@ -33,8 +33,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-from relax_hpc.paths import RunPaths
-from tests.slurm.jobs import job_id, slurm, submit, train_events, wait_until
+from relax_hpc.paths import RunPaths  # noqa: E402  # importable once REPO is on sys.path (above)
+from tests.slurm.jobs import job_id, slurm, submit, train_events, wait_until  # noqa: E402  # importable once REPO is on sys.path (above)
 
 STAMP = re.compile(r"submitit \w+ \((\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\) - (.*)")
 
@@ -68,13 +68,14 @@ def relax_cycles(work: Path, cycles: int) -> list[dict]:
     results = []
     try:
         for cycle in range(cycles):
-            started = wait_until(lambda: train_events(run_dir, "start")[cycle:], 300, "the trainer's start")
-            wait_until(lambda: len(steps_after(run_dir, started[-1]["time"])) >= 3, 300, "3 steps")
+            started = wait_until(lambda cycle=cycle: train_events(run_dir, "start")[cycle:], 300, "the trainer's start")
+            since = started[-1]["time"]
+            wait_until(lambda since=since: len(steps_after(run_dir, since)) >= 3, 300, "3 steps")
             notice = time.time()
             slurm("scancel", "--batch", "--signal=USR2", job)
-            wait_until(lambda: len(train_events(run_dir, "start")) > cycle + 1, 300, "the resumed start")
+            wait_until(lambda cycle=cycle: len(train_events(run_dir, "start")) > cycle + 1, 300, "the resumed start")
             wait_until(lambda: steps_after(run_dir, train_events(run_dir, "start")[-1]["time"]), 300, "a step")
-            stop = [e for e in train_events(run_dir, "end") if e["time"] > notice][0]
+            stop = next(e for e in train_events(run_dir, "end") if e["time"] > notice)
             events = [(t, m) for t, m in submitit_events(log) if t > notice]
             requeued = next(t for t, m in events if m.startswith("Requeued job"))
             restarted = next(t for t, m in events if m.startswith("Starting with") and t > requeued)
@@ -113,11 +114,13 @@ def baseline_cycles(work: Path, cycles: int) -> list[float]:
     times = []
     try:
         for cycle in range(cycles):
-            wait_until(lambda: log.exists() and log.read_text().count("start") > cycle, 120, "baseline start")
+            wait_until(
+                lambda cycle=cycle: log.exists() and log.read_text().count("start") > cycle, 120, "baseline start"
+            )
             time.sleep(1)
             notice = time.time()
             slurm("scancel", "--batch", "--signal=USR2", job)
-            wait_until(lambda: log.read_text().count("start") > cycle + 1, 120, "baseline restart")
+            wait_until(lambda cycle=cycle: log.read_text().count("start") > cycle + 1, 120, "baseline restart")
             times.append(float(log.read_text().splitlines()[-1].split()[1]) - notice)
     finally:
         subprocess.run(["scancel", job], check=False)

@@ -27,10 +27,16 @@ import time
 from pathlib import Path
 
 SHAPES = {  # Qwen3-0.6B and Qwen3-1.7B (tied embeddings)
-    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16),
-    "1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16),
+    "0.6b": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16},
+    "1.7b": {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28, "num_attention_heads": 16},
 }
-COMMON = dict(num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True, pad_token_id=0)
+COMMON = {
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "tie_word_embeddings": True,
+    "pad_token_id": 0,
+}
 PEAK_FLOPS = 989e12
 
 
@@ -155,11 +161,12 @@ def profile_step(step, table_path: Path) -> dict:
 def run(size: str, backend: str, model: Path, args: argparse.Namespace) -> dict:
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", __file__,
             "--worker", "--size", size, "--backend", backend, "--model", str(model), "--seq", str(args.seq),
-            "--batch", str(args.batch), "--steps", str(args.steps), "--microbatch-tokens", str(args.microbatch_tokens)]  # fmt: skip
+            "--batch", str(args.batch), "--steps", str(args.steps),
+            "--microbatch-tokens", str(args.microbatch_tokens)]  # fmt: skip
     if args.profile_dir:
         argv += ["--profile-dir", args.profile_dir]
     out = subprocess.run(
-        argv, capture_output=True, text=True, timeout=1200, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        argv, check=False, capture_output=True, text=True, timeout=1200, env={**os.environ, "PYTHONUNBUFFERED": "1"}
     )
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
     if out.returncode or not lines:

@@ -89,7 +89,8 @@ def main() -> None:
         engines = [
             subprocess.Popen([sys.executable, "-m", "relax_hpc.engines.torch_engine", "--run-dir", str(paths.root),
                               "--engine-id", f"engine-{i}", "--model-path", str(model_dir)],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
             for i in range(2)
         ]  # fmt: skip
         try:

@@ -405,7 +405,7 @@ def main() -> None:
     except SystemExit as e:  # fail(): its message, and no teardown either
         print(e, file=sys.stderr)
         code = 1
-    except BaseException:
+    except BaseException:  # noqa: BLE001  # Ctrl-C too: report it, then os._exit (no NCCL teardown)
         traceback.print_exc()
         code = 1
     sys.stdout.flush()
