@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -49,10 +50,20 @@ SDPA = MegatronConfig(attention="sdpa")
 
 def tiny_configs(num_layers: int = 2) -> dict:
     """Tiny models of every supported architecture, each with something to get wrong."""
-    common = {"hidden_size": 32, "num_hidden_layers": num_layers, "num_attention_heads": 4, "num_key_value_heads": 2}
+    common: dict[str, Any] = {
+        "hidden_size": 32,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
     return {
         # q/k/v biases, untied, a vocabulary that TP=2 must pad
-        "qwen2": Qwen2Config(vocab_size=67, intermediate_size=48, rope_theta=50000.0, **common),
+        "qwen2": Qwen2Config(
+            vocab_size=67,
+            intermediate_size=48,
+            rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
+            **common,
+        ),
         # head_dim 16 != hidden / heads = 8, untied
         "qwen3": Qwen3Config(vocab_size=64, intermediate_size=48, head_dim=16, tie_word_embeddings=False, **common),
         "qwen3-tied": Qwen3Config(vocab_size=64, intermediate_size=48, head_dim=16, tie_word_embeddings=True, **common),
@@ -60,7 +71,7 @@ def tiny_configs(num_layers: int = 2) -> dict:
             vocab_size=64,
             intermediate_size=64,
             moe_intermediate_size=16,
-            head_dim=8,
+            head_dim=8,  # type: ignore[call-arg]  # kept as an attribute: transformers' typed __init__ omits it
             num_experts=4,
             num_experts_per_tok=2,
             norm_topk_prob=True,
@@ -129,6 +140,7 @@ def test_load_then_export_reproduces_the_hf_checkpoint_exactly(kind, mp, tmp_pat
     assert [name for name, _ in exported] == [name for name, _, _ in hf_specs(config, torch.float32)]
     assert {name for name, _ in exported} == set(hf)
     for name, tensor in exported:
+        assert tensor is not None  # rank 0 of a one-rank world
         assert tensor.dtype == torch.float32 and torch.equal(tensor.cpu(), hf[name]), name
 
 
@@ -139,6 +151,7 @@ def test_bf16_model_exports_the_bf16_checkpoint(mp, tmp_path):
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}  # megatron's torch norms too
     load_hf_weights(model, tmp_path)
     for name, tensor in export_hf(model, config):
+        assert tensor is not None  # rank 0 of a one-rank world
         assert tensor.dtype == torch.bfloat16 and torch.equal(tensor.cpu(), hf[name].to(torch.bfloat16)), name
 
 
@@ -300,7 +313,7 @@ def test_config_carries_the_architecture(mp):
 
 
 def test_unsupported_configs_are_refused_clearly():
-    base = {
+    base: dict[str, Any] = {
         "vocab_size": 64,
         "hidden_size": 32,
         "num_hidden_layers": 2,
@@ -361,7 +374,13 @@ def _hf_rope(q: torch.Tensor, k: torch.Tensor, theta: float = 10000.0) -> tuple[
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply_rotary_pos_emb
 
     d = q.shape[-1]
-    rotary = Qwen3RotaryEmbedding(Qwen3Config(head_dim=d, num_attention_heads=q.shape[1], rope_theta=theta))
+    rotary = Qwen3RotaryEmbedding(
+        Qwen3Config(
+            head_dim=d,
+            num_attention_heads=q.shape[1],
+            rope_parameters={"rope_type": "default", "rope_theta": theta},
+        )
+    )
     cos, sin = rotary(q, torch.arange(q.shape[0])[None])
     q, k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
     return q[0].transpose(0, 1), k[0].transpose(0, 1)
