@@ -58,6 +58,7 @@ class Objective:
         penalty = torch.zeros_like(mask)
         if self.needs_reference and kl.placement == "reward":
             clamp = self.cfg.policy_loss.log_ratio_clamp
+            assert ref_logprobs is not None, "kl.coef > 0 needs the reference's log-probabilities"
             penalty = -kl.coef * kl_estimate(old_logprobs, ref_logprobs, kl.estimator, clamp=clamp) * mask
         if a.estimator in ("grpo", "rloo"):
             rewards = rewards + penalty.sum(-1)
@@ -67,12 +68,14 @@ class Objective:
                 per_sample = adv_lib.rloo(rewards, group_ids)
             return Advantages(adv_lib.per_token(per_sample, mask))
         if a.estimator == "distill":
+            assert teacher_logprobs is not None, "the distill estimator needs the teacher's log-probabilities"
             return Advantages(adv_lib.distillation(old_logprobs, teacher_logprobs, mask))
         if a.estimator == "reinforce_pp_baseline":
             rewards = adv_lib.grpo(rewards, group_ids, normalize_std=False, eps=0.0)
         token_rewards = adv_lib.outcome_on_last_token(rewards, mask) + penalty
         if a.estimator in ("reinforce_pp", "reinforce_pp_baseline"):
             return Advantages(adv_lib.reinforce_pp(token_rewards, mask, a.gamma, self.comm))
+        assert values is not None, "gae needs the critic's values"
         advantages, returns = adv_lib.gae(token_rewards, values, mask, a.gamma, a.lam)
         if a.whiten:
             advantages = adv_lib.masked_whiten(advantages, mask, self.comm)
@@ -137,6 +140,7 @@ class Objective:
         per_token = terms.loss * weight - p.entropy_coef * entropy
         stats = Stats()
         if self.needs_reference:
+            assert ref_logprobs is not None, "kl.coef > 0 needs the reference's log-probabilities"
             divergence = kl_estimate(logprobs, ref_logprobs, kl.estimator, clamp=p.log_ratio_clamp)
             if kl.placement == "loss":
                 per_token = per_token + kl.coef * divergence

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import difflib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
 from relax_hpc.config.path_options import make_absolute
 from relax_hpc.config.schema import JobConfig
@@ -60,7 +62,7 @@ def apply_override(tree: dict[str, Any], override: str) -> None:
         raise ConfigError(f"override {key}: cannot parse value {raw!r} ({e})") from None
 
 
-def _describe(error: dict[str, Any]) -> str:
+def _describe(error: ErrorDetails) -> str:
     loc = tuple(str(p) for p in error["loc"])
     key = ".".join(loc)
     if error["type"] == "extra_forbidden":
@@ -85,7 +87,7 @@ def validate(tree: dict[str, Any]) -> JobConfig:
         raise ConfigError("invalid config:\n  " + "\n  ".join(_describe(err) for err in e.errors())) from None
 
 
-def load_config(path: str | Path | None, overrides: list[str] = (), base_dir: Path | None = None) -> JobConfig:
+def load_config(path: str | Path | None, overrides: Sequence[str] = (), base_dir: Path | None = None) -> JobConfig:
     """Read `path` (or start from the defaults when None), apply overrides, validate (which also
     resolves the settings that depend on others), and make the path options absolute against
     `base_dir` (default: the working directory)."""

@@ -8,6 +8,7 @@ which engine serves it. This is what makes on-policy runs reproducible across re
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -52,7 +53,7 @@ def sample(
     model: PreTrainedModel,
     prompts: list[list[int]],
     specs: list[SamplingSpec],
-    seeds: list[int | None],
+    seeds: Sequence[int | None],
     eos_token_id: int,
     pad_token_id: int,
 ) -> list[Completion]:

@@ -130,7 +130,7 @@ class Wrapper:
         self.client = EngineClient(_local_url(args.host, self.port), self.api_key, HEALTH_TIMEOUT_S)
         self.instance = uuid.uuid4().hex
         self.stopping = threading.Event()  # set by a forwarded signal
-        self.signum = signal.SIGTERM  # the signal to forward
+        self.signum: int = signal.SIGTERM  # the signal to forward
         self.proc: subprocess.Popen | None = None
         self.record: EngineRecord | None = None
 
@@ -208,6 +208,7 @@ class Wrapper:
 
     def stop(self) -> int:
         """After a forwarded signal: give the server STOP_GRACE_S to exit (then run() kills it)."""
+        assert self.proc is not None, "run() starts the server first"
         try:
             self.proc.wait(timeout=STOP_GRACE_S)
             log.info("%s: the SGLang server exited with code %s", self.args.engine_id, self.proc.returncode)
@@ -216,6 +217,7 @@ class Wrapper:
         return 0
 
     def _check_alive(self, when: str) -> None:
+        assert self.proc is not None, "run() starts the server first"
         code = self.proc.poll()
         if code is not None and not self.stopping.is_set():
             raise EngineFailed(f"the SGLang server exited with code {code} {when}")
@@ -227,6 +229,7 @@ class Wrapper:
             return None
 
     def _refresh_version(self) -> None:
+        assert self.record is not None, "register() writes the record before watch() refreshes it"
         version = self._weight_version()
         if version is not None and version != self.record.weight_version:
             self.record = replace(self.record, weight_version=version)

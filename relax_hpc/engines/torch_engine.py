@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -75,7 +75,7 @@ class TorchEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.device = torch.device(device)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
-        self.model = model.to(self.device).eval()
+        self.model = model.to(self.device).eval()  # type: ignore[arg-type]  # transformers types .to() as taking a model
         self.params = dict(self.model.named_parameters())
         self.model_path = model_path
         self.weight_version = "0"
@@ -92,7 +92,8 @@ class TorchEngine:
 
     def generate(self, req: P.GenerateReqInput) -> list[dict[str, Any]] | dict[str, Any]:
         batched = bool(req.input_ids) and isinstance(req.input_ids[0], list)
-        prompts = req.input_ids if batched else [req.input_ids]
+        # The first item tells the union apart, which mypy cannot follow into a list's items.
+        prompts = cast(list[list[int]], req.input_ids) if batched else [cast(list[int], req.input_ids)]
         n = len(prompts)
         if n == 0 or any(len(p) == 0 for p in prompts):
             raise P.ProtocolError("input_ids: every prompt needs at least one token")
@@ -117,6 +118,9 @@ class TorchEngine:
         return outputs if batched else outputs[0]
 
     def _output(self, job: _Job, i: int) -> dict[str, Any]:
+        ids: list[int]
+        logprobs: list[float]
+        finish: dict[str, Any]
         if job.aborted or job.completions is None:
             ids, logprobs, finish = [], [], {"type": "abort", "message": "Abort before prefill"}
         else:

@@ -19,6 +19,7 @@ import os
 import re
 import time
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from relax_hpc.paths import SpoolDirs, fsync_dir, write_atomic
 
 SCHEMA_VERSION = 1
 BATCH_NAME = re.compile(r"^b(\d{9})\.h5$")
-_ARRAYS = {
+_ARRAYS: dict[str, type[np.generic]] = {
     "tokens": np.int32,
     "offsets": np.int64,
     "prompt_lens": np.int32,
@@ -109,7 +110,7 @@ class SampleBatch:
 _PER_SAMPLE = ("offsets", "prompt_lens", "rewards", "group_ids", "policy_version", "prompt_index")
 
 
-def _checksum(arrays: dict[str, np.ndarray], names: tuple[str, ...] | dict[str, type] = _ARRAYS) -> int:
+def _checksum(arrays: dict[str, np.ndarray], names: Iterable[str] = _ARRAYS) -> int:
     crc = 0
     for name in names:
         crc = zlib.crc32(np.ascontiguousarray(arrays[name]).tobytes(), crc)
@@ -155,7 +156,7 @@ def write_batch(path: Path, batch: SampleBatch, writer: str) -> None:
         os.close(fd)
 
 
-def _read(path: Path, names: tuple[str, ...] | dict[str, type]) -> tuple[dict, dict[str, np.ndarray], int]:
+def _read(path: Path, names: Iterable[str]) -> tuple[dict, dict[str, np.ndarray], int]:
     """(attrs, the named arrays, the length of `tokens`); any defect raises SpoolFormatError."""
     try:
         with h5py.File(path, "r", locking=False) as f:

@@ -175,7 +175,7 @@ class Driver:
 
     # -- evaluation -----------------------------------------------------------------------------
 
-    def evaluate(self, engine: Engine) -> float:
+    def evaluate(self, engine: Engine) -> int:
         request = P.GenerateReqInput(input_ids=self.prompt_ids, sampling_params=self._sampling(temperature=0.0))
         outputs = engine.client.generate(request)
         correct = sum(self.plan.reward_fn(o["text"], r.answer) for o, r in zip(outputs, self.rows, strict=True))
