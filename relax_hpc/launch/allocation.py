@@ -43,7 +43,8 @@ class Allocation:
             )
         het_size = int(env.get("SLURM_HET_SIZE", "0"))
         suffixes = [f"_HET_GROUP_{g}" for g in range(het_size)] if het_size > 1 else [""]
-        groups, cpus = [], {}
+        groups: list[list[str]] = []
+        cpus: dict[str, int] = {}
         for suffix in suffixes:
             nodes = expand_hostlist(env[f"SLURM_JOB_NODELIST{suffix}"])
             groups.append(nodes)

@@ -13,6 +13,7 @@ through a container runtime, optionally limited to a slice of the node's GPUs.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 
 from relax_hpc.config.schema import JobConfig
 from relax_hpc.launch.allocation import Allocation, Layout, plan_layout
@@ -52,7 +53,7 @@ def python(cfg: JobConfig) -> str:
 def local_commands(cfg: JobConfig, paths: RunPaths) -> dict[str, list[str]]:
     """Every role as a subprocess of this machine (the `local` executor)."""
     py = python(cfg)
-    engine_gpus = cfg.launch.local_engine_gpus or [None] * cfg.rollout.num_engines
+    engine_gpus: Sequence[str | None] = cfg.launch.local_engine_gpus or [None] * cfg.rollout.num_engines
     commands = {
         f"engine-{i}": _on_gpus(gpus, [py, *engine_args(cfg, paths, i, cfg.rollout.host)])
         for i, gpus in enumerate(engine_gpus)

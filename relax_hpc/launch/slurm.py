@@ -101,9 +101,9 @@ class SlurmRun:
 
     def __call__(self) -> str:
         paths = RunPaths(Path(self.run_dir))
-        self._supervisor = _supervisor(read_frozen(paths.config), paths)
+        supervisor = self._supervisor = _supervisor(read_frozen(paths.config), paths)
         # submitit ignores SIGTERM; here it means Slurm ends the job now: checkpoint if possible.
-        signal.signal(signal.SIGTERM, lambda *_: self._supervisor.request_stop("SIGTERM (Slurm is ending the job)"))
+        signal.signal(signal.SIGTERM, lambda *_: supervisor.request_stop("SIGTERM (Slurm is ending the job)"))
         self._thread = threading.Thread(target=self._run, name="supervisor")
         self._thread.start()
         while self._thread.is_alive():
@@ -117,6 +117,7 @@ class SlurmRun:
         raise RuntimeError(f"relax_hpc run failed; see {self.run_dir}/logs/")
 
     def _run(self) -> None:
+        assert self._supervisor is not None, "__call__ builds the supervisor before starting this thread"
         self._code = self._supervisor.run()
 
     def checkpoint(self) -> object:
@@ -132,4 +133,4 @@ class SlurmRun:
         return {"run_dir": self.run_dir}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["run_dir"])
+        SlurmRun.__init__(self, state["run_dir"])

@@ -19,8 +19,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 from relax_hpc.config.schema import JobConfig
 from relax_hpc.launch.recover import recover
@@ -52,8 +54,13 @@ class Role:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    @property
+    def returncode(self) -> int | None:
+        """Its exit status once it has exited (None while it runs, or before its start)."""
+        return None if self.proc is None else self.proc.returncode
+
     def signal(self, sig: int) -> None:
-        if self.alive():
+        if self.proc is not None and self.alive():
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, sig)
 
@@ -78,7 +85,9 @@ def child_env(cfg: JobConfig) -> dict[str, str]:
 
 
 class Supervisor:
-    def __init__(self, cfg: JobConfig, paths: RunPaths, commands: dict[str, list[str]], out=sys.stdout) -> None:
+    def __init__(
+        self, cfg: JobConfig, paths: RunPaths, commands: dict[str, list[str]], out: TextIO = sys.stdout
+    ) -> None:
         self.cfg, self.paths, self.commands, self.out = cfg, paths, commands, out
         self.stop_requested = False
         self.kill_requested = False
@@ -149,7 +158,7 @@ class Supervisor:
             for role in [*engines, driver]:
                 if role.alive() or trainer_done_at is not None or self.stop_requested:
                     continue
-                code = role.proc.returncode
+                code = role.returncode
                 if role is driver and code == 0:
                     continue  # the driver finishes after the final evaluation
                 if role.restarts >= role.max_restarts:
@@ -173,19 +182,17 @@ class Supervisor:
                 return EXIT_STOPPED
             if trainer.alive():
                 continue
-            if trainer.proc.returncode != 0 and progress.trainer_end is None:
+            if trainer.returncode != 0 and progress.trainer_end is None:
                 progress.finish()
                 self.out.write(
-                    f"\ntrainer failed (exit {trainer.proc.returncode}); last lines of "
+                    f"\ntrainer failed (exit {trainer.returncode}); last lines of "
                     f"{trainer.log_path}:\n{trainer.log_tail()}\n"
                 )
                 return EXIT_FAILED
-            if trainer.proc.returncode != 0 and trainer_done_at is None:
+            if trainer.returncode != 0 and trainer_done_at is None:
                 # Its end record comes after its last checkpoint: a fault in the teardown that
                 # follows (gloo's threads at exit) loses nothing.
-                log.warning(
-                    "trainer exited with %s after its end record; its state is complete", trainer.proc.returncode
-                )
+                log.warning("trainer exited with %s after its end record; its state is complete", trainer.returncode)
             trainer_done_at = trainer_done_at or time.monotonic()
             completed = self._training_completed()
             # Training is over: give the driver time for its final evaluation, then stop.
@@ -201,7 +208,7 @@ class Supervisor:
         ends = [r for r in read_jsonl(self.paths.train_metrics) if r.get("event") == "end"]
         return bool(ends and ends[-1]["completed"])
 
-    def _stop_all(self, roles) -> None:
+    def _stop_all(self, roles: Iterable[Role]) -> None:
         roles = list(roles)
         for role in roles:
             role.signal(signal.SIGTERM)
