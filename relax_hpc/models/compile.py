@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 
 def compiled_on_cuda(fn: Callable) -> Callable:
@@ -20,7 +21,7 @@ def compiled_on_cuda(fn: Callable) -> Callable:
     compiled = torch.compile(fn)
 
     @functools.wraps(fn)
-    def call(x, *args):
+    def call(x: torch.Tensor, *args: Any) -> Any:
         if not x.is_cuda:
             return fn(x, *args)
         for t in (x, *args):

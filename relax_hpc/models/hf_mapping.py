@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Self, cast
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 from safetensors import safe_open
 
 from relax_hpc.models.arch import Arch, arch_of, padded_vocab_size
@@ -218,7 +218,7 @@ def unwrap(model: torch.nn.Module) -> GPTModel:
     while not isinstance(model, GPTModel):
         if not hasattr(model, "module"):
             raise TypeError(f"expected a megatron GPTModel (or a wrapper of one), got {type(model).__name__}")
-        model = model.module
+        model = cast(torch.nn.Module, model.module)  # torch types any attribute of a Module as Tensor | Module
     return model
 
 
@@ -231,7 +231,7 @@ def canonical_name(name: str, model: GPTModel) -> str:
     return f"decoder.layers.{layer.layer_number - 1}.{_global_experts(match[2], layer)}"
 
 
-def _global_experts(rest: str, layer: torch.nn.Module) -> str:
+def _global_experts(rest: str, layer: TransformerLayer) -> str:
     def renumber(m: re.Match) -> str:
         if m["seq"] is not None:
             expert = layer.mlp.local_expert_indices[int(m["seq"])]
@@ -254,6 +254,7 @@ def _with_expert(name: str, expert: int) -> str:
 
 def _expert_index(name: str) -> int:
     m = _EXPERT.search(name)
+    assert m is not None, f"{name} is not an expert's parameter"
     return int(m["seq"] if m["seq"] is not None else m["grp"])
 
 

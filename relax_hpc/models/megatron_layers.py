@@ -15,6 +15,8 @@ from __future__ import annotations
 import inspect
 import itertools
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +30,8 @@ from megatron.core.utils import divide
 
 from relax_hpc.models.compile import compiled_on_cuda
 
+# Its keyword arguments differ between torch versions (below): called with the ones it has.
+_varlen_attn: Callable[..., Any] | None
 try:  # torch >= 2.10: flash attention over packed documents (cu_seqlens) in one call
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
 except ImportError:
@@ -152,7 +156,9 @@ class SDPAttention(MegatronModule):
             return self._varlen(query, key, value, cu, max_len)
         return self._per_document(query, key, value, cu)
 
-    def _rotate(self, query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor):
+    def _rotate(
+        self, query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.inv_freq.device != query.device:  # moved once (not a buffer: it stays fp32)
             self.inv_freq = self.inv_freq.to(query.device)
         cos, sin = rope_table(positions, self.inv_freq)
@@ -168,11 +174,13 @@ class SDPAttention(MegatronModule):
         h // (heads / groups), megatron's grouping), for kernels without GQA."""
         if self.heads == self.groups:
             return key, value
-        return tuple(t.repeat_interleave(self.heads // self.groups, dim=dim) for t in (key, value))
+        repeats = self.heads // self.groups
+        return key.repeat_interleave(repeats, dim=dim), value.repeat_interleave(repeats, dim=dim)
 
     def _varlen(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor, max_len: int
     ) -> torch.Tensor:
+        assert _varlen_attn is not None, "forward() takes this path only where torch has varlen_attn"
         if not _VARLEN_GQA:
             key, value = self._repeat_kv(key, value, dim=1)
         out = _varlen_attn(
