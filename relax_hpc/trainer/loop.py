@@ -71,7 +71,9 @@ class StopRequest:
 def broadcast_command(command: dict | None) -> dict:
     box = [command]
     dist.broadcast_object_list(box, src=0)
-    return box[0]
+    received = box[0]
+    assert received is not None, "rank 0 broadcasts a command"
+    return received
 
 
 def reduce_stats(stats: Stats, epochs: int) -> dict[str, float]:
@@ -107,7 +109,9 @@ class Trainer:
         if self.rank == 0:
             auto = "nccl" if device.type == "cuda" else "gloo"
             backend = cfg.weights.backend if cfg.weights.backend != "auto" else auto
-            self.sender = WeightSender(paths.engines, paths.read_token(), backend, cfg.weights.timeout_s)
+            self.sender: WeightSender | None = WeightSender(
+                paths.engines, paths.read_token(), backend, cfg.weights.timeout_s
+            )
             self.spool = Spool(paths.spool)
             self.metrics = JsonlWriter(paths.train_metrics)
         else:
@@ -164,6 +168,7 @@ class Trainer:
         return {"kind": "train", "path": claim.trained_file, "trained": claim.trained}
 
     def _engines_changed(self) -> bool:
+        assert self.sender is not None, "rank 0 decides"
         return self.sender.engine_set_changed()
 
     def sync(self) -> None:
@@ -190,8 +195,8 @@ class Trainer:
             self.state.quarantined_files += 1
             return False
         b = self.backend
-        batch, stats = share_of(batch, command["trained"], b.data_rank, b.data_world, self.pad_id)
-        result = self.backend.train_step(batch, self.state.step)
+        share, stats = share_of(batch, command["trained"], b.data_rank, b.data_world, self.pad_id)
+        result = self.backend.train_step(share, self.state.step)
         objective = reduce_stats(result.stats, self.cfg.algo.epochs)
         trained_version = self.state.version
         self.state.step += 1
@@ -200,6 +205,7 @@ class Trainer:
         t1 = time.monotonic()
         self.sync()
         if self.rank == 0:
+            assert self.sender is not None, "rank 0 holds the sender"
             versions = stats["policy_versions"]
             self.metrics.log(
                 {

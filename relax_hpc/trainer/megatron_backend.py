@@ -21,15 +21,16 @@ The critic (GAE) is not built for this backend yet: the config refuses the combi
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from transformers import AutoConfig
+from transformers import AutoConfig, PretrainedConfig
 
 from relax_hpc.algos.aggregation import Normalizer, local_counts
 from relax_hpc.algos.objective import Advantages, Objective
@@ -56,7 +57,7 @@ def init_parallel(job: JobConfig) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(job.run.seed)
 
 
-def _build(job: JobConfig, hf_config, path: str, trainable: bool) -> torch.nn.Module:
+def _build(job: JobConfig, hf_config: PretrainedConfig, path: str, trainable: bool) -> torch.nn.Module:
     model = build_model(
         hf_config,
         job.trainer.megatron,
@@ -94,7 +95,10 @@ class MegatronBackend:
         self.model, self.optimizer = megatron_state.trainable(module, cfg, self.dtype, par.distributed_optimizer)
         self.scheduler = WarmupSchedule(self.optimizer, cfg.lr, cfg.warmup_steps)
         self.reference = _build(job, self.hf_config, job.model.path, False) if self.objective.needs_reference else None
-        self.teacher = _build(job, self.hf_config, algo.teacher.path, False) if self.objective.needs_teacher else None
+        self.teacher: torch.nn.Module | None = None
+        if self.objective.needs_teacher:
+            assert algo.teacher.path is not None, "the config refuses distill without algo.teacher.path"
+            self.teacher = _build(job, self.hf_config, algo.teacher.path, False)
 
     # -- who holds which samples ------------------------------------------------------------------
 
@@ -132,7 +136,9 @@ class MegatronBackend:
         )
         return model(mb.input_ids, mb.position_ids, None, packed_seq_params=params)
 
-    def _token_logprobs(self, logits: torch.Tensor, mb: packing.Microbatch, entropy_grad: bool):
+    def _token_logprobs(
+        self, logits: torch.Tensor, mb: packing.Microbatch, entropy_grad: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-row [k, width] log-probabilities and entropies of a micro-batch's targets."""
         logits = logits.reshape(mb.num_tokens, -1)
         lp, ent = logprobs_and_entropy(
@@ -146,12 +152,14 @@ class MegatronBackend:
         )
         return mb.unpack(lp), mb.unpack(ent)
 
-    def _run(self, model: torch.nn.Module, mbs: list[packing.Microbatch], loss_fn, forward_only: bool) -> list:
+    def _run(
+        self, model: torch.nn.Module, mbs: list[packing.Microbatch], loss_fn: Callable[..., Any], forward_only: bool
+    ) -> list[Any]:
         """megatron's schedule (pipelined when pp > 1) over the micro-batches; `loss_fn(mb,
         logits)` runs on the last stage and returns (loss, stats-or-output)."""
         data = iter(mbs)
 
-        def step(_, chunk):
+        def step(_: object, chunk: torch.nn.Module) -> tuple[torch.Tensor, Callable[..., Any]]:
             mb = next(data)
             return self._forward(chunk, mb), functools.partial(loss_fn, mb)
 
@@ -172,7 +180,7 @@ class MegatronBackend:
             return None
         mbs = self._microbatches(batch)
 
-        def keep(mb, logits):
+        def keep(mb: packing.Microbatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             lp, _ = self._token_logprobs(logits, mb, entropy_grad=False)
             return torch.zeros((), device=self.device), {"rows": mb.rows, "logprobs": lp}
 
@@ -196,6 +204,7 @@ class MegatronBackend:
         batch = batch.to(self.device)
         objective, algo = self.objective, self.algo
         passes = algo.epochs * algo.minibatches
+        old: torch.Tensor | None
         if objective.old_is_rollout:
             old = batch.rollout_logprobs
         elif passes > 1 or self._old_needed_for_advantages():
@@ -231,16 +240,27 @@ class MegatronBackend:
         dist.all_reduce(counts, group=self.dp_group)
         return [Normalizer(float(tokens), float(seqs)) for tokens, seqs in counts.tolist()]
 
-    def _minibatch(self, part, index, old, advantages: Advantages | None, ref, norm) -> tuple[torch.Tensor, Stats]:
+    def _minibatch(
+        self,
+        part: TrainBatch,
+        index: torch.Tensor,
+        old: torch.Tensor | None,
+        advantages: Advantages | None,
+        ref: torch.Tensor | None,
+        norm: Normalizer,
+    ) -> tuple[torch.Tensor, Stats]:
         """Forward and backward of one mini-batch over its micro-batches; returns the summed loss
         (on the last stage; 0 elsewhere) and the objective's statistics."""
         stats = Stats()
         entropy_grad = self.algo.policy_loss.entropy_coef > 0
 
-        def pick(t: torch.Tensor | None, mb: packing.Microbatch) -> torch.Tensor | None:
-            return None if t is None else t[index][mb.rows]
+        def pick(t: torch.Tensor, mb: packing.Microbatch) -> torch.Tensor:
+            return t[index][mb.rows]
 
-        def loss_fn(mb, logits):
+        def loss_fn(
+            mb: packing.Microbatch, logits: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+            assert advantages is not None, "the loss runs on the last pipeline stage, which has the advantages"
             lp, ent = self._token_logprobs(logits, mb, entropy_grad)
             mask = part.loss_mask[mb.rows]
             loss, s = self.objective.policy_loss(
@@ -251,7 +271,7 @@ class MegatronBackend:
                 pick(advantages.advantages, mb),
                 mask,
                 norm,
-                pick(ref, mb),
+                None if ref is None else pick(ref, mb),
             )
             stats.add(s)
             return loss, torch.ones((), dtype=torch.int, device=self.device), {"loss": loss.detach()}

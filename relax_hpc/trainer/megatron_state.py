@@ -14,11 +14,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from megatron.core import dist_checkpointing
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.models.gpt import GPTModel
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 
 from relax_hpc.config.schema import TrainerConfig
 
@@ -28,7 +30,9 @@ from relax_hpc.config.schema import TrainerConfig
 SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
-def trainable(module: torch.nn.Module, cfg: TrainerConfig, dtype: torch.dtype, distributed_optimizer: bool):
+def trainable(
+    module: GPTModel, cfg: TrainerConfig, dtype: torch.dtype, distributed_optimizer: bool
+) -> tuple[DistributedDataParallel, MegatronOptimizer]:
     """(DistributedDataParallel, megatron optimizer) of a built GPTModel."""
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=distributed_optimizer
@@ -57,12 +61,12 @@ def trainable(module: torch.nn.Module, cfg: TrainerConfig, dtype: torch.dtype, d
     return model, optimizer
 
 
-def _inner(optimizer) -> list:
+def _inner(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
     """The megatron optimizers (each wrapping one torch optimizer) of a possibly chained one."""
     return getattr(optimizer, "chained_optimizers", [optimizer])
 
 
-def _sharded_state(model, optimizer, loading: bool) -> dict:
+def _sharded_state(model: DistributedDataParallel, optimizer: MegatronOptimizer, loading: bool) -> dict[str, Any]:
     model_sd = model.module.sharded_state_dict()
     return {
         "model": model_sd,
@@ -70,14 +74,14 @@ def _sharded_state(model, optimizer, loading: bool) -> dict:
     }
 
 
-def save(model, optimizer, folder: Path) -> None:
+def save(model: DistributedDataParallel, optimizer: MegatronOptimizer, folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)  # megatron's save, unlike torch DCP's, needs it to exist
     dist_checkpointing.save(
         _sharded_state(model, optimizer, loading=False), str(folder), sharded_strategy=("torch_dist", 1)
     )
 
 
-def load(model, optimizer, folder: Path) -> None:
+def load(model: DistributedDataParallel, optimizer: MegatronOptimizer, folder: Path) -> None:
     """Restore the model, the master weights, Adam's moments and its step count.
 
     megatron reads the optimizer's state into tensors that must exist; before the first step they
@@ -99,7 +103,7 @@ def load(model, optimizer, folder: Path) -> None:
 
 
 @contextlib.contextmanager
-def _steps_set_aside(optimizer) -> Iterator[None]:
+def _steps_set_aside(optimizer: MegatronOptimizer) -> Iterator[None]:
     kept: list[tuple[torch.optim.Optimizer, torch.Tensor, torch.Tensor]] = []
 
     def set_aside(torch_optimizer: torch.optim.Optimizer) -> None:
@@ -117,7 +121,7 @@ def _steps_set_aside(optimizer) -> Iterator[None]:
         torch_optimizer.state[param]["step"] = step.clone()
 
 
-def fuse_adam(optimizer) -> None:
+def fuse_adam(optimizer: MegatronOptimizer) -> None:
     """Without Transformer Engine or apex, megatron steps torch's Adam with its default multi-tensor
     (foreach) kernels, several passes over the fp32 master weights; torch's fused Adam does it in
     one. `fused` is read from the parameter groups at each step, before any state exists."""
@@ -141,12 +145,20 @@ def use_torch_multi_tensor_ops() -> None:
             module.multi_tensor_scale_impl = foreach_scale
 
 
-def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+def foreach_l2_norm(
+    chunk_size: int,
+    noop_flag: torch.Tensor | None,
+    tensor_lists: list[list[torch.Tensor]],
+    per_tensor: bool,
+    *args: Any,
+) -> tuple[torch.Tensor, None]:
     """amp_C.multi_tensor_l2norm's contract: ([1] norm of all tensors of tensor_lists[0], None)."""
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensor_lists[0]))).reshape(1), None
 
 
-def foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
+def foreach_scale(
+    chunk_size: int, noop_flag: torch.Tensor | None, tensor_lists: list[list[torch.Tensor]], scale: float
+) -> None:
     """amp_C.multi_tensor_scale's contract: tensor_lists[1][i] = tensor_lists[0][i] * scale."""
     src, dst = tensor_lists
     if src is dst:  # clipping scales the gradients in place

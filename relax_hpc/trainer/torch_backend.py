@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -30,15 +31,19 @@ from relax_hpc.trainer.backend import DistComm, NonFiniteLossError, StepResult
 from relax_hpc.trainer.batching import TrainBatch, token_logprobs_and_entropy
 from relax_hpc.trainer.schedule import WarmupSchedule
 
+_Model = TypeVar("_Model", bound=torch.nn.Module)
 
-def _sharded(model: torch.nn.Module) -> torch.nn.Module:
-    for layer in model.model.layers:
+
+def _sharded(model: _Model) -> _Model:
+    for layer in model.get_submodule("model.layers").children():  # an HF model's decoder layers
         fully_shard(layer)
-    return fully_shard(model)
+    fully_shard(model)  # in place: the model's class becomes a subclass of FSDPModule and of its own
+    return model
 
 
 def _frozen(path: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    model = _sharded(AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device))
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model = _sharded(hf_model.to(device))  # type: ignore[arg-type]  # transformers types .to() as taking a model
     model.requires_grad_(False)
     return model.eval()
 
@@ -51,14 +56,19 @@ class TorchBackend:
         self.temperature = ro.temperature
         self.objective = Objective(algo, DistComm())
         torch_dtype = getattr(torch, job.model.dtype)
-        self.model = _sharded(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(device))
+        hf_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
+        self.model = _sharded(hf_model.to(device))  # type: ignore[arg-type]  # transformers types .to() as taking a model
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
         )
         self.scheduler = WarmupSchedule(self.optimizer, cfg.lr, cfg.warmup_steps)
         self.reference = _frozen(model_path, torch_dtype, device) if self.objective.needs_reference else None
-        self.teacher = _frozen(algo.teacher.path, torch_dtype, device) if self.objective.needs_teacher else None
-        self.critic = self.critic_optimizer = None
+        self.teacher: torch.nn.Module | None = None
+        if self.objective.needs_teacher:
+            assert algo.teacher.path is not None, "the config refuses distill without algo.teacher.path"
+            self.teacher = _frozen(algo.teacher.path, torch_dtype, device)
+        self.critic: torch.nn.Module | None = None
+        self.critic_optimizer: torch.optim.Optimizer | None = None
         if self.objective.needs_critic:
             critic = AutoModelForTokenClassification.from_pretrained(model_path, num_labels=1, dtype=torch_dtype)
             torch.nn.init.zeros_(critic.score.weight)  # start at V = 0: no random initial baseline
@@ -86,6 +96,7 @@ class TorchBackend:
     # -- one rollout batch ----------------------------------------------------------------------
 
     def _values(self, batch: TrainBatch) -> torch.Tensor:
+        assert self.critic is not None, "gae builds the critic"
         out = self.critic(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
         return out.logits.squeeze(-1).float()
 
@@ -120,6 +131,7 @@ class TorchBackend:
         # The ratio's denominator: the rollout's log-probabilities, or the trainer's own before any
         # update (recomputed in a separate pass only when more than one optimizer step follows; with
         # one step it is the detached forward of that step).
+        old: torch.Tensor | None
         if objective.old_is_rollout:
             old = batch.rollout_logprobs
         else:
@@ -138,6 +150,7 @@ class TorchBackend:
                 if advantages is None:
                     old = logprobs.detach()
                     advantages = self._advantages(batch, old, ref, teacher, old_values)
+                assert old is not None, "the advantages come with the old log-probabilities they used"
                 loss, part_stats = objective.policy_loss(
                     logprobs,
                     entropy,
@@ -154,6 +167,8 @@ class TorchBackend:
                     grad_norm = self._optimizer_step(loss, self.model, self.optimizer)
                     self.scheduler.step()
                 if self.critic is not None:
+                    assert self.critic_optimizer is not None and old_values is not None, "built with the critic"
+                    assert advantages.returns is not None, "gae: the critic's targets"
                     critic_loss, critic_stats = objective.critic_loss(
                         self._values(part), old_values[r], advantages.returns[r], part.loss_mask, norm
                     )
@@ -202,6 +217,7 @@ class TorchBackend:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         if self.critic is not None:
+            assert self.critic_optimizer is not None, "built with the critic"
             state["critic"], state["critic_optim"] = get_state_dict(self.critic, self.critic_optimizer)
         return state
 
@@ -216,6 +232,7 @@ class TorchBackend:
     def load_state_dict(self, state: dict) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         if self.critic is not None:
+            assert self.critic_optimizer is not None, "built with the critic"
             set_state_dict(
                 self.critic,
                 self.critic_optimizer,

@@ -19,6 +19,8 @@ same functions run eagerly.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -74,7 +76,15 @@ def _grad(
 
 class _LogprobsEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, local_targets, valid, scale, group, entropy_grad):
+    def forward(
+        ctx: Any,  # torch's FunctionCtx, which also carries valid and scale to backward()
+        logits: torch.Tensor,
+        local_targets: torch.Tensor,
+        valid: int,
+        scale: float,
+        group: dist.ProcessGroup | None,
+        entropy_grad: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         row_max = _row_max(logits, valid, scale)
         if group is not None:
             dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
@@ -92,7 +102,7 @@ class _LogprobsEntropy(torch.autograd.Function):
         return logprobs, entropy
 
     @staticmethod
-    def backward(ctx, grad_logprob, grad_entropy):
+    def backward(ctx: Any, grad_logprob: torch.Tensor, grad_entropy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         # Both gradients are tensors (zeros for an unused or non-differentiable output).
         logits, local_targets, lse, entropy = ctx.saved_tensors
         grad = _grad(logits, local_targets, lse, entropy, grad_logprob, grad_entropy, ctx.valid, ctx.scale)
