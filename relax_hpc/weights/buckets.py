@@ -156,11 +156,11 @@ class BucketPacker:
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         caller = torch.cuda.current_stream(self._ring.device) if self._stream is not None else None
         with torch.cuda.stream(self._stream):
-            if self._stream is not None:
+            if self._stream is not None and caller is not None:
                 self._stream.wait_stream(caller)  # the tensors were made on the caller's stream
             flat = self._ring.acquire(nbytes)
             torch.cat([_as_bytes(t) for t in tensors], out=flat)
-        if caller is not None:
+        if caller is not None and self._stream is not None:
             caller.wait_stream(self._stream)
         return flat
 

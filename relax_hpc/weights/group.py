@@ -30,12 +30,13 @@ class SideGroup:
     ) -> None:
         timeout = datetime.timedelta(seconds=timeout_s)
         self.rank, self.world_size, self.group_name = rank, world_size, group_name
-        self._store = dist.TCPStore(
+        self._store: dist.TCPStore | None = dist.TCPStore(
             master_address, master_port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=False
         )
         store = dist.PrefixStore(group_name, self._store)
+        self._pg: dist.ProcessGroupNCCL | dist.ProcessGroupGloo | None
         if backend == "nccl":
-            self._pg = dist.ProcessGroupNCCL(store, rank, world_size)
+            self._pg = dist.ProcessGroupNCCL(store, rank, world_size)  # type: ignore[call-arg]  # torch's stub omits the binding's default options
         elif backend == "gloo":
             self._pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
         else:
@@ -48,9 +49,10 @@ class SideGroup:
         """Start a broadcast; its Work's wait() blocks the host on gloo, but on NCCL only makes the
         current stream wait (the broadcast itself runs on NCCL's stream, asyncOp being true, after
         the work queued on the current stream when it was issued)."""
+        assert self._pg is not None, "broadcast on a closed group"
         opts = dist.BroadcastOptions()
         opts.rootRank = src
-        return self._pg.broadcast([tensor], opts)
+        return self._pg.broadcast([tensor], opts)  # type: ignore[union-attr]  # torch's stub omits Backend.broadcast, which the binding has
 
     def close(self) -> None:
         # Dropping the references tears down the backend's connections; there is no public

@@ -43,7 +43,7 @@ class BucketReceiver:
         flat = self._ring.acquire(plan.nbytes)
         try:
             work = group.broadcast_async(flat)
-            with torch.cuda.stream(self._copy_stream), torch.no_grad():  # type: ignore[arg-type]  # None: no-op on CPU
+            with torch.cuda.stream(self._copy_stream), torch.no_grad():  # None: a no-op on CPU
                 work.wait()  # CUDA: the copy stream waits for the broadcast; gloo: blocks until received
                 received = unpack(flat, plan)
                 if copy and received:  # one launch for the bucket: the host must keep ahead of the broadcasts

@@ -218,7 +218,7 @@ def push(
     try:
         if sender is not None:
             num_engines = sender.begin()
-        if num_engines:
+        if sender is not None and num_engines:
             _send_buckets(sender, buckets, params, str(version))
             sender.end()
         else:
@@ -233,14 +233,20 @@ def push(
     return num_engines
 
 
+def _full_tensor(param: tuple[str, torch.Tensor | None]) -> torch.Tensor:
+    name, tensor = param
+    assert tensor is not None, f"rank 0 holds every full tensor; {name} is None"
+    return tensor
+
+
 def _send_buckets(
-    sender: WeightSender, buckets: list[BucketPlan], params: Iterator[tuple[str, torch.Tensor]], version: str
+    sender: WeightSender, buckets: list[BucketPlan], params: Iterator[tuple[str, torch.Tensor | None]], version: str
 ) -> None:
     """Request, pack and broadcast each bucket without waiting for any of them (see the module
     docstring); the version rides on the last bucket."""
     packer: BucketPacker | None = None
     for i, plan in enumerate(buckets):
-        tensors = [next(params)[1] for _ in plan.names]
+        tensors = [_full_tensor(next(params)) for _ in plan.names]
         sender.request_bucket(plan, version if i == len(buckets) - 1 else None)
         if packer is None:  # the buffers go where the parameters are
             packer = BucketPacker(tensors[0].device, max(b.nbytes for b in buckets))
