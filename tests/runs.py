@@ -10,9 +10,9 @@ import numpy as np
 from relax_hpc.exchange.spool import read_batch
 
 
-def final_records(run_dir: Path) -> dict[int, dict]:
+def final_records(run_dir: Path) -> dict[int, list[dict]]:
     """Per step, the record of the timeline that survived (the last one written)."""
-    records = {}
+    records: dict[int, list[dict]] = {}
     for line in (run_dir / "metrics" / "train.jsonl").read_text().splitlines():
         r = json.loads(line)
         if "loss" in r:
@@ -22,7 +22,7 @@ def final_records(run_dir: Path) -> dict[int, dict]:
 
 def trained_samples(run_dir: Path) -> dict[int, list]:
     """Per step: (batch seq, tokens, reward) of every trained sample, from the claimed files."""
-    out = {}
+    out: dict[int, list] = {}
     for manifest in sorted((run_dir / "spool" / "claimed").glob("step-*/*.json")):
         entry = json.loads(manifest.read_text())
         batch = read_batch(manifest.with_suffix(""))
@@ -49,7 +49,9 @@ def assert_nothing_lost_or_repeated(run_dir: Path, steps: int) -> None:
     """Every published sample was trained once, set aside as stale, or is still waiting; each
     batch was claimed by one step; the metrics agree with the spool."""
     spool = run_dir / "spool"
-    trained, stale, seen_files = set(), set(), []
+    trained: set[tuple[int, int]] = set()
+    stale: set[tuple[int, int]] = set()
+    seen_files: list[int] = []
     for manifest in (spool / "claimed").glob("step-*/*.json"):
         entry = json.loads(manifest.read_text())
         batch = read_batch(manifest.with_suffix(""))

@@ -95,7 +95,7 @@ def stand_ins() -> Iterator[None]:
     import_utils.is_torchvision_available()
     missing = [name for name in HEAVY if importlib.util.find_spec(name) is None]  # a GPU machine may have them
     finder, compile_, environ = _StandInFinder(missing), torch.compile, dict(os.environ)
-    torch.compile = lambda fn=None, **kwargs: fn if fn is not None else (lambda f: f)
+    torch.compile = lambda fn=None, **kwargs: fn if fn is not None else (lambda f: f)  # type: ignore[assignment]  # a stand-in: no compiling
     sys.meta_path.insert(0, finder)
     try:
         yield

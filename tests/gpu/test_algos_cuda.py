@@ -3,6 +3,8 @@ and statistics of every estimator, loss, aggregation and correction, and the tra
 mini-batch split. Catches tensors created on the wrong device before a GPU backend meets them.
 Run on the GPU machine: `python -m pytest tests/gpu -m gpu`."""
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -13,7 +15,7 @@ from relax_hpc.trainer.batching import pad_samples
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-CONFIGS = {
+CONFIGS: dict[str, dict[str, Any]] = {
     "grpo": {},
     "dr-grpo": {"advantage": {"normalize_std": False}, "policy_loss": {"aggregation": "seq_mean_token_sum_norm"}},
     "rloo": {"advantage": {"estimator": "rloo"}, "policy_loss": {"kind": "reinforce"}},

@@ -4,6 +4,8 @@ temperature and padded vocabulary columns), and the variable-length flash attent
 documents against one scaled_dot_product_attention call per document (GQA, uneven lengths).
 Run on the GPU machine: `python -m pytest tests/gpu -m gpu`."""
 
+import inspect
+
 import pytest
 import torch
 
@@ -26,11 +28,13 @@ def test_compiled_logprobs_equal_float64_log_softmax(tokens):
     padded = torch.cat([real, torch.full((tokens, padding), 30.0, device="cuda")], 1).bfloat16().requires_grad_(True)
     lp, ent = logprobs_and_entropy(padded, targets, temperature=temperature, vocab_size=vocab)
     (lp.sum() - 0.3 * ent.sum()).backward()
+    assert padded.grad is not None
     ref_in = padded.detach()[:, :vocab].double().requires_grad_(True)
     ref_lp, ref_ent = _reference(ref_in, targets, temperature)
     (ref_lp.sum() - 0.3 * ref_ent.sum()).backward()
     torch.testing.assert_close(lp.double(), ref_lp, atol=2e-4, rtol=1e-5)
     torch.testing.assert_close(ent.double(), ref_ent, atol=2e-4, rtol=1e-5)
+    assert ref_in.grad is not None
     assert padded.grad.dtype == torch.bfloat16 and padded.grad[:, vocab:].abs().max() == 0
     # bf16 gradients: compare at bf16's resolution of the largest entry (the target's 1 - p).
     torch.testing.assert_close(padded.grad[:, :vocab].double(), ref_in.grad, atol=1e-2, rtol=1e-2)
@@ -93,8 +97,8 @@ def test_compiled_norm_and_rope_equal_their_eager_forms():
     cos, sin = layers.rope_table(positions, inv_freq)
     grad = torch.randn(3000, 16, 128, device="cuda", generator=g).bfloat16()
     for compiled, eager, args in (
-        (layers._rms_norm, layers._rms_norm.__wrapped__, (w, 1e-6)),
-        (layers._rope, layers._rope.__wrapped__, (cos, sin)),
+        (layers._rms_norm, inspect.unwrap(layers._rms_norm), (w, 1e-6)),
+        (layers._rope, inspect.unwrap(layers._rope), (cos, sin)),
     ):
         out = compiled(x, *args)
         ref = eager(x, *args)

@@ -3,13 +3,15 @@ loaded from the same HF folder, megatron's forward (TP=PP=1, fp32, SDPAttention 
 gives transformers' logits, for a plain batch and for documents packed into one row ('thd' with
 cu_seqlens: each document as if alone). Run on the GPU machine: `python -m pytest tests/gpu -m gpu`."""
 
+from typing import Any
+
 import pytest
 import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 KINDS = ["qwen2", "qwen3", "qwen3-tied", "qwen3-moe"]
-TOLERANCE = {"atol": 1e-4, "rtol": 1e-4}
+TOLERANCE: dict[str, Any] = {"atol": 1e-4, "rtol": 1e-4}
 
 
 def _models(kind: str, folder):
@@ -26,7 +28,7 @@ def _models(kind: str, folder):
     model = build_model(config, MegatronConfig(attention="sdpa"), torch.float32, pre_process=True, post_process=True)
     assert {p.device.type for p in model.parameters()} == {"cuda"}  # the MoE router too
     load_hf_weights(model, folder)
-    return config, reference.cuda().eval(), model.eval()
+    return config, reference.cuda().eval(), model.eval()  # type: ignore[call-arg]  # transformers types .cuda() as taking a model
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -106,6 +106,7 @@ class Job:
         return self
 
     def wait(self, timeout_s: float) -> int:
+        assert self.proc is not None, "start() the job first"
         try:
             return self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -122,6 +123,7 @@ class Job:
         return [r for r in read_jsonl(self.run_dir / "metrics" / "train.jsonl") if "step" in r and "loss" in r]
 
     def wait_for_step(self, step: int, timeout_s: float) -> None:
+        assert self.proc is not None, "start() the job first"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             done = self.steps()
@@ -134,6 +136,7 @@ class Job:
 
     def kill_all(self) -> None:
         """kill -9 the launcher and every role it started (their sessions: recorded PIDs only)."""
+        assert self.proc is not None, "start() the job first"
         pids = {self.proc.pid}
         for path in (self.run_dir / "registry" / "engines").glob("*.json"):
             pids.add(json.loads(path.read_text())["pid"])

@@ -50,7 +50,7 @@ CASES: dict[str, tuple[float, int, float]] = {
 
 
 @pytest.fixture(scope="module")
-def learning_runs(tmp_path_factory) -> dict[str, list[dict]]:
+def learning_runs(tmp_path_factory) -> dict[str, list[dict] | str]:
     """All cases, two at a time (one per core: each run is single-threaded)."""
     root = tmp_path_factory.mktemp("learning")
     rows = (REPO / "assets" / "addition.jsonl").read_text().splitlines()

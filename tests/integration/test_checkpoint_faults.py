@@ -41,11 +41,14 @@ def test_full_disk_keeps_the_previous_checkpoint(small_disk, process_group):
     assert ckpt.save(1, _writer(small), {"rng": torch.get_rng_state()}, {"step": 1, "version": 1})
     huge = {"w": torch.zeros(1_000_000)}  # 4 MB > the disk
     assert not ckpt.save(2, _writer(huge), {"rng": torch.get_rng_state()}, {"step": 2, "version": 2})
-    assert latest_dir(small_disk).name == "step-00000001"
+    latest = latest_dir(small_disk)
+    assert latest is not None and latest.name == "step-00000001"
     assert read_trainer_state(small_disk) == {"step": 1, "version": 1}
     assert sorted(os.listdir(small_disk)) == ["latest", "step-00000001"]  # the partial one is gone
     loaded = {"w": torch.zeros(1000)}
-    _, state = ckpt.load(lambda folder: dcp.load(loaded, checkpoint_id=str(folder)))
+    resumed = ckpt.load(lambda folder: dcp.load(loaded, checkpoint_id=str(folder)))
+    assert resumed is not None
+    _, state = resumed
     assert torch.equal(loaded["w"], small["w"]) and state["step"] == 1
     # Space is free again: the next save succeeds and older ones are pruned to `keep`.
     for step in (3, 4):

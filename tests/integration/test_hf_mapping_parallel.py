@@ -14,12 +14,13 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-LAYOUTS = {
+LAYOUTS: dict[str, dict[str, Any]] = {  # MegatronConfig's parallel sizes
     "tp2": {"tensor_parallel": 2},
     "pp2": {"pipeline_parallel": 2},
     "ep2": {"expert_parallel": 2},  # TP=1, so also 2 data-parallel replicas of the dense weights
@@ -33,7 +34,7 @@ MODELS = {
     "ep2": (["qwen3-moe"], 2),
 }
 # Global layers and experts each rank must hold (None: all of them).
-HOLDS = {
+HOLDS: dict[str, dict[int, tuple[list[int] | None, list[int] | None]]] = {
     "tp2": {0: (None, None), 1: (None, None)},
     "pp2": {0: ([0, 1], None), 1: ([2, 3], None)},
     "ep2": {0: (None, [0, 1]), 1: (None, [2, 3])},
@@ -102,7 +103,9 @@ def _expected_shards(model, hf: dict, groups: int, tp: tuple[int, int], etp: tup
         if name == "decoder.final_layernorm.weight":
             expected[name] = hf["model.norm.weight"]
             continue
-        index, rest = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name).groups()
+        match = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name)
+        assert match is not None, name
+        index, rest = match.groups()
         layer = model.decoder.layers[int(index)]
         layers.add(layer.layer_number - 1)
         prefix = f"model.layers.{layer.layer_number - 1}."

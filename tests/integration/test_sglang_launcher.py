@@ -53,7 +53,9 @@ class Wrapper:
         return self.log.read_text(errors="replace")
 
     def server_pid(self) -> int:
-        return int(re.search(r"SGLang server pid (\d+)", self.text())[1])
+        match = re.search(r"SGLang server pid (\d+)", self.text())
+        assert match is not None, self.text()[-3000:]
+        return int(match[1])
 
     def wait_registered(self, timeout_s: float = 120.0) -> EngineRecord:
         deadline = time.monotonic() + timeout_s

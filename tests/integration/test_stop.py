@@ -22,4 +22,5 @@ def test_max_wall_time_stops_with_a_checkpoint(tmp_path):
     assert "launch.max_wall_s (30 s) reached" in job.text()
     ends = [r for r in read_jsonl(run_dir / "metrics" / "train.jsonl") if r.get("event") == "end"]
     assert len(ends) == 1 and ends[0]["completed"] is False
-    assert read_trainer_state(run_dir / "ckpt")["step"] == ends[0]["step"] > 0
+    state = read_trainer_state(run_dir / "ckpt")
+    assert state is not None and state["step"] == ends[0]["step"] > 0

@@ -76,7 +76,7 @@ def slurm_cluster(tmp_path_factory):
         started = _cluster("start", directory, timeout=240)
     except subprocess.TimeoutExpired as e:
         _cluster("stop", directory, timeout=120)
-        pytest.fail(f"cluster.sh start timed out:\n{e.stdout}\n{e.stderr}")
+        pytest.fail(f"cluster.sh start timed out:\n{e.stdout!r}\n{e.stderr!r}")  # bytes, even with text=True
     if started.returncode != 0:
         _cluster("stop", directory, timeout=120)
         pytest.fail(f"cluster.sh start failed ({started.returncode}):\n{started.stdout}\n{started.stderr}")

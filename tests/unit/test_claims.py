@@ -6,23 +6,28 @@ import h5py
 import pytest
 import torch.distributed as dist
 
-from relax_hpc.exchange.spool import Spool, SpoolFormatError
+from relax_hpc.exchange.spool import BatchHeader, SampleBatch, Spool, SpoolFormatError
 from relax_hpc.trainer.claims import claim_next, fresh_samples, read_claimed
 from tests.unit.test_spool import make_batch
+
+
+def _header(batch: SampleBatch) -> BatchHeader:
+    """What read_header gives for the batch once written (its arrays, not copies)."""
+    return BatchHeader(batch.seq, batch.group_ids, batch.policy_version, batch.rewards)
 
 
 def test_groups_with_any_too_old_sample_are_set_aside():
     batch = make_batch(0, n_groups=3, group_size=2)
     batch.policy_version[:] = [5, 5, 3, 5, 4, 4]  # group 1 holds a version-3 sample
-    trainable, stale = fresh_samples(batch, version=6, max_staleness=2)
+    trainable, stale = fresh_samples(_header(batch), version=6, max_staleness=2)
     assert trainable == [0, 1, 4, 5] and stale == [2, 3]
-    trainable, stale = fresh_samples(batch, version=6, max_staleness=0)
+    trainable, stale = fresh_samples(_header(batch), version=6, max_staleness=0)
     assert trainable == [] and stale == [0, 1, 2, 3, 4, 5]
 
 
 def test_samples_newer_than_the_trainer_are_rejected():
     with pytest.raises(SpoolFormatError, match="newer"):
-        fresh_samples(make_batch(0, version=3), version=2, max_staleness=1)
+        fresh_samples(_header(make_batch(0, version=3)), version=2, max_staleness=1)
 
 
 def test_claim_skips_stale_and_corrupt_batches_and_records_them(tmp_path):
@@ -32,6 +37,7 @@ def test_claim_skips_stale_and_corrupt_batches_and_records_them(tmp_path):
     bad.write_bytes(b"not hdf5")
     spool.publish(make_batch(2, version=4), writer="t")
     claim = claim_next(spool, step=4, version=4, max_staleness=1)
+    assert claim is not None and claim.trained_file is not None
     assert claim.trained_file.endswith("b000000002.h5") and claim.quarantined == 1
     assert [f["name"] for f in claim.files] == ["b000000000.h5", "b000000002.h5"]
     assert claim.files[0]["stale"] == [0, 1, 2, 3] and claim.files[0]["trained"] == []
@@ -51,9 +57,11 @@ def test_a_batch_damaged_after_its_claim_is_quarantined_not_trained(tmp_path, on
     spool = Spool(tmp_path / "spool")
     spool.publish(make_batch(0, version=0), writer="t")
     claim = claim_next(spool, step=0, version=0, max_staleness=0)
+    assert claim is not None and claim.trained_file is not None
     path = Path(claim.trained_file)
     claims = {"0": [f["name"] for f in claim.files]}
-    assert read_claimed(path, spool, claims["0"]).seq == 0  # intact: read whole
+    intact = read_claimed(path, spool, claims["0"])
+    assert intact is not None and intact.seq == 0  # intact: read whole
     with h5py.File(path, "r+") as f:
         f["tokens"][0] = 99
     assert read_claimed(path, spool, claims["0"]) is None

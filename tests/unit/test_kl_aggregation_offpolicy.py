@@ -74,7 +74,7 @@ def test_kl_extreme_log_ratios_are_clamped_finite_and_gradient_free():
 
 def test_unknown_kl_estimator_is_rejected():
     with pytest.raises(ValueError):
-        kl_estimate(t([[0.0]]), t([[0.0]]), "k4", clamp=20.0)
+        kl_estimate(t([[0.0]]), t([[0.0]]), "k4", clamp=20.0)  # type: ignore[arg-type]  # not an estimator, on purpose
 
 
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
@@ -153,7 +153,7 @@ def test_fully_masked_batch_aggregates_to_zero_with_finite_gradient(mode):
 
 def test_unknown_aggregation_is_rejected():
     with pytest.raises(ValueError):
-        aggregate(t([[1.0]]), t([[1.0]]), "sum", Normalizer(1.0, 1.0))
+        aggregate(t([[1.0]]), t([[1.0]]), "sum", Normalizer(1.0, 1.0))  # type: ignore[arg-type]  # not an aggregation, on purpose
 
 
 # -- off-policy corrections ------------------------------------------------------------------------
@@ -219,4 +219,4 @@ def test_behaviour_weights_of_extreme_log_ratios_are_clamped():
 
 def test_unknown_correction_is_rejected():
     with pytest.raises(ValueError):
-        behaviour_weights(t([[0.0]]), t([[0.0]]), "vtrace", cap=2.0, low=0.5, high=2.0, log_ratio_clamp=20.0)
+        behaviour_weights(t([[0.0]]), t([[0.0]]), "vtrace", cap=2.0, low=0.5, high=2.0, log_ratio_clamp=20.0)  # type: ignore[arg-type]  # not a correction, on purpose

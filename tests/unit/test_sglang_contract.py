@@ -46,7 +46,9 @@ from relax_hpc.rollout.driver import Driver
 from tests.sglang_import import import_sglang
 
 REPO = Path(__file__).resolve().parents[2]
-PINNED = re.search(r"^sglang==(\S+)$", (REPO / "constraints.txt").read_text(), re.MULTILINE).group(1)
+_PIN = re.search(r"^sglang==(\S+)$", (REPO / "constraints.txt").read_text(), re.MULTILINE)
+assert _PIN is not None, "constraints.txt pins sglang"
+PINNED = _PIN.group(1)
 
 # Every request class relax_hpc sends (or the torch engine accepts) and every route it calls.
 CLASSES = [
@@ -96,7 +98,7 @@ def sglang() -> SimpleNamespace:
 def sent_requests(cfg) -> list[Any]:
     """Each request as relax_hpc builds it (relax_hpc/rollout/driver.py, relax_hpc/weights/sender.py)."""
     driver = SimpleNamespace(ro=cfg.rollout)  # all that Driver._sampling reads
-    sampling, greedy = Driver._sampling(driver), Driver._sampling(driver, temperature=0.0)
+    sampling, greedy = Driver._sampling(driver), Driver._sampling(driver, temperature=0.0)  # type: ignore[arg-type]  # the stand-in above
     init = P.InitWeightsUpdateGroupReqInput(
         master_address="127.0.0.1",
         master_port=29517,
@@ -105,7 +107,7 @@ def sent_requests(cfg) -> list[Any]:
         group_name="relax-0123456789ab",
         backend="gloo",
     )
-    bucket = {
+    bucket: dict[str, Any] = {
         "names": ["model.embed_tokens.weight", "lm_head.weight"],
         "dtypes": ["float32", "bfloat16"],
         "shapes": [[32, 128], [32, 128]],
@@ -317,7 +319,9 @@ def test_launch_server_arguments_are_server_args(sglang, overrides):
 
 
 def test_routes_exist_in_sglang(sglang):
-    package = Path(importlib.util.find_spec("sglang").origin).parent
+    spec = importlib.util.find_spec("sglang")
+    assert spec is not None and spec.origin is not None
+    package = Path(spec.origin).parent
     source = (package / "srt" / "entrypoints" / "http_server.py").read_text()
     served = set(re.findall(r"@app\.(?:get|post|put|api_route)\(\s*\"([^\"]+)\"", source))
     missing = [r for r in ROUTES if r not in served]
