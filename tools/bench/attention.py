@@ -17,6 +17,7 @@ import argparse
 import functools
 import json
 import statistics
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -82,7 +83,7 @@ def main() -> None:
             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
                 return attention._per_document(q, k, v, cu)
 
-        variants = {
+        variants: dict[str, Callable[..., torch.Tensor]] = {
             "per_document_sdpa": functools.partial(attention._per_document, cu=cu),
             "flash": functools.partial(attention._varlen, cu=cu, max_len=length),
             "per_document_cudnn": per_document_cudnn,

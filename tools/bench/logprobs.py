@@ -50,6 +50,7 @@ def measure(fn, logits: torch.Tensor, targets: torch.Tensor, repeat: int) -> dic
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b))
     extra = (torch.cuda.max_memory_allocated() - base) / 2**30
+    assert logits.grad is not None
     return {
         "ms": round(statistics.median(times), 2),
         "first_call_s": round(first_s, 1),

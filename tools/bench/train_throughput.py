@@ -25,12 +25,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-SHAPES = {  # Qwen3-0.6B and Qwen3-1.7B (tied embeddings)
+SHAPES: dict[str, dict[str, Any]] = {  # Qwen3-0.6B and Qwen3-1.7B (tied embeddings)
     "0.6b": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16},
     "1.7b": {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28, "num_attention_heads": 16},
 }
-COMMON = {
+COMMON: dict[str, Any] = {
     "num_key_value_heads": 8,
     "head_dim": 128,
     "vocab_size": 151936,
@@ -56,7 +57,7 @@ def make_model(size: str, folder: Path) -> None:
     config = Qwen3Config(**SHAPES[size], **COMMON, dtype="bfloat16")
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+        model = Qwen3ForCausalLM(config).to(torch.bfloat16)  # type: ignore[arg-type]  # transformers types .to() as taking a model
     model.save_pretrained(folder)
 
 
