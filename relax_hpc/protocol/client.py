@@ -88,7 +88,7 @@ class _Connection:
             response.begin()
             body = response.read()
         except (OSError, ValueError, http.client.HTTPException) as e:
-            raise EngineUnavailable(f"{self.url}{route}: {e}") from None
+            raise EngineUnavailable(f"{self.url}{route}: {str(e) or type(e).__name__}") from None
         return decode_answer(f"{self.url}{route}", response.status, body)
 
     def close(self) -> None:
