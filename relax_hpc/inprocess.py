@@ -126,7 +126,9 @@ def run_inprocess(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="relax_hpc single-process RL loop (no engines, no spool)")
+    parser = argparse.ArgumentParser(
+        prog="python -m relax_hpc.inprocess", description="relax_hpc single-process RL loop (no engines, no spool)"
+    )
     parser.add_argument("--config", required=True, help="job config (YAML)")
     parser.add_argument("--steps", type=int, required=True, help="trainer steps to run")
     parser.add_argument("--greedy-every", type=int, default=0, help="greedy accuracy every N steps and at the end")

@@ -73,6 +73,37 @@ class RunPaths:
         return self.metrics / "eval.jsonl"
 
     @property
+    def events_metrics(self) -> Path:
+        """The launcher's events: each start, role exits and restarts with their cause, stop
+        requests, each end with its exit status."""
+        return self.metrics / "events.jsonl"
+
+    @property
+    def sinks_cursor(self) -> Path:
+        """How far the metric sinks (TensorBoard, ClearML) have read each JSONL file."""
+        return self.metrics / "sinks.json"
+
+    @property
+    def tensorboard(self) -> Path:
+        """TensorBoard event files (metrics.tensorboard), one run across restarts."""
+        return self.root / "tensorboard"
+
+    @property
+    def clearml(self) -> Path:
+        """ClearML: the task id (clearml/task_id) and, offline, the sessions to import."""
+        return self.root / "clearml"
+
+    @property
+    def plots(self) -> Path:
+        """Figures written by `python -m relax_hpc.plot`."""
+        return self.root / "plots"
+
+    @property
+    def export(self) -> Path:
+        """The final model as an HF folder (ckpt.export_hf)."""
+        return self.root / "hf"
+
+    @property
     def logs_root(self) -> Path:
         return self.root / "logs"
 

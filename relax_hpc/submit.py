@@ -12,6 +12,7 @@ same command on an existing RUN_DIR resumes it from its latest checkpoint.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import shlex
 import sys
@@ -22,7 +23,8 @@ from relax_hpc.config.path_options import path_problems
 from relax_hpc.config.schema import RESUMABLE_CHANGES, JobConfig
 from relax_hpc.data.prompts import DatasetError, load_prompts
 from relax_hpc.launch.allocation import AllocationError
-from relax_hpc.launch.gpus import span, visible_gpu_count
+from relax_hpc.launch.gpus import NO_GPU, place_local, span, visible_gpu_count
+from relax_hpc.metrics.summary import completed_steps, run_summary
 from relax_hpc.models.arch import check_megatron_job
 from relax_hpc.paths import RunPaths, write_atomic
 
@@ -50,8 +52,21 @@ def check_inputs(cfg: JobConfig, in_allocation: bool = False) -> None:
         if cfg.trainer.backend == "megatron":
             problems += check_megatron_job(cfg.model.path, cfg.trainer.megatron)
             problems += megatron_gpu_problems(cfg, in_allocation)
+        problems += missing_sinks(cfg)
     if problems:
         raise ConfigError("\n".join(problems))
+
+
+def missing_sinks(cfg: JobConfig) -> list[str]:
+    """The metric sinks a config asks for must be installed where the job runs (checked here unless
+    the job runs in a container, whose packages this process does not see)."""
+    wanted = {"metrics.tensorboard": ("tensorboard", cfg.metrics.tensorboard),
+              "metrics.clearml.enabled": ("clearml", cfg.metrics.clearml.enabled)}  # fmt: skip
+    return [
+        f"{key}: the `{module}` package is not installed (pip install 'relax_hpc[sinks]')"
+        for key, (module, on) in wanted.items()
+        if on and not cfg.launch.container and importlib.util.find_spec(module) is None
+    ]
 
 
 def megatron_gpu_problems(cfg: JobConfig, in_allocation: bool) -> list[str]:
@@ -71,13 +86,14 @@ def megatron_gpu_problems(cfg: JobConfig, in_allocation: bool) -> list[str]:
     if cfg.launch.container:
         return []  # the image's view of the GPUs is not this process's
     visible = visible_gpu_count()
-    usable = span(cfg.launch.local_trainer_gpus) if cfg.launch.local_trainer_gpus else visible
-    if min(usable, visible) < ranks:
+    trainer = place_local(cfg, visible).trainer
+    if trainer in (None, NO_GPU) or span(trainer) < ranks or int(trainer.split("-")[1]) >= visible:
         return [
             (
-                f"trainer.backend=megatron runs one rank per GPU: this machine shows {visible} GPU(s) "
-                f"(launch.local_trainer_gpus: {cfg.launch.local_trainer_gpus or 'all'}) for trainer.num_ranks={ranks}; "
-                "use trainer.backend=torch here, or fewer ranks"
+                f"trainer.backend=megatron runs one rank per GPU: this machine shows {visible} GPU(s), and the "
+                f"trainer's {ranks} rank(s) and {cfg.rollout.num_engines} engine(s) take one each unless "
+                "launch.local_trainer_gpus / launch.local_engine_gpus say otherwise; use trainer.backend=torch "
+                "here, or fewer ranks"
             )
         ]
     return []
@@ -101,7 +117,9 @@ def freeze(cfg: JobConfig, paths: RunPaths) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m relax_hpc.submit", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", type=Path, help="YAML job config (default: built-in defaults)")
     parser.add_argument(
         "--dry-run", action="store_true", help="validate, print the resolved config and commands, run nothing"
@@ -126,6 +144,11 @@ def main(argv: list[str] | None = None) -> int:
             submission.preflight(cfg, paths)
         if args.dry_run:
             return dry_run(cfg, paths, slurm)
+        if paths.config.exists() and completed_steps(paths) >= cfg.trainer.total_steps:
+            freeze(cfg, paths)  # refuses a changed experiment as any resume would
+            print(f"{paths.root} is already complete at step {completed_steps(paths)}; nothing to run.")
+            print(run_summary(paths, cfg.trainer.total_steps))
+            return 0
         freeze(cfg, paths)
         if args.in_allocation:
             from relax_hpc.launch.slurm import run_in_allocation
@@ -171,7 +194,7 @@ def submit_to_slurm(cfg: JobConfig, paths: RunPaths, wait: bool) -> int:
         f"submitted job {job.job_id} ({cfg.launch.slurm.job_name})\n"
         f"run dir: {root}\n"
         f"follow:  tail -F {job.paths.stdout}   (progress; each role's log in {root}/logs/)\n"
-        f"status:  squeue -j {job.job_id}; sacct -j {job.job_id}\n"
+        f"status:  python -m relax_hpc.status {root}   (squeue -j {job.job_id}; sacct -j {job.job_id})\n"
         f"stop:    scancel --batch --signal=USR2 {job.job_id}   (checkpoint and requeue); scancel {job.job_id} (end)"
     )
     if not wait:
@@ -179,7 +202,14 @@ def submit_to_slurm(cfg: JobConfig, paths: RunPaths, wait: bool) -> int:
     try:
         print(job.result())
     except Exception as e:  # noqa: BLE001  # submitit re-raises the job's failure, whatever its type
-        print(f"job {job.job_id} did not complete: {e}", file=sys.stderr)
+        # submitit's own message names a stderr file that these jobs do not write (stderr goes to
+        # the output file): say what happened and where to look instead.
+        reason = str(e).split("You can check full logs", 1)[0].strip()
+        print(
+            f"job {job.job_id} did not complete: {reason}\n"
+            f"output: {job.paths.stdout}\nroles' logs: {root}/logs/\nstatus: python -m relax_hpc.status {root}",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

@@ -1,95 +1,37 @@
-"""Turn a run's checkpoint into an HF model folder that transformers loads.
+"""Turn a run's checkpoint into an HF model folder that transformers, SGLang and vLLM load.
 
     python tools/dcp_to_hf.py --run-dir RUN_DIR --out FOLDER [--step N]
 
-Reads RUN_DIR/config.yaml to know the backend and the base model, then the model tensors of
-ckpt/latest (or ckpt/step-N) without the optimizer's: the torch backend's checkpoint is torch DCP
-with HF names already; the megatron backend's is megatron's distributed checkpoint (torch_dist,
-also DCP files), whose tensors are unsharded and mapped to HF names and layout by
-relax_hpc.models.hf_mapping. Writes config.json, safetensors (sharded as transformers shards
-them), generation config and the tokenizer of the base model. Needs no GPU and no process group.
+Either backend's checkpoint (torch DCP, or megatron's distributed checkpoint), the latest or the
+one after step N; the conversion is relax_hpc.ckpt.export, which a completed run also runs on its
+own (ckpt.export_hf, into RUN_DIR/hf). Needs no GPU and no process group.
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
+import sys
 from pathlib import Path
 
-import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-from relax_hpc.ckpt.layout import latest_dir
-from relax_hpc.config.load import read_frozen
-from relax_hpc.paths import CkptDirs, RunPaths
-
-MODEL_PREFIX = "model."  # the torch backend's state is {"model": ..., "optim": ...}
+from relax_hpc.ckpt.export import ExportError, convert
 
 
-def checkpoint_folder(paths: RunPaths, step: int | None) -> Path:
-    folder = latest_dir(paths.ckpt) if step is None else CkptDirs(paths.ckpt).step(step)
-    if folder is None or not folder.is_dir():
-        raise SystemExit(f"no complete checkpoint {'' if step is None else f'for step {step} '}in {paths.ckpt}")
-    return folder
-
-
-def torch_backend_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    """The HF-named model tensors of a torch-backend DCP checkpoint, unsharded."""
-    metadata = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
-    state = {
-        key: torch.empty(meta.size, dtype=meta.properties.dtype)
-        for key, meta in metadata.items()
-        if key.startswith(MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)
-    }
-    dcp.load(state, checkpoint_id=str(folder), no_dist=True)
-    return {key[len(MODEL_PREFIX) :]: t for key, t in state.items()}
-
-
-def megatron_backend_tensors(folder: Path, hf_config) -> dict[str, torch.Tensor]:
-    """HF-named tensors of a megatron distributed checkpoint (its model part only)."""
-    from relax_hpc.models.hf_mapping import megatron_checkpoint_to_hf  # needs megatron-core
-
-    return megatron_checkpoint_to_hf(folder, hf_config)
-
-
-def convert(run_dir: Path, out: Path, step: int | None = None) -> Path:
-    paths = RunPaths(run_dir)
-    cfg = read_frozen(paths.config)
-    folder = checkpoint_folder(paths, step)
-    hf_config = AutoConfig.from_pretrained(cfg.model.path)
-    if cfg.trainer.backend == "megatron":
-        tensors = megatron_backend_tensors(folder, hf_config)
-    else:
-        tensors = torch_backend_tensors(folder)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=getattr(torch, cfg.model.dtype))
-    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
-    missing = [k for k in missing if not (k == "lm_head.weight" and hf_config.tie_word_embeddings)]
-    if missing or unexpected:
-        raise SystemExit(
-            f"{folder} does not match {cfg.model.path}: missing {missing[:5]}, unexpected {unexpected[:5]}"
-        )
-    model.tie_weights()
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(cfg.model.path).save_pretrained(out)
-    source = Path(cfg.model.path) / "generation_config.json"
-    if source.is_file():
-        shutil.copy(source, out / "generation_config.json")
-    return folder
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        prog="python tools/dcp_to_hf.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--run-dir", required=True, type=Path)
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--step", type=int, help="the checkpoint after this many steps (default: the latest)")
     args = parser.parse_args()
-    folder = convert(args.run_dir, args.out, args.step)
+    try:
+        folder = convert(args.run_dir, args.out, args.step)
+    except ExportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(f"{folder} -> {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv and install relax_hpc with the exact versions in constraints.txt.
-#   bash tools/install.sh          # the package, megatron-core, the test, lint and type-check tools
+#   bash tools/install.sh          # the package, megatron-core, the metric sinks, the test, lint and type-check tools
 # torch is pinned to a CPU build (2.13.0); an unpinned torch would pull a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +11,7 @@ fi
 export PIP_CONSTRAINT="$PWD/constraints.txt" PIP_DISABLE_PIP_VERSION_CHECK=1
 .venv/bin/python -m pip install --quiet --upgrade "pip>=24"
 .venv/bin/python -m pip install --quiet torch==2.13.0
-.venv/bin/python -m pip install --quiet -e ".[test,megatron,dev]"
+.venv/bin/python -m pip install --quiet -e ".[test,megatron,dev,sinks]"
 # SGLang without its dependencies (they pin torch 2.14.1 and GPU kernels), plus the light packages
 # its request classes and argument parser import: the section of constraints.txt between the
 # sglang markers, which also pins them. The contract and launcher tests import it; nothing runs it.

@@ -344,12 +344,43 @@ class CheckpointConfig(Section):
     """Save a DCP checkpoint every N steps (and always at the end and on a stop request)."""
     keep: int = Field(default=2, ge=2)
     """Complete checkpoints kept (at least 2: the newest may be the one being replaced)."""
+    keep_trained_batches: bool = Field(default=False)
+    """Keep the sample batches of trained steps in spool/claimed/ for good. Off: once a checkpoint
+    covers a step (a resume can no longer need its batches), their HDF5 files are deleted; the
+    small manifests saying what each step trained stay."""
+    export_hf: bool = Field(default=True)
+    """When training completes, write the final weights as an HF folder to RUN_DIR/hf (what
+    tools/dcp_to_hf.py writes; ClearML registers it as an artifact)."""
+
+
+class ClearMLConfig(Section):
+    enabled: bool = Field(default=False)
+    """Report the run to ClearML: one task per run, continued across restarts and requeues (its
+    id is kept in RUN_DIR/clearml/task_id), every metric as a scalar, the resolved config as
+    hyperparameters, the final HF export as an artifact. Off unless set."""
+    project: str = Field(default="relax_hpc")
+    """ClearML project of the task."""
+    task_name: str | None = Field(default=None)
+    """Name of the task (default: RUN_DIR's folder name)."""
+    tags: list[str] = Field(default=[])
+    """Tags of the task."""
+    offline: bool = Field(default=False)
+    """Write the task as ClearML offline sessions under RUN_DIR/clearml/offline (for compute nodes
+    that cannot reach a server); import them later with `clearml-task --import-offline-session
+    ZIP` or `Task.import_offline_session`. Online, the server and credentials come from your
+    own clearml.conf or CLEARML_* variables; relax_hpc never copies them."""
 
 
 class MetricsConfig(Section):
     progress_every_s: float = Field(default=15.0, gt=0)
     """Seconds between two progress lines when the launcher's output is a file (a Slurm output
-    file, a redirect); on a terminal the line is redrawn in place as it changes."""
+    file, a redirect; on a terminal the line is redrawn in place as it changes), and between two
+    step lines in the trainer's log."""
+    tensorboard: bool = Field(default=False)
+    """Write TensorBoard event files to RUN_DIR/tensorboard (one run across restarts:
+    `tensorboard --logdir RUN_DIR/tensorboard`)."""
+    clearml: ClearMLConfig = Field(default=ClearMLConfig())
+    """ClearML reporting (off by default)."""
 
 
 class SlurmRoleConfig(Section):

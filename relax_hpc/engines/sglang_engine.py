@@ -237,7 +237,10 @@ class Wrapper:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="relax_hpc's supervisor of one SGLang server (rollout.engine=sglang)")
+    parser = argparse.ArgumentParser(
+        prog="python -m relax_hpc.engines.sglang_engine",
+        description="relax_hpc's supervisor of one SGLang server (rollout.engine=sglang)",
+    )
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--engine-id", required=True)
     parser.add_argument("--host", default="127.0.0.1")

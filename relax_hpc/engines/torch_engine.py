@@ -386,7 +386,10 @@ def serve(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="relax_hpc's built-in torch rollout engine (SGLang protocol)")
+    parser = argparse.ArgumentParser(
+        prog="python -m relax_hpc.engines.torch_engine",
+        description="relax_hpc's built-in torch rollout engine (SGLang protocol)",
+    )
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--engine-id", required=True)
     parser.add_argument("--model-path", required=True)

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from relax_hpc.config.schema import JobConfig
+from relax_hpc.launch.gpus import NO_GPU
 
 
 class AllocationError(RuntimeError):
@@ -121,6 +122,8 @@ def plan_layout(cfg: JobConfig, alloc: Allocation) -> Layout:
         engine_gpus.append(_gpu_slice(sl.rollout.gpus_per_node, per_node[node], seen[node], offset, tp_size))
         seen[node] += 1
     trainer_gpus = f"0-{sl.trainer.gpus_per_node - 1}" if colocated and sl.trainer.gpus_per_node else None
+    if sl.trainer.gpus_per_node == 0:
+        trainer_gpus = NO_GPU  # a node's GPUs that the job did not ask for are not the trainer's
     return Layout(groups[0], trainer_nodes, trainer_gpus, groups[1], engine_nodes, engine_gpus)
 
 
@@ -128,7 +131,7 @@ def _gpu_slice(gpus_per_node: int, engines_on_node: int, index: int, offset: int
     """The GPUs of the index-th of `engines_on_node` engines on `gpus_per_node` rollout GPUs."""
     per_engine = _gpus_per_engine(gpus_per_node, engines_on_node, tp_size)
     if per_engine is None:
-        return None
+        return NO_GPU
     first = offset + index * per_engine
     return f"{first}-{first + per_engine - 1}"
 

@@ -3,6 +3,7 @@
     engines   python -m relax_hpc.engines.torch_engine   (rollout.num_engines processes; with
               rollout.engine=sglang, python -m relax_hpc.engines.sglang_engine, which runs SGLang)
     driver    python -m relax_hpc.rollout.driver
+    metrics   python -m relax_hpc.metrics.sinks              (only with metrics.tensorboard or metrics.clearml)
     trainer   torchrun ... -m relax_hpc.trainer.main      (one torchrun per trainer node)
 
 Inside an allocation each role is `srun --overlap --nodelist=NODE ...` (steps share the nodes' CPUs,
@@ -13,11 +14,11 @@ through a container runtime, optionally limited to a slice of the node's GPUs.
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
 
 from relax_hpc.config.schema import JobConfig
 from relax_hpc.launch.allocation import Allocation, Layout, plan_layout
 from relax_hpc.launch.container import wrap_in_container
+from relax_hpc.launch.gpus import LocalDevices, place_local, visible_gpu_count
 from relax_hpc.paths import RunPaths
 
 
@@ -41,6 +42,15 @@ def driver_args(paths: RunPaths) -> list[str]:
     return ["-m", "relax_hpc.rollout.driver", "--run-dir", str(paths.root)]
 
 
+def sinks_args(paths: RunPaths) -> list[str]:
+    return ["-m", "relax_hpc.metrics.sinks", "--run-dir", str(paths.root)]
+
+
+def wants_sinks(cfg: JobConfig) -> bool:
+    """Whether the run reports to TensorBoard or ClearML (then a `metrics` role feeds them)."""
+    return cfg.metrics.tensorboard or cfg.metrics.clearml.enabled
+
+
 def trainer_args(paths: RunPaths, torchrun: list[str]) -> list[str]:
     return ["-m", "torch.distributed.run", *torchrun, "-m", "relax_hpc.trainer.main", "--run-dir", str(paths.root)]
 
@@ -50,17 +60,20 @@ def python(cfg: JobConfig) -> str:
     return "python" if cfg.launch.container else sys.executable
 
 
-def local_commands(cfg: JobConfig, paths: RunPaths) -> dict[str, list[str]]:
-    """Every role as a subprocess of this machine (the `local` executor)."""
+def local_commands(cfg: JobConfig, paths: RunPaths, devices: LocalDevices | None = None) -> dict[str, list[str]]:
+    """Every role as a subprocess of this machine (the `local` executor), on the GPUs `devices`
+    gives it (default: placed for the GPUs this machine shows)."""
+    devices = devices or place_local(cfg, visible_gpu_count())
     py = python(cfg)
-    engine_gpus: Sequence[str | None] = cfg.launch.local_engine_gpus or [None] * cfg.rollout.num_engines
     commands = {
         f"engine-{i}": _on_gpus(gpus, [py, *engine_args(cfg, paths, i, cfg.rollout.host)])
-        for i, gpus in enumerate(engine_gpus)
+        for i, gpus in enumerate(devices.engines)
     }
     commands["driver"] = [py, *driver_args(paths)]
+    if wants_sinks(cfg):
+        commands["metrics"] = [py, *sinks_args(paths)]
     torchrun = ["--standalone", f"--nproc-per-node={cfg.trainer.num_ranks}"]
-    commands["trainer"] = _on_gpus(cfg.launch.local_trainer_gpus, [py, *trainer_args(paths, torchrun)])
+    commands["trainer"] = _on_gpus(devices.trainer, [py, *trainer_args(paths, torchrun)])
     return {name: wrap_in_container(cfg, argv) for name, argv in commands.items()}
 
 
@@ -76,10 +89,12 @@ def step_commands(cfg: JobConfig, paths: RunPaths, alloc: Allocation) -> dict[st
         commands[f"engine-{i}"] = _srun(cfg, alloc, layout.engine_group, [node], f"engine-{i}") + wrap_in_container(
             cfg, argv
         )
-    driver = [py, *driver_args(paths)]
-    commands["driver"] = _srun(
-        cfg, alloc, layout.trainer_group, layout.trainer_nodes[:1], "driver"
-    ) + wrap_in_container(cfg, driver)
+    first_trainer_node = layout.trainer_nodes[:1]
+    for name, args in (("driver", driver_args(paths)), ("metrics", sinks_args(paths))):
+        if name == "metrics" and not wants_sinks(cfg):
+            continue
+        step = _srun(cfg, alloc, layout.trainer_group, first_trainer_node, name)
+        commands[name] = step + wrap_in_container(cfg, [py, *args])
     commands["trainer"] = _srun(cfg, alloc, layout.trainer_group, layout.trainer_nodes, "trainer") + wrap_in_container(
         cfg, _on_gpus(layout.trainer_gpus, [py, *trainer_args(paths, _torchrun_args(cfg, alloc, layout))])
     )

@@ -1,9 +1,11 @@
-"""Run a command on a slice of the GPUs this job step sees:
+"""Which GPUs each role uses, and running a command on a slice of the GPUs a step sees:
 
-    python -m relax_hpc.launch.gpus FIRST-LAST -- COMMAND...
+    python -m relax_hpc.launch.gpus FIRST-LAST -- COMMAND...     (or `none`: no GPU, the CPU)
 
 Slurm gives every step of a node the job's GPUs there; roles that share a node (trainer on GPUs
 0-3, engines on 4-7) each take their slice. Indices count within the step's CUDA_VISIBLE_DEVICES.
+On one machine (`place_local`), a role uses GPUs only when there are enough for it: a workstation
+with one GPU runs the default two-rank trainer on the CPU instead of failing on a second GPU.
 """
 
 from __future__ import annotations
@@ -11,10 +13,17 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+
+from relax_hpc.config.schema import JobConfig
+
+NO_GPU = "none"  # a role that must not use any GPU
 
 
 def select(visible: str | None, first_last: str) -> str:
+    if first_last == NO_GPU:
+        return ""
     first, last = (int(x) for x in first_last.split("-"))
     devices = visible.split(",") if visible else [str(i) for i in range(last + 1)]
     if last >= len(devices):
@@ -39,6 +48,45 @@ def span(first_last: str) -> int:
     """How many GPUs a FIRST-LAST range names."""
     first, last = (int(x) for x in first_last.split("-"))
     return last - first + 1
+
+
+@dataclass(frozen=True)
+class LocalDevices:
+    """The GPUs of each role on one machine: FIRST-LAST, NO_GPU, or None (what it sees)."""
+
+    trainer: str | None
+    engines: list[str | None]
+    summary: str  # what was chosen, for the launcher's header
+
+
+def place_local(cfg: JobConfig, visible: int) -> LocalDevices:
+    """The roles take GPUs only when there are enough for all of them: one per trainer rank, then
+    one per engine (an SGLang engine rollout.sglang.tp_size); otherwise everything runs on the CPU
+    (a trainer on GPUs would push weights over NCCL, which an engine on the CPU cannot join).
+    launch.local_trainer_gpus and launch.local_engine_gpus, when set, decide instead."""
+    ranks, count = cfg.trainer.num_ranks, cfg.rollout.num_engines
+    per_engine = cfg.rollout.sglang.tp_size if cfg.rollout.engine == "sglang" else 1
+    enough = visible >= ranks + count * per_engine
+    trainer = cfg.launch.local_trainer_gpus or (f"0-{ranks - 1}" if enough else NO_GPU)
+    if cfg.launch.local_engine_gpus:
+        engines: list[str | None] = list(cfg.launch.local_engine_gpus)
+    elif enough:
+        engines = [f"{ranks + i * per_engine}-{ranks + (i + 1) * per_engine - 1}" for i in range(count)]
+    else:
+        engines = [NO_GPU] * count
+    return LocalDevices(trainer, engines, _describe(trainer, engines, visible, ranks))
+
+
+def _describe(trainer: str, engines: list[str | None], visible: int, ranks: int) -> str:
+    def where(gpus: str | None) -> str:
+        if gpus == NO_GPU:
+            return "CPU"
+        return f"GPU {gpus.split('-')[0]}" if gpus and span(gpus) == 1 else f"GPUs {gpus or 'all'}"
+
+    if trainer == NO_GPU and all(e == NO_GPU for e in engines):
+        return "CPU only" + (f" ({visible} GPU(s) visible: fewer than the roles need)" if visible else "")
+    engine_part = ", ".join(where(e) for e in engines)
+    return f"trainer on {where(trainer)} ({ranks} rank(s)), engines on {engine_part} ({visible} GPU(s) visible)"
 
 
 def main() -> None:

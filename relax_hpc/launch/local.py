@@ -10,12 +10,14 @@ import signal
 
 from relax_hpc.config.schema import JobConfig
 from relax_hpc.launch.commands import local_commands
+from relax_hpc.launch.gpus import place_local, visible_gpu_count
 from relax_hpc.launch.supervisor import EXIT_STOPPED, Supervisor
 from relax_hpc.paths import RunPaths
 
 
 def run_local(cfg: JobConfig, paths: RunPaths) -> int:
-    supervisor = Supervisor(cfg, paths, local_commands(cfg, paths))
+    devices = place_local(cfg, visible_gpu_count())
+    supervisor = Supervisor(cfg, paths, local_commands(cfg, paths, devices), devices=devices.summary)
     interrupts = 0
 
     def on_signal(signum: int, _frame: object) -> None:

@@ -88,6 +88,15 @@ def run_in_allocation(cfg: JobConfig, paths: RunPaths) -> int:
     return code
 
 
+def _one_copy_of_submitit_messages() -> None:
+    """submitit logs to stdout (everything) and to stderr (warnings); its jobs here send stderr to
+    the same file (stderr_to_stdout), where every warning would appear twice."""
+    logger = logging.getLogger("submitit")
+    for handler in list(logger.handlers):
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stderr:
+            logger.removeHandler(handler)
+
+
 class SlurmRun:
     """What `submit` hands to submitit: runs the supervisor in the allocation, and follows
     submitit's checkpoint protocol, so that submitit's USR2 handler stops the run with a
@@ -100,6 +109,7 @@ class SlurmRun:
         self._code = EXIT_STOPPED
 
     def __call__(self) -> str:
+        _one_copy_of_submitit_messages()
         paths = RunPaths(Path(self.run_dir))
         supervisor = self._supervisor = _supervisor(read_frozen(paths.config), paths)
         # submitit ignores SIGTERM; here it means Slurm ends the job now: checkpoint if possible.

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import getpass
-import logging
 import os
 import signal
 import subprocess
@@ -26,11 +25,11 @@ from typing import TextIO
 
 from relax_hpc.config.schema import JobConfig
 from relax_hpc.launch.recover import recover
-from relax_hpc.metrics.jsonl import read_jsonl
+from relax_hpc.metrics.jsonl import JsonlWriter, read_jsonl
 from relax_hpc.metrics.progress import Progress
+from relax_hpc.metrics.summary import completed_steps, run_summary
 from relax_hpc.paths import RunPaths, write_atomic
 
-log = logging.getLogger("relax_hpc.launch")
 EXIT_COMPLETED, EXIT_FAILED, EXIT_STOPPED = 0, 1, 75
 
 
@@ -42,6 +41,7 @@ class Role:
     max_restarts: int
     proc: subprocess.Popen | None = None
     restarts: int = 0
+    abandoned: bool = False  # a helper role that failed too often; the run went on without it
 
     def start(self, env: dict[str, str]) -> None:
         with self.log_path.open("ab") as out:
@@ -85,19 +85,35 @@ def child_env(cfg: JobConfig) -> dict[str, str]:
 
 
 class Supervisor:
+    """Messages go to `out` only (the terminal, or the Slurm output file, where stderr lands too:
+    logging them as well would print every line twice); what happened is also recorded in
+    RUN_DIR/metrics/events.jsonl for `status`."""
+
     def __init__(
-        self, cfg: JobConfig, paths: RunPaths, commands: dict[str, list[str]], out: TextIO = sys.stdout
+        self,
+        cfg: JobConfig,
+        paths: RunPaths,
+        commands: dict[str, list[str]],
+        out: TextIO = sys.stdout,
+        devices: str | None = None,
     ) -> None:
         self.cfg, self.paths, self.commands, self.out = cfg, paths, commands, out
+        self.devices = devices  # where the roles run, said once in the header
         self.stop_requested = False
         self.kill_requested = False
+        self.events = JsonlWriter(paths.events_metrics)
+
+    def say(self, text: str) -> None:
+        self.out.write(text)
+        self.out.flush()
 
     def request_stop(self, why: str) -> None:
         """Ask the trainer to checkpoint at its next step boundary; the run then ends with 75.
         Safe to call from a signal handler or another thread."""
         if not self.stop_requested:
             self.stop_requested = True
-            self.out.write(f"\n{why}: asking the trainer to checkpoint and stop\n")
+            self.say(f"\n{why}: asking the trainer to checkpoint and stop\n")
+            self.events.log({"event": "stop_requested", "why": why})
             write_atomic(self.paths.stop_request, b"stop\n")
 
     def request_kill(self) -> None:
@@ -116,20 +132,30 @@ class Supervisor:
             for name, argv in self.commands.items()
         }
         job = os.environ.get("SLURM_JOB_ID")
-        self.out.write(
+        restart_count = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+        self.say(
             f"run dir: {self.paths.root}\nlogs:    {logs}/  (tail -F {logs}/trainer.log)\n"
-            + (f"slurm job {job}, restart count {os.environ.get('SLURM_RESTART_COUNT', '0')}\n" if job else "")
+            + (f"slurm job {job}, restart count {restart_count}\n" if job else "")
+            + (f"devices: {self.devices}\n" if self.devices else "")
             + f"{'resuming at step ' + str(recovery.step) if recovery.step else 'starting'}: "
             f"{ro.num_engines} engine(s), {self.cfg.trainer.num_ranks} trainer rank(s), "
             f"max_staleness {ro.max_staleness}\n"
         )
-        self.out.flush()
+        self.events.log(
+            {"event": "start", "logs": logs.name, "step": recovery.step, "slurm_job_id": job,
+             "slurm_restart_count": restart_count}
+        )  # fmt: skip
         for role in roles.values():
             role.start(env)
+        code = EXIT_FAILED
         try:
-            return self._supervise(roles, env)
+            code = self._supervise(roles, env)
+            return code
         finally:
             self._stop_all(roles.values())
+            self.events.log({"event": "end", "exit": code, "step": completed_steps(self.paths)})
+            if code != EXIT_FAILED:
+                self.say(run_summary(self.paths, self.cfg.trainer.total_steps) + "\n")
 
     def _next_log_dir(self) -> Path:
         root = self.paths.logs_root
@@ -145,32 +171,48 @@ class Supervisor:
         )
         engines = [r for n, r in roles.items() if n.startswith("engine")]
         trainer, driver = roles["trainer"], roles["driver"]
+        helpers = [r for n, r in roles.items() if n == "metrics"]
         started = time.monotonic()
         trainer_done_at: float | None = None
         while True:
             time.sleep(0.2)
             if self.kill_requested:
-                self.out.write("\nkilled\n")
+                self.say("\nkilled\n")
                 return EXIT_STOPPED
             wall = self.cfg.launch.max_wall_s
             if wall and time.monotonic() - started > wall:
                 self.request_stop(f"launch.max_wall_s ({wall:.0f} s) reached")
-            for role in [*engines, driver]:
-                if role.alive() or trainer_done_at is not None or self.stop_requested:
+            for role in [*engines, driver, *helpers]:
+                if role.alive() or role.abandoned or trainer_done_at is not None or self.stop_requested:
                     continue
                 code = role.returncode
                 if role is driver and code == 0:
                     continue  # the driver finishes after the final evaluation
-                if role.restarts >= role.max_restarts:
+                give_up = role.restarts >= role.max_restarts
+                if give_up and role in helpers:
+                    # The metric sinks only copy the JSONL record: a sink that keeps failing is
+                    # reported and left behind, and the run goes on.
+                    role.abandoned = True
+                    self.events.log(
+                        {"event": "role_exit", "role": role.name, "exit": code, "restarts": role.restarts,
+                         "action": "abandon", "last_line": role.log_tail(1)}
+                    )  # fmt: skip
+                    self.say(f"\n{role.name} failed {role.restarts + 1} times (exit {code}); the run goes on "
+                             f"without it (see {role.log_path})\n")  # fmt: skip
+                    continue
+                self.events.log(
+                    {"event": "role_exit", "role": role.name, "exit": code, "restarts": role.restarts,
+                     "action": "give_up" if give_up else "restart", "last_line": role.log_tail(1)}
+                )  # fmt: skip
+                if give_up:
                     progress.finish()
-                    self.out.write(
+                    self.say(
                         f"\n{role.name} failed {role.restarts + 1} times (exit {code}); giving up.\n"
                         f"last lines of {role.log_path}:\n{role.log_tail()}\n"
                     )
                     return EXIT_FAILED
                 role.restarts += 1
-                log.warning("%s exited with %s; restart %d/%d", role.name, code, role.restarts, role.max_restarts)
-                self.out.write(f"\n{role.name} exited ({code}); restarting ({role.restarts}/{role.max_restarts})\n")
+                self.say(f"\n{role.name} exited ({code}); restarting ({role.restarts}/{role.max_restarts})\n")
                 role.start(env)
             progress.show(sum(r.alive() for r in engines), len(engines))
             end = progress.trainer_end
@@ -178,29 +220,28 @@ class Supervisor:
                 # The checkpoint is complete once the trainer writes its stop record: end now
                 # rather than wait for its teardown (seconds that a preempted job may not have).
                 progress.finish()
-                self.out.write(f"stopped with a checkpoint at step {end['step']}\n")
                 return EXIT_STOPPED
             if trainer.alive():
                 continue
             if trainer.returncode != 0 and progress.trainer_end is None:
                 progress.finish()
-                self.out.write(
+                self.events.log(
+                    {"event": "role_exit", "role": "trainer", "exit": trainer.returncode, "restarts": 0,
+                     "action": "give_up", "last_line": trainer.log_tail(1)}
+                )  # fmt: skip
+                self.say(
                     f"\ntrainer failed (exit {trainer.returncode}); last lines of "
                     f"{trainer.log_path}:\n{trainer.log_tail()}\n"
                 )
                 return EXIT_FAILED
-            if trainer.returncode != 0 and trainer_done_at is None:
-                # Its end record comes after its last checkpoint: a fault in the teardown that
-                # follows (gloo's threads at exit) loses nothing.
-                log.warning("trainer exited with %s after its end record; its state is complete", trainer.returncode)
+            # A non-zero exit after its end record (which follows its last checkpoint) is a fault
+            # of the teardown (gloo's threads at exit): nothing is lost.
             trainer_done_at = trainer_done_at or time.monotonic()
             completed = self._training_completed()
             # Training is over: give the driver time for its final evaluation, then stop.
             if not completed or not driver.alive() or time.monotonic() - trainer_done_at > 120:
                 progress.show(sum(r.alive() for r in engines), len(engines), force=True)
                 progress.finish()
-                if not completed:
-                    self.out.write("stopped with a checkpoint\n")
                 return EXIT_COMPLETED if completed else EXIT_STOPPED
 
     def _training_completed(self) -> bool:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from relax_hpc.paths import write_atomic
 
 
 class JsonlWriter:
@@ -14,7 +17,8 @@ class JsonlWriter:
         self._file = path.open("a", encoding="utf-8")
 
     def log(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
+        # Microseconds: consumers order records by time (the metric sinks' cursor).
+        self._file.write(json.dumps({"time": round(time.time(), 6), **record}) + "\n")
         self._file.flush()
 
     def close(self) -> None:
@@ -32,6 +36,20 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return records
+
+
+def drop_records(path: Path, drop: Callable[[dict[str, Any]], bool]) -> int:
+    """Rewrite a JSONL file without the records `drop` selects and without a torn last line (a
+    killed writer's: the next append would continue it); atomic, so a reader sees the old file or
+    the new one. Returns how many were dropped."""
+    if not path.exists():
+        return 0
+    records = read_jsonl(path)
+    kept = [r for r in records if not drop(r)]
+    if (len(kept) == len(records) and path.read_bytes().endswith(b"\n")) or not records:
+        return 0
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept).encode())
+    return len(records) - len(kept)
 
 
 class JsonlFollower:

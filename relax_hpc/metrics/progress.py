@@ -36,7 +36,8 @@ class Progress:
         for record in self.train.new_records():
             if "step" in record and "reward" in record:
                 self.last_step = record
-                self.recent.append((record["time"], record["samples"]))
+                if record["time"] >= self.since:  # rates from this start: a restart's gap is no step
+                    self.recent.append((record["time"], record["samples"]))
             elif record.get("event") == "end" and record["time"] >= self.since:
                 self.trainer_end = record
         for record in self.evals.new_records():

@@ -25,12 +25,13 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerFast
 
+from relax_hpc.ckpt.layout import read_trainer_state
 from relax_hpc.config.load import read_frozen
 from relax_hpc.config.schema import JobConfig
 from relax_hpc.data.plan import BatchPlan, Group, Selection, to_sample_batch
 from relax_hpc.data.prompts import load_prompts
 from relax_hpc.exchange.spool import SampleBatch, Spool
-from relax_hpc.metrics.jsonl import JsonlWriter
+from relax_hpc.metrics.jsonl import JsonlWriter, read_jsonl
 from relax_hpc.paths import RunPaths
 from relax_hpc.protocol import requests as P
 from relax_hpc.protocol.client import EngineClient, EngineRequestError, EngineUnavailable
@@ -74,6 +75,15 @@ class EnginePool:
 
     def mark_down(self, engine: Engine) -> None:
         self.engines = [e for e in self.engines if e.record.instance != engine.record.instance]
+
+
+def first_evaluation(resumed_version: int, last_evaluated: int, every: int, total: int) -> int:
+    """The first policy version a (re)started driver evaluates: the next multiple of `every` after
+    the last one evaluated, never below the version the run resumed from (after a restart the
+    engines hold the base model until the trainer pushes the resumed weights: evaluating them would
+    record the untrained score under version 0). A fresh run evaluates version 0, its baseline."""
+    first = max(last_evaluated + 1, resumed_version)
+    return min(total, -(-first // every) * every)
 
 
 class Driver:
@@ -190,7 +200,9 @@ class Driver:
     def run(self) -> None:
         total, k = self.cfg.trainer.total_steps, self.ro.max_staleness
         every = self.ro.eval_every or total
-        next_eval = 0
+        resumed = (read_trainer_state(self.paths.ckpt) or {"version": 0})["version"]
+        done = [int(r["version"]) for r in read_jsonl(self.paths.eval_metrics) if "version" in r]
+        next_eval = first_evaluation(resumed, max(done, default=-1), every, total)
         seq = self.spool.next_seq()
         log.info("driver starts at batch %d", seq)
         wait = 0.05
@@ -211,8 +223,9 @@ class Driver:
             if self.pool.eligible(seq - k) and seq < total + k:
                 started = time.monotonic()
                 batch, selection = self.generate_batch(seq, seq - k)
-                self.spool.publish(batch, writer="driver")
                 seconds = time.monotonic() - started
+                batch.attrs["generate_seconds"] = seconds  # the trainer's time breakdown reports it
+                self.spool.publish(batch, writer="driver")
                 self.metrics.log(
                     {
                         "batch": seq,
@@ -236,7 +249,7 @@ class Driver:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="relax_hpc rollout driver")
+    parser = argparse.ArgumentParser(prog="python -m relax_hpc.rollout.driver", description="relax_hpc rollout driver")
     parser.add_argument("--run-dir", required=True, type=Path)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s driver %(name)s %(levelname)s %(message)s")

@@ -27,6 +27,7 @@ class StepResult:
     loss: float  # the global loss, mean over the optimizer steps
     grad_norm: float  # of the last optimizer step
     lr: float
+    optimizer_s: float = 0.0  # of the step's time, in optimizer steps (gradient clipping included)
 
 
 class DistComm:

@@ -19,6 +19,7 @@ import signal
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,6 +30,7 @@ from relax_hpc.ckpt.manager import Checkpointer
 from relax_hpc.config.schema import JobConfig
 from relax_hpc.exchange.spool import Spool
 from relax_hpc.metrics.jsonl import JsonlWriter
+from relax_hpc.metrics.timing import PhaseTimer
 from relax_hpc.paths import RunPaths, write_atomic
 from relax_hpc.trainer.batching import share_of
 from relax_hpc.trainer.build import build_backend
@@ -66,6 +68,18 @@ class StopRequest:
 
     def requested(self) -> bool:
         return self.signalled or self.file.exists()
+
+
+def step_line(record: dict[str, Any], total: int) -> str:
+    """One step in the trainer's log: the numbers a user looks at, and where the time went."""
+    return (
+        f"step {record['step']}/{total} | loss {record['loss']:.4f} | reward {record['reward']:.3f} | "
+        f"grad {record['grad_norm']:.3f} | {record['samples']} samples | staleness {record['staleness_mean']:.2f} | "
+        f"step {record['time_step']:.2f}s: wait {record['time_wait']:.2f} fwd/bwd {record['time_fwd_bwd']:.2f} "
+        f"opt {record['time_optimizer']:.2f} push {record['time_push']:.2f} ckpt {record['time_checkpoint']:.2f} | "
+        f"generate {record['time_generate']:.2f}s | "
+        f"overlap {record['overlap_gain']:.2f}x of {record['overlap_bound']:.2f}x"
+    )
 
 
 def broadcast_command(command: dict | None) -> dict:
@@ -106,6 +120,9 @@ class Trainer:
         self.stop = StopRequest(paths.stop_request)
         self.delivered = -1  # policy version the engines hold (rank 0's knowledge)
         self.last_engine_check = 0.0
+        self.total = cfg.trainer.total_steps
+        self.timer = PhaseTimer()
+        self.last_log_line = 0.0
         if self.rank == 0:
             auto = "nccl" if device.type == "cuda" else "gloo"
             backend = cfg.weights.backend if cfg.weights.backend != "auto" else auto
@@ -185,50 +202,89 @@ class Trainer:
         """Announce the delivered version in RUN_DIR/weights (a record for humans and tools)."""
         write_atomic(self.paths.weights_version, f"{self.state.version} {engines}\n".encode())
 
-    def train(self, command: dict, started: float) -> bool:
-        """Train one claimed batch, push the new weights, log the step; False if the batch could
-        not be read (it is quarantined and the step is not taken)."""
-        t0 = time.monotonic()
-        step_claims = self.state.claims.get(str(self.state.step), [])
-        batch = read_claimed(Path(command["path"]), self.spool if self.rank == 0 else None, step_claims)
+    def train(self, command: dict) -> dict[str, Any] | None:
+        """Train one claimed batch and push the new weights; returns the step's record (rank 0;
+        an empty one elsewhere), or None if the batch could not be read (it is quarantined and
+        the step is not taken)."""
+        with self.timer.phase("read"):
+            step_claims = self.state.claims.get(str(self.state.step), [])
+            batch = read_claimed(Path(command["path"]), self.spool if self.rank == 0 else None, step_claims)
         if batch is None:
             self.state.quarantined_files += 1
-            return False
+            return None
         b = self.backend
-        share, stats = share_of(batch, command["trained"], b.data_rank, b.data_world, self.pad_id)
-        result = self.backend.train_step(share, self.state.step)
+        with self.timer.phase("read"):  # and made into this rank's training tensors
+            share, stats = share_of(batch, command["trained"], b.data_rank, b.data_world, self.pad_id)
+        with self.timer.phase("train"):
+            result = self.backend.train_step(share, self.state.step)
         objective = reduce_stats(result.stats, self.cfg.algo.epochs)
         trained_version = self.state.version
         self.state.step += 1
         self.state.version += 1
         self.state.trained_samples += stats["num_samples"]
-        t1 = time.monotonic()
-        self.sync()
-        if self.rank == 0:
-            assert self.sender is not None, "rank 0 holds the sender"
-            versions = stats["policy_versions"]
-            self.metrics.log(
-                {
-                    "step": self.state.step,
-                    "version": self.state.version,
-                    "batch": stats["seq"],
-                    "loss": result.loss,
-                    **objective,
-                    "grad_norm": result.grad_norm,
-                    "lr": result.lr,
-                    "reward": stats["reward_sum"] / stats["num_samples"],
-                    "samples": stats["num_samples"],
-                    "staleness_mean": float((trained_version - versions).mean()),
-                    "staleness_max": int((trained_version - versions).max()),
-                    "stale_samples_total": self.state.stale_samples,
-                    "quarantined_files_total": self.state.quarantined_files,
-                    "engines": len(self.sender.members),
-                    "step_seconds": time.monotonic() - started,
-                    "train_seconds": t1 - t0,
-                    "sync_seconds": time.monotonic() - t1,
-                }
-            )
-        return True
+        with self.timer.phase("push"):
+            self.sync()
+        if self.rank != 0:
+            return {}
+        assert self.sender is not None, "rank 0 holds the sender"
+        versions = stats["policy_versions"]
+        return {
+            "step": self.state.step,
+            "version": self.state.version,
+            "batch": stats["seq"],
+            "loss": result.loss,
+            **objective,
+            "grad_norm": result.grad_norm,
+            "lr": result.lr,
+            "reward": stats["reward_sum"] / stats["num_samples"],
+            "samples": stats["num_samples"],
+            "staleness_mean": float((trained_version - versions).mean()),
+            "staleness_max": int((trained_version - versions).max()),
+            "stale_samples_total": self.state.stale_samples,
+            "quarantined_files_total": self.state.quarantined_files,
+            "engines": len(self.sender.members),
+            "time_generate": float(batch.attrs.get("generate_seconds", 0.0)),
+            "time_optimizer": result.optimizer_s,
+        }
+
+    def finish_step(self, record: dict[str, Any], started: float) -> None:
+        """Rank 0: where the step's time went, then its record and (throttled) its log line.
+
+        time_wait is what the trainer spent waiting for samples (the rest of the step); the
+        overlap bound (generate + train) / max(generate, train) is what asynchrony can gain at
+        most with these phase times, overlap_gain what it did gain: (generate + train) / step."""
+        phases = self.timer.take()
+        busy = sum(phases.values())
+        step_s = time.monotonic() - started
+        generate = record.pop("time_generate")
+        optimizer = record.pop("time_optimizer")
+        record.update(
+            {
+                "time_step": step_s,
+                "time_wait": max(0.0, step_s - busy),
+                "time_read": phases.get("read", 0.0),
+                "time_fwd_bwd": phases.get("train", 0.0) - optimizer,
+                "time_optimizer": optimizer,
+                "time_push": phases.get("push", 0.0),
+                "time_checkpoint": phases.get("checkpoint", 0.0),
+                "time_generate": generate,
+                "overlap_bound": (generate + busy) / max(generate, busy, 1e-9),
+                "overlap_gain": (generate + busy) / max(step_s, 1e-9),
+            }
+        )
+        self.metrics.log(record)
+        now = time.monotonic()
+        if now - self.last_log_line >= self.cfg.metrics.progress_every_s or record["step"] in (1, self.total):
+            self.last_log_line = now
+            log.info(step_line(record, self.total))
+
+    def save_and_prune(self) -> bool:
+        """Checkpoint; once it is complete, delete the trained batches it covers (ckpt.keep_trained_batches)."""
+        with self.timer.phase("checkpoint"):
+            ok = self.save()
+            if ok and self.rank == 0 and not self.cfg.ckpt.keep_trained_batches:
+                self.spool.prune_trained(before_step=self.state.step)
+        return ok
 
     def log_start(self) -> None:
         """One record per start: where the run resumed, and which Slurm job and restart this is."""
@@ -244,7 +300,7 @@ class Trainer:
             )
 
     def run(self) -> None:
-        total = self.cfg.trainer.total_steps
+        total = self.total
         wait_s = 0.05
         step_started = time.monotonic()
         while self.state.step < total:
@@ -258,10 +314,29 @@ class Trainer:
             elif kind == "wait":
                 time.sleep(wait_s)
                 wait_s = min(wait_s * 1.5, 0.5)  # back off: the spool may live on NFS
-            elif kind == "train" and self.train(command, step_started):
-                step_started, wait_s = time.monotonic(), 0.05
+            elif kind == "train":
+                record = self.train(command)
+                if record is None:
+                    continue
                 if self.state.step % self.cfg.ckpt.every_steps == 0 and self.state.step < total:
-                    self.save()
-        self.save()
+                    self.save_and_prune()
+                if self.rank == 0:
+                    self.finish_step(record, step_started)
+                step_started, wait_s = time.monotonic(), 0.05
+        self.save_and_prune()
+        completed = self.state.step >= total
+        if completed and self.cfg.ckpt.export_hf:
+            self.export()
         if self.rank == 0:
-            self.metrics.log({"event": "end", "step": self.state.step, "completed": self.state.step >= total})
+            self.metrics.log({"event": "end", "step": self.state.step, "completed": completed})
+
+    def export(self) -> None:
+        """The final weights as an HF folder in RUN_DIR/hf (rank 0 converts the checkpoint just
+        written; the others wait, so that no rank leaves before it is done)."""
+        if self.rank == 0:
+            from relax_hpc.ckpt.export import convert
+
+            started = time.monotonic()
+            convert(self.paths.root, self.paths.export)
+            log.info("exported step %d to %s in %.1f s", self.state.step, self.paths.export, time.monotonic() - started)
+        dist.barrier()

@@ -22,7 +22,9 @@ from relax_hpc.trainer.loop import Trainer
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="relax_hpc trainer rank (run under torchrun)")
+    parser = argparse.ArgumentParser(
+        prog="python -m relax_hpc.trainer.main", description="relax_hpc trainer rank (run under torchrun)"
+    )
     parser.add_argument("--run-dir", required=True, type=Path)
     args = parser.parse_args()
     paths = RunPaths(args.run_dir)

@@ -36,6 +36,7 @@ from relax_hpc.algos.aggregation import Normalizer, local_counts
 from relax_hpc.algos.objective import Advantages, Objective
 from relax_hpc.algos.stats import Stats
 from relax_hpc.config.schema import JobConfig
+from relax_hpc.metrics.timing import PhaseTimer
 from relax_hpc.models.hf_mapping import export_hf, hf_specs, load_hf_weights
 from relax_hpc.models.megatron import build_model
 from relax_hpc.trainer import megatron_state, packing
@@ -94,6 +95,7 @@ class MegatronBackend:
         module = _build(job, self.hf_config, job.model.path, trainable=True)
         self.model, self.optimizer = megatron_state.trainable(module, cfg, self.dtype, par.distributed_optimizer)
         self.scheduler = WarmupSchedule(self.optimizer, cfg.lr, cfg.warmup_steps)
+        self.timer = PhaseTimer()
         self.reference = _build(job, self.hf_config, job.model.path, False) if self.objective.needs_reference else None
         self.teacher: torch.nn.Module | None = None
         if self.objective.needs_teacher:
@@ -201,6 +203,7 @@ class MegatronBackend:
     def train_step(self, batch: TrainBatch, step: int) -> StepResult:
         """Advantages, then algo.epochs x algo.minibatches optimizer steps on this rank's share."""
         self.model.train()
+        self.timer.take()
         batch = batch.to(self.device)
         objective, algo = self.objective, self.algo
         passes = algo.epochs * algo.minibatches
@@ -230,7 +233,11 @@ class MegatronBackend:
                 grad_norm = self._optimizer_step()
                 self.scheduler.step()
         return StepResult(
-            stats if self.reports else Stats(), sum(losses) / len(losses), grad_norm, self.scheduler.get_last_lr()[0]
+            stats if self.reports else Stats(),
+            sum(losses) / len(losses),
+            grad_norm,
+            self.scheduler.get_last_lr()[0],
+            self.timer.take().get("optimizer", 0.0),
         )
 
     def _global_counts(self, batch: TrainBatch, rows: list[torch.Tensor]) -> list[Normalizer]:
@@ -290,8 +297,9 @@ class MegatronBackend:
         return float(total)
 
     def _optimizer_step(self) -> float:
-        _, grad_norm, _ = self.optimizer.step()
-        return float(grad_norm or 0.0)
+        with self.timer.phase("optimizer"):
+            _, grad_norm, _ = self.optimizer.step()
+            return float(grad_norm or 0.0)
 
     # -- weights and checkpoints --------------------------------------------------------------------
 

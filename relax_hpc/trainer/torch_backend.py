@@ -27,6 +27,7 @@ from relax_hpc.algos.aggregation import Normalizer, local_counts
 from relax_hpc.algos.objective import Advantages, Objective
 from relax_hpc.algos.stats import Stats
 from relax_hpc.config.schema import JobConfig
+from relax_hpc.metrics.timing import PhaseTimer
 from relax_hpc.trainer.backend import DistComm, NonFiniteLossError, StepResult
 from relax_hpc.trainer.batching import TrainBatch, token_logprobs_and_entropy
 from relax_hpc.trainer.schedule import WarmupSchedule
@@ -62,6 +63,7 @@ class TorchBackend:
             self.model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
         )
         self.scheduler = WarmupSchedule(self.optimizer, cfg.lr, cfg.warmup_steps)
+        self.timer = PhaseTimer()
         self.reference = _frozen(model_path, torch_dtype, device) if self.objective.needs_reference else None
         self.teacher: torch.nn.Module | None = None
         if self.objective.needs_teacher:
@@ -144,6 +146,7 @@ class TorchBackend:
         norms = self._global_counts(parts)
         policy_learns = self.critic is None or step >= algo.critic.warmup_steps
         stats, losses, grad_norm = Stats(), [], 0.0
+        self.timer.take()
         for _ in range(algo.epochs):
             for r, part, norm in zip(rows, parts, norms, strict=True):
                 logprobs, entropy = token_logprobs_and_entropy(self.model, part, self.temperature)
@@ -174,7 +177,8 @@ class TorchBackend:
                     )
                     stats.add(critic_stats)
                     self._optimizer_step(critic_loss, self.critic, self.critic_optimizer)
-        return StepResult(stats, sum(losses) / len(losses), grad_norm, self.scheduler.get_last_lr()[0])
+        optimizer_s = self.timer.take().get("optimizer", 0.0)
+        return StepResult(stats, sum(losses) / len(losses), grad_norm, self.scheduler.get_last_lr()[0], optimizer_s)
 
     def _advantages(
         self,
@@ -196,11 +200,12 @@ class TorchBackend:
     def _optimizer_step(self, loss: torch.Tensor, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
         optimizer.zero_grad(set_to_none=True)
         (loss * dist.get_world_size()).backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.max_grad_norm)
-        if isinstance(grad_norm, DTensor):
-            grad_norm = grad_norm.full_tensor()
-        optimizer.step()
-        return float(grad_norm)
+        with self.timer.phase("optimizer"):
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.max_grad_norm)
+            if isinstance(grad_norm, DTensor):
+                grad_norm = grad_norm.full_tensor()
+            optimizer.step()
+            return float(grad_norm)
 
     # -- weights and checkpoints ----------------------------------------------------------------
 

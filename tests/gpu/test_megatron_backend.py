@@ -4,7 +4,6 @@ checkpoint into an HF folder that transformers loads with exactly those weights.
 training step runs the GPU kernels (packed flash attention, compiled norms, RoPE, log-probs).
 Run on the GPU machine: `python -m pytest tests/gpu -m gpu`."""
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -40,13 +39,11 @@ def megatron_world(one_gpu_world):
 def test_checkpoint_resumes_exactly_and_converts_to_hf(megatron_world, tmp_path):
     from transformers import AutoModelForCausalLM
 
+    from relax_hpc.ckpt.export import convert
     from relax_hpc.ckpt.manager import Checkpointer
     from relax_hpc.config.load import load_config, to_yaml
     from relax_hpc.paths import RunPaths
     from relax_hpc.trainer.build import build_backend
-
-    sys.path.insert(0, str(REPO / "tools"))
-    import dcp_to_hf
 
     cfg = load_config(REPO / "configs/gpu-tiny-megatron.yaml", [f"run.dir={tmp_path / 'run'}", "trainer.lr=3e-3",
                       "model.dtype=bfloat16", "algo.minibatches=2"])  # fmt: skip
@@ -73,7 +70,7 @@ def test_checkpoint_resumes_exactly_and_converts_to_hf(megatron_world, tmp_path)
         torch.testing.assert_close(tensor, expected[name], rtol=2e-2, atol=1e-3)
 
     out = tmp_path / "hf"
-    dcp_to_hf.convert(paths.root, out)
+    convert(paths.root, out)
     converted = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
     for name, param in converted.named_parameters():
         assert torch.equal(param, saved[name].cpu()), name

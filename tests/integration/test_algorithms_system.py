@@ -20,6 +20,7 @@ OVERRIDES = (
     "rollout.group_size=8",
     "rollout.eval_every=0",
     "rollout.max_staleness=0",
+    "ckpt.keep_trained_batches=true",  # the checks read what every step trained
     "algo.advantage.estimator=gae",
     "algo.kl.coef=0.01",
     "algo.minibatches=2",

@@ -1,6 +1,11 @@
-"""tools/dcp_to_hf.py on a torch-backend checkpoint: transformers loads the folder, and it
-generates the same greedy tokens as the trained policy (which no longer equals the base model)."""
+"""The HF export (relax_hpc.ckpt.export, tools/dcp_to_hf.py) of a torch-backend checkpoint:
+transformers loads the folder, and it generates the same greedy tokens as the trained policy
+(which no longer equals the base model); the tool's files are readable like the rest of the
+output, and its help names how it is run."""
 
+import os
+import stat
+import subprocess
 import sys
 from pathlib import Path
 
@@ -8,6 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from relax_hpc.ckpt.export import ExportError, convert
 from relax_hpc.ckpt.manager import Checkpointer
 from relax_hpc.config.load import load_config, to_yaml
 from relax_hpc.engines.sampling import SamplingSpec, sample
@@ -15,8 +21,6 @@ from relax_hpc.inprocess import InProcessRun
 from relax_hpc.paths import RunPaths
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tools"))
-import dcp_to_hf  # noqa: E402  # tools/ is no package: importable only after the sys.path insert
 
 pytestmark = pytest.mark.integration
 
@@ -42,7 +46,20 @@ def test_checkpoint_converts_to_a_folder_that_generates_like_the_policy(tmp_path
     assert Checkpointer(paths.ckpt, keep=2).save(3, run.backend.save_checkpoint, {}, {"step": 3, "version": 3})
 
     out = tmp_path / "hf"
-    dcp_to_hf.convert(paths.root, out)
+    umask = os.umask(0o022)
+    try:
+        done = subprocess.run(
+            [sys.executable, "tools/dcp_to_hf.py", "--run-dir", str(paths.root), "--out", str(out)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    finally:
+        os.umask(umask)
+    assert "step-00000003 ->" in done.stdout
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+    assert modes["model.safetensors"] == 0o644 and set(modes.values()) == {0o644}
     converted = AutoModelForCausalLM.from_pretrained(out).eval()
     trained = {name: t.clone() for name, t in run.backend.full_parameters()}
     for name, param in converted.named_parameters():
@@ -59,5 +76,9 @@ def test_a_run_without_a_checkpoint_is_refused(tmp_path):
     paths = RunPaths(Path(cfg.run.dir))
     paths.create()
     paths.config.write_text(to_yaml(cfg))
-    with pytest.raises(SystemExit, match="no complete checkpoint"):
-        dcp_to_hf.convert(paths.root, tmp_path / "hf")
+    with pytest.raises(ExportError, match="no complete checkpoint"):
+        convert(paths.root, tmp_path / "hf")
+    help_text = subprocess.run(
+        [sys.executable, "tools/dcp_to_hf.py", "--help"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout
+    assert help_text.startswith("usage: python tools/dcp_to_hf.py")

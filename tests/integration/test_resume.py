@@ -12,7 +12,11 @@ from tests.runs import assert_nothing_lost_or_repeated, assert_reproduces
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 STEPS = 14
-COMMON = (f"trainer.total_steps={STEPS}", "ckpt.every_steps=3", "rollout.prompts_per_step=8", "rollout.eval_every=0")
+# Trained batches are kept (ckpt.keep_trained_batches): the checks read what every step trained.
+COMMON = (
+    f"trainer.total_steps={STEPS}", "ckpt.every_steps=3", "rollout.prompts_per_step=8", "rollout.eval_every=0",
+    "ckpt.keep_trained_batches=true",
+)  # fmt: skip
 
 
 def run_with_kills(run_dir: Path, kills: int, rng: random.Random, *overrides: str) -> None:
@@ -32,6 +36,8 @@ def test_on_policy_resume_reproduces_the_uninterrupted_run(tmp_path):
 
     assert_reproduces(reference, resumed, STEPS)
     assert len(list((resumed / "logs").iterdir())) == 4  # one log folder per start
+    # The metrics follow the checkpoint: steps trained after it and lost in a kill appear once.
+    assert [r["step"] for r in Job(resumed).steps()] == list(range(1, STEPS + 1))
 
 
 def test_async_resume_loses_and_repeats_nothing(tmp_path):

@@ -3,6 +3,7 @@ heterogeneous job, across a time limit, and interrupted every way Slurm interrup
 
 from __future__ import annotations
 
+import json
 import random
 import sys
 
@@ -52,7 +53,7 @@ def test_sbatch_recipe_requeues_itself_and_completes(slurm_cluster, tmp_path):
     run_dir = tmp_path / "recipe"
     job = slurm(
         "sbatch", "--parsable", f"--output={tmp_path}/%x-%j.out", "sbatch/tiny-cpu.sbatch",
-        "trainer.total_steps=8", "rollout.prompts_per_step=8", "rollout.eval_every=0",
+        "trainer.total_steps=8", "rollout.prompts_per_step=8", "rollout.eval_every=0", "ckpt.keep_trained_batches=true",
         cwd=REPO, env=env_with(RUN_DIR=str(run_dir), PYTHON=sys.executable),
     ).strip()  # fmt: skip
     wait_until(lambda: last_step(run_dir) >= 2, 300, "step 2")
@@ -101,7 +102,8 @@ def test_time_limit_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
     run_dir = tmp_path / "timelimit"
     out = submit(
         run_dir, "launch.slurm.time_min=2", "launch.slurm.signal_lead_s=30",
-        "trainer.total_steps=1000", "rollout.prompts_per_step=64",
+        "trainer.total_steps=1000", "rollout.prompts_per_step=64", "ckpt.keep_trained_batches=true",
+        "metrics.clearml.enabled=true", "metrics.clearml.offline=true", "metrics.tensorboard=true",
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     job = job_id(run_dir)
@@ -116,13 +118,27 @@ def test_time_limit_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
     assert ends[0]["completed"] is False and starts[1]["step"] == ends[0]["step"] > 0
     log = job_log(run_dir, job)
     assert "this job is timed-out" in log and f"Requeued job {job}" in log, describe(run_dir, job)
+    # One copy of each message: submitit's warnings once (they went to stdout and stderr, both
+    # into this file), and the launcher's own lines once.
+    assert log.count("Caught signal SIGUSR2") == 1 and log.count("asking the trainer to checkpoint") == 2, log
+    # ClearML: the requeued allocation reopened the run's task (offline session), not a second one.
+    clearml = run_dir / "clearml"
+    task_id = (clearml / "task_id.offline").read_text().strip()
+    assert [p.name for p in (clearml / "offline").iterdir() if p.is_dir()] == [task_id]
+    events = [e for line in (clearml / "offline" / task_id / "metrics.jsonl").read_text().splitlines()
+              for e in json.loads(line)]  # fmt: skip
+    steps = {e["iter"] for e in events if e.get("variant") == "reward" and e.get("metric") == "train"}
+    assert {starts[1]["step"], starts[1]["step"] + 1} <= steps and min(steps) == 1
     recovery = recover(RunPaths(run_dir))  # what the next start would do after the cancel
     assert recovery.step >= starts[1]["step"]
     assert_nothing_lost_or_repeated(run_dir, recovery.step)
 
 
 STEPS = 20
-ON_POLICY = (f"trainer.total_steps={STEPS}", "ckpt.every_steps=3", "rollout.max_staleness=0")
+# Trained batches are kept (ckpt.keep_trained_batches): the checks read what every step trained.
+ON_POLICY = (
+    f"trainer.total_steps={STEPS}", "ckpt.every_steps=3", "rollout.max_staleness=0", "ckpt.keep_trained_batches=true"
+)  # fmt: skip
 
 
 def _preempt_by_partition(job: str, slurm_cluster) -> None:

@@ -9,7 +9,7 @@ from relax_hpc.config import load_config
 from relax_hpc.launch.allocation import Allocation, AllocationError, expand_counts, plan_layout
 from relax_hpc.launch.commands import local_commands, step_commands
 from relax_hpc.launch.container import wrap_in_container
-from relax_hpc.launch.gpus import select
+from relax_hpc.launch.gpus import NO_GPU, place_local, select
 from relax_hpc.paths import RunPaths
 
 SLURM = ["launch.executor=slurm"]
@@ -40,7 +40,8 @@ def test_one_node_split_between_trainer_and_engines():
 def test_rollout_nodes_of_their_own_and_round_robin_engines():
     cfg = cfg_with("launch.slurm.rollout.nodes=2", "launch.slurm.rollout.gpus_per_node=8", "rollout.num_engines=4")
     layout = plan_layout(cfg, Allocation("7", [["a", "b", "c"]], dict.fromkeys("abc", 8)))
-    assert layout.trainer_nodes == ["a"] and layout.trainer_gpus is None
+    # The trainer asked for no GPU (trainer.gpus_per_node 0): it gets none, whatever its node has.
+    assert layout.trainer_nodes == ["a"] and layout.trainer_gpus == NO_GPU
     assert layout.engine_nodes == ["b", "c", "b", "c"]
     assert layout.engine_gpus == ["0-3", "0-3", "4-7", "4-7"]
 
@@ -146,6 +147,46 @@ def test_container_wrapping_binds_what_roles_use(tmp_path):
     argv = wrap_in_container(cfg, ["python", "-m", "x"])
     assert argv[:2] == ["ch-run", "--set-env"] and argv[-5:] == [str(tmp_path), "--", "python", "-m", "x"]
     assert f"{tmp_path / 'run'}:{tmp_path / 'run'}" in argv
+
+
+@pytest.mark.parametrize(
+    ("visible", "overrides", "trainer", "engines", "summary"),
+    [
+        (0, [], NO_GPU, [NO_GPU, NO_GPU], "CPU only"),
+        # A workstation with one GPU: two trainer ranks cannot have one each, so the default runs on
+        # the CPU instead of rank 1 asking for a second GPU.
+        (1, [], NO_GPU, [NO_GPU, NO_GPU], "CPU only (1 GPU(s) visible: fewer than the roles need)"),
+        # Not enough for the engines too: a trainer on GPUs could not push weights to engines on the CPU.
+        (3, [], NO_GPU, [NO_GPU, NO_GPU], "CPU only (3 GPU(s) visible: fewer than the roles need)"),
+        (4, [], "0-1", ["2-2", "3-3"], "trainer on GPUs 0-1 (2 rank(s)), engines on GPU 2, GPU 3"),
+        (
+            2,
+            ["trainer.num_ranks=1", "rollout.num_engines=1"],
+            "0-0",
+            ["1-1"],
+            "trainer on GPU 0 (1 rank(s)), engines on GPU 1",
+        ),
+        (
+            2,
+            ["launch.local_trainer_gpus=0-0", "launch.local_engine_gpus=[1-1, 1-1]"],
+            "0-0",
+            ["1-1", "1-1"],
+            "trainer on GPU 0 (2 rank(s)), engines on GPU 1, GPU 1",
+        ),
+    ],
+)
+def test_local_roles_use_gpus_only_when_there_are_enough(visible, overrides, trainer, engines, summary):
+    devices = place_local(load_config(None, overrides), visible)
+    assert (devices.trainer, devices.engines) == (trainer, engines)
+    assert devices.summary.startswith(summary)
+
+
+def test_a_role_without_a_gpu_sees_none(tmp_path):
+    """The placement reaches the processes: a CPU role's CUDA_VISIBLE_DEVICES is empty."""
+    cfg = load_config(None, [f"run.dir={tmp_path}"])
+    commands = local_commands(cfg, RunPaths(tmp_path), place_local(cfg, visible=1))
+    assert commands["trainer"][1:5] == ["-m", "relax_hpc.launch.gpus", NO_GPU, "--"]
+    assert select("0", NO_GPU) == "" and select(None, NO_GPU) == ""
 
 
 def test_container_binds_the_teacher_too(tmp_path):

@@ -121,7 +121,7 @@ def test_batches_from_a_rolled_back_version_are_orphaned_and_regenerated(tmp_pat
     spool.publish(make_batch(0, version=0), writer="test")
     spool.publish(make_batch(1, version=1), writer="test")
     spool.publish(make_batch(2, version=2), writer="test")
-    assert spool.orphan_newer_than(version=1) == 1
+    assert len(spool.orphan_newer_than(version=1)) == 1
     assert [p.name for p in spool.orphaned.iterdir()] == ["b000000002.h5"]
     assert spool.next_seq() == 2  # batch 2 is generated again
 
@@ -148,3 +148,16 @@ def test_a_concurrent_reader_never_sees_a_partial_batch(tmp_path):
     thread.join()
     assert errors == []
     assert len(spool.list_ready()) == 40
+
+
+def test_trained_batches_covered_by_a_checkpoint_are_pruned_and_still_counted(tmp_path):
+    spool = Spool(tmp_path)
+    for step in range(3):
+        claimed = spool.claim(spool.publish(make_batch(step), writer="t"), step)
+        spool.write_manifest(claimed, {"trained": [0, 1, 2, 3], "stale": []})
+    freed = spool.prune_trained(before_step=2)  # a checkpoint after 2 steps covers steps 0 and 1
+    assert freed > 0
+    assert sorted(p.name for p in (spool.claimed / "step-00000000").iterdir()) == ["b000000000.h5.json"]
+    assert (spool.claimed / "step-00000002" / "b000000002.h5").exists()  # not covered yet
+    assert spool.next_seq() == 3  # pruned batches still count: the driver never regenerates them
+    assert spool.rollback_claims(from_step=2) == 1 and spool.next_seq() == 3

@@ -1,0 +1,97 @@
+"""A run's checkpoint as an HF model folder that transformers (and SGLang, vLLM) load.
+
+Reads RUN_DIR/config.yaml to know the backend and the base model, then the model tensors of
+ckpt/latest (or ckpt/step-N) without the optimizer's: the torch backend's checkpoint is torch DCP
+with HF names already; the megatron backend's is megatron's distributed checkpoint (torch_dist,
+also DCP files), whose tensors are unsharded and mapped to HF names and layout by
+relax_hpc.models.hf_mapping. Writes config.json, safetensors (sharded as transformers shards
+them), generation config and the tokenizer of the base model, each file readable like the rest of
+the user's output (mode 0644 under the usual umask). Needs no GPU and no process group.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from relax_hpc.ckpt.layout import latest_dir
+from relax_hpc.config.load import read_frozen
+from relax_hpc.paths import CkptDirs, RunPaths
+
+MODEL_PREFIX = "model."  # the torch backend's state is {"model": ..., "optim": ...}
+
+
+class ExportError(RuntimeError):
+    """The checkpoint cannot be turned into the base model's HF layout."""
+
+
+def checkpoint_folder(paths: RunPaths, step: int | None) -> Path:
+    folder = latest_dir(paths.ckpt) if step is None else CkptDirs(paths.ckpt).step(step)
+    if folder is None or not folder.is_dir():
+        raise ExportError(f"no complete checkpoint {'' if step is None else f'for step {step} '}in {paths.ckpt}")
+    return folder
+
+
+def torch_backend_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """The HF-named model tensors of a torch-backend DCP checkpoint, unsharded."""
+    metadata = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    state = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.items()
+        if key.startswith(MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)
+    }
+    dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+    return {key[len(MODEL_PREFIX) :]: t for key, t in state.items()}
+
+
+def megatron_backend_tensors(folder: Path, hf_config: Any) -> dict[str, torch.Tensor]:
+    """HF-named tensors of a megatron distributed checkpoint (its model part only)."""
+    from relax_hpc.models.hf_mapping import megatron_checkpoint_to_hf  # needs megatron-core
+
+    return megatron_checkpoint_to_hf(folder, hf_config)
+
+
+def convert(run_dir: Path, out: Path, step: int | None = None) -> Path:
+    """Write the checkpoint of `step` (default: the latest) to `out`; returns the checkpoint folder."""
+    paths = RunPaths(run_dir)
+    cfg = read_frozen(paths.config)
+    folder = checkpoint_folder(paths, step)
+    hf_config = AutoConfig.from_pretrained(cfg.model.path)
+    if cfg.trainer.backend == "megatron":
+        tensors = megatron_backend_tensors(folder, hf_config)
+    else:
+        tensors = torch_backend_tensors(folder)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=getattr(torch, cfg.model.dtype))
+    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
+    missing = [k for k in missing if not (k == "lm_head.weight" and hf_config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ExportError(
+            f"{folder} does not match {cfg.model.path}: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    model.tie_weights()
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(cfg.model.path).save_pretrained(out)
+    source = Path(cfg.model.path) / "generation_config.json"
+    if source.is_file():
+        shutil.copy(source, out / "generation_config.json")
+    _readable_like_other_output(out)
+    return folder
+
+
+def _readable_like_other_output(folder: Path) -> None:
+    """safetensors writes its files owner-only (0600); give every exported file the mode a newly
+    created file gets under the user's umask, like the rest of the output."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in folder.iterdir():
+        if path.is_file():
+            path.chmod(0o666 & ~umask)

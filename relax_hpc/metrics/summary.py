@@ -1,0 +1,45 @@
+"""What a run has to say for itself once it ends (or when asked again): reward, evaluation,
+checkpoint, and where the model is. Reads RUN_DIR only."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from relax_hpc.ckpt.layout import latest_dir, read_trainer_state
+from relax_hpc.metrics.jsonl import read_jsonl
+from relax_hpc.paths import RunPaths
+
+
+def step_records(paths: RunPaths) -> list[dict[str, Any]]:
+    """The trainer's records of trained steps, in order."""
+    return [r for r in read_jsonl(paths.train_metrics) if "loss" in r]
+
+
+def completed_steps(paths: RunPaths) -> int:
+    """Trainer steps the latest checkpoint holds (0 before the first)."""
+    return int((read_trainer_state(paths.ckpt) or {"step": 0})["step"])
+
+
+def run_summary(paths: RunPaths, total_steps: int) -> str:
+    """A few lines: how far the run got, its recent reward, its last evaluation, its checkpoint
+    and how to get the model out."""
+    steps = step_records(paths)
+    evals = [r for r in read_jsonl(paths.eval_metrics) if "greedy_accuracy" in r]
+    done = completed_steps(paths)
+    lines = [f"{'training complete' if done >= total_steps else 'stopped'} at step {done}/{total_steps}"]
+    if steps:
+        recent = [r["reward"] for r in steps[-10:]]
+        lines.append(f"reward {statistics.fmean(recent):.3f} (mean of the last {len(recent)} steps)")
+    if evals:
+        last = evals[-1]
+        lines.append(f"greedy accuracy {last['greedy_accuracy']:.3f} at version {last['version']}")
+    checkpoint = latest_dir(paths.ckpt)
+    if checkpoint is not None:
+        lines.append(f"checkpoint: {checkpoint}")
+    if (paths.export / "config.json").is_file():
+        lines.append(f"HF model:   {paths.export}")
+    elif checkpoint is not None:
+        lines.append(f"HF export:  python tools/dcp_to_hf.py --run-dir {paths.root} --out FOLDER")
+    lines.append(f"plots:      python -m relax_hpc.plot {paths.root}")
+    return "\n".join(lines)

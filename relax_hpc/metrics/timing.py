@@ -1,0 +1,31 @@
+"""Where the time of a step goes: named phases timed on the host, summed per step."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+class PhaseTimer:
+    """Seconds per named phase since the last `take()`. Host time: on a GPU, work a phase only
+    queued is counted by the phase that waits for it (the next host sync)."""
+
+    def __init__(self) -> None:
+        self._seconds: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - started)
+
+    def add(self, name: str, seconds: float) -> None:
+        self._seconds[name] = self._seconds.get(name, 0.0) + seconds
+
+    def take(self) -> dict[str, float]:
+        """The phases' seconds so far, and start over."""
+        out, self._seconds = self._seconds, {}
+        return out

@@ -1,0 +1,145 @@
+"""Figures of a run, from its JSONL records (works on a live run too).
+
+    python -m relax_hpc.plot RUN_DIR [--out DIR]      # default: RUN_DIR/plots
+
+Writes PNG files:
+- reward.png      batch reward per step (and its 10-step mean), greedy accuracy per evaluated version
+- kl_entropy.png  entropy, approximate KL to the sampling policy, KL to the reference (when used),
+                  clip fraction
+- time.png        where a step's time goes (stacked), the batch's generation time, and the overlap
+                  of rollout and training against its bound
+- staleness.png   mean and max staleness of the trained samples, samples set aside as stale
+- overview.png    the four above, one panel each
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display on a cluster node
+
+import matplotlib.pyplot as plt
+from matplotlib.axes import Axes
+
+from relax_hpc.metrics.jsonl import read_jsonl
+from relax_hpc.metrics.summary import step_records
+from relax_hpc.paths import RunPaths
+
+TIME_PHASES = ("wait", "read", "fwd_bwd", "optimizer", "push", "checkpoint")
+Record = dict[str, Any]
+
+
+def _series(records: list[Record], key: str) -> tuple[list[int], list[float]]:
+    points = [(r["step"], float(r[key])) for r in records if key in r]
+    return [s for s, _ in points], [v for _, v in points]
+
+
+def _mean_of(values: list[float], window: int) -> list[float]:
+    return [sum(values[max(0, i - window + 1) : i + 1]) / (i - max(0, i - window + 1) + 1) for i in range(len(values))]
+
+
+def reward(ax: Axes, steps: list[Record], evals: list[Record]) -> None:
+    x, y = _series(steps, "reward")
+    ax.plot(x, y, color="tab:blue", alpha=0.3, linewidth=0.8, label="batch reward")
+    ax.plot(x, _mean_of(y, 10), color="tab:blue", linewidth=1.8, label="10-step mean")
+    if evals:
+        ax.plot([r["version"] for r in evals], [r["greedy_accuracy"] for r in evals], "o-", color="tab:orange",
+                label="greedy accuracy (at policy version)")  # fmt: skip
+    ax.set(title="reward and evaluation", xlabel="step / policy version", ylim=(-0.02, 1.02))
+    ax.legend(loc="lower right", fontsize=8)
+
+
+def kl_entropy(ax: Axes, steps: list[Record], _: list[Record]) -> None:
+    for key, color in (("entropy", "tab:green"), ("approx_kl", "tab:red"), ("kl_ref", "tab:purple"),
+                       ("clip_fraction", "tab:gray")):  # fmt: skip
+        x, y = _series(steps, key)
+        if x:
+            ax.plot(x, y, color=color, linewidth=1.2, label=key)
+    ax.set(title="entropy, KL and clipping (per loss token)", xlabel="step", yscale="symlog")
+    ax.legend(loc="upper right", fontsize=8)
+
+
+def time_breakdown(ax: Axes, steps: list[Record], _: list[Record]) -> None:
+    timed = [r for r in steps if "time_step" in r]
+    if not timed:
+        ax.set(title="where the time goes (no timed steps yet)")
+        return
+    x = [r["step"] for r in timed]
+    ax.stackplot(x, *[[r[f"time_{p}"] for r in timed] for p in TIME_PHASES], labels=TIME_PHASES, alpha=0.8)
+    ax.plot(x, [r["time_generate"] for r in timed], color="black", linewidth=1.2, label="generate (its batch)")
+    ax.set(title="where a step's time goes", xlabel="step", ylabel="seconds")
+    ax.legend(loc="upper left", fontsize=7, ncol=2)
+    twin = ax.twinx()
+    twin.plot(x, _mean_of([r["overlap_gain"] for r in timed], 10), color="tab:cyan", linestyle="--", label="overlap")
+    twin.plot(x, _mean_of([r["overlap_bound"] for r in timed], 10), color="tab:cyan", linestyle=":", label="bound")
+    twin.set_ylabel("overlap of rollout and training (x)")
+    twin.legend(loc="upper right", fontsize=7)
+
+
+def staleness(ax: Axes, steps: list[Record], _: list[Record]) -> None:
+    for key, color in (("staleness_mean", "tab:blue"), ("staleness_max", "tab:red")):
+        x, y = _series(steps, key)
+        ax.plot(x, y, color=color, linewidth=1.2, label=key)
+    ax.set(title="staleness of trained samples (versions)", xlabel="step")
+    twin = ax.twinx()
+    x, y = _series(steps, "stale_samples_total")
+    twin.plot(x, y, color="tab:gray", linestyle="--", label="set aside (total)")
+    twin.set_ylabel("samples set aside as stale")
+    ax.legend(loc="upper left", fontsize=8)
+
+
+FIGURES: dict[str, Callable[[Axes, list[Record], list[Record]], None]] = {
+    "reward": reward,
+    "kl_entropy": kl_entropy,
+    "time": time_breakdown,
+    "staleness": staleness,
+}
+
+
+def plot(run_dir: Path, out: Path) -> list[Path]:
+    """Write every figure of the run to `out`; returns the files written."""
+    paths = RunPaths(run_dir)
+    steps = step_records(paths)
+    if not steps:
+        raise SystemExit(f"{paths.train_metrics}: no trained step yet, nothing to plot")
+    evals = [r for r in read_jsonl(paths.eval_metrics) if "greedy_accuracy" in r]
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, draw in FIGURES.items():
+        fig, ax = plt.subplots(figsize=(7, 4), layout="constrained")
+        draw(ax, steps, evals)
+        written.append(_save(fig, out / f"{name}.png"))
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8), layout="constrained")
+    for ax, draw in zip(axes.flat, FIGURES.values(), strict=True):
+        draw(ax, steps, evals)
+    fig.suptitle(f"{paths.root.name}: step {steps[-1]['step']}")
+    written.append(_save(fig, out / "overview.png"))
+    return written
+
+
+def _save(fig: plt.Figure, path: Path) -> Path:
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m relax_hpc.plot", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("run_dir", type=Path, help="the run's RUN_DIR (run.dir)")
+    parser.add_argument("--out", type=Path, help="folder for the PNG files (default: RUN_DIR/plots)")
+    args = parser.parse_args(argv)
+    for path in plot(args.run_dir, args.out or RunPaths(args.run_dir).plots):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

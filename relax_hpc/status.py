@@ -1,0 +1,207 @@
+"""Where a run stands, from RUN_DIR (and Slurm, when the run was submitted to it).
+
+    python -m relax_hpc.status RUN_DIR            # once
+    python -m relax_hpc.status RUN_DIR --watch    # every 5 s until the run ends (--watch 30: every 30 s)
+    python -m relax_hpc.status RUN_DIR --json     # the same facts for scripts
+
+It works on a live run, a finished or stopped one, and one whose Slurm job is still pending: step
+and total, reward, the last evaluation, samples/s, staleness, where the time of a step goes, each
+engine's health, the launcher's starts and the roles' restarts with their causes, the Slurm job's
+state (squeue, then sacct), the last checkpoint, and an ETA. It reads files and asks engines'
+/health; it changes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from relax_hpc.ckpt.layout import latest_dir
+from relax_hpc.config.load import read_frozen
+from relax_hpc.metrics.jsonl import read_jsonl
+from relax_hpc.metrics.summary import completed_steps, step_records
+from relax_hpc.paths import RunPaths
+from relax_hpc.protocol.client import EngineClient
+from relax_hpc.protocol.registry import read_records
+
+RECENT = 20  # steps the rates and the ETA average over
+TIME_PHASES = ("wait", "read", "fwd_bwd", "optimizer", "push", "checkpoint")
+
+
+def slurm_state(job_id: str) -> str | None:
+    """The job's state from squeue (pending or running), else sacct (ended); None without Slurm."""
+    for argv in (["squeue", "-h", "-j", job_id, "-o", "%T %R"], ["sacct", "-n", "-X", "-j", job_id, "-o", "State"]):
+        if shutil.which(argv[0]) is None:
+            continue
+        try:
+            out = subprocess.run(argv, capture_output=True, text=True, timeout=20, check=False)
+        except subprocess.TimeoutExpired:
+            continue
+        text = " ".join(out.stdout.split())
+        if out.returncode == 0 and text:
+            return text
+    return None
+
+
+def engines(paths: RunPaths) -> list[dict[str, Any]]:
+    """Each registered engine: where it listens, the weights it holds, whether it answers."""
+    out = []
+    for record in read_records(paths.engines):
+        client = EngineClient(record.url, api_key="", timeout_s=2.0)  # /health needs no key
+        out.append(
+            {"id": record.engine_id, "url": record.url, "weight_version": record.weight_version,
+             "healthy": client.healthy(timeout_s=2.0)}
+        )  # fmt: skip
+    return out
+
+
+def _state(paths: RunPaths, total: int, events: list[dict[str, Any]], slurm: str | None) -> str:
+    if completed_steps(paths) >= total:
+        return "complete"
+    starts = [e for e in events if e.get("event") == "start"]
+    ends = [e for e in events if e.get("event") == "end"]
+    if slurm and slurm.startswith(("PENDING", "CONFIGURING", "REQUEUED")):
+        return "pending (Slurm)"
+    if starts and (not ends or ends[-1]["time"] < starts[-1]["time"]):
+        return "running"
+    if ends:
+        return {0: "complete", 75: "stopped (resumable)"}.get(ends[-1]["exit"], "failed")
+    return "not started"
+
+
+def collect(run_dir: Path) -> dict[str, Any]:
+    """Every fact `status` shows, as a dict."""
+    paths = RunPaths(run_dir)
+    if not paths.config.is_file():
+        raise SystemExit(f"{run_dir} is not a relax_hpc run (no config.yaml)")
+    cfg = read_frozen(paths.config)
+    total = cfg.trainer.total_steps
+    steps = step_records(paths)
+    events = read_jsonl(paths.events_metrics)
+    job = paths.slurm_job_id.read_text().strip() if paths.slurm_job_id.is_file() else None
+    slurm = slurm_state(job) if job else None
+    facts: dict[str, Any] = {
+        "run_dir": str(paths.root),
+        "state": _state(paths, total, events, slurm),
+        "step": steps[-1]["step"] if steps else 0,
+        "total_steps": total,
+        "checkpoint_step": completed_steps(paths),
+        "slurm_job": job,
+        "slurm_state": slurm,
+        "engines": engines(paths),
+        "starts": len([e for e in events if e.get("event") == "start"]),
+        "role_exits": [e for e in events if e.get("event") == "role_exit"],
+        "stops": [e["why"] for e in events if e.get("event") == "stop_requested"],
+    }
+    checkpoint = latest_dir(paths.ckpt)
+    if checkpoint is not None:
+        facts["checkpoint"] = str(checkpoint)
+        facts["checkpoint_age_s"] = time.time() - checkpoint.stat().st_mtime
+    evals = [r for r in read_jsonl(paths.eval_metrics) if "greedy_accuracy" in r]
+    if evals:
+        facts["eval"] = {"version": evals[-1]["version"], "greedy_accuracy": evals[-1]["greedy_accuracy"]}
+    if steps:
+        facts.update(_rates(steps, total))
+    return facts
+
+
+def _rates(steps: list[dict[str, Any]], total: int) -> dict[str, Any]:
+    """Reward, throughput, staleness, time breakdown and ETA over the last steps of the latest
+    start (a gap across a restart is no step time)."""
+    recent = steps[-RECENT:]
+    last = recent[-1]
+    out: dict[str, Any] = {
+        "reward": last["reward"],
+        "reward_mean10": statistics.fmean(r["reward"] for r in steps[-10:]),
+        "staleness_mean": last.get("staleness_mean", 0.0),
+        "last_step_age_s": time.time() - last["time"],
+    }
+    timed = [r for r in recent if "time_step" in r]
+    if timed:
+        step_s = statistics.fmean(r["time_step"] for r in timed)
+        out["seconds_per_step"] = step_s
+        out["samples_per_s"] = sum(r["samples"] for r in timed) / max(sum(r["time_step"] for r in timed), 1e-9)
+        out["eta_s"] = max(0, total - last["step"]) * step_s
+        out["time"] = {p: statistics.fmean(r[f"time_{p}"] for r in timed) for p in (*TIME_PHASES, "generate")}
+        out["overlap_gain"] = statistics.fmean(r["overlap_gain"] for r in timed)
+        out["overlap_bound"] = statistics.fmean(r["overlap_bound"] for r in timed)
+    return out
+
+
+def _duration(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def render(facts: dict[str, Any]) -> str:
+    """The facts as a few aligned lines."""
+    lines = [f"run:         {facts['run_dir']}", f"state:       {facts['state']}"]
+    progress = f"step {facts['step']}/{facts['total_steps']}"
+    if "eta_s" in facts and facts["state"] == "running":
+        progress += f", ETA {_duration(facts['eta_s'])} at {facts['seconds_per_step']:.2f} s/step"
+    lines.append(f"progress:    {progress}")
+    if "reward" in facts:
+        lines.append(f"reward:      {facts['reward']:.3f} (last step), {facts['reward_mean10']:.3f} (mean of 10)")
+    if "eval" in facts:
+        lines.append(
+            f"eval:        greedy accuracy {facts['eval']['greedy_accuracy']:.3f} at version {facts['eval']['version']}"
+        )
+    if "samples_per_s" in facts:
+        lines.append(
+            f"throughput:  {facts['samples_per_s']:.0f} samples/s, staleness {facts['staleness_mean']:.2f} "
+            f"(last {RECENT} steps)"
+        )
+        t = facts["time"]
+        parts = " + ".join(f"{p} {t[p]:.2f}" for p in TIME_PHASES)
+        lines.append(
+            f"time/step:   {facts['seconds_per_step']:.2f} s = {parts}; generate {t['generate']:.2f} s; "
+            f"overlap {facts['overlap_gain']:.2f}x of at most {facts['overlap_bound']:.2f}x"
+        )
+    for engine in facts["engines"]:
+        health = "healthy" if engine["healthy"] else "NOT ANSWERING"
+        lines.append(f"engine:      {engine['id']} {engine['url']} weights v{engine['weight_version']} {health}")
+    exits = facts["role_exits"]
+    lines.append(
+        f"starts:      {facts['starts']}" + (f"; stops asked: {'; '.join(facts['stops'])}" if facts["stops"] else "")
+    )
+    lines += [
+        f"restart:     {e['role']} exited {e['exit']} ({e['action']}): {e['last_line'].strip()[:100]}"
+        for e in exits[-5:]
+    ]
+    if "checkpoint" in facts:
+        lines.append(f"checkpoint:  {facts['checkpoint']} ({_duration(facts['checkpoint_age_s'])} ago)")
+    if facts["slurm_job"]:
+        lines.append(f"slurm:       job {facts['slurm_job']}: {facts['slurm_state'] or 'unknown to squeue and sacct'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m relax_hpc.status", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("run_dir", type=Path, help="the run's RUN_DIR (run.dir)")
+    parser.add_argument(
+        "--watch", type=float, nargs="?", const=5.0, metavar="SECONDS", help="repeat until the run ends"
+    )
+    parser.add_argument("--json", action="store_true", help="print the facts as JSON")
+    args = parser.parse_args(argv)
+    while True:
+        facts = collect(args.run_dir)
+        text = json.dumps(facts, indent=1) if args.json else render(facts)
+        if args.watch and sys.stdout.isatty():
+            sys.stdout.write("\033[H\033[J")  # redraw in place
+        print(text, flush=True)
+        if not args.watch or facts["state"] not in ("running", "pending (Slurm)", "not started"):
+            return 0
+        time.sleep(args.watch)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
