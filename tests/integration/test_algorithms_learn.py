@@ -3,12 +3,20 @@
 Each case runs a shipped config (configs/tiny-NAME.yaml) through the single-process loop
 (`python -m relax_hpc.inprocess`: the driver's batch construction, the trainer's backend
 and objective, asynchrony simulated at the config's max_staleness), shortened so that all of them
-fit in CI: 9 of the 100 problems (every 12th), 9 prompts x 16 samples per step, a higher
-learning rate (the default recipe's 5e-4 is for 64 prompts and 400 steps), 50 or 60 steps.
-Chance is 1/19 (about 0.05): the first 10 steps' mean reward stays below 0.2 and the last 10
-steps' mean must reach the case's stated level. The runs are seeded and single-threaded, so each
-is deterministic on a given torch build; the levels leave margin below what was measured
-(docs/algorithms.md, "How it is tested").
+fit in CI: 9 of the 100 problems (every 12th), 9 prompts x 16 samples per step, 100 steps at the
+default recipe's learning rate (5e-4). Chance is 1/19 (about 0.05): the first 10 steps' mean
+reward stays below 0.2 and the last 10 steps' mean must reach the case's stated level.
+
+The runs are seeded and single-threaded, so each is deterministic on a given machine, but not
+across machines (other CPUs round differently, and a short run at this scale is chaotic): every
+setting here learned for 3 of 3 seeds on the CI machine's kind, and each level sits at about
+three quarters of the lowest of them (BENCHMARKS.md, "The algorithm suite learns"). Shorter
+runs at higher learning rates (the settings before 0.2) passed for seed 0 on one machine and
+collapsed for other seeds or machines: one batch whose groups all score 0 leaves only noise
+(and the entropy bonus) to drive the next updates, and the policy drifted to answers that never
+stop or never start. Two cases differ from their shipped config: sapo without the entropy bonus
+(with it, 1 seed of 3 collapsed), m2po on-policy (at staleness 1 or 2 it collapsed in 1 or 2 of
+3 seeds; docs/algorithms.md).
 """
 
 from __future__ import annotations
@@ -26,26 +34,27 @@ from relax_hpc.metrics.jsonl import read_jsonl
 pytestmark = [pytest.mark.integration, pytest.mark.learning]
 
 REPO = Path(__file__).resolve().parents[2]
-# config name -> (learning rate, steps, level the last 10 steps' mean reward must reach)
-CASES: dict[str, tuple[float, int, float]] = {
+STEPS, LR = 100, 5e-4
+# config name -> (level the last 10 steps' mean reward must reach, overrides of the shipped config)
+CASES: dict[str, tuple[float, tuple[str, ...]]] = {
     # advantage estimators
-    "grpo": (2e-3, 50, 0.45),
-    "dr-grpo": (1e-3, 50, 0.2),
-    "rloo": (2e-3, 50, 0.2),
-    "reinforce-pp": (1e-3, 50, 0.45),
-    "reinforce-pp-baseline": (1e-3, 50, 0.35),
-    "ppo": (1e-3, 50, 0.5),
-    "distill": (2e-3, 60, 0.35),
+    "grpo": (0.6, ()),
+    "dr-grpo": (0.3, ()),
+    "rloo": (0.15, ()),
+    "reinforce-pp": (0.45, ()),
+    "reinforce-pp-baseline": (0.25, ()),
+    "ppo": (0.55, ()),
+    "distill": (0.2, ()),
     # policy losses (ppo with clip-higher: dapo; with dual-clip: decoupled-ppo; reinforce: rloo)
-    "dapo": (1e-3, 50, 0.5),
-    "gspo": (2e-3, 50, 0.2),
-    "sapo": (2e-3, 50, 0.3),
-    "cispo": (2e-3, 50, 0.3),
-    "m2po": (5e-4, 60, 0.3),
-    "decoupled-ppo": (1e-3, 50, 0.45),
+    "dapo": (0.45, ()),
+    "gspo": (0.25, ()),
+    "sapo": (0.15, ("algo.policy_loss.entropy_coef=0",)),
+    "cispo": (0.35, ()),
+    "m2po": (0.25, ("rollout.max_staleness=0",)),
+    "decoupled-ppo": (0.25, ()),
     # off-policy corrections of the rollout/trainer mismatch (decoupled: above)
-    "tis": (1e-3, 50, 0.45),
-    "icepop": (1e-3, 50, 0.3),
+    "tis": (0.5, ()),
+    "icepop": (0.45, ()),
 }
 
 
@@ -59,11 +68,11 @@ def learning_runs(tmp_path_factory) -> dict[str, list[dict] | str]:
 
     def run(name: str) -> tuple[str, list[dict] | str]:
         out = root / f"{name}.jsonl"
-        lr, steps, _ = CASES[name]
+        _, overrides = CASES[name]
         argv = [
             sys.executable, "-m", "relax_hpc.inprocess", "--config", f"configs/tiny-{name}.yaml",
-            "--steps", str(steps), "--out", str(out), f"data.path={data}", "rollout.prompts_per_step=9",
-            f"trainer.lr={lr}",
+            "--steps", str(STEPS), "--out", str(out), f"data.path={data}", "rollout.prompts_per_step=9",
+            f"trainer.lr={LR}", *overrides,
         ]  # fmt: skip
         proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
         return name, read_jsonl(out) if proc.returncode == 0 else proc.stderr[-3000:]
@@ -78,9 +87,9 @@ def test_reward_rises(name, learning_runs):
     assert isinstance(records, list), records
     rewards = [r["reward"] for r in records]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
-    _, steps, level = CASES[name]
+    level, _ = CASES[name]
     print(json.dumps({"case": name, "first10": round(first, 3), "last10": round(last, 3), "level": level}))
-    assert len(records) == steps
+    assert len(records) == STEPS
     assert first < 0.2, first
     assert last >= level, (first, last, level)
     assert all(k in records[-1] for k in ("clip_fraction", "approx_kl", "entropy", "advantage_mean", "ratio_max"))
