@@ -20,14 +20,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from relax_hpc.config.load import load_config
 from relax_hpc.config.schema import JobConfig
+from relax_hpc.data.media import Kind
 from relax_hpc.data.plan import BatchPlan, Group, to_sample_batch
+from relax_hpc.data.processor import media_processor, prompt_encoder, up_to_media_token
 from relax_hpc.data.prompts import load_prompts
 from relax_hpc.engines.sampling import Completion, SamplingSpec, sample
 from relax_hpc.metrics.jsonl import JsonlWriter
+from relax_hpc.models.hf import load_policy
 from relax_hpc.trainer.batching import share_of
 from relax_hpc.trainer.loop import reduce_stats
 from relax_hpc.trainer.torch_backend import TorchBackend
@@ -52,45 +55,73 @@ class InProcessRun:
         torch.manual_seed(cfg.run.seed)
         self.cfg, ro = cfg, cfg.rollout
         self.tokenizer = PreTrainedTokenizerFast.from_pretrained(cfg.model.path)
-        self.rows = load_prompts(cfg.data.path, cfg.data.prompt_key, cfg.data.answer_key)
-        self.prompt_ids = [self.tokenizer(r.prompt)["input_ids"] for r in self.rows]
+        self.processor = media_processor(cfg.model.path)
+        rate = self.processor.sampling_rate if self.processor else None
+        d = cfg.data
+        self.rows = load_prompts(d.path, d.prompt_key, d.answer_key, d.media, sampling_rate=rate)
+        encode = prompt_encoder(cfg.model.path, self.processor)
+        self.prompt_ids = [encode(r) for r in self.rows]
         self.plan = BatchPlan(cfg, self.rows)
         self.backend = TorchBackend(cfg, torch.device("cpu"))
-        dtype = getattr(torch, cfg.model.dtype)
-        self.sampler = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=dtype).eval()
-        self.params = dict(self.sampler.named_parameters())  # tied weights appear once, as in weight sync
+        self.sampler = load_policy(cfg.model.path, getattr(torch, cfg.model.dtype)).eval()
+        synced = {name for name, _, _ in self.backend.parameter_specs()}
+        # What weight sync would update (tied weights appear once; a frozen encoder not at all).
+        self.params = {n: p for n, p in self.sampler.named_parameters() if n in synced}
         self.spec = SamplingSpec(ro.max_new_tokens, ro.temperature, ro.top_p, ro.top_k)
 
-    def _generate(self, prompts: list[list[int]], specs: list[SamplingSpec], seeds: list[int]) -> list[Completion]:
+    def _expanded(self, index: int) -> tuple[list[int], dict[str, torch.Tensor], list[tuple[Kind, bytes]]]:
+        """A row's prompt as the engine conditions on it: placeholders expanded for its media."""
+        media = [(ref.kind, ref.read()) for ref in self.rows[index].media]
+        if not media:
+            return self.prompt_ids[index], {}, []
+        assert self.processor is not None, "rows with media need a multimodal model (checked at submit)"
+        processed = self.processor.process(self.prompt_ids[index], media)
+        return processed.input_ids, processed.tensors, media
+
+    def _generate(
+        self, indices: list[int], copies: int, specs: list[SamplingSpec], seeds: list[int]
+    ) -> tuple[list[Completion], list[list[int]], list[list[tuple[Kind, bytes]]]]:
+        """Sample each prompt `copies` times; returns (completions, expanded prompts, media)."""
+        expanded = [self._expanded(i) for i in indices]
+        prompts = [ids for ids, _, _ in expanded for _ in range(copies)]
+        inputs = [tensors for _, tensors, _ in expanded for _ in range(copies)]
         eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
-        return sample(self.sampler, prompts, specs, seeds, eos, pad)
+        outs = sample(self.sampler, prompts, specs, seeds, eos, pad, inputs if self.processor else None)
+        if self.processor is not None:
+            for out in outs:
+                keep = up_to_media_token(out.output_ids, self.processor.media_token_ids)
+                out.output_ids, out.logprobs = out.output_ids[:keep], out.logprobs[:keep]
+        return outs, [ids for ids, _, _ in expanded], [media for _, _, media in expanded]
 
     def sample_round(self, step: int, version: int, round_: int) -> list[Group]:
         indices = self.plan.prompts(step, round_)
-        prompts = [self.prompt_ids[i] for i in indices for _ in range(self.cfg.rollout.group_size)]
-        seeds = self.plan.seeds(step, round_, len(prompts))
-        outs = self._generate(prompts, [self.spec] * len(prompts), seeds)
+        g = self.cfg.rollout.group_size
+        seeds = self.plan.seeds(step, round_, len(indices) * g)
+        outs, prompt_ids, media = self._generate(indices, g, [self.spec] * len(seeds), seeds)
         return self.plan.groups(
             step,
             round_,
-            [self.prompt_ids[i] for i in indices],
+            prompt_ids,
             [o.output_ids for o in outs],
             [o.logprobs for o in outs],
             [self.tokenizer.decode(o.output_ids, skip_special_tokens=True) for o in outs],
             [version] * len(outs),
+            media,
         )
 
     def greedy_accuracy(self) -> float:
         """Greedy accuracy of the sampler's weights over the whole dataset."""
         spec = SamplingSpec(max_new_tokens=self.cfg.rollout.max_new_tokens, temperature=0.0)
-        outs = self._generate(self.prompt_ids, [spec] * len(self.rows), [0] * len(self.rows))
+        n = len(self.rows)
+        outs, _, _ = self._generate(list(range(n)), 1, [spec] * n, [0] * n)
         texts = [self.tokenizer.decode(o.output_ids, skip_special_tokens=True) for o in outs]
-        return sum(self.plan.reward_fn(t, r.answer) for t, r in zip(texts, self.rows, strict=True)) / len(self.rows)
+        return sum(self.plan.reward_fn(t, r.answer) for t, r in zip(texts, self.rows, strict=True)) / n
 
     def train(self, step: int, version: int) -> dict:
         selection = self.plan.select(functools.partial(self.sample_round, step, version))
         batch = to_sample_batch(step, selection.groups)
-        train_batch, _ = share_of(batch, list(range(batch.num_samples)), 0, 1, self.tokenizer.pad_token_id)
+        pad = self.tokenizer.pad_token_id
+        train_batch, _ = share_of(batch, list(range(batch.num_samples)), 0, 1, pad, self.processor)
         result = self.backend.train_step(train_batch, step)
         return {
             "step": step + 1,

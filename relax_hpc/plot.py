@@ -10,11 +10,16 @@ Writes PNG files:
                   of rollout and training against its bound
 - staleness.png   mean and max staleness of the trained samples, samples set aside as stale
 - overview.png    the four above, one panel each
+
+With --trace it also writes trace.json, a Chrome-trace timeline (chrome://tracing, Perfetto):
+the driver's generation of each batch and the phases of each trainer step, from the times the
+records hold.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -123,6 +128,33 @@ def plot(run_dir: Path, out: Path) -> list[Path]:
     return written
 
 
+def trace(run_dir: Path, out: Path) -> Path:
+    """A Chrome-trace file of the run: one track for the driver's batches, one for the trainer's
+    step phases (each phase placed before the end of its step, in the order the loop runs them)."""
+    paths = RunPaths(run_dir)
+    events = [
+        _span("driver", f"generate batch {r['batch']}", r["time"] - r["seconds"], r["seconds"])
+        for r in read_jsonl(paths.rollout_metrics)
+        if "seconds" in r
+    ]
+    for r in step_records(paths):
+        if "time_step" not in r:
+            continue
+        end = r["time"]
+        begin = end - r["time_step"]
+        for phase in TIME_PHASES:
+            events.append(_span("trainer", f"{phase} (step {r['step']})", begin, r[f"time_{phase}"]))
+            begin += r[f"time_{phase}"]
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    return path
+
+
+def _span(track: str, name: str, start_s: float, seconds: float) -> Record:
+    return {"name": name, "ph": "X", "pid": 1, "tid": track, "ts": start_s * 1e6, "dur": seconds * 1e6}
+
+
 def _save(fig: plt.Figure, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -135,9 +167,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("run_dir", type=Path, help="the run's RUN_DIR (run.dir)")
     parser.add_argument("--out", type=Path, help="folder for the PNG files (default: RUN_DIR/plots)")
+    parser.add_argument("--trace", action="store_true", help="also write trace.json, a Chrome-trace timeline")
     args = parser.parse_args(argv)
-    for path in plot(args.run_dir, args.out or RunPaths(args.run_dir).plots):
+    out = args.out or RunPaths(args.run_dir).plots
+    for path in plot(args.run_dir, out):
         print(path)
+    if args.trace:
+        print(trace(args.run_dir, out))
     return 0
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from relax_hpc.config.load import ConfigError, load_config, read_frozen, to_yaml
 from relax_hpc.config.path_options import path_problems
 from relax_hpc.config.schema import RESUMABLE_CHANGES, JobConfig
+from relax_hpc.data.processor import media_kinds, sampling_rate
 from relax_hpc.data.prompts import DatasetError, load_prompts
 from relax_hpc.launch.allocation import AllocationError
 from relax_hpc.launch.gpus import NO_GPU, place_local, span, visible_gpu_count
@@ -45,16 +46,36 @@ def check_inputs(cfg: JobConfig, in_allocation: bool = False) -> None:
     the machines."""
     problems = path_problems(cfg)
     if not problems:
-        try:
-            load_prompts(cfg.data.path, cfg.data.prompt_key, cfg.data.answer_key)
-        except DatasetError as e:
-            problems.append(str(e))
+        problems += dataset_problems(cfg)
         if cfg.trainer.backend == "megatron":
             problems += check_megatron_job(cfg.model.path, cfg.trainer.megatron)
             problems += megatron_gpu_problems(cfg, in_allocation)
         problems += missing_sinks(cfg)
     if problems:
         raise ConfigError("\n".join(problems))
+
+
+def dataset_problems(cfg: JobConfig) -> list[str]:
+    """The dataset's rows, and its media against the model: every item is read and decoded as the
+    engines will decode it (images; audio at the model's sampling rate)."""
+    d, model = cfg.data, cfg.model.path
+    kinds = media_kinds(model)
+    problems = [
+        f"data.media.{kind}: {model} has no {kind} encoder (its config.json names none)"
+        for kind in d.media
+        if kind not in kinds
+    ]
+    if d.media and cfg.trainer.backend == "megatron":
+        problems.append(
+            "data.media: trainer.backend=megatron trains text models; multimodal models use trainer.backend=torch"
+        )
+    if problems:
+        return problems
+    try:
+        load_prompts(d.path, d.prompt_key, d.answer_key, d.media, sampling_rate(model), check_media=True)
+    except DatasetError as e:
+        return [str(e)]
+    return []
 
 
 def missing_sinks(cfg: JobConfig) -> list[str]:

@@ -159,6 +159,10 @@ class Objective:
         stats.mean_of("advantage_abs_mean", advantages.abs(), mask)
         stats.range_of("advantage", advantages, mask)
         stats.mean_of("rollout_mismatch_mean", mismatch, mask)
+        # |trainer - engine| log-probability of the sampled tokens: the agreement of the two
+        # forward passes (precision, kernels, and for media the processing) when the samples are
+        # on-policy (max_staleness 0) and the step has one mini-batch; policy drift adds to it otherwise.
+        stats.mean_of("logprob_diff_abs", (logprobs.detach() - rollout_logprobs).abs(), mask)
         stats.range_of("rollout_mismatch", mismatch, mask)
         if off.correction != "none":
             stats.mean_of("is_weight_mean", weight, mask)

@@ -4,9 +4,10 @@ Reads RUN_DIR/config.yaml to know the backend and the base model, then the model
 ckpt/latest (or ckpt/step-N) without the optimizer's: the torch backend's checkpoint is torch DCP
 with HF names already; the megatron backend's is megatron's distributed checkpoint (torch_dist,
 also DCP files), whose tensors are unsharded and mapped to HF names and layout by
-relax_hpc.models.hf_mapping. Writes config.json, safetensors (sharded as transformers shards
-them), generation config and the tokenizer of the base model, each file readable like the rest of
-the user's output (mode 0644 under the usual umask). Needs no GPU and no process group.
+relax_hpc.models.hf_mapping. Writes config.json and safetensors (sharded as transformers shards
+them), copies the base model's other files (tokenizer, generation config, processor configs), and
+leaves every file readable like the rest of the user's output (mode 0644 under the usual umask).
+Needs no GPU and no process group.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig
 
 from relax_hpc.ckpt.layout import latest_dir
 from relax_hpc.config.load import read_frozen
+from relax_hpc.models.hf import policy_class
 from relax_hpc.paths import CkptDirs, RunPaths
 
 MODEL_PREFIX = "model."  # the torch backend's state is {"model": ..., "optim": ...}
@@ -69,7 +71,7 @@ def convert(run_dir: Path, out: Path, step: int | None = None) -> Path:
     else:
         tensors = torch_backend_tensors(folder)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=getattr(torch, cfg.model.dtype))
+        model = policy_class(cfg.model.path).from_config(hf_config, dtype=getattr(torch, cfg.model.dtype))
     missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     missing = [k for k in missing if not (k == "lm_head.weight" and hf_config.tie_word_embeddings)]
     if missing or unexpected:
@@ -79,12 +81,19 @@ def convert(run_dir: Path, out: Path, step: int | None = None) -> Path:
     model.tie_weights()
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(cfg.model.path).save_pretrained(out)
-    source = Path(cfg.model.path) / "generation_config.json"
-    if source.is_file():
-        shutil.copy(source, out / "generation_config.json")
+    _copy_companions(Path(cfg.model.path), out)
     _readable_like_other_output(out)
     return folder
+
+
+def _copy_companions(base: Path, out: Path) -> None:
+    """The base model's files that are not its weights or its config: tokenizer, chat template,
+    generation config, and a multimodal model's processor configs, as they are (re-saving a
+    processor through transformers would name classes of relax_hpc's own in them)."""
+    weights = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
+    for source in base.iterdir():
+        if source.is_file() and source.name != "config.json" and not source.name.endswith(weights):
+            shutil.copy(source, out / source.name)
 
 
 def _readable_like_other_output(folder: Path) -> None:

@@ -62,9 +62,17 @@ class DataConfig(Section):
     path: Annotated[str, PathOption("file")] = "assets/addition.jsonl"
     """JSONL prompt dataset, one object per line."""
     prompt_key: str = "prompt"
-    """Field of each row that holds the prompt text."""
+    """Field of each row that holds the prompt: a string, or a list of chat messages
+    (`{"role": ..., "content": ...}`, content a string or a list of parts)."""
     answer_key: str = "answer"
     """Field of each row that holds the reference answer the reward compares against."""
+    media: dict[Literal["image", "audio"], str] = Field(default={})
+    """Which row fields hold media, e.g. `{image: images}` or `{audio: audios}`: a field holds one
+    item or a list, each a file path (relative to the dataset file, or absolute) or a `data:`
+    URI. A string prompt marks where each item goes with `<image>` / `<audio>` (without markers,
+    its items come before the text); chat-message prompts use `{"type": "image"}` content parts.
+    Rows with media or messages go through the model's chat template and processor; every item
+    is read and decoded before a job starts. Video is not supported."""
     shuffle: bool = True
     """Reshuffle the prompts every epoch (seeded by run.seed)."""
 
@@ -328,6 +336,9 @@ class TrainerConfig(Section):
     """AdamW betas."""
     max_grad_norm: float = Field(default=1.0, gt=0)
     """Gradient clipping by global norm."""
+    freeze_encoder: bool = Field(default=False)
+    """Multimodal models: keep the vision and audio encoders as loaded (not trained, not sent to
+    the engines at weight sync); the language model (and Qwen2-Audio's projector) train."""
 
 
 class WeightsConfig(Section):

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from relax_hpc.algos.shaping import informative, overlong_penalty
 from relax_hpc.config.schema import JobConfig
+from relax_hpc.data.media import Kind
 from relax_hpc.data.prompts import PromptOrder, PromptRow
 from relax_hpc.exchange.spool import SampleBatch
 from relax_hpc.rewards import REWARDS
@@ -33,11 +34,12 @@ class Group:
 
     group_id: int
     prompt_index: int
-    prompt_ids: list[int]
+    prompt_ids: list[int]  # as the engine conditioned on them (placeholders expanded for media)
     completions: list[list[int]]
     logprobs: list[list[float]]
     rewards: list[float]
     versions: list[int]
+    media: list[tuple[Kind, bytes]] = field(default_factory=list)  # the prompt's items, stored once
 
 
 @dataclass(slots=True)
@@ -92,9 +94,11 @@ class BatchPlan:
         logprobs: list[list[float]],
         texts: list[str],
         versions: list[int],
+        media: list[list[tuple[Kind, bytes]]] | None = None,
     ) -> list[Group]:
         """Group a round's samples (prompt-major: group_size samples of prompt j at j*g...) and
-        score them. prompt_ids: the round's prompts, one per group."""
+        score them. prompt_ids: the round's prompts, one per group (expanded as the engine
+        expanded them); media: each prompt's items."""
         g = self.cfg.rollout.group_size
         indices = self.prompts(seq, round_)
         out = []
@@ -109,6 +113,7 @@ class BatchPlan:
                     logprobs=[logprobs[k] for k in mine],
                     rewards=[self.reward(texts[k], len(completions[k]), index) for k in mine],
                     versions=[versions[k] for k in mine],
+                    media=media[j] if media else [],
                 )
             )
         return out
@@ -140,4 +145,5 @@ def to_sample_batch(seq: int, groups: list[Group]) -> SampleBatch:
         group_ids=[grp.group_id for grp, _ in samples],
         policy_version=[grp.versions[k] for grp, k in samples],
         prompt_index=[grp.prompt_index for grp, _ in samples],
+        media={grp.group_id: grp.media for grp in groups if grp.media},
     )

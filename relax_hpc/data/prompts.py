@@ -1,5 +1,11 @@
 """Prompt datasets (JSONL) and a deterministic, resumable prompt order.
 
+A row holds a prompt (a string, or a list of chat messages whose content is a string or a list of
+parts: {"type": "text", "text": ...}, {"type": "image"}, {"type": "audio"}), a reference answer,
+and, in the fields `data.media` names, its media (relax_hpc.data.media). A string prompt marks
+where each item goes with <image> / <audio>, or gets its items before the text; every item needs
+a place and every place an item.
+
 The order is a pure function of (seed, position): batch `seq` always holds the same prompts, so the
 rollout driver's position is fully described by the sequence number of the last batch it
 published, and a restart regenerates exactly what was lost, nothing more.
@@ -8,25 +14,72 @@ published, and a restart regenerates exactly what was lost, nothing more.
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+
+from relax_hpc.data.media import KINDS, Kind, MediaError, MediaRef, check, resolve
 
 
 class DatasetError(ValueError):
     """A dataset file the user pointed at cannot be used as it is."""
 
 
+Message = dict[str, Any]
+# Where a string prompt puts each media item; without markers, a row's media come before its text.
+MARKERS: dict[Kind, str] = {"image": "<image>", "audio": "<audio>"}
+_MARKER = re.compile("|".join(re.escape(m) for m in MARKERS.values()))
+
+
 @dataclass(frozen=True, slots=True)
 class PromptRow:
+    """One dataset row: its prompt (text, or chat messages with content parts), the reference
+    answer, and its media in the order the prompt uses them."""
+
     index: int
-    prompt: str
+    prompt: str | tuple[Message, ...]
     answer: str
+    media: tuple[MediaRef, ...] = ()
+
+    @property
+    def is_chat(self) -> bool:
+        """Rows with messages or media go through the model's chat template; plain text does not."""
+        return not isinstance(self.prompt, str) or bool(self.media)
+
+    def messages(self) -> list[Message]:
+        """Chat messages whose content parts place the media ({"type": "image"} / {"type": "audio"})."""
+        if not isinstance(self.prompt, str):
+            return [dict(m) for m in self.prompt]
+        parts: list[Message] = []
+        pieces = _MARKER.split(self.prompt)
+        kinds = _MARKER.findall(self.prompt)
+        if not kinds:  # no markers: every item before the text
+            parts = [{"type": ref.kind} for ref in self.media]
+            pieces, kinds = [self.prompt], []
+        for i, piece in enumerate(pieces):
+            if piece:
+                parts.append({"type": "text", "text": piece})
+            if i < len(kinds):
+                parts.append({"type": "image" if kinds[i] == MARKERS["image"] else "audio"})
+        return [{"role": "user", "content": parts}]
 
 
-def load_prompts(path: str | Path, prompt_key: str, answer_key: str) -> list[PromptRow]:
-    """Read a JSONL file of prompts; every row must hold both keys as strings (or numbers)."""
+def load_prompts(
+    path: str | Path,
+    prompt_key: str,
+    answer_key: str,
+    media: Mapping[Kind, str] | None = None,
+    sampling_rate: int | None = None,
+    check_media: bool = False,
+) -> list[PromptRow]:
+    """Read a JSONL file of prompts; every defect raises DatasetError naming the line and the reason.
+
+    `media` names the row fields that hold each kind of media; `check_media` reads and decodes every
+    item (as the engines will; audio at `sampling_rate`), which submit does before a job starts."""
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"data.path: {path} does not exist or is not a file")
@@ -35,24 +88,99 @@ def load_prompts(path: str | Path, prompt_key: str, answer_key: str) -> list[Pro
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
                 continue
+            where = f"{path}:{line_no}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DatasetError(f"{path}:{line_no}: not valid JSON ({e.msg})") from None
+                raise DatasetError(f"{where}: not valid JSON ({e.msg})") from None
             if not isinstance(record, dict):
-                raise DatasetError(f"{path}:{line_no}: a row must be a JSON object, got {type(record).__name__}")
-            for key, option in ((prompt_key, "data.prompt_key"), (answer_key, "data.answer_key")):
-                if key not in record:
-                    raise DatasetError(
-                        f"{path}:{line_no}: row has no field {key!r} (it has {sorted(record)}); "
-                        f"fix the row or set {option} to the field that holds it"
-                    )
-                if not isinstance(record[key], (str, int, float)):
-                    raise DatasetError(f"{path}:{line_no}: field {key!r} must be a string, got {record[key]!r}")
-            rows.append(PromptRow(len(rows), str(record[prompt_key]), str(record[answer_key])))
+                raise DatasetError(f"{where}: a row must be a JSON object, got {type(record).__name__}")
+            row = _row(record, len(rows), where, prompt_key, answer_key, media or {}, path.parent)
+            if check_media:
+                for ref in row.media:
+                    try:
+                        check(ref, sampling_rate)
+                    except MediaError as e:
+                        raise DatasetError(f"{where}: {ref.describe()}: {e}") from None
+            rows.append(row)
     if not rows:
         raise DatasetError(f"data.path: {path} holds no rows")
     return rows
+
+
+def _row(
+    record: dict[str, Any],
+    index: int,
+    where: str,
+    prompt_key: str,
+    answer_key: str,
+    media: Mapping[Kind, str],
+    base: Path,
+) -> PromptRow:
+    for key, option in ((prompt_key, "data.prompt_key"), (answer_key, "data.answer_key")):
+        if key not in record:
+            raise DatasetError(
+                f"{where}: row has no field {key!r} (it has {sorted(record)}); "
+                f"fix the row or set {option} to the field that holds it"
+            )
+    answer = record[answer_key]
+    if not isinstance(answer, str | int | float):
+        raise DatasetError(f"{where}: field {answer_key!r} must be a string, got {answer!r}")
+    prompt = _prompt(record[prompt_key], where, prompt_key)
+    refs = tuple(ref for kind, field in media.items() for ref in _items(record, kind, field, where, base))
+    return PromptRow(index, prompt, str(answer), _in_prompt_order(PromptRow(index, prompt, "", refs), where))
+
+
+def _prompt(value: Any, where: str, key: str) -> str | tuple[Message, ...]:
+    if isinstance(value, str | int | float):
+        return str(value)
+    if not isinstance(value, list) or not value:
+        raise DatasetError(f"{where}: field {key!r} must be a string or a list of chat messages, got {value!r}")
+    for message in value:
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or content is None:
+            raise DatasetError(f"{where}: a chat message needs a 'role' and a 'content', got {message!r}")
+        if not isinstance(content, str) and not all(_is_part(p) for p in content):
+            raise DatasetError(
+                f"{where}: a message's content is a string or a list of parts "
+                f'({{"type": "text", "text": ...}}, {{"type": "image"}}, {{"type": "audio"}}), got {content!r}'
+            )
+    return tuple(value)
+
+
+def _is_part(part: Any) -> bool:
+    if not isinstance(part, dict):
+        return False
+    if part.get("type") == "text":
+        return isinstance(part.get("text"), str)
+    return part.get("type") in KINDS
+
+
+def _items(record: dict[str, Any], kind: Kind, field: str, where: str, base: Path) -> list[MediaRef]:
+    value = record.get(field, [])
+    values = [value] if isinstance(value, str) else value
+    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+        raise DatasetError(f"{where}: field {field!r} (data.media.{kind}) must hold a path or a list of paths")
+    refs = [resolve(kind, v, base) for v in values]
+    for ref in refs:
+        if not ref.source.startswith("data:") and not Path(ref.source).is_file():
+            raise DatasetError(f"{where}: {kind} file {ref.source} does not exist")
+    return refs
+
+
+def _in_prompt_order(row: PromptRow, where: str) -> tuple[MediaRef, ...]:
+    """The row's items in the order its prompt places them; each item needs a place and each
+    place an item."""
+    places = [p["type"] for m in row.messages() if not isinstance(m["content"], str) for p in m["content"]]
+    places = [p for p in places if p in KINDS]
+    for kind in KINDS:
+        have, want = sum(r.kind == kind for r in row.media), places.count(kind)
+        if have != want:
+            raise DatasetError(
+                f"{where}: the prompt has {want} {kind} placeholder(s) but the row gives {have} {kind}(s)"
+            )
+    queues = {kind: [r for r in row.media if r.kind == kind] for kind in KINDS}
+    return tuple(queues[kind].pop(0) for kind in places)
 
 
 class PromptOrder:

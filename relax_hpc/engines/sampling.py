@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from relax_hpc.data.processor import concat_inputs, rope_positions
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingSpec:
@@ -48,6 +50,24 @@ def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
     return logits
 
 
+class _Positions:
+    """Each step's position ids. Text models: each row counts its own tokens (left padding).
+    Multimodal RoPE (Qwen VL): the prompt's three axes from the model's own rope index, then each
+    new token at (its row's tokens so far + the row's delta) on all three axes."""
+
+    def __init__(self, model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor, inputs: dict) -> None:
+        rope = rope_positions(model, ids, mask, inputs)
+        self.prompt: torch.Tensor | None = None if rope is None else rope[0]
+        self.deltas: torch.Tensor | None = None if rope is None else rope[1]
+
+    def at(self, step: int, mask: torch.Tensor, new: int) -> torch.Tensor:
+        if self.prompt is None or self.deltas is None:
+            return (mask.cumsum(-1) - 1).clamp(min=0)[:, -new:]
+        if step == 0:
+            return self.prompt
+        return (mask.sum(-1, keepdim=True) - 1 + self.deltas).unsqueeze(0).expand(3, -1, -1)
+
+
 @torch.no_grad()
 def sample(
     model: PreTrainedModel,
@@ -56,10 +76,14 @@ def sample(
     seeds: Sequence[int | None],
     eos_token_id: int,
     pad_token_id: int,
+    inputs: Sequence[dict[str, torch.Tensor]] | None = None,
 ) -> list[Completion]:
     """Sample one completion per prompt. Returned logprobs follow SGLang: log-softmax of the logits
     divided by the temperature, before top-k/top-p filtering; with temperature 1 they are the
-    model's own log-probabilities, which the trainer's importance ratios compare against."""
+    model's own log-probabilities, which the trainer's importance ratios compare against.
+
+    `inputs`: each prompt's processor tensors (relax_hpc.data.processor.process) when its
+    placeholders are expanded for media; the first forward pass (the prompts') takes them."""
     n = len(prompts)
     device = next(model.parameters()).device
     width = max(len(p) for p in prompts)
@@ -69,6 +93,8 @@ def sample(
         ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
     ids, mask = ids.to(device), mask.to(device)
+    media = {k: v.to(device) for k, v in concat_inputs(list(inputs or [])).items()}
+    positions = _Positions(model, ids, mask, media)
     generators = [torch.Generator().manual_seed(s if s is not None else random.getrandbits(63)) for s in seeds]
     temps = torch.tensor([max(s.temperature, 1e-6) for s in specs]).unsqueeze(-1)
     greedy = [s.temperature == 0.0 for s in specs]
@@ -77,11 +103,15 @@ def sample(
     alive = [True] * n
     cache = DynamicCache()
     step_ids = ids
-    for _ in range(max(s.max_new_tokens for s in specs)):
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
+    for step in range(max(s.max_new_tokens for s in specs)):
         logits = (
             model(
-                input_ids=step_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
+                input_ids=step_ids,
+                attention_mask=mask,
+                position_ids=positions.at(step, mask, step_ids.shape[1]),
+                past_key_values=cache,
+                use_cache=True,
+                **(media if step == 0 else {}),
             )
             .logits[:, -1, :]
             .float()

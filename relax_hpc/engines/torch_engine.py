@@ -28,9 +28,12 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
+from relax_hpc.data.media import Kind, MediaError, MediaRef
+from relax_hpc.data.processor import Processed, ProcessorError, media_processor
 from relax_hpc.engines.sampling import Completion, SamplingSpec, sample
+from relax_hpc.models.hf import load_policy
 from relax_hpc.paths import RunPaths
 from relax_hpc.protocol import requests as P
 from relax_hpc.protocol.registry import EngineRecord, remove_record, write_record
@@ -43,11 +46,13 @@ log = logging.getLogger("relax_hpc.engine")
 
 @dataclass
 class _Job:
-    prompts: list[list[int]]
+    prompts: list[list[int]]  # placeholders expanded for the prompt's media
     specs: list[SamplingSpec]
     seeds: list[int | None]
     rids: list[str]
     return_logprob: list[bool]
+    inputs: list[dict[str, torch.Tensor]]  # each prompt's processor tensors (empty without media)
+    return_prompt_ids: bool = False
     done: threading.Event = field(default_factory=threading.Event)
     completions: list[Completion] | None = None
     version: str = ""  # weight_version that produced the completions
@@ -70,12 +75,44 @@ def _spec(params: dict[str, Any]) -> tuple[SamplingSpec, int | None]:
     return spec, seed
 
 
+def _media_of(req: P.GenerateReqInput, batched: bool, n: int) -> list[list[tuple[Kind, bytes]]]:
+    """Each prompt's media items, read as SGLang 0.5.23 normalises /generate's fields: for one
+    prompt an item or a list; for a batch one entry (item or list) per prompt, or one item that
+    every prompt shares."""
+    out: list[list[tuple[Kind, bytes]]] = [[] for _ in range(n)]
+    kinds: tuple[tuple[Kind, P.MediaData | None], ...] = (("image", req.image_data), ("audio", req.audio_data))
+    for kind, value in kinds:
+        if value is None or value == []:
+            continue
+        if not batched:
+            entries: list[Any] = [value]
+        elif isinstance(value, str):
+            entries = [value] * n
+        elif len(value) != n:
+            raise P.ProtocolError(f"{kind}_data has {len(value)} entries for {n} prompts")
+        else:
+            entries = value
+        for i, entry in enumerate(entries):
+            for item in [entry] if isinstance(entry, str) else entry:
+                if item.startswith(("http://", "https://")):
+                    raise P.ProtocolError(
+                        f"{kind}_data: the built-in engine reads data: URIs and local paths, not URLs"
+                    )
+                try:
+                    out[i].append((kind, MediaRef(kind, item).read()))
+                except MediaError as e:
+                    raise P.ProtocolError(f"{kind}_data of prompt {i}: {e}") from None
+    return out
+
+
 class TorchEngine:
     def __init__(self, model_path: str, dtype: str, device: str = "cpu") -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.device = torch.device(device)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        model = load_policy(model_path, getattr(torch, dtype))
         self.model = model.to(self.device).eval()  # type: ignore[arg-type]  # transformers types .to() as taking a model
+        # The model folder's processor expands media placeholders, as SGLang's does.
+        self.processor = media_processor(model_path)
         self.params = dict(self.model.named_parameters())
         self.model_path = model_path
         self.weight_version = "0"
@@ -109,13 +146,35 @@ class TorchEngine:
         specs, seeds = zip(*(_spec(p) for p in params), strict=True)
         rids = per_item(req.rid, None)
         rids = [r if r is not None else uuid.uuid4().hex for r in rids]
-        job = _Job(prompts, list(specs), list(seeds), rids, [bool(x) for x in per_item(req.return_logprob, False)])
+        prompts, inputs = self._expand(prompts, _media_of(req, batched, n))
+        logprob = [bool(x) for x in per_item(req.return_logprob, False)]
+        job = _Job(prompts, list(specs), list(seeds), rids, logprob, inputs, req.return_prompt_token_ids)
         with self._cv:
             self._pending.append(job)
             self._cv.notify()
         job.done.wait()
         outputs = [self._output(job, i) for i in range(n)]
         return outputs if batched else outputs[0]
+
+    def _expand(
+        self, prompts: list[list[int]], media: list[list[tuple[Kind, bytes]]]
+    ) -> tuple[list[list[int]], list[dict[str, torch.Tensor]]]:
+        """Each prompt with its placeholders expanded for its media, and its processor tensors."""
+        if self.processor is None:
+            if any(media):
+                raise P.ProtocolError(f"{self.model_path} is a text model: it takes no image_data or audio_data")
+            return prompts, [{} for _ in prompts]
+        out = []
+        placeholders = set(self.processor.placeholders.values())
+        for i, (ids, items) in enumerate(zip(prompts, media, strict=True)):
+            places = sum(token in placeholders for token in ids)
+            if places != len(items):  # the model would embed a placeholder as text, silently
+                raise P.ProtocolError(f"prompt {i} has {places} media placeholder(s) and {len(items)} item(s)")
+            try:
+                out.append(self.processor.process(ids, items) if items else Processed(ids))
+            except (ProcessorError, MediaError) as e:
+                raise P.ProtocolError(f"prompt {i}: {e}") from None
+        return [p.input_ids for p in out], [p.tensors for p in out]
 
     def _output(self, job: _Job, i: int) -> dict[str, Any]:
         ids: list[int]
@@ -140,7 +199,11 @@ class TorchEngine:
         }
         if job.return_logprob[i]:
             meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(logprobs, ids, strict=True)]
-        return {"text": self.tokenizer.decode(ids, skip_special_tokens=True), "output_ids": ids, "meta_info": meta}
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        out: dict[str, Any] = {"text": text, "output_ids": ids, "meta_info": meta}
+        if job.return_prompt_ids:  # top-level, as SGLang answers it
+            out["prompt_token_ids"] = job.prompts[i]
+        return out
 
     def _schedule_loop(self) -> None:
         while True:
@@ -149,6 +212,7 @@ class TorchEngine:
                 jobs, self._pending = self._pending, []
             with self._model_lock:
                 flat = [(j, i) for j in jobs for i in range(len(j.prompts))]
+                inputs = [j.inputs[i] for j, i in flat]
                 completions = sample(
                     self.model,
                     [j.prompts[i] for j, i in flat],
@@ -156,6 +220,7 @@ class TorchEngine:
                     [j.seeds[i] for j, i in flat],
                     self.tokenizer.eos_token_id,
                     self.tokenizer.pad_token_id,
+                    inputs if any(inputs) else None,
                 )
                 version = self.weight_version
             start = 0

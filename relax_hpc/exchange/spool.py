@@ -19,16 +19,19 @@ import os
 import re
 import time
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import h5py
 import numpy as np
 
+from relax_hpc.data.media import KIND_CODES, Kind
 from relax_hpc.paths import SpoolDirs, fsync_dir, write_atomic
 
-SCHEMA_VERSION = 1
+# 2: media (once per prompt group). A reader refuses versions it does not know, naming both.
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 BATCH_NAME = re.compile(r"^b(\d{9})\.h5$")
 _ARRAYS: dict[str, type[np.generic]] = {
     "tokens": np.int32,
@@ -43,8 +46,24 @@ _ARRAYS: dict[str, type[np.generic]] = {
 }
 
 
+# Media of the batch's prompt groups, each item once however many samples share it: item j's
+# encoded bytes are media_bytes[media_offsets[j]:media_offsets[j+1]], its kind media_kind[j]
+# (relax_hpc.data.media.KIND_CODES), its group media_group[j]; a group's items in prompt order.
+_MEDIA: dict[str, type[np.generic]] = {
+    "media_bytes": np.uint8,
+    "media_offsets": np.int64,
+    "media_kind": np.uint8,
+    "media_group": np.int64,
+}
+_KINDS: tuple[Kind, ...] = tuple(sorted(KIND_CODES, key=KIND_CODES.__getitem__))
+
+
 class SpoolFormatError(ValueError):
     """A spool file is unreadable or violates the batch schema."""
+
+
+def _no_media() -> dict[str, np.ndarray]:
+    return {name: np.zeros(1 if name == "media_offsets" else 0, dtype=dtype) for name, dtype in _MEDIA.items()}
 
 
 @dataclass
@@ -63,6 +82,10 @@ class SampleBatch:
     policy_version: np.ndarray
     prompt_index: np.ndarray
     attrs: dict[str, str | int | float] = field(default_factory=dict)
+    media_bytes: np.ndarray = field(default_factory=lambda: _no_media()["media_bytes"])
+    media_offsets: np.ndarray = field(default_factory=lambda: _no_media()["media_offsets"])
+    media_kind: np.ndarray = field(default_factory=lambda: _no_media()["media_kind"])
+    media_group: np.ndarray = field(default_factory=lambda: _no_media()["media_group"])
 
     @property
     def num_samples(self) -> int:
@@ -70,6 +93,16 @@ class SampleBatch:
 
     def sample_tokens(self, i: int) -> np.ndarray:
         return self.tokens[self.offsets[i] : self.offsets[i + 1]]
+
+    def group_media(self, group_id: int) -> list[tuple[Kind, bytes]]:
+        """The media items of a prompt group, in prompt order: (kind, encoded bytes)."""
+        return [
+            (
+                _KINDS[int(self.media_kind[j])],
+                self.media_bytes[self.media_offsets[j] : self.media_offsets[j + 1]].tobytes(),
+            )
+            for j in np.flatnonzero(self.media_group == group_id)
+        ]
 
     @classmethod
     def from_samples(
@@ -82,8 +115,10 @@ class SampleBatch:
         group_ids: list[int],
         policy_version: list[int],
         prompt_index: list[int],
+        media: Mapping[int, Sequence[tuple[Kind, bytes]]] | None = None,
     ) -> SampleBatch:
-        """Build from per-sample prompt+completion token lists; logprobs cover the completion."""
+        """Build from per-sample prompt+completion token lists; logprobs cover the completion;
+        `media`: each group's items (group id -> [(kind, bytes)], in prompt order), stored once."""
         lengths = [len(s) for s in sequences]
         offsets = np.zeros(len(sequences) + 1, dtype=np.int64)
         offsets[1:] = np.cumsum(lengths)
@@ -92,6 +127,7 @@ class SampleBatch:
         for i, (start, plen) in enumerate(zip(offsets[:-1], prompt_lens, strict=True)):
             loss_mask[start + plen : offsets[i + 1]] = 1
             flat_logprobs[start + plen : offsets[i + 1]] = logprobs[i]
+        packed = _pack_media(media or {})
         return cls(
             seq=seq,
             tokens=np.fromiter((t for s in sequences for t in s), dtype=np.int32, count=int(offsets[-1])),
@@ -103,7 +139,25 @@ class SampleBatch:
             group_ids=np.asarray(group_ids, dtype=np.int64),
             policy_version=np.asarray(policy_version, dtype=np.int32),
             prompt_index=np.asarray(prompt_index, dtype=np.int64),
+            media_bytes=packed["media_bytes"],
+            media_offsets=packed["media_offsets"],
+            media_kind=packed["media_kind"],
+            media_group=packed["media_group"],
         )
+
+
+def _pack_media(media: Mapping[int, Sequence[tuple[Kind, bytes]]]) -> dict[str, np.ndarray]:
+    items = [(group, kind, data) for group, group_items in media.items() for kind, data in group_items]
+    if not items:
+        return _no_media()
+    offsets = np.zeros(len(items) + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum([len(data) for _, _, data in items])
+    return {
+        "media_bytes": np.frombuffer(b"".join(data for _, _, data in items), dtype=np.uint8).copy(),
+        "media_offsets": offsets,
+        "media_kind": np.asarray([KIND_CODES[kind] for _, kind, _ in items], dtype=np.uint8),
+        "media_group": np.asarray([group for group, _, _ in items], dtype=np.int64),
+    }
 
 
 # The arrays with one entry per sample (offsets: one more); a header read covers these only.
@@ -134,7 +188,7 @@ class BatchHeader:
 
 def write_batch(path: Path, batch: SampleBatch, writer: str) -> None:
     """Write `batch` to `path` directly (callers publish through Spool.publish)."""
-    arrays = {name: np.asarray(getattr(batch, name), dtype=dtype) for name, dtype in _ARRAYS.items()}
+    arrays = {name: np.asarray(getattr(batch, name), dtype=dtype) for name, dtype in {**_ARRAYS, **_MEDIA}.items()}
     with h5py.File(path, "w", locking=False) as f:
         for name, arr in arrays.items():
             f.create_dataset(name, data=arr)
@@ -145,7 +199,7 @@ def write_batch(path: Path, batch: SampleBatch, writer: str) -> None:
                 "seq": batch.seq,
                 "writer": writer,
                 "created": time.time(),
-                "checksum": _checksum(arrays),
+                "checksum": _checksum(arrays, {**_ARRAYS, **_MEDIA}),
                 "header_checksum": _checksum(arrays, _PER_SAMPLE),
             }
         )
@@ -157,21 +211,29 @@ def write_batch(path: Path, batch: SampleBatch, writer: str) -> None:
 
 
 def _read(path: Path, names: Iterable[str]) -> tuple[dict, dict[str, np.ndarray], int]:
-    """(attrs, the named arrays, the length of `tokens`); any defect raises SpoolFormatError."""
+    """(attrs, the named arrays, the length of `tokens`); any defect raises SpoolFormatError. A
+    file of schema 1 holds no media: its media arrays are read as empty."""
+    kinds = {**_ARRAYS, **_MEDIA}
     try:
         with h5py.File(path, "r", locking=False) as f:
             attrs = dict(f.attrs)
-            missing = [name for name in _ARRAYS if name not in f]
+            version = attrs.get("schema_version")
+            if version not in READABLE_VERSIONS:
+                shown = int(version) if isinstance(version, np.integer) else repr(version)
+                raise SpoolFormatError(
+                    f"schema_version {shown}: this relax_hpc reads versions {list(READABLE_VERSIONS)} "
+                    "(a batch written by another release; finish the run with the release that started it)"
+                )
+            required = [*_ARRAYS, *(_MEDIA if version >= 2 else ())]
+            missing = [name for name in required if name not in f]
             if missing:
                 raise SpoolFormatError(f"missing datasets {missing}")
-            arrays = {name: np.asarray(f[name][()], dtype=_ARRAYS[name]) for name in names}
+            arrays = {name: np.asarray(f[name][()], dtype=kinds[name]) for name in names if name in f}
             num_tokens = int(f["tokens"].shape[0])
     except SpoolFormatError:
         raise
     except Exception as e:  # noqa: BLE001  # h5py raises OSError, KeyError, ValueError... for damaged files
         raise SpoolFormatError(f"unreadable HDF5 ({type(e).__name__}: {e})") from None
-    if attrs.get("schema_version") != SCHEMA_VERSION:
-        raise SpoolFormatError(f"schema_version {attrs.get('schema_version')!r}, expected {SCHEMA_VERSION}")
     return attrs, arrays, num_tokens
 
 
@@ -200,10 +262,19 @@ def read_header(path: Path) -> BatchHeader:
 
 def read_batch(path: Path) -> SampleBatch:
     """Read and validate a batch file; any defect raises SpoolFormatError with the reason."""
-    attrs, arrays, num_tokens = _read(path, _ARRAYS)
-    if int(attrs.get("checksum", -1)) != _checksum(arrays):
+    attrs, arrays, num_tokens = _read(path, {**_ARRAYS, **_MEDIA})
+    summed = {**_ARRAYS, **_MEDIA} if attrs["schema_version"] >= 2 else _ARRAYS
+    if int(attrs.get("checksum", -1)) != _checksum(arrays, summed):
         raise SpoolFormatError("checksum mismatch (the file was modified or damaged after it was written)")
     _check_structure(arrays, num_tokens)
+    arrays = {**_no_media(), **arrays}
+    media_offsets = arrays["media_offsets"]
+    if (
+        media_offsets[0] != 0
+        or media_offsets[-1] != len(arrays["media_bytes"])
+        or not (len(media_offsets) - 1 == len(arrays["media_kind"]) == len(arrays["media_group"]))
+    ):
+        raise SpoolFormatError("media offsets do not describe the media arrays")
     meta = {k: (v.item() if hasattr(v, "item") else v) for k, v in attrs.items() if k not in ("seq",)}
     return SampleBatch(seq=int(attrs["seq"]), attrs=meta, **arrays)
 

@@ -23,6 +23,14 @@ class ProtocolError(ValueError):
     """A request body that does not match the protocol (answered with HTTP 400)."""
 
 
+# Media of a /generate request, as SGLang 0.5.23 takes them over HTTP: for one prompt an item or a
+# list of items; for a batch a list with one entry (an item or a list) per prompt. An item is a
+# data: URI (what relax_hpc sends; SGLang reads audio only from data URIs, not bare base64), or a
+# path on the engine's machine. The prompt holds one placeholder per item, unexpanded: the engine
+# expands it with the model's processor.
+MediaData = str | list[str] | list[list[str]] | list[str | list[str]]
+
+
 @dataclass
 class GenerateReqInput:
     """POST /generate. A batch when input_ids is a list of lists."""
@@ -32,6 +40,11 @@ class GenerateReqInput:
     rid: str | list[str] | None = None
     return_logprob: bool | list[bool] | None = None
     stream: bool = False
+    image_data: MediaData | None = None
+    audio_data: MediaData | None = None
+    # The prompt ids the engine conditioned on (placeholders expanded), as a top-level
+    # `prompt_token_ids` of each answer.
+    return_prompt_token_ids: bool = False
 
 
 @dataclass

@@ -28,7 +28,9 @@ from transformers import PreTrainedTokenizerFast
 from relax_hpc.ckpt.layout import read_trainer_state
 from relax_hpc.config.load import read_frozen
 from relax_hpc.config.schema import JobConfig
+from relax_hpc.data.media import KINDS, Kind, data_uri
 from relax_hpc.data.plan import BatchPlan, Group, Selection, to_sample_batch
+from relax_hpc.data.processor import media_processor, prompt_encoder, up_to_media_token
 from relax_hpc.data.prompts import load_prompts
 from relax_hpc.exchange.spool import SampleBatch, Spool
 from relax_hpc.metrics.jsonl import JsonlWriter, read_jsonl
@@ -90,10 +92,14 @@ class Driver:
     def __init__(self, cfg: JobConfig, paths: RunPaths) -> None:
         self.cfg, self.paths, self.ro = cfg, paths, cfg.rollout
         # The fast tokenizer class, not AutoTokenizer: AutoTokenizer imports torch (about 3 s of
-        # CPU at every start), and the driver only turns prompts into token ids.
+        # CPU at every start), and a text run's driver only turns prompts into token ids.
         self.tokenizer = PreTrainedTokenizerFast.from_pretrained(cfg.model.path)
-        self.rows = load_prompts(cfg.data.path, cfg.data.prompt_key, cfg.data.answer_key)
-        self.prompt_ids = [self.tokenizer(r.prompt)["input_ids"] for r in self.rows]  # tokenized once
+        d = cfg.data
+        self.rows = load_prompts(d.path, d.prompt_key, d.answer_key, d.media)
+        # A multimodal model's processor places the media; the engines expand the placeholders.
+        self.processor = media_processor(cfg.model.path)
+        encode = prompt_encoder(cfg.model.path, self.processor)
+        self.prompt_ids = [encode(r) for r in self.rows]  # tokenized once
         self.plan = BatchPlan(cfg, self.rows)
         self.spool = Spool(paths.spool)
         self.pool = EnginePool(paths, self.ro.request_timeout_s)
@@ -114,13 +120,36 @@ class Driver:
 
     # -- generation with re-issue ---------------------------------------------------------------
 
-    def _run_chunk(self, prompts: list[list[int]], seeds: list[int], min_version: int) -> list[dict]:
-        """Generate one chunk on some eligible engine, re-issuing it until one answers."""
-        request = P.GenerateReqInput(
-            input_ids=prompts,
-            sampling_params=[{**self._sampling(), "sampling_seed": s} for s in seeds],
-            return_logprob=True,
+    def _request(self, indices: list[int], sampling: list[dict], logprob: bool) -> P.GenerateReqInput:
+        """A /generate batch of the rows `indices` (repeats allowed): their prompt ids with one
+        placeholder per item, their media as data URIs, and a request for the expanded ids."""
+        media: dict[Kind, list[str | list[str]]] = {kind: [] for kind in KINDS}
+        for i in indices:
+            for kind in KINDS:
+                media[kind].append([data_uri(ref.kind, ref.read()) for ref in self.rows[i].media if ref.kind == kind])
+        has = {kind: any(media[kind]) for kind in KINDS}
+        return P.GenerateReqInput(
+            input_ids=[self.prompt_ids[i] for i in indices],
+            sampling_params=sampling,
+            return_logprob=logprob,
+            image_data=media["image"] if has["image"] else None,
+            audio_data=media["audio"] if has["audio"] else None,
+            return_prompt_token_ids=any(has.values()),
         )
+
+    def _completion(self, output: dict) -> tuple[list[int], list[float], str]:
+        """An answer's tokens, log-probabilities and text, cut before any media special token
+        (which would break the trainer's count of placeholders against features)."""
+        ids = output["output_ids"]
+        logprobs = [lp for lp, _, _ in output["meta_info"].get("output_token_logprobs", [])]
+        keep = up_to_media_token(ids, self.processor.media_token_ids) if self.processor else len(ids)
+        if keep == len(ids):
+            return ids, logprobs, output["text"]
+        return ids[:keep], logprobs[:keep], self.tokenizer.decode(ids[:keep], skip_special_tokens=True)
+
+    def _run_chunk(self, indices: list[int], seeds: list[int], min_version: int) -> list[dict]:
+        """Generate one chunk on some eligible engine, re-issuing it until one answers."""
+        request = self._request(indices, [{**self._sampling(), "sampling_seed": s} for s in seeds], True)
         wait = 0.1
         while not self.stopping:
             self.pool.refresh()
@@ -134,9 +163,9 @@ class Driver:
             try:
                 outputs = engine.client.generate(request)
             except EngineUnavailable as e:
-                log.warning("engine %s failed (%s); re-issuing %d prompts", engine.record.engine_id, e, len(prompts))
+                log.warning("engine %s failed (%s); re-issuing %d prompts", engine.record.engine_id, e, len(indices))
                 self.pool.mark_down(engine)
-                self.reissued += len(prompts)
+                self.reissued += len(indices)
                 continue
             finally:
                 self._load[engine.record.instance] -= 1
@@ -151,32 +180,36 @@ class Driver:
                 min(versions),
                 min_version,
             )
-            self.reissued += len(prompts)
+            self.reissued += len(indices)
         raise SystemExit(0)
 
     def _sample_round(self, seq: int, round_: int, min_version: int) -> list[Group]:
         """Every prompt of one sampling round, group_size times, split across the eligible engines."""
         g = self.ro.group_size
         indices = self.plan.prompts(seq, round_)
-        prompts = [self.prompt_ids[i] for i in indices for _ in range(g)]
-        seeds = self.plan.seeds(seq, round_, len(prompts))
+        copies = [i for i in indices for _ in range(g)]
+        seeds = self.plan.seeds(seq, round_, len(copies))
         num_chunks = max(1, len(self.pool.eligible(min_version)))
         groups_per_chunk = math.ceil(len(indices) / num_chunks)
         bounds = [
-            (c * groups_per_chunk * g, min(len(prompts), (c + 1) * groups_per_chunk * g)) for c in range(num_chunks)
+            (c * groups_per_chunk * g, min(len(copies), (c + 1) * groups_per_chunk * g)) for c in range(num_chunks)
         ]
         futures = [
-            self.threads.submit(self._run_chunk, prompts[a:b], seeds[a:b], min_version) for a, b in bounds if a < b
+            self.threads.submit(self._run_chunk, copies[a:b], seeds[a:b], min_version) for a, b in bounds if a < b
         ]
         outputs = [o for f in futures for o in f.result()]
+        completions = [self._completion(o) for o in outputs]
+        # The prompt as the engine conditioned on it: placeholders expanded for the media.
+        firsts = outputs[::g]
         return self.plan.groups(
             seq,
             round_,
-            [self.prompt_ids[i] for i in indices],
-            [o["output_ids"] for o in outputs],
-            [[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]] for o in outputs],
-            [o["text"] for o in outputs],
+            [o.get("prompt_token_ids") or self.prompt_ids[i] for o, i in zip(firsts, indices, strict=True)],
+            [ids for ids, _, _ in completions],
+            [lps for _, lps, _ in completions],
+            [text for _, _, text in completions],
             [int(o["meta_info"]["weight_version"]) for o in outputs],
+            [[(ref.kind, ref.read()) for ref in self.rows[i].media] for i in indices],
         )
 
     def generate_batch(self, seq: int, min_version: int) -> tuple[SampleBatch, Selection]:
@@ -186,9 +219,12 @@ class Driver:
     # -- evaluation -----------------------------------------------------------------------------
 
     def evaluate(self, engine: Engine) -> int:
-        request = P.GenerateReqInput(input_ids=self.prompt_ids, sampling_params=self._sampling(temperature=0.0))
-        outputs = engine.client.generate(request)
-        correct = sum(self.plan.reward_fn(o["text"], r.answer) for o, r in zip(outputs, self.rows, strict=True))
+        indices = list(range(len(self.rows)))
+        outputs = engine.client.generate(
+            self._request(indices, [self._sampling(temperature=0.0)] * len(indices), False)
+        )
+        texts = [self._completion(o)[2] for o in outputs]
+        correct = sum(self.plan.reward_fn(t, r.answer) for t, r in zip(texts, self.rows, strict=True))
         version = min(int(o["meta_info"]["weight_version"]) for o in outputs)
         accuracy = correct / len(self.rows)
         self.evals.log({"version": version, "greedy_accuracy": accuracy, "problems": len(self.rows)})

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
+from relax_hpc.data.processor import MediaProcessor, ProcessorError, concat_inputs, rope_positions
 from relax_hpc.exchange.spool import SampleBatch
+
+log = logging.getLogger("relax_hpc.trainer")
+TENSORS = ("input_ids", "attention_mask", "targets", "loss_mask", "rollout_logprobs", "rewards", "group_ids")
 
 
 @dataclass(slots=True)
@@ -16,6 +21,8 @@ class TrainBatch:
 
     input_ids[i, t] predicts targets[i, t] = input_ids[i, t + 1]; loss_mask marks the targets
     that are model-generated completion tokens. rollout_logprobs are aligned with targets.
+    `media`: each row's processor tensors (pixel values, audio features; empty for a text row, the
+    same objects for the rows of one prompt group), or () when no row has media.
     """
 
     input_ids: torch.Tensor  # long [n, T]
@@ -25,9 +32,23 @@ class TrainBatch:
     rollout_logprobs: torch.Tensor  # float [n, T]
     rewards: torch.Tensor  # float [n]
     group_ids: torch.Tensor  # long [n]
+    media: tuple[dict[str, torch.Tensor], ...] = field(default=())
 
     def to(self, device: torch.device) -> TrainBatch:
-        return TrainBatch(**{f: getattr(self, f).to(device) for f in self.__dataclass_fields__})
+        return replace(self, **{f: getattr(self, f).to(device) for f in TENSORS})
+
+    def model_inputs(self, model: torch.nn.Module) -> dict[str, Any]:
+        """Everything the model's forward takes besides input_ids and attention_mask: the rows'
+        processor tensors in row order, and multimodal RoPE positions from the model's own
+        index when it has one (a Qwen VL model otherwise falls back to 1-D positions, silently)."""
+        if not self.media:
+            return {}
+        device = self.input_ids.device
+        inputs: dict[str, Any] = {k: v.to(device) for k, v in concat_inputs(list(self.media)).items()}
+        rope = rope_positions(model, self.input_ids, self.attention_mask, inputs)
+        if rope is not None:
+            inputs["position_ids"] = rope[0]
+        return inputs
 
     @property
     def num_tokens(self) -> float:
@@ -38,17 +59,13 @@ class TrainBatch:
         return int(self.rewards.shape[0])
 
     def select(self, rows: torch.Tensor) -> TrainBatch:
-        return TrainBatch(**{f: getattr(self, f)[rows] for f in self.__dataclass_fields__})
+        media = tuple(self.media[i] for i in rows.tolist()) if self.media else ()
+        return replace(self, media=media, **{f: getattr(self, f)[rows] for f in TENSORS})
 
     def without_loss(self) -> TrainBatch:
         """The same rows contributing nothing: what a rank with no samples in a mini-batch runs, so
         that it still joins the collectives of the forward and backward passes."""
-        return TrainBatch(
-            **{
-                **{f: getattr(self, f) for f in self.__dataclass_fields__},
-                "loss_mask": torch.zeros_like(self.loss_mask),
-            }
-        )
+        return replace(self, loss_mask=torch.zeros_like(self.loss_mask))
 
     def minibatches(self, count: int) -> list[torch.Tensor]:
         """Row indices of `count` mini-batches of whole groups (groups dealt out in order of first
@@ -67,8 +84,10 @@ def pad_samples(
     rewards: list[float],
     group_ids: list[int],
     pad_token_id: int,
+    media: tuple[dict[str, torch.Tensor], ...] = (),
 ) -> TrainBatch:
-    """Each sequence is prompt + completion; loss_masks and rollout_logprobs are per token of it."""
+    """Each sequence is prompt + completion; loss_masks and rollout_logprobs are per token of it;
+    `media` (if any): each row's processor tensors."""
     n = len(sequences)
     width = max(len(s) for s in sequences)
     input_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
@@ -90,6 +109,7 @@ def pad_samples(
         rollout_logprobs=torch.cat([logps[:, 1:], torch.zeros((n, 1))], dim=1),
         rewards=torch.tensor(rewards, dtype=torch.float32),
         group_ids=torch.tensor(group_ids, dtype=torch.long),
+        media=media,
     )
 
 
@@ -99,7 +119,8 @@ def token_logprobs_and_entropy(
     """Log-probability of every target token and the entropy of its distribution, both [n, T],
     under the sampling distribution: logits divided by the temperature, as the engines report
     their log-probabilities (so that ratios against them are 1 for the same weights)."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()
+    inputs = batch.model_inputs(model)
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **inputs).logits.float()
     if temperature not in (0.0, 1.0):
         logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
@@ -109,25 +130,68 @@ def token_logprobs_and_entropy(
 
 
 def share_of(
-    batch: SampleBatch, trained: list[int], rank: int, world: int, pad_id: int
+    batch: SampleBatch,
+    trained: list[int],
+    rank: int,
+    world: int,
+    pad_id: int,
+    processor: MediaProcessor | None = None,
 ) -> tuple[TrainBatch, dict[str, Any]]:
     """This rank's share of the `trained` samples of a batch: whole groups, dealt round-robin in
-    group order."""
+    group order. With media, `processor` rebuilds each group's model inputs from its stored
+    media, once per group."""
     groups = sorted(set(batch.group_ids[trained].tolist()))
     mine = set(groups[rank::world])
-    # A rank without a group (fewer groups than ranks) trains one row without loss tokens: it must
-    # still join every collective of the step.
-    rows = [i for i in trained if batch.group_ids[i] in mine] or trained[:1]
-    seqs = [batch.sample_tokens(i).tolist() for i in rows]
-    masks = [batch.loss_mask[batch.offsets[i] : batch.offsets[i + 1]].tolist() for i in rows]
-    logps = [batch.rollout_logprobs[batch.offsets[i] : batch.offsets[i + 1]].tolist() for i in rows]
-    tb = pad_samples(seqs, masks, logps, batch.rewards[rows].tolist(), batch.group_ids[rows].tolist(), pad_id)
-    if not mine:
-        tb = tb.without_loss()
+    rows = [i for i in trained if batch.group_ids[i] in mine]
+    media, mismatched = _group_inputs(batch, rows, processor) if len(batch.media_kind) else ((), set())
+    kept = [k for k, i in enumerate(rows) if int(batch.group_ids[i]) not in mismatched]
+    rows, media = [rows[k] for k in kept], tuple(media[k] for k in kept) if media else ()
     stats = {
         "reward_sum": float(batch.rewards[trained].sum()),
         "num_samples": len(trained),
         "seq": batch.seq,
         "policy_versions": batch.policy_version[trained],
+        "media_mismatched_groups": len(mismatched),
     }
+    if not rows:
+        # A rank without a group (fewer groups than ranks) trains a row without loss tokens: it
+        # must still join every collective of the step.
+        dummy = pad_samples([[pad_id, pad_id]], [[0, 0]], [[0.0, 0.0]], [0.0], [-1], pad_id)
+        return dummy.without_loss(), stats
+    seqs = [batch.sample_tokens(i).tolist() for i in rows]
+    masks = [batch.loss_mask[batch.offsets[i] : batch.offsets[i + 1]].tolist() for i in rows]
+    logps = [batch.rollout_logprobs[batch.offsets[i] : batch.offsets[i + 1]].tolist() for i in rows]
+    tb = pad_samples(seqs, masks, logps, batch.rewards[rows].tolist(), batch.group_ids[rows].tolist(), pad_id, media)
     return tb, stats
+
+
+def _group_inputs(
+    batch: SampleBatch, rows: list[int], processor: MediaProcessor | None
+) -> tuple[tuple[dict[str, torch.Tensor], ...], set[int]]:
+    """Each row's processor tensors, made once per group from the group's stored media and the
+    prompt the engine conditioned on (its expanded ids, as stored). A group whose prompt the
+    trainer's processor expands differently (the engine's processor is not the model folder's:
+    another version, other image settings) would train responses against shifted positions: it
+    is kept out of the loss and counted, never trained."""
+    if processor is None:
+        raise ValueError("a batch with media needs the model's processor (MediaProcessor)")
+    made: dict[int, dict[str, torch.Tensor]] = {}
+    mismatched: set[int] = set()
+    for i in rows:
+        group = int(batch.group_ids[i])
+        if group in made or group in mismatched:
+            continue
+        stored = batch.sample_tokens(i)[: batch.prompt_lens[i]].tolist()
+        try:
+            processed = processor.process(processor.collapse(stored), batch.group_media(group))
+        except ProcessorError as e:
+            log.warning("group %d: its media do not process (%s); left out of the loss", group, e)
+            mismatched.add(group)
+            continue
+        if processed.input_ids != stored:
+            log.warning("group %d: the engine expanded its prompt to %d tokens, the trainer's processor to %d; "
+                        "left out of the loss", group, len(stored), len(processed.input_ids))  # fmt: skip
+            mismatched.add(group)
+            continue
+        made[group] = processed.tensors
+    return tuple(made.get(int(batch.group_ids[i]), {}) for i in rows), mismatched

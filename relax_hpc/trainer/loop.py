@@ -28,6 +28,7 @@ import torch.distributed as dist
 from relax_hpc.algos.stats import Stats
 from relax_hpc.ckpt.manager import Checkpointer
 from relax_hpc.config.schema import JobConfig
+from relax_hpc.data.processor import media_processor
 from relax_hpc.exchange.spool import Spool
 from relax_hpc.metrics.jsonl import JsonlWriter
 from relax_hpc.metrics.timing import PhaseTimer
@@ -114,6 +115,7 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.backend = build_backend(cfg, device)
         self.pad_id = self.backend.pad_token_id
+        self.processor = media_processor(cfg.model.path)  # rebuilds the model inputs of media batches
         self.ckpt = Checkpointer(paths.ckpt, cfg.ckpt.keep)
         self.buckets = plan_buckets(self.backend.parameter_specs(), int(cfg.weights.bucket_mb * 2**20))
         self.state = RunState()
@@ -214,7 +216,11 @@ class Trainer:
             return None
         b = self.backend
         with self.timer.phase("read"):  # and made into this rank's training tensors
-            share, stats = share_of(batch, command["trained"], b.data_rank, b.data_world, self.pad_id)
+            share, stats = share_of(batch, command["trained"], b.data_rank, b.data_world, self.pad_id, self.processor)
+            if len(batch.media_kind):  # each rank checked its own groups' media
+                counts = [0] * self.world
+                dist.all_gather_object(counts, stats["media_mismatched_groups"])
+                stats["media_mismatched_groups"] = sum(counts)
         with self.timer.phase("train"):
             result = self.backend.train_step(share, self.state.step)
         objective = reduce_stats(result.stats, self.cfg.algo.epochs)
@@ -243,6 +249,7 @@ class Trainer:
             "stale_samples_total": self.state.stale_samples,
             "quarantined_files_total": self.state.quarantined_files,
             "engines": len(self.sender.members),
+            **({"media_mismatched_groups": stats["media_mismatched_groups"]} if len(batch.media_kind) else {}),
             "time_generate": float(batch.attrs.get("generate_seconds", 0.0)),
             "time_optimizer": result.optimizer_s,
         }

@@ -21,13 +21,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+from transformers import AutoModelForTokenClassification
 
 from relax_hpc.algos.aggregation import Normalizer, local_counts
 from relax_hpc.algos.objective import Advantages, Objective
 from relax_hpc.algos.stats import Stats
 from relax_hpc.config.schema import JobConfig
 from relax_hpc.metrics.timing import PhaseTimer
+from relax_hpc.models.hf import decoder_layers, encoders, is_encoder_parameter, load_policy, pad_token_id
 from relax_hpc.trainer.backend import DistComm, NonFiniteLossError, StepResult
 from relax_hpc.trainer.batching import TrainBatch, token_logprobs_and_entropy
 from relax_hpc.trainer.schedule import WarmupSchedule
@@ -36,14 +37,18 @@ _Model = TypeVar("_Model", bound=torch.nn.Module)
 
 
 def _sharded(model: _Model) -> _Model:
-    for layer in model.get_submodule("model.layers").children():  # an HF model's decoder layers
+    """FSDP2 units: each decoder layer, each encoder (a vision tower must be a unit of its own:
+    generate calls it outside the root's forward), then the rest."""
+    for layer in decoder_layers(model):
         fully_shard(layer)
+    for encoder in encoders(model).values():
+        fully_shard(encoder)
     fully_shard(model)  # in place: the model's class becomes a subclass of FSDPModule and of its own
     return model
 
 
 def _frozen(path: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    hf_model = load_policy(path, dtype)
     model = _sharded(hf_model.to(device))  # type: ignore[arg-type]  # transformers types .to() as taking a model
     model.requires_grad_(False)
     return model.eval()
@@ -57,11 +62,18 @@ class TorchBackend:
         self.temperature = ro.temperature
         self.objective = Objective(algo, DistComm())
         torch_dtype = getattr(torch, job.model.dtype)
-        hf_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
+        hf_model = load_policy(model_path, torch_dtype)
+        self.synced = [
+            n for n, _ in hf_model.named_parameters() if not (cfg.freeze_encoder and is_encoder_parameter(n))
+        ]
+        if cfg.freeze_encoder:  # before sharding: FSDP keeps each unit's requires_grad
+            for encoder in encoders(hf_model).values():
+                encoder.requires_grad_(False)
         self.model = _sharded(hf_model.to(device))  # type: ignore[arg-type]  # transformers types .to() as taking a model
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
-        )
+            [p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr, betas=cfg.betas,
+            weight_decay=cfg.weight_decay,
+        )  # fmt: skip
         self.scheduler = WarmupSchedule(self.optimizer, cfg.lr, cfg.warmup_steps)
         self.timer = PhaseTimer()
         self.reference = _frozen(model_path, torch_dtype, device) if self.objective.needs_reference else None
@@ -93,7 +105,7 @@ class TorchBackend:
 
     @property
     def pad_token_id(self) -> int:
-        return self.model.config.pad_token_id
+        return pad_token_id(self.model)
 
     # -- one rollout batch ----------------------------------------------------------------------
 
@@ -210,13 +222,17 @@ class TorchBackend:
     # -- weights and checkpoints ----------------------------------------------------------------
 
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, full tensor) for every parameter; a collective: every rank must iterate."""
+        """(HF name, full tensor) for every parameter the engines get (a frozen encoder's stay as
+        they loaded); a collective: every rank must iterate."""
+        synced = set(self.synced)
         for name, param in self.model.named_parameters():
-            full = param.full_tensor() if isinstance(param, DTensor) else param
-            yield name, full.detach()
+            if name in synced:
+                full = param.full_tensor() if isinstance(param, DTensor) else param
+                yield name, full.detach()
 
     def parameter_specs(self) -> list[tuple[str, torch.Size, torch.dtype]]:
-        return [(name, p.shape, p.dtype) for name, p in self.model.named_parameters()]
+        synced = set(self.synced)
+        return [(name, p.shape, p.dtype) for name, p in self.model.named_parameters() if name in synced]
 
     def state_dict(self) -> dict:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)

@@ -86,14 +86,14 @@ def engines():
 class Job:
     """`python -m relax_hpc.submit` as a user runs it, in the background."""
 
-    def __init__(self, run_dir: Path, *overrides: str) -> None:
+    def __init__(self, run_dir: Path, *overrides: str, config: Path = CONFIG) -> None:
         self.run_dir = run_dir
         self.argv = [
             sys.executable,
             "-m",
             "relax_hpc.submit",
             "--config",
-            str(CONFIG),
+            str(config),
             f"run.dir={run_dir}",
             *overrides,
         ]

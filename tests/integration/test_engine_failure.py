@@ -30,9 +30,8 @@ def test_prompts_of_a_killed_engine_are_reissued(tmp_path, engines):
     driver = Driver(read_frozen(paths.config), paths)
     driver.pool.refresh(force=True)
     driver._load = {records["engine-1"].instance: 5}  # make engine-0 the least loaded: it gets the chunk
-    prompts = driver.prompt_ids[:6]
     result: dict = {}
-    thread = threading.Thread(target=lambda: result.update(out=driver._run_chunk(prompts, list(range(6)), 0)))
+    thread = threading.Thread(target=lambda: result.update(out=driver._run_chunk(list(range(6)), list(range(6)), 0)))
     thread.start()
     time.sleep(1.0)
     assert thread.is_alive()  # waiting on the paused engine

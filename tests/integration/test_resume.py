@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import Job
+from tests.integration.conftest import CONFIG, Job
 from tests.runs import assert_nothing_lost_or_repeated, assert_reproduces
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -19,12 +19,16 @@ COMMON = (
 )  # fmt: skip
 
 
-def run_with_kills(run_dir: Path, kills: int, rng: random.Random, *overrides: str) -> None:
+def run_with_kills(
+    run_dir: Path, kills: int, rng: random.Random, *overrides: str, steps: int = STEPS, config: Path = CONFIG
+) -> None:
+    """Start the job `kills` times, each killed (SIGKILL to every process) a few steps further
+    on, then once more to the end."""
     for attempt in range(kills):
-        job = Job(run_dir, *COMMON, *overrides).start()
-        job.wait_for_step(min(STEPS - 1, 3 * attempt + rng.randint(2, 4)), timeout_s=300)
+        job = Job(run_dir, *overrides, config=config).start()
+        job.wait_for_step(min(steps - 1, 3 * attempt + rng.randint(2, 4)), timeout_s=300)
         job.kill_all()  # no checkpoint, no clean stop: every process gets SIGKILL
-    assert Job(run_dir, *COMMON, *overrides).run(timeout_s=400) == 0
+    assert Job(run_dir, *overrides, config=config).run(timeout_s=400) == 0
 
 
 def test_on_policy_resume_reproduces_the_uninterrupted_run(tmp_path):
@@ -32,7 +36,7 @@ def test_on_policy_resume_reproduces_the_uninterrupted_run(tmp_path):
     reference = tmp_path / "reference"
     assert Job(reference, *COMMON, "rollout.max_staleness=0").run(timeout_s=400) == 0
     resumed = tmp_path / "resumed"
-    run_with_kills(resumed, 3, rng, "rollout.max_staleness=0")
+    run_with_kills(resumed, 3, rng, *COMMON, "rollout.max_staleness=0")
 
     assert_reproduces(reference, resumed, STEPS)
     assert len(list((resumed / "logs").iterdir())) == 4  # one log folder per start
@@ -43,5 +47,5 @@ def test_on_policy_resume_reproduces_the_uninterrupted_run(tmp_path):
 def test_async_resume_loses_and_repeats_nothing(tmp_path):
     rng = random.Random(99)
     run_dir = tmp_path / "async"
-    run_with_kills(run_dir, 3, rng, "rollout.max_staleness=2")
+    run_with_kills(run_dir, 3, rng, *COMMON, "rollout.max_staleness=2")
     assert_nothing_lost_or_repeated(run_dir, STEPS)

@@ -119,10 +119,12 @@ def test_status_describes_the_finished_run(watched):
 
 
 def test_plots_are_drawn(watched, tmp_path):
-    subprocess.run([sys.executable, "-m", "relax_hpc.plot", str(watched["run_dir"]), "--out", str(tmp_path)],
+    subprocess.run([sys.executable, "-m", "relax_hpc.plot", str(watched["run_dir"]), "--out", str(tmp_path), "--trace"],
                    cwd=REPO, check=True, capture_output=True)  # fmt: skip
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == ["kl_entropy.png", "overview.png", "reward.png", "staleness.png", "time.png"]
+    assert names == ["kl_entropy.png", "overview.png", "reward.png", "staleness.png", "time.png", "trace.json"]
+    spans = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    assert {e["tid"] for e in spans} == {"driver", "trainer"} and all(e["dur"] >= 0 for e in spans)
     with Image.open(tmp_path / "overview.png") as image:
         assert image.size[0] > 1000 and image.size[1] > 600
         colours = image.convert("RGB").getcolors(maxcolors=1 << 20)

@@ -24,8 +24,8 @@ TINY_SLURM = (
 )
 
 
-def submit(run_dir: Path, *args: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "relax_hpc.submit", "--config", str(CONFIG), f"run.dir={run_dir}", *TINY_SLURM, *args]
+def submit(run_dir: Path, *args: str, timeout_s: float = 600, config: Path = CONFIG) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "relax_hpc.submit", "--config", str(config), f"run.dir={run_dir}", *TINY_SLURM, *args]
     return subprocess.run(argv, check=False, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
 
 

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from relax_hpc.launch.recover import recover
+from relax_hpc.metrics.jsonl import read_jsonl
 from relax_hpc.paths import RunPaths
 from tests.integration.conftest import Job
 from tests.runs import assert_nothing_lost_or_repeated, assert_reproduces
@@ -46,6 +47,19 @@ def test_submitit_run_completes_with_roles_as_job_steps(slurm_cluster, tmp_path)
     trainer = {r["NodeList"] for r in rows if r["JobName"] == "relax_hpc:trainer"}
     assert len(engines) == len(trainer) == 1 and engines != trainer  # a node each
     assert train_events(run_dir, "end")[-1] == {**train_events(run_dir, "end")[-1], "step": 6, "completed": True}
+
+
+def test_the_tiny_vision_run_completes_with_its_pictures_on_the_cluster(slurm_cluster, tmp_path):
+    run_dir = tmp_path / "vision"
+    config = REPO / "configs" / "tiny-vision-grpo.yaml"
+    out = submit(run_dir, "trainer.total_steps=4", "rollout.prompts_per_step=4", "--wait", config=config)
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = job_id(run_dir)
+    assert job_state(job) == "COMPLETED", describe(run_dir, job)
+    steps = [r for r in read_jsonl(run_dir / "metrics" / "train.jsonl") if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert all(r["media_mismatched_groups"] == 0 for r in steps)  # engines and trainer ranks agree on every picture
+    assert (run_dir / "hf" / "preprocessor_config.json").is_file()  # the export carries the processor
 
 
 def test_sbatch_recipe_requeues_itself_and_completes(slurm_cluster, tmp_path):

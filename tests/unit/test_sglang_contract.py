@@ -40,6 +40,7 @@ from typing import Any
 import pytest
 
 from relax_hpc.config import load_config
+from relax_hpc.data.prompts import PromptRow, load_prompts
 from relax_hpc.engines.sglang_engine import server_args
 from relax_hpc.protocol import requests as P
 from relax_hpc.rollout.driver import Driver
@@ -121,6 +122,7 @@ def sent_requests(cfg) -> list[Any]:
             return_logprob=True,
         ),
         P.GenerateReqInput(input_ids=[[5, 6, 7], [8, 9]], sampling_params=greedy),  # evaluation
+        *media_requests(sampling),
         init,
         P.InitWeightsUpdateGroupReqInput(**{**P.to_json(init), "rank_offset": 1}),
         P.PauseGenerationReqInput(mode="in_place"),
@@ -134,6 +136,32 @@ def sent_requests(cfg) -> list[Any]:
         P.AbortReq(rid="r-1"),
         P.GetWeightsByNameReqInput(name="lm_head.weight", truncate_size=2),
     ]
+
+
+def media_requests(sampling: dict[str, Any]) -> list[P.GenerateReqInput]:
+    """The driver's requests for rows with images, with audio, and for a batch mixing rows with
+    and without media, built by Driver._request from the shipped datasets."""
+    images = load_prompts(REPO / "assets/shapes/shapes.jsonl", "prompt", "answer", {"image": "images"})[:2]
+    audios = load_prompts(REPO / "assets/beeps/beeps.jsonl", "prompt", "answer", {"audio": "audios"})[:2]
+    both = [*images, audios[0], PromptRow(9, "text only", "1")]
+    requests = []
+    for rows, indices in ((images, [0, 0, 1, 1]), (audios, [0, 1]), (both, [0, 2, 3, 3])):
+        driver = SimpleNamespace(rows=rows, prompt_ids=[[5, 6, 7]] * len(rows))  # all that _request reads
+        params = [{**sampling, "sampling_seed": k} for k in range(len(indices))]
+        requests.append(Driver._request(driver, indices, params, True))  # type: ignore[arg-type]  # the stand-in above
+    assert all(r.return_prompt_token_ids for r in requests) and requests[2].image_data and requests[2].audio_data
+    return requests
+
+
+def test_sglang_answers_the_expanded_prompt_at_the_top_level(sglang):
+    """The driver stores `prompt_token_ids` of each answer as the prompt the engine conditioned
+    on; SGLang sets it on the answer itself, not in meta_info."""
+    spec = importlib.util.find_spec("sglang")
+    assert spec is not None and spec.origin is not None
+    source = (Path(spec.origin).parent / "srt" / "managers" / "tokenizer_manager.py").read_text()
+    assert re.search(r"\bout(?:_dict)?\[\"prompt_token_ids\"\]\s*=", source), (
+        "SGLang no longer answers prompt_token_ids"
+    )
 
 
 # -- matching JSON values against SGLang's type hints -------------------------------------------
@@ -331,3 +359,17 @@ def test_routes_exist_in_sglang(sglang):
 def test_the_torch_engine_routes_cover_what_relax_hpc_calls():
     source = (REPO / "relax_hpc" / "engines" / "torch_engine.py").read_text()
     assert [r for r in ROUTES if f'"{r}"' not in source] == []
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen2.5-vl-shapes", "tiny-qwen2-audio-beeps", "tiny-qwen3-addition"])
+def test_sglang_serves_the_architecture_of_every_shipped_model(sglang, model):
+    """SGLang picks a model class by config.json's `architectures` among its modules' EntryClass."""
+    spec = importlib.util.find_spec("sglang")
+    assert spec is not None and spec.origin is not None
+    served = set()
+    for source in (Path(spec.origin).parent / "srt" / "models").glob("*.py"):
+        entry = re.search(r"^EntryClass\s*=\s*\[?([^\]\n]+)", source.read_text(), re.MULTILINE)
+        if entry:
+            served |= {name.strip() for name in entry.group(1).split(",") if name.strip()}
+    (architecture,) = json.loads((REPO / "assets" / model / "config.json").read_text())["architectures"]
+    assert architecture in served, f"SGLang {PINNED} does not serve {architecture}"

@@ -1,12 +1,16 @@
 """The spool's file format and claim protocol, on real HDF5 files."""
 
 import threading
+from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
 
+from relax_hpc.data.media import Kind
 from relax_hpc.exchange.spool import SampleBatch, Spool, SpoolFormatError, read_batch, read_header
+
+DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 def make_batch(seq: int, version: int = 0, n_groups: int = 2, group_size: int = 2) -> SampleBatch:
@@ -161,3 +165,47 @@ def test_trained_batches_covered_by_a_checkpoint_are_pruned_and_still_counted(tm
     assert (spool.claimed / "step-00000002" / "b000000002.h5").exists()  # not covered yet
     assert spool.next_seq() == 3  # pruned batches still count: the driver never regenerates them
     assert spool.rollback_claims(from_step=2) == 1 and spool.next_seq() == 3
+
+
+def test_a_batch_of_schema_1_written_by_release_0_1_is_still_read(tmp_path):
+    batch = read_batch(DATA / "spool-v1.h5")  # written by relax_hpc 0.1.0's write_batch
+    assert batch.seq == 3 and batch.sample_tokens(0).tolist() == [5, 6, 7, 8]
+    assert batch.rollout_logprobs[batch.loss_mask == 1].tolist() == [-0.5, -0.25, -1.0]
+    assert len(batch.media_kind) == 0 and batch.group_media(7) == []
+    assert read_header(DATA / "spool-v1.h5").seq == 3
+
+
+def test_a_batch_of_an_unknown_schema_is_refused_naming_both_versions(tmp_path):
+    spool = Spool(tmp_path)
+    path = spool.publish(make_batch(0), writer="t")
+    with h5py.File(path, "r+") as f:
+        f.attrs["schema_version"] = 3
+    with pytest.raises(SpoolFormatError, match=r"schema_version 3: this relax_hpc reads versions \[1, 2\]"):
+        read_batch(path)
+
+
+def test_media_are_stored_once_per_group_in_prompt_order(tmp_path):
+    batch = make_batch(0, n_groups=2, group_size=4)
+    items: dict[int, list[tuple[Kind, bytes]]] = {
+        0: [("image", b"\x89PNG-a"), ("audio", b"RIFF-b")],
+        1: [("image", b"\x89PNG-c")],
+    }
+    batch = SampleBatch.from_samples(
+        seq=0,
+        sequences=[batch.sample_tokens(i).tolist() for i in range(batch.num_samples)],
+        prompt_lens=batch.prompt_lens.tolist(),
+        logprobs=[[-0.5] * (len(batch.sample_tokens(i)) - 4) for i in range(batch.num_samples)],
+        rewards=batch.rewards.tolist(),
+        group_ids=[i // 4 for i in range(batch.num_samples)],
+        policy_version=batch.policy_version.tolist(),
+        prompt_index=batch.prompt_index.tolist(),
+        media=items,
+    )
+    path = Spool(tmp_path).publish(batch, writer="t")
+    back = read_batch(path)
+    assert back.media_bytes.tobytes() == b"\x89PNG-aRIFF-b\x89PNG-c"  # 8 samples, 3 items, each once
+    assert back.group_media(0) == items[0] and back.group_media(1) == items[1]
+    with h5py.File(path, "r+") as f:  # media are under the checksum like the tokens
+        f["media_bytes"][0] ^= 1
+    with pytest.raises(SpoolFormatError, match="checksum mismatch"):
+        read_batch(path)

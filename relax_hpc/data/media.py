@@ -1,0 +1,126 @@
+"""Media in datasets: images and audio clips that rows refer to, read, checked and handed on.
+
+A row's media are given in the row fields that `data.media` names (`{image: images, audio:
+audios}`), one item or a list per field; an item is a file path (relative to the dataset file, or
+absolute) or a `data:` URI (`data:image/png;base64,...`). What travels: the item's encoded bytes
+as they are (PNG, JPEG, WAV, FLAC, ...), as a data URI over HTTP to the engines (the form SGLang
+0.5.23 accepts for both images and audio) and as raw bytes in the spool; every consumer decodes
+them with the same functions here, so the engine and the trainer see the same pixels and samples.
+
+Video is not supported: it needs torchvision, which these machines cannot run.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import mimetypes
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+from PIL import Image
+
+Kind = Literal["image", "audio"]
+KINDS: tuple[Kind, ...] = ("image", "audio")
+KIND_CODES: dict[Kind, int] = {"image": 0, "audio": 1}  # how the spool stores a kind
+
+
+class MediaError(ValueError):
+    """A media item cannot be read or decoded; the message says which and why."""
+
+
+@dataclass(frozen=True, slots=True)
+class MediaRef:
+    """One image or audio clip of a row: a file path, or a data: URI."""
+
+    kind: Kind
+    source: str
+
+    def read(self) -> bytes:
+        """The item's encoded bytes."""
+        if self.source.startswith("data:"):
+            return parse_data_uri(self.source)[1]
+        try:
+            return Path(self.source).read_bytes()
+        except OSError as e:
+            raise MediaError(f"{self.kind} {self.source}: {e.strerror or e}") from None
+
+    def describe(self) -> str:
+        return f"{self.kind} {self.source[:40] + '...' if self.source.startswith('data:') else self.source}"
+
+
+def resolve(kind: Kind, value: str, base: Path) -> MediaRef:
+    """A dataset's item: data URIs as they are, paths made absolute against the dataset's folder."""
+    if value.startswith("data:"):
+        return MediaRef(kind, value)
+    path = Path(value)
+    return MediaRef(kind, str(path if path.is_absolute() else (base / path).resolve()))
+
+
+def parse_data_uri(uri: str) -> tuple[str, bytes]:
+    """(mime type, bytes) of a base64 data URI."""
+    head, sep, payload = uri.partition(",")
+    if not sep or not head.endswith(";base64"):
+        raise MediaError(f"not a base64 data URI: {uri[:40]}...")
+    try:
+        return head[5:-7], base64.b64decode(payload, validate=True)
+    except binascii.Error as e:
+        raise MediaError(f"a data URI whose base64 does not decode ({e})") from None
+
+
+def data_uri(kind: Kind, data: bytes) -> str:
+    """The bytes as a data URI (what engines get over HTTP)."""
+    return f"data:{sniff_mime(kind, data)};base64,{base64.b64encode(data).decode()}"
+
+
+def sniff_mime(kind: Kind, data: bytes) -> str:
+    if kind == "image":
+        try:
+            with Image.open(io.BytesIO(data)) as image:
+                return Image.MIME.get(image.format or "", "image/png")
+        except OSError:
+            return "image/png"
+    if data[:4] == b"fLaC":
+        return "audio/flac"
+    if data[:4] == b"OggS":
+        return "audio/ogg"
+    return "audio/wav"
+
+
+def guess_mime(path: str) -> str | None:
+    return mimetypes.guess_type(path)[0]
+
+
+def decode_image(data: bytes) -> Image.Image:
+    """An RGB image."""
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return image.convert("RGB")
+    except (OSError, ValueError) as e:
+        raise MediaError(f"unreadable image ({e})") from None
+
+
+def decode_audio(data: bytes, sampling_rate: int) -> np.ndarray:
+    """A mono float32 waveform at `sampling_rate`; a clip recorded at another rate is refused
+    (resample it first: the processor's features assume its rate)."""
+    import soundfile
+
+    try:
+        samples, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    except (soundfile.LibsndfileError, RuntimeError, TypeError, ValueError) as e:
+        raise MediaError(f"unreadable audio ({e})") from None
+    if rate != sampling_rate:
+        raise MediaError(f"audio at {rate} Hz; the model's processor takes {sampling_rate} Hz (resample it)")
+    return samples.mean(axis=1) if samples.shape[1] > 1 else samples[:, 0]
+
+
+def check(ref: MediaRef, sampling_rate: int | None) -> None:
+    """Read and decode an item as the engines and the trainer will (raises MediaError)."""
+    data = ref.read()
+    if ref.kind == "image":
+        decode_image(data)
+    elif sampling_rate is not None:
+        decode_audio(data, sampling_rate)

@@ -1,0 +1,44 @@
+"""Images through the whole system: the driver sends them to engine processes as data URIs, the
+spool carries them once per group, the trainer ranks rebuild the model inputs; kill -9 of every
+process mid-run, then the same command again, reproduces the uninterrupted run exactly."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from relax_hpc.exchange.spool import read_batch
+from tests.integration.conftest import REPO, Job
+from tests.integration.test_resume import run_with_kills
+from tests.runs import assert_reproduces
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+VISION = REPO / "configs" / "tiny-vision-grpo.yaml"
+STEPS = 6
+# On-policy with one mini-batch: the trainer's log-probabilities of a step's samples come from the
+# weights that generated them, so their distance from the engine's is disagreement alone.
+COMMON = (
+    f"trainer.total_steps={STEPS}", "ckpt.every_steps=2", "rollout.prompts_per_step=4", "rollout.eval_every=0",
+    "ckpt.keep_trained_batches=true", "rollout.max_staleness=0",
+)  # fmt: skip
+
+
+def test_a_vision_run_killed_twice_reproduces_the_uninterrupted_run(tmp_path):
+    reference = tmp_path / "reference"
+    job = Job(reference, *COMMON, config=VISION)
+    assert job.run(timeout_s=400) == 0, job.text()[-3000:]
+    records = job.steps()
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    for r in records:
+        assert r["media_mismatched_groups"] == 0
+        assert r["logprob_diff_abs"] < 1e-4, r  # engine process and trainer ranks see the same pixels
+    batch = read_batch(next((reference / "spool" / "claimed").glob("step-*/b*.h5")))
+    groups = sorted(set(batch.group_ids.tolist()))
+    assert len(batch.media_kind) == len(groups) == 4  # one picture per group of 8 samples, stored once
+    assert all(batch.group_media(g)[0][1].startswith(b"\x89PNG") for g in groups)
+
+    resumed = tmp_path / "resumed"
+    run_with_kills(resumed, 2, random.Random(7), *COMMON, steps=STEPS, config=VISION)
+    assert_reproduces(reference, resumed, STEPS)

@@ -1,0 +1,163 @@
+"""Images and audio from the dataset to the loss, with the tiny Qwen2.5-VL and Qwen2-Audio.
+
+The engine expands the placeholders, samples, and reports the prompt it conditioned on; the
+batch goes through a real spool file; the trainer rebuilds the model inputs from the stored media
+and must see the same prompt and give the same log-probabilities (CPU, fp32). Text-only rows ride
+in the same batch, and prompts of different lengths exercise padding and multimodal positions.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from relax_hpc.data.plan import Group, to_sample_batch
+from relax_hpc.data.processor import MediaProcessor, prompt_encoder
+from relax_hpc.data.prompts import PromptRow, load_prompts
+from relax_hpc.engines.torch_engine import TorchEngine
+from relax_hpc.exchange.spool import read_batch, write_batch
+from relax_hpc.models.hf import load_policy
+from relax_hpc.models.tiny_multimodal import CELL, GRID
+from relax_hpc.protocol import requests as P
+from relax_hpc.rollout.driver import Driver
+from relax_hpc.trainer.batching import share_of, token_logprobs_and_entropy
+
+ASSETS = Path(__file__).resolve().parents[2] / "assets"
+TASKS = {
+    "image": (ASSETS / "tiny-qwen2.5-vl-shapes", ASSETS / "shapes/shapes.jsonl", "images", GRID * GRID),
+    "audio": (ASSETS / "tiny-qwen2-audio-beeps", ASSETS / "beeps/beeps.jsonl", "audios", 25),
+}
+COPIES = 2
+
+
+@pytest.fixture(scope="module", params=sorted(TASKS))
+def task(request) -> SimpleNamespace:
+    kind = request.param
+    model, data, field, tokens = TASKS[kind]
+    engine = TorchEngine(str(model), "float32")
+    assert engine.processor is not None
+    rows = load_prompts(data, "prompt", "answer", {kind: field})[:2]
+    marker = f"<{kind}>"
+    rows += [
+        PromptRow(2, f"{marker}count them all, please", "1", rows[0].media),  # a longer prompt, same item
+        PromptRow(3, "how many?", "0"),  # text only, in the same batch
+    ]
+    encode = prompt_encoder(str(model), engine.processor)
+    return SimpleNamespace(
+        kind=kind, model=str(model), engine=engine, processor=engine.processor, rows=rows,
+        prompt_ids=[encode(r) for r in rows], tokens_per_item=tokens,
+    )  # fmt: skip
+
+
+def generate(task: SimpleNamespace) -> tuple[list[int], list[dict]]:
+    """Every row COPIES times, as the driver asks an engine."""
+    indices = [i for i in range(len(task.rows)) for _ in range(COPIES)]
+    sampling = [
+        {"max_new_tokens": 4, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 7 + k}
+        for k in range(len(indices))
+    ]
+    request = Driver._request(task, indices, sampling, True)  # type: ignore[arg-type]  # the stand-in has what it reads
+    outputs = task.engine.generate(request)
+    assert isinstance(outputs, list)
+    return indices, outputs
+
+
+def groups_of(task: SimpleNamespace, outputs: list[dict]) -> list[Group]:
+    mine = [outputs[i * COPIES : (i + 1) * COPIES] for i in range(len(task.rows))]
+    return [
+        Group(
+            group_id=10 + i,
+            prompt_index=i,
+            prompt_ids=mine[i][0]["prompt_token_ids"],
+            completions=[o["output_ids"] for o in mine[i]],
+            logprobs=[[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]] for o in mine[i]],
+            rewards=[1.0, 0.0],
+            versions=[0, 0],
+            media=[(ref.kind, ref.read()) for ref in row.media],
+        )
+        for i, row in enumerate(task.rows)
+    ]  # fmt: skip
+
+
+def test_prompts_hold_one_placeholder_per_item_and_the_processor_expands_it(task):
+    processor: MediaProcessor = task.processor
+    placeholder = processor.placeholders[task.kind]
+    row = task.rows[0]
+    assert task.prompt_ids[0].count(placeholder) == 1
+    processed = processor.process(task.prompt_ids[0], [(ref.kind, ref.read()) for ref in row.media])
+    assert processed.input_ids.count(placeholder) == task.tokens_per_item
+    assert processor.collapse(processed.input_ids) == task.prompt_ids[0]
+    if task.kind == "image":  # one merged token per 28-pixel cell: a GRID x GRID picture
+        assert processed.tensors["image_grid_thw"].tolist() == [[1, GRID * CELL // 14, GRID * CELL // 14]]
+    else:
+        assert int(processed.tensors["feature_attention_mask"].sum()) == 100  # 10 ms frames of 1 s
+
+
+def test_the_engine_answers_with_the_expanded_prompt(task):
+    indices, outputs = generate(task)
+    for i, out in zip(indices, outputs, strict=True):
+        row = task.rows[i]
+        expected = task.processor.process(task.prompt_ids[i], [(r.kind, r.read()) for r in row.media]).input_ids
+        assert out["prompt_token_ids"] == (expected if row.media else task.prompt_ids[i])
+        assert len(out["output_ids"]) == 4
+
+
+def test_the_trainer_rebuilds_the_same_inputs_from_the_spool_and_agrees_on_logprobs(task, tmp_path):
+    _, outputs = generate(task)
+    groups = groups_of(task, outputs)
+    write_batch(tmp_path / "b.h5", to_sample_batch(0, groups), writer="test")
+    batch = read_batch(tmp_path / "b.h5")
+    # Each group's items once, whatever the group size: rows 0 and 2 share a clip, stored twice
+    # (once per group); the text row stores nothing.
+    assert len(batch.media_bytes) == sum(len(data) for g in groups for _, data in g.media)
+    assert batch.group_media(13) == [] and batch.group_media(12) == groups[2].media
+    pad = task.processor.tokenizer.pad_token_id
+    train, stats = share_of(batch, list(range(batch.num_samples)), 0, 1, pad, task.processor)
+    assert stats["media_mismatched_groups"] == 0 and train.num_samples == len(task.rows) * COPIES
+    model = load_policy(task.model, torch.float32).eval()
+    with torch.no_grad():
+        logprobs, _ = token_logprobs_and_entropy(model, train)
+    mask = train.loss_mask.bool()
+    assert int(mask.sum()) == 4 * len(task.rows) * COPIES
+    diff = (logprobs[mask] - train.rollout_logprobs[mask]).abs().max()
+    assert diff < 1e-4, f"trainer and engine disagree by {float(diff):.2e}"
+
+
+def test_a_group_the_trainer_expands_differently_is_left_out_and_counted(task, tmp_path):
+    _, outputs = generate(task)
+    groups = groups_of(task, outputs)
+    placeholder = task.processor.placeholders[task.kind]
+    ids = groups[1].prompt_ids
+    at = ids.index(placeholder)
+    groups[1].prompt_ids = [*ids[:at], placeholder, *ids[at:]]
+    write_batch(tmp_path / "b.h5", to_sample_batch(0, groups), writer="test")
+    batch = read_batch(tmp_path / "b.h5")
+    pad = task.processor.tokenizer.pad_token_id
+    train, stats = share_of(batch, list(range(batch.num_samples)), 0, 1, pad, task.processor)
+    assert stats["media_mismatched_groups"] == 1
+    assert sorted(set(train.group_ids.tolist())) == [10, 12, 13]
+
+
+def test_the_engine_refuses_media_it_cannot_read(task):
+    prompt = task.prompt_ids[0]
+    field = f"{task.kind}_data"
+
+    def request(input_ids: list[int] | list[list[int]], media: P.MediaData) -> P.GenerateReqInput:
+        return P.GenerateReqInput(input_ids=input_ids, **{field: media})  # type: ignore[arg-type]  # one of two media fields
+
+    with pytest.raises(P.ProtocolError, match=rf"{field}: the built-in engine reads data: URIs and local paths"):
+        task.engine.generate(request(prompt, "https://example.com/x"))
+    with pytest.raises(P.ProtocolError, match=rf"{field} has 1 entries for 2 prompts"):
+        task.engine.generate(request([prompt, prompt], [["data:x;base64,AA=="]]))
+    with pytest.raises(P.ProtocolError, match=r"prompt 0 has 1 media placeholder\(s\) and 0 item\(s\)"):
+        no_items: list[list[str]] = [[]]
+        task.engine.generate(request([prompt], no_items))
+
+
+def test_a_text_engine_refuses_media():
+    engine = TorchEngine(str(ASSETS / "tiny-qwen3-addition"), "float32")
+    with pytest.raises(P.ProtocolError, match=r"is a text model: it takes no image_data or audio_data"):
+        engine.generate(P.GenerateReqInput(input_ids=[5, 6], image_data="data:image/png;base64,AA=="))
