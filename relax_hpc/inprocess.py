@@ -13,24 +13,28 @@ the oldest the real system would accept. Used by the learning tests and tools/re
 from __future__ import annotations
 
 import argparse
+import asyncio
 import collections
-import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.distributed as dist
-from transformers import PreTrainedTokenizerFast
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from relax_hpc.config.load import load_config
 from relax_hpc.config.schema import JobConfig
-from relax_hpc.data.media import Kind
-from relax_hpc.data.plan import BatchPlan, Group, to_sample_batch
-from relax_hpc.data.processor import media_processor, prompt_encoder, up_to_media_token
+from relax_hpc.data.plan import to_sample_batch
+from relax_hpc.data.processor import MediaProcessor, media_processor, prompt_encoder, up_to_media_token
 from relax_hpc.data.prompts import load_prompts
-from relax_hpc.engines.sampling import Completion, SamplingSpec, sample
+from relax_hpc.engines.sampling import SamplingSpec, sample
+from relax_hpc.envs.base import Sampled
+from relax_hpc.envs.context import GenerateCall
+from relax_hpc.envs.rounds import Rounds
 from relax_hpc.metrics.jsonl import JsonlWriter
 from relax_hpc.models.hf import load_policy
+from relax_hpc.rewards import make_scorer
 from relax_hpc.trainer.batching import share_of
 from relax_hpc.trainer.loop import reduce_stats
 from relax_hpc.trainer.torch_backend import TorchBackend
@@ -47,78 +51,74 @@ def _load(params: dict[str, torch.nn.Parameter], weights: dict[str, torch.Tensor
         p.copy_(weights[name])
 
 
+class LocalPolicy:
+    """relax_hpc.envs.context.Policy on a model in this process: what an engine would do with a
+    batch of calls (media expanded by the processor, completions cut before media tokens)."""
+
+    def __init__(
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, processor: MediaProcessor | None
+    ) -> None:
+        self.model: PreTrainedModel = model
+        self.tokenizer, self.processor = tokenizer, processor
+        self.version = 0
+
+    def generate(self, calls: Sequence[GenerateCall]) -> list[Sampled]:
+        specs, seeds = zip(*(SamplingSpec.from_params(c.sampling) for c in calls), strict=True)
+        prompts, inputs = [], []
+        for call in calls:
+            processed = self.processor.process(call.token_ids, call.media) if call.media and self.processor else None
+            prompts.append(processed.input_ids if processed else call.token_ids)
+            inputs.append(processed.tensors if processed else {})
+        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+        outs = sample(self.model, prompts, list(specs), list(seeds), eos, pad, inputs if any(inputs) else None)
+        results = []
+        for out, prompt, call in zip(outs, prompts, calls, strict=True):
+            keep = (
+                up_to_media_token(out.output_ids, self.processor.media_token_ids)
+                if self.processor
+                else len(out.output_ids)
+            )
+            ids = out.output_ids[:keep]
+            finish: Literal["stop", "length"] = (
+                "length" if out.finish_reason == "length" and keep == len(out.output_ids) else "stop"
+            )
+            text = str(self.tokenizer.decode(ids, skip_special_tokens=True))
+            results.append(
+                Sampled(ids, out.logprobs[:keep], [self.version] * keep, finish, text, prompt if call.media else None)
+            )
+        return results
+
+
 class InProcessRun:
-    """The policy being trained (backend), a sampler holding an older version, and the batch plan."""
+    """The policy being trained (backend), a sampler holding an older version, and the rounds."""
 
     def __init__(self, cfg: JobConfig) -> None:
         _single_process_group()
         torch.manual_seed(cfg.run.seed)
-        self.cfg, ro = cfg, cfg.rollout
+        self.cfg = cfg
         self.tokenizer = PreTrainedTokenizerFast.from_pretrained(cfg.model.path)
         self.processor = media_processor(cfg.model.path)
-        rate = self.processor.sampling_rate if self.processor else None
         d = cfg.data
-        self.rows = load_prompts(d.path, d.prompt_key, d.answer_key, d.media, sampling_rate=rate)
+        self.rows = load_prompts(d.path, d.prompt_key, d.answer_key, d.media)
         encode = prompt_encoder(cfg.model.path, self.processor)
-        self.prompt_ids = [encode(r) for r in self.rows]
-        self.plan = BatchPlan(cfg, self.rows)
         self.backend = TorchBackend(cfg, torch.device("cpu"))
         self.sampler = load_policy(cfg.model.path, getattr(torch, cfg.model.dtype)).eval()
         synced = {name for name, _, _ in self.backend.parameter_specs()}
         # What weight sync would update (tied weights appear once; a frozen encoder not at all).
         self.params = {n: p for n, p in self.sampler.named_parameters() if n in synced}
-        self.spec = SamplingSpec(ro.max_new_tokens, ro.temperature, ro.top_p, ro.top_k)
-
-    def _expanded(self, index: int) -> tuple[list[int], dict[str, torch.Tensor], list[tuple[Kind, bytes]]]:
-        """A row's prompt as the engine conditions on it: placeholders expanded for its media."""
-        media = [(ref.kind, ref.read()) for ref in self.rows[index].media]
-        if not media:
-            return self.prompt_ids[index], {}, []
-        assert self.processor is not None, "rows with media need a multimodal model (checked at submit)"
-        processed = self.processor.process(self.prompt_ids[index], media)
-        return processed.input_ids, processed.tensors, media
-
-    def _generate(
-        self, indices: list[int], copies: int, specs: list[SamplingSpec], seeds: list[int]
-    ) -> tuple[list[Completion], list[list[int]], list[list[tuple[Kind, bytes]]]]:
-        """Sample each prompt `copies` times; returns (completions, expanded prompts, media)."""
-        expanded = [self._expanded(i) for i in indices]
-        prompts = [ids for ids, _, _ in expanded for _ in range(copies)]
-        inputs = [tensors for _, tensors, _ in expanded for _ in range(copies)]
-        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
-        outs = sample(self.sampler, prompts, specs, seeds, eos, pad, inputs if self.processor else None)
-        if self.processor is not None:
-            for out in outs:
-                keep = up_to_media_token(out.output_ids, self.processor.media_token_ids)
-                out.output_ids, out.logprobs = out.output_ids[:keep], out.logprobs[:keep]
-        return outs, [ids for ids, _, _ in expanded], [media for _, _, media in expanded]
-
-    def sample_round(self, step: int, version: int, round_: int) -> list[Group]:
-        indices = self.plan.prompts(step, round_)
-        g = self.cfg.rollout.group_size
-        seeds = self.plan.seeds(step, round_, len(indices) * g)
-        outs, prompt_ids, media = self._generate(indices, g, [self.spec] * len(seeds), seeds)
-        return self.plan.groups(
-            step,
-            round_,
-            prompt_ids,
-            [o.output_ids for o in outs],
-            [o.logprobs for o in outs],
-            [self.tokenizer.decode(o.output_ids, skip_special_tokens=True) for o in outs],
-            [version] * len(outs),
-            media,
+        self.policy = LocalPolicy(self.sampler, self.tokenizer, self.processor)
+        self.rounds = Rounds(
+            cfg, self.rows, [encode(r) for r in self.rows], self.tokenizer, self.policy, make_scorer(cfg)
         )
+        self.loop = asyncio.Runner()  # one event loop for the run (a remote reward's client lives in it)
 
     def greedy_accuracy(self) -> float:
         """Greedy accuracy of the sampler's weights over the whole dataset."""
-        spec = SamplingSpec(max_new_tokens=self.cfg.rollout.max_new_tokens, temperature=0.0)
-        n = len(self.rows)
-        outs, _, _ = self._generate(list(range(n)), 1, [spec] * n, [0] * n)
-        texts = [self.tokenizer.decode(o.output_ids, skip_special_tokens=True) for o in outs]
-        return sum(self.plan.reward_fn(t, r.answer) for t, r in zip(texts, self.rows, strict=True)) / n
+        return self.loop.run(self.rounds.evaluate(list(range(len(self.rows)))))
 
     def train(self, step: int, version: int) -> dict:
-        selection = self.plan.select(functools.partial(self.sample_round, step, version))
+        self.policy.version = version
+        selection = self.loop.run(self.rounds.plan.select(lambda round_: self.rounds.sample_round(step, round_)))
         batch = to_sample_batch(step, selection.groups)
         pad = self.tokenizer.pad_token_id
         train_batch, _ = share_of(batch, list(range(batch.num_samples)), 0, 1, pad, self.processor)
@@ -129,6 +129,7 @@ class InProcessRun:
             "loss": result.loss,
             "grad_norm": result.grad_norm,
             "groups_dropped": selection.dropped,
+            **self.rounds.take_stats(),
             **reduce_stats(result.stats, self.cfg.algo.epochs),
         }
 
@@ -145,7 +146,7 @@ def run_inprocess(
     records = []
     for step in range(steps):
         _load(run.params, versions[0])  # the oldest version still allowed to sample batch `step`
-        record = run.train(step, version=step - len(versions) + 1)
+        record = run.train(step, version=max(0, step - len(versions) + 1))
         versions.append({name: t.clone() for name, t in run.backend.full_parameters()})
         if greedy_every and ((step + 1) % greedy_every == 0 or step + 1 == steps):
             _load(run.params, versions[-1])

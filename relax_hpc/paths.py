@@ -3,10 +3,11 @@
 RUN_DIR/
   config.yaml  token                    the frozen config; the run's API key (0600)
   registry/engines/ID.json              where each engine listens (relax_hpc.protocol.registry)
+  registry/judge/ID.json                the judge engines (reward.name=judge)
   spool/ready|claimed|quarantine|orphaned   sample batches (SpoolDirs, relax_hpc.exchange.spool)
   weights/version                       the policy version the engines hold, and how many
   ckpt/step-N  ckpt/latest              checkpoints (CkptDirs, relax_hpc.ckpt)
-  metrics/train|rollout|eval.jsonl      the record of the run
+  metrics/train|rollout|eval.jsonl      the record of the run (reward_failures.jsonl: failed rewards)
   logs/RESTART/ROLE.log                 one folder per start of the launcher
   slurm/                                submitit's folder (submission file, job output), job_id
   control/stop                          asks the trainer to checkpoint and stop
@@ -73,6 +74,20 @@ class RunPaths:
         return self.metrics / "eval.jsonl"
 
     @property
+    def reward_failures(self) -> Path:
+        """One record per sample whose reward failed (the driver): batch, prompt, response, reason."""
+        return self.metrics / "reward_failures.jsonl"
+
+    @property
+    def judge_engines(self) -> Path:
+        """The judge engines' registry (reward.name=judge): never part of weight sync."""
+        return self.root / "registry" / "judge"
+
+    def registry(self, pool: str) -> Path:
+        """The registry of an engine pool: `policy` (the rollout engines) or `judge`."""
+        return {"policy": self.engines, "judge": self.judge_engines}[pool]
+
+    @property
     def events_metrics(self) -> Path:
         """The launcher's events: each start, role exits and restarts with their cause, stop
         requests, each end with its exit status."""
@@ -137,7 +152,7 @@ class RunPaths:
         """Create RUN_DIR (0700: it holds the run's weight-sync token) and its subfolders."""
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.root, 0o700)
-        for d in (self.engines, self.spool, self.weights, self.ckpt, self.metrics, self.control):
+        for d in (self.engines, self.judge_engines, self.spool, self.weights, self.ckpt, self.metrics, self.control):
             d.mkdir(parents=True, exist_ok=True)
         if not self.token.exists():
             write_atomic(self.token, secrets.token_hex(16).encode(), mode=0o600)

@@ -12,6 +12,7 @@ Needs no GPU and no process group.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -19,12 +20,13 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from transformers import AutoConfig
 
 from relax_hpc.ckpt.layout import latest_dir
 from relax_hpc.config.load import read_frozen
-from relax_hpc.models.hf import policy_class
+from relax_hpc.models.hf import empty_policy, is_omni
 from relax_hpc.paths import CkptDirs, RunPaths
 
 MODEL_PREFIX = "model."  # the torch backend's state is {"model": ..., "optim": ...}
@@ -70,10 +72,10 @@ def convert(run_dir: Path, out: Path, step: int | None = None) -> Path:
         tensors = megatron_backend_tensors(folder, hf_config)
     else:
         tensors = torch_backend_tensors(folder)
-    with torch.device("meta"):
-        model = policy_class(cfg.model.path).from_config(hf_config, dtype=getattr(torch, cfg.model.dtype))
+    model = empty_policy(cfg.model.path, getattr(torch, cfg.model.dtype))
     missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
-    missing = [k for k in missing if not (k == "lm_head.weight" and hf_config.tie_word_embeddings)]
+    tied = any(getattr(c, "tie_word_embeddings", False) for c in (model.config, model.config.get_text_config()))
+    missing = [k for k in missing if not (k == "lm_head.weight" and tied)]
     if missing or unexpected:
         raise ExportError(
             f"{folder} does not match {cfg.model.path}: missing {missing[:5]}, unexpected {unexpected[:5]}"
@@ -81,9 +83,26 @@ def convert(run_dir: Path, out: Path, step: int | None = None) -> Path:
     model.tie_weights()
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
+    if is_omni(cfg.model.path):
+        _as_full_omni(out, Path(cfg.model.path))
     _copy_companions(Path(cfg.model.path), out)
     _readable_like_other_output(out)
     return folder
+
+
+def _as_full_omni(out: Path, base: Path) -> None:
+    """A trained Omni thinker as the full model's folder that SGLang serves and the thinker class
+    loads: the base config.json (thinker, talker, code2wav), the thinker's tensors named thinker.*
+    (the talker's are left out: it is not trained here, and SGLang does not build it for text)."""
+    for path in sorted(out.glob("*.safetensors")):
+        tensors = load_file(path)
+        save_file({f"thinker.{k}": v.contiguous() for k, v in tensors.items()}, path, metadata={"format": "pt"})
+    index = out / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text())
+        data["weight_map"] = {f"thinker.{k}": v for k, v in data["weight_map"].items()}
+        index.write_text(json.dumps(data, indent=2))
+    shutil.copy(base / "config.json", out / "config.json")
 
 
 def _copy_companions(base: Path, out: Path) -> None:

@@ -19,6 +19,28 @@ class ConfigError(ValueError):
     """The config cannot be used; the message lists every problem, one per line."""
 
 
+# Keys renamed since 0.1.0: configs and frozen RUN_DIR/config.yaml files that use the old name
+# keep working (the value moves to the new key).
+RENAMED = {"rollout.reward": "reward.name"}
+
+
+def _migrate(tree: dict[str, Any]) -> dict[str, Any]:
+    for old, new in RENAMED.items():
+        *old_parents, old_key = old.split(".")
+        node: Any = tree
+        for part in old_parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or old_key not in node:
+            continue
+        value = node.pop(old_key)
+        *new_parents, new_key = new.split(".")
+        target = tree
+        for part in new_parents:
+            target = target.setdefault(part, {})
+        target.setdefault(new_key, value)
+    return tree
+
+
 def _suggest(word: str, choices: list[str]) -> str:
     close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
     return f"; did you mean {close[0]!r}?" if close else f"; allowed: {', '.join(sorted(choices))}"
@@ -41,6 +63,7 @@ def apply_override(tree: dict[str, Any], override: str) -> None:
     if "=" not in override:
         raise ConfigError(f"override {override!r}: expected key=value, e.g. trainer.lr=3e-4")
     key, raw = override.split("=", 1)
+    key = RENAMED.get(key.strip(), key)
     parts = key.strip().split(".")
     for depth, part in enumerate(parts):
         section = _section_model(tuple(parts[:depth]))
@@ -82,7 +105,7 @@ def _describe(error: ErrorDetails) -> str:
 
 def validate(tree: dict[str, Any]) -> JobConfig:
     try:
-        return JobConfig.model_validate(tree)
+        return JobConfig.model_validate(_migrate(tree))
     except ValidationError as e:
         raise ConfigError("invalid config:\n  " + "\n  ".join(_describe(err) for err in e.errors())) from None
 

@@ -11,15 +11,14 @@ from (run seed, seq, its index), and a restart regenerates exactly the same batc
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from relax_hpc.algos.shaping import informative, overlong_penalty
 from relax_hpc.config.schema import JobConfig
-from relax_hpc.data.media import Kind
 from relax_hpc.data.prompts import PromptOrder, PromptRow
+from relax_hpc.envs.base import Trajectory
 from relax_hpc.exchange.spool import SampleBatch
-from relax_hpc.rewards import REWARDS
 
 
 def sample_seed(run_seed: int, seq: int, sample: int) -> int:
@@ -30,16 +29,13 @@ def sample_seed(run_seed: int, seq: int, sample: int) -> int:
 
 @dataclass(slots=True)
 class Group:
-    """One prompt sampled group_size times."""
+    """One prompt's trajectories (group_size episodes, each one or more trajectories) and their
+    shaped rewards."""
 
     group_id: int
     prompt_index: int
-    prompt_ids: list[int]  # as the engine conditioned on them (placeholders expanded for media)
-    completions: list[list[int]]
-    logprobs: list[list[float]]
+    trajectories: list[Trajectory]
     rewards: list[float]
-    versions: list[int]
-    media: list[tuple[Kind, bytes]] = field(default_factory=list)  # the prompt's items, stored once
 
 
 @dataclass(slots=True)
@@ -59,7 +55,6 @@ class BatchPlan:
         self.rounds = ds.max_rounds if ds.enabled else 1
         self.order = PromptOrder(len(rows), cfg.run.seed, cfg.data.shuffle)
         self.extra_order = PromptOrder(len(rows), cfg.run.seed, cfg.data.shuffle, stream=1)
-        self.reward_fn = REWARDS[cfg.rollout.reward]
 
     def prompts(self, seq: int, round_: int) -> list[int]:
         n = self.cfg.rollout.prompts_per_step
@@ -79,55 +74,22 @@ class BatchPlan:
         """The sampling seeds of a round's `count` samples (prompt-major, group_size per prompt)."""
         return [sample_seed(self.cfg.run.seed, seq, self.sample_index(round_, k)) for k in range(count)]
 
-    def reward(self, text: str, length: int, prompt_index: int) -> float:
-        """The task reward plus the overlong penalty of a completion of `length` tokens."""
+    def shaped(self, reward: float, trajectory: Trajectory) -> float:
+        """The task reward plus the overlong penalty on the trajectory's sampled tokens."""
         ov = self.cfg.algo.overlong
-        penalty = overlong_penalty(length, self.cfg.rollout.max_new_tokens, ov.buffer, ov.penalty)
-        return self.reward_fn(text, self.rows[prompt_index].answer) + penalty
+        sampled = sum(trajectory.loss_mask)
+        return reward + overlong_penalty(sampled, self.cfg.rollout.max_new_tokens, ov.buffer, ov.penalty)
 
-    def groups(
-        self,
-        seq: int,
-        round_: int,
-        prompt_ids: list[list[int]],
-        completions: list[list[int]],
-        logprobs: list[list[float]],
-        texts: list[str],
-        versions: list[int],
-        media: list[list[tuple[Kind, bytes]]] | None = None,
-    ) -> list[Group]:
-        """Group a round's samples (prompt-major: group_size samples of prompt j at j*g...) and
-        score them. prompt_ids: the round's prompts, one per group (expanded as the engine
-        expanded them); media: each prompt's items."""
-        g = self.cfg.rollout.group_size
-        indices = self.prompts(seq, round_)
-        out = []
-        for j, index in enumerate(indices):
-            mine = range(j * g, (j + 1) * g)
-            out.append(
-                Group(
-                    group_id=self.group_id(seq, round_, j),
-                    prompt_index=index,
-                    prompt_ids=prompt_ids[j],
-                    completions=[completions[k] for k in mine],
-                    logprobs=[logprobs[k] for k in mine],
-                    rewards=[self.reward(texts[k], len(completions[k]), index) for k in mine],
-                    versions=[versions[k] for k in mine],
-                    media=media[j] if media else [],
-                )
-            )
-        return out
-
-    def select(self, sample_round: Callable[[int], list[Group]]) -> Selection:
+    async def select(self, sample_round: Callable[[int], Awaitable[list[Group]]]) -> Selection:
         """Sample rounds until prompts_per_step informative groups are found (or rounds run out)."""
         wanted = self.cfg.rollout.prompts_per_step
         if self.rounds == 1:
-            return Selection(sample_round(0), 1, 0, 0)
+            return Selection(await sample_round(0), 1, 0, 0)
         kept: list[Group] = []
         dropped: list[Group] = []
         rounds = 0
         while len(kept) < wanted and rounds < self.rounds:
-            for group in sample_round(rounds):
+            for group in await sample_round(rounds):
                 (kept if informative(group.rewards) else dropped).append(group)
             rounds += 1
         top_up = max(0, wanted - len(kept))
@@ -135,15 +97,20 @@ class BatchPlan:
 
 
 def to_sample_batch(seq: int, groups: list[Group]) -> SampleBatch:
-    samples = [(grp, k) for grp in groups for k in range(len(grp.completions))]
+    """The groups' trajectories as one spool batch: prompt then the trajectory's tokens, with its
+    loss mask, log-probabilities and per-token versions; a sample's policy version is the oldest
+    of its sampled tokens (what staleness is judged by)."""
+    samples = [(grp, t, r) for grp in groups for t, r in zip(grp.trajectories, grp.rewards, strict=True)]
     return SampleBatch.from_samples(
         seq=seq,
-        sequences=[grp.prompt_ids + grp.completions[k] for grp, k in samples],
-        prompt_lens=[len(grp.prompt_ids) for grp, _ in samples],
-        logprobs=[grp.logprobs[k] for grp, k in samples],
-        rewards=[grp.rewards[k] for grp, k in samples],
-        group_ids=[grp.group_id for grp, _ in samples],
-        policy_version=[grp.versions[k] for grp, k in samples],
-        prompt_index=[grp.prompt_index for grp, _ in samples],
-        media={grp.group_id: grp.media for grp in groups if grp.media},
+        sequences=[t.prompt_ids + t.tokens for _, t, _ in samples],
+        prompt_lens=[len(t.prompt_ids) for _, t, _ in samples],
+        logprobs=[t.logprobs for _, t, _ in samples],
+        rewards=[r for _, _, r in samples],
+        group_ids=[grp.group_id for grp, _, _ in samples],
+        policy_version=[min((v for v in t.versions if v >= 0), default=0) for _, t, _ in samples],
+        prompt_index=[grp.prompt_index for grp, _, _ in samples],
+        media={grp.group_id: grp.trajectories[0].media for grp in groups if grp.trajectories[0].media},
+        loss_masks=[t.loss_mask for _, t, _ in samples],
+        token_versions=[t.versions for _, t, _ in samples],
     )

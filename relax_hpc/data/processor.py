@@ -20,6 +20,7 @@ each row at (tokens so far + its delta) on all three axes.
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -74,31 +75,56 @@ def _load_hf_processor(model_path: str) -> Any:
     try:
         return AutoProcessor.from_pretrained(model_path)
     except ImportError:
-        # The Qwen VL processors insist on a video processor, which needs torchvision; the same
-        # class without it (its from_pretrained reads the attributes off __init__'s signature).
-        image_only: Any = _image_only(_processor_class(model_path))
-        return image_only.from_pretrained(model_path)
+        # The Qwen VL and Omni processors insist on a video processor, which needs torchvision: the
+        # same class with every other sub-processor loaded and none for video.
+        return _without_video(_processor_class(model_path), model_path)
 
 
 def _processor_class(model_path: str) -> type:
+    """The processor class the folder names (processor_class in its processor or preprocessor
+    config), else the one transformers maps its model_type to (an Omni thinker's folder says
+    qwen3_omni_moe_thinker: its processor is the Omni model's)."""
     import transformers
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 
-    model_type = json.loads((Path(model_path) / "config.json").read_text())["model_type"]
-    name = PROCESSOR_MAPPING_NAMES.get(model_type)
+    folder = Path(model_path)
+    for file in ("processor_config.json", "preprocessor_config.json"):
+        if (folder / file).is_file() and (name := json.loads((folder / file).read_text()).get("processor_class")):
+            named: type = getattr(transformers, name)
+            return named
+    model_type = json.loads((folder / "config.json").read_text())["model_type"]
+    name = PROCESSOR_MAPPING_NAMES.get(model_type) or PROCESSOR_MAPPING_NAMES.get(model_type.removesuffix("_thinker"))
     if name is None:
         raise ProcessorError(f"{model_path}: no processor is known for model_type {model_type!r}")
     cls: type = getattr(transformers, name)
     return cls
 
 
-def _image_only(cls: Any) -> type:
-    def __init__(
-        self: Any, image_processor: Any = None, tokenizer: Any = None, chat_template: Any = None, **kw: Any
-    ) -> None:
-        cls.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kw)
+def _without_video(cls: Any, model_path: str) -> Any:
+    """`cls` built from the folder's tokenizer, image processor and feature extractor (those it
+    takes), with video_processor=None: the sub-processors are passed by name, so this holds for
+    any order of __init__'s arguments (Qwen2.5-VL/Qwen3-VL: image, tokenizer, video; Qwen3-Omni:
+    image, video, feature extractor, tokenizer)."""
+    from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoTokenizer
 
-    return type(f"ImageOnly{cls.__name__}", (cls,), {"__init__": __init__})
+    loaders: dict[str, Any] = {
+        "tokenizer": AutoTokenizer,
+        "image_processor": AutoImageProcessor,
+        "feature_extractor": AutoFeatureExtractor,
+    }
+    subs = {name: loaders[name].from_pretrained(model_path) for name in cls.get_attributes() if name in loaders}
+    processor_dict, _ = cls.get_processor_dict(model_path)
+    chat_template = processor_dict.get("chat_template") or subs["tokenizer"].chat_template
+
+    def check_argument_for_proper_class(self: Any, name: str, argument: Any) -> Any:
+        if name == "video_processor" and argument is None:
+            return None  # its class cannot even be looked up without torchvision
+        return cls.check_argument_for_proper_class(self, name, argument)
+
+    without = type(
+        f"ImageOnly{cls.__name__}", (cls,), {"check_argument_for_proper_class": check_argument_for_proper_class}
+    )
+    return without(**subs, video_processor=None, chat_template=chat_template)
 
 
 class MediaProcessor:
@@ -221,6 +247,18 @@ def rope_positions(
     rope_index = getattr(inner, "get_rope_index", None)
     if rope_index is None:
         return None
+    if "mm_token_type_ids" not in inspect.signature(rope_index).parameters:
+        # Qwen2.5-Omni / Qwen3-Omni thinker: get_rope_index(input_ids, image_grid_thw, video_grid_thw,
+        # attention_mask, use_audio_in_video, audio_seqlens, second_per_grids); an audio item's
+        # positions come from its clip's feature length (the processor's feature_attention_mask)
+        features = inputs.get("feature_attention_mask")
+        positions, deltas = rope_index(
+            input_ids,
+            image_grid_thw=inputs.get("image_grid_thw"),
+            attention_mask=attention_mask,
+            audio_seqlens=None if features is None else features.sum(-1),
+        )
+        return positions, deltas
     config = model.config
     image_id: int = getattr(config, "image_token_id", -1)
     video_id: int = getattr(config, "video_token_id", -1)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ class PromptRow:
     prompt: str | tuple[Message, ...]
     answer: str
     media: tuple[MediaRef, ...] = ()
+    fields: Mapping[str, Any] = field(default_factory=dict, compare=False)  # the whole row as read
 
     @property
     def is_chat(self) -> bool:
@@ -128,7 +129,8 @@ def _row(
         raise DatasetError(f"{where}: field {answer_key!r} must be a string, got {answer!r}")
     prompt = _prompt(record[prompt_key], where, prompt_key)
     refs = tuple(ref for kind, field in media.items() for ref in _items(record, kind, field, where, base))
-    return PromptRow(index, prompt, str(answer), _in_prompt_order(PromptRow(index, prompt, "", refs), where))
+    media_in_order = _in_prompt_order(PromptRow(index, prompt, "", refs), where)
+    return PromptRow(index, prompt, str(answer), media_in_order, record)
 
 
 def _prompt(value: Any, where: str, key: str) -> str | tuple[Message, ...]:

@@ -8,13 +8,15 @@ which engine serves it. This is what makes on-policy runs reproducible across re
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from relax_hpc.data.processor import concat_inputs, rope_positions
+from relax_hpc.protocol.requests import SAMPLING_PARAMS
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,12 +30,28 @@ class SamplingSpec:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
 
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any]) -> tuple[SamplingSpec, int | None]:
+        """(spec, sampling_seed) of SGLang sampling params; ValueError names the unsupported ones."""
+        unknown = set(params) - set(SAMPLING_PARAMS)
+        if unknown:
+            raise ValueError(f"sampling_params {sorted(unknown)} are not supported; supported: {SAMPLING_PARAMS}")
+        spec = cls(
+            max_new_tokens=int(params.get("max_new_tokens", 128)),
+            temperature=float(params.get("temperature", 1.0)),
+            top_p=float(params.get("top_p", 1.0)),
+            top_k=int(params.get("top_k", -1)),
+            stop_token_ids=tuple(params.get("stop_token_ids") or ()),
+            ignore_eos=bool(params.get("ignore_eos", False)),
+        )
+        return spec, params.get("sampling_seed")
+
 
 @dataclass(slots=True)
 class Completion:
     output_ids: list[int]
     logprobs: list[float]
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length" | "abort"
     matched: int | None = None
 
 
@@ -77,13 +95,16 @@ def sample(
     eos_token_id: int,
     pad_token_id: int,
     inputs: Sequence[dict[str, torch.Tensor]] | None = None,
+    aborted: Callable[[int], bool] | None = None,
 ) -> list[Completion]:
     """Sample one completion per prompt. Returned logprobs follow SGLang: log-softmax of the logits
     divided by the temperature, before top-k/top-p filtering; with temperature 1 they are the
     model's own log-probabilities, which the trainer's importance ratios compare against.
 
     `inputs`: each prompt's processor tensors (relax_hpc.data.processor.process) when its
-    placeholders are expanded for media; the first forward pass (the prompts') takes them."""
+    placeholders are expanded for media; the first forward pass (the prompts') takes them.
+    `aborted(i)`, asked before every decoding step, stops row i where it is: its completion keeps
+    the tokens it has, finish_reason "abort" (as SGLang answers an aborted request)."""
     n = len(prompts)
     device = next(model.parameters()).device
     width = max(len(p) for p in prompts)
@@ -104,6 +125,12 @@ def sample(
     cache = DynamicCache()
     step_ids = ids
     for step in range(max(s.max_new_tokens for s in specs)):
+        if aborted is not None:
+            for i in range(n):
+                if alive[i] and aborted(i):
+                    alive[i], out[i].finish_reason = False, "abort"
+            if not any(alive):
+                break
         logits = (
             model(
                 input_ids=step_ids,

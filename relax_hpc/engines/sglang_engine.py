@@ -60,11 +60,13 @@ class EngineFailed(RuntimeError):
     """The server did not start, exited, or stopped answering: the supervisor restarts the engine."""
 
 
-def server_args(cfg: JobConfig, host: str, port: int, api_key: str) -> list[str]:
-    """launch_server's command-line arguments for this run (rollout.sglang.extra_args last, verbatim)."""
+def server_args(cfg: JobConfig, host: str, port: int, api_key: str, pool: str = "policy") -> list[str]:
+    """launch_server's command-line arguments for this run (rollout.sglang.extra_args last,
+    verbatim); a judge engine serves reward.judge.model."""
     sg = cfg.rollout.sglang
+    model = cfg.reward.judge.model if pool == "judge" else cfg.model.path
     argv = [
-        "--model-path", cfg.model.path, "--host", host, "--port", str(port),
+        "--model-path", str(model), "--host", host, "--port", str(port),
         "--tp-size", str(sg.tp_size), "--mem-fraction-static", str(sg.mem_fraction_static),
         "--dtype", cfg.model.dtype, "--random-seed", str(cfg.run.seed),
         "--weight-version", INITIAL_WEIGHT_VERSION, "--api-key", api_key,
@@ -147,7 +149,7 @@ class Wrapper:
                 os.killpg(self.proc.pid, self.signum)
 
     def run(self) -> int:
-        argv = server_args(self.cfg, self.args.host, self.port, self.api_key)
+        argv = server_args(self.cfg, self.args.host, self.port, self.api_key, self.args.pool)
         module = self.cfg.rollout.sglang.module
         log.info("%s: starting python -m %s %s", self.args.engine_id, module, redact(argv, self.api_key))
         self.proc = start_server(self.cfg, argv)
@@ -165,7 +167,7 @@ class Wrapper:
         finally:
             # Whatever ended it: no record without a server, and no SGLang process left behind
             # (its scheduler and detokenizer may outlive the server process itself).
-            remove_record(self.paths.engines, self.args.engine_id, self.instance)
+            remove_record(self.paths.registry(self.args.pool), self.args.engine_id, self.instance)
             kill_group(self.proc)
 
     def wait_healthy(self) -> bool:
@@ -188,7 +190,7 @@ class Wrapper:
         host = socket.gethostname() if self.args.host in ("0.0.0.0", "::") else self.args.host
         version = self._weight_version() or INITIAL_WEIGHT_VERSION
         self.record = EngineRecord(self.args.engine_id, host, self.port, os.getpid(), self.instance, version)
-        write_record(self.paths.engines, self.record)
+        write_record(self.paths.registry(self.args.pool), self.record)
         log.info("%s: SGLang server ready on %s:%d (weight version %s)", self.args.engine_id, host, self.port, version)
 
     def watch(self) -> None:
@@ -233,7 +235,7 @@ class Wrapper:
         version = self._weight_version()
         if version is not None and version != self.record.weight_version:
             self.record = replace(self.record, weight_version=version)
-            write_record(self.paths.engines, self.record)
+            write_record(self.paths.registry(self.args.pool), self.record)
 
 
 def main() -> None:
@@ -245,6 +247,9 @@ def main() -> None:
     parser.add_argument("--engine-id", required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0: a free port")
+    parser.add_argument(
+        "--pool", choices=("policy", "judge"), default="policy", help="which registry in RUN_DIR it registers in"
+    )
     parser.add_argument(
         "--unhealthy-after-s",
         type=float,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import json
 import logging
 import os
@@ -60,19 +61,14 @@ class _Job:
 
 
 def _spec(params: dict[str, Any]) -> tuple[SamplingSpec, int | None]:
-    unknown = set(params) - set(P.SAMPLING_PARAMS)
-    if unknown:
-        raise P.ProtocolError(f"sampling_params {sorted(unknown)} are not supported; supported: {P.SAMPLING_PARAMS}")
-    seed = params.get("sampling_seed")
-    spec = SamplingSpec(
-        max_new_tokens=int(params.get("max_new_tokens", 128)),
-        temperature=float(params.get("temperature", 1.0)),
-        top_p=float(params.get("top_p", 1.0)),
-        top_k=int(params.get("top_k", -1)),
-        stop_token_ids=tuple(params.get("stop_token_ids") or ()),
-        ignore_eos=bool(params.get("ignore_eos", False)),
-    )
-    return spec, seed
+    try:
+        return SamplingSpec.from_params(params)
+    except ValueError as e:
+        raise P.ProtocolError(str(e)) from None
+
+
+def _row_aborted(rows: list[tuple[_Job, int]], row: int) -> bool:
+    return rows[row][0].aborted
 
 
 def _media_of(req: P.GenerateReqInput, batched: bool, n: int) -> list[list[tuple[Kind, bytes]]]:
@@ -123,6 +119,7 @@ class TorchEngine:
         self._cv = threading.Condition()
         self._pending: list[_Job] = []
         self._paused = False
+        self._running: list[_Job] = []  # the batch being sampled (an abort stops it mid-way)
         threading.Thread(target=self._schedule_loop, name="scheduler", daemon=True).start()
 
     # -- generation -----------------------------------------------------------------------------
@@ -180,16 +177,17 @@ class TorchEngine:
         ids: list[int]
         logprobs: list[float]
         finish: dict[str, Any]
-        if job.aborted or job.completions is None:
+        if job.completions is None:
             ids, logprobs, finish = [], [], {"type": "abort", "message": "Abort before prefill"}
         else:
             c = job.completions[i]
             ids, logprobs = c.output_ids, c.logprobs
-            finish = (
-                {"type": "stop", "matched": c.matched}
-                if c.finish_reason == "stop"
-                else {"type": "length", "length": len(ids)}
-            )
+            finishes: dict[str, dict[str, Any]] = {
+                "stop": {"type": "stop", "matched": c.matched},
+                "length": {"type": "length", "length": len(ids)},
+                "abort": {"type": "abort", "message": "Aborted"},
+            }
+            finish = finishes[c.finish_reason]
         meta: dict[str, Any] = {
             "id": job.rids[i],
             "finish_reason": finish,
@@ -210,6 +208,7 @@ class TorchEngine:
             with self._cv:
                 self._cv.wait_for(lambda: self._pending and not self._paused)
                 jobs, self._pending = self._pending, []
+                self._running = jobs
             with self._model_lock:
                 flat = [(j, i) for j in jobs for i in range(len(j.prompts))]
                 inputs = [j.inputs[i] for j, i in flat]
@@ -221,8 +220,11 @@ class TorchEngine:
                     self.tokenizer.eos_token_id,
                     self.tokenizer.pad_token_id,
                     inputs if any(inputs) else None,
+                    aborted=functools.partial(_row_aborted, flat),  # set by /abort_request, read per step
                 )
                 version = self.weight_version
+            with self._cv:
+                self._running = []
             start = 0
             for job in jobs:
                 job.completions = completions[start : start + len(job.prompts)]
@@ -231,15 +233,21 @@ class TorchEngine:
                 job.done.set()
 
     def abort(self, req: P.AbortReq) -> None:
+        """Waiting requests are answered at once with no tokens; running ones stop at their next
+        decoding step with the tokens they have (both: finish_reason abort, as SGLang answers).
+        rid matches a request's rid or is a prefix of it (SGLang's prefix rule)."""
         with self._cv:
             keep = []
             for job in self._pending:
-                if req.abort_all or req.rid in job.rids:
+                if req.abort_all or any(r.startswith(req.rid or "\0") for r in job.rids):
                     job.aborted = True
                     job.done.set()
                 else:
                     keep.append(job)
             self._pending = keep
+            for job in self._running:
+                if req.abort_all or any(r.startswith(req.rid or "\0") for r in job.rids):
+                    job.aborted = True
 
     def pause(self, req: P.PauseGenerationReqInput) -> None:
         with self._cv:
@@ -424,7 +432,7 @@ def serve(args: argparse.Namespace) -> None:
         record = EngineRecord(
             args.engine_id, advertised, server.server_address[1], os.getpid(), instance, engine.weight_version
         )
-        write_record(paths.engines, record)
+        write_record(paths.registry(args.pool), record)
 
     # A record write fsyncs (milliseconds): off the answer's path, in order.
     announcer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="announce")
@@ -446,7 +454,7 @@ def serve(args: argparse.Namespace) -> None:
         server.serve_forever(poll_interval=0.2)
     finally:
         announcer.shutdown()  # a late announcement must not bring the record back
-        remove_record(paths.engines, args.engine_id, instance)
+        remove_record(paths.registry(args.pool), args.engine_id, instance)
         log.info("engine %s stopped", args.engine_id)
 
 
@@ -466,6 +474,9 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--weights-timeout-s", type=float, default=60.0)
+    parser.add_argument(
+        "--pool", choices=("policy", "judge"), default="policy", help="which registry in RUN_DIR it registers in"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     serve(args)

@@ -29,9 +29,10 @@ import numpy as np
 from relax_hpc.data.media import KIND_CODES, Kind
 from relax_hpc.paths import SpoolDirs, fsync_dir, write_atomic
 
-# 2: media (once per prompt group). A reader refuses versions it does not know, naming both.
-SCHEMA_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+# 2: media (once per prompt group); 3: per-token policy versions (multi-turn and partial rollout).
+# A reader refuses versions it does not know, naming both.
+SCHEMA_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 BATCH_NAME = re.compile(r"^b(\d{9})\.h5$")
 _ARRAYS: dict[str, type[np.generic]] = {
     "tokens": np.int32,
@@ -41,11 +42,9 @@ _ARRAYS: dict[str, type[np.generic]] = {
     "rollout_logprobs": np.float32,
     "rewards": np.float32,
     "group_ids": np.int64,
-    "policy_version": np.int32,
+    "policy_version": np.int32,  # per sample: the oldest version among its sampled tokens
     "prompt_index": np.int64,
 }
-
-
 # Media of the batch's prompt groups, each item once however many samples share it: item j's
 # encoded bytes are media_bytes[media_offsets[j]:media_offsets[j+1]], its kind media_kind[j]
 # (relax_hpc.data.media.KIND_CODES), its group media_group[j]; a group's items in prompt order.
@@ -55,6 +54,15 @@ _MEDIA: dict[str, type[np.generic]] = {
     "media_kind": np.uint8,
     "media_group": np.int64,
 }
+# Per token, the version that sampled it (-1: prompt and environment tokens); per sample, the
+# newest version among its tokens (a partial rollout's tokens span versions).
+_VERSIONS: dict[str, type[np.generic]] = {"token_versions": np.int32, "newest_version": np.int32}
+ARRAYS_OF: dict[int, dict[str, type[np.generic]]] = {
+    1: _ARRAYS,
+    2: {**_ARRAYS, **_MEDIA},
+    3: {**_ARRAYS, **_MEDIA, **_VERSIONS},
+}
+_ALL = ARRAYS_OF[SCHEMA_VERSION]
 _KINDS: tuple[Kind, ...] = tuple(sorted(KIND_CODES, key=KIND_CODES.__getitem__))
 
 
@@ -86,6 +94,16 @@ class SampleBatch:
     media_offsets: np.ndarray = field(default_factory=lambda: _no_media()["media_offsets"])
     media_kind: np.ndarray = field(default_factory=lambda: _no_media()["media_kind"])
     media_group: np.ndarray = field(default_factory=lambda: _no_media()["media_group"])
+    # Derived from policy_version when not given (files of schema 1 and 2: one version per sample).
+    token_versions: np.ndarray | None = None
+    newest_version: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.token_versions is None:
+            per_token = np.repeat(self.policy_version, np.diff(self.offsets)).astype(np.int32)
+            self.token_versions = np.where(self.loss_mask == 1, per_token, -1).astype(np.int32)
+        if self.newest_version is None:
+            self.newest_version = np.asarray(self.policy_version, dtype=np.int32).copy()
 
     @property
     def num_samples(self) -> int:
@@ -116,17 +134,31 @@ class SampleBatch:
         policy_version: list[int],
         prompt_index: list[int],
         media: Mapping[int, Sequence[tuple[Kind, bytes]]] | None = None,
+        loss_masks: list[list[int]] | None = None,
+        token_versions: list[list[int]] | None = None,
     ) -> SampleBatch:
-        """Build from per-sample prompt+completion token lists; logprobs cover the completion;
+        """Build from per-sample prompt+completion token lists. Per completion token (after the
+        prompt): `logprobs`, `loss_masks` (default all 1: every completion token was sampled) and
+        `token_versions` (default: the sample's policy_version where the mask is 1, else -1).
         `media`: each group's items (group id -> [(kind, bytes)], in prompt order), stored once."""
         lengths = [len(s) for s in sequences]
         offsets = np.zeros(len(sequences) + 1, dtype=np.int64)
         offsets[1:] = np.cumsum(lengths)
         loss_mask = np.zeros(offsets[-1], dtype=np.uint8)
         flat_logprobs = np.zeros(offsets[-1], dtype=np.float32)
+        versions = np.full(offsets[-1], -1, dtype=np.int32)
+        newest = np.asarray(policy_version, dtype=np.int32).copy()
         for i, (start, plen) in enumerate(zip(offsets[:-1], prompt_lens, strict=True)):
-            loss_mask[start + plen : offsets[i + 1]] = 1
-            flat_logprobs[start + plen : offsets[i + 1]] = logprobs[i]
+            completion = slice(start + plen, offsets[i + 1])
+            mask = np.ones(lengths[i] - plen, dtype=np.uint8) if loss_masks is None else loss_masks[i]
+            loss_mask[completion] = mask
+            flat_logprobs[completion] = logprobs[i]
+            if token_versions is None:
+                versions[completion] = np.where(np.asarray(mask) == 1, policy_version[i], -1)
+            else:
+                versions[completion] = token_versions[i]
+                sampled = [v for v, m in zip(token_versions[i], mask, strict=True) if m]
+                newest[i] = max(sampled, default=policy_version[i])
         packed = _pack_media(media or {})
         return cls(
             seq=seq,
@@ -139,6 +171,8 @@ class SampleBatch:
             group_ids=np.asarray(group_ids, dtype=np.int64),
             policy_version=np.asarray(policy_version, dtype=np.int32),
             prompt_index=np.asarray(prompt_index, dtype=np.int64),
+            token_versions=versions,
+            newest_version=newest,
             media_bytes=packed["media_bytes"],
             media_offsets=packed["media_offsets"],
             media_kind=packed["media_kind"],
@@ -161,7 +195,8 @@ def _pack_media(media: Mapping[int, Sequence[tuple[Kind, bytes]]]) -> dict[str, 
 
 
 # The arrays with one entry per sample (offsets: one more); a header read covers these only.
-_PER_SAMPLE = ("offsets", "prompt_lens", "rewards", "group_ids", "policy_version", "prompt_index")
+_PER_SAMPLE_V1 = ("offsets", "prompt_lens", "rewards", "group_ids", "policy_version", "prompt_index")
+PER_SAMPLE_OF = {1: _PER_SAMPLE_V1, 2: _PER_SAMPLE_V1, 3: (*_PER_SAMPLE_V1, "newest_version")}
 
 
 def _checksum(arrays: dict[str, np.ndarray], names: Iterable[str] = _ARRAYS) -> int:
@@ -178,8 +213,9 @@ class BatchHeader:
 
     seq: int
     group_ids: np.ndarray
-    policy_version: np.ndarray
+    policy_version: np.ndarray  # the oldest version among each sample's tokens
     rewards: np.ndarray
+    newest_version: np.ndarray  # the newest
 
     @property
     def num_samples(self) -> int:
@@ -188,7 +224,7 @@ class BatchHeader:
 
 def write_batch(path: Path, batch: SampleBatch, writer: str) -> None:
     """Write `batch` to `path` directly (callers publish through Spool.publish)."""
-    arrays = {name: np.asarray(getattr(batch, name), dtype=dtype) for name, dtype in {**_ARRAYS, **_MEDIA}.items()}
+    arrays = {name: np.asarray(getattr(batch, name), dtype=dtype) for name, dtype in _ALL.items()}
     with h5py.File(path, "w", locking=False) as f:
         for name, arr in arrays.items():
             f.create_dataset(name, data=arr)
@@ -199,8 +235,8 @@ def write_batch(path: Path, batch: SampleBatch, writer: str) -> None:
                 "seq": batch.seq,
                 "writer": writer,
                 "created": time.time(),
-                "checksum": _checksum(arrays, {**_ARRAYS, **_MEDIA}),
-                "header_checksum": _checksum(arrays, _PER_SAMPLE),
+                "checksum": _checksum(arrays, _ALL),
+                "header_checksum": _checksum(arrays, PER_SAMPLE_OF[SCHEMA_VERSION]),
             }
         )
     fd = os.open(path, os.O_RDONLY)
@@ -210,10 +246,9 @@ def write_batch(path: Path, batch: SampleBatch, writer: str) -> None:
         os.close(fd)
 
 
-def _read(path: Path, names: Iterable[str]) -> tuple[dict, dict[str, np.ndarray], int]:
-    """(attrs, the named arrays, the length of `tokens`); any defect raises SpoolFormatError. A
-    file of schema 1 holds no media: its media arrays are read as empty."""
-    kinds = {**_ARRAYS, **_MEDIA}
+def _read(path: Path, header: bool) -> tuple[dict, dict[str, np.ndarray], int]:
+    """(attrs, the arrays of its schema version, the length of `tokens`): only the per-sample
+    arrays if `header`. Any defect raises SpoolFormatError."""
     try:
         with h5py.File(path, "r", locking=False) as f:
             attrs = dict(f.attrs)
@@ -224,16 +259,18 @@ def _read(path: Path, names: Iterable[str]) -> tuple[dict, dict[str, np.ndarray]
                     f"schema_version {shown}: this relax_hpc reads versions {list(READABLE_VERSIONS)} "
                     "(a batch written by another release; finish the run with the release that started it)"
                 )
-            required = [*_ARRAYS, *(_MEDIA if version >= 2 else ())]
-            missing = [name for name in required if name not in f]
+            kinds = ARRAYS_OF[int(version)]
+            missing = [name for name in kinds if name not in f]
             if missing:
                 raise SpoolFormatError(f"missing datasets {missing}")
-            arrays = {name: np.asarray(f[name][()], dtype=kinds[name]) for name in names if name in f}
+            names = PER_SAMPLE_OF[int(version)] if header else kinds
+            arrays = {name: np.asarray(f[name][()], dtype=kinds[name]) for name in names}
             num_tokens = int(f["tokens"].shape[0])
     except SpoolFormatError:
         raise
     except Exception as e:  # noqa: BLE001  # h5py raises OSError, KeyError, ValueError... for damaged files
         raise SpoolFormatError(f"unreadable HDF5 ({type(e).__name__}: {e})") from None
+    attrs["schema_version"] = int(version)
     return attrs, arrays, num_tokens
 
 
@@ -241,8 +278,8 @@ def _check_structure(arrays: dict[str, np.ndarray], num_tokens: int) -> None:
     n, offsets = len(arrays["rewards"]), arrays["offsets"]
     if len(offsets) != n + 1 or offsets[0] != 0 or offsets[-1] != num_tokens or np.any(np.diff(offsets) <= 0):
         raise SpoolFormatError("offsets do not describe the token array")
-    for name in ("prompt_lens", "group_ids", "policy_version", "prompt_index"):
-        if len(arrays[name]) != n:
+    for name in ("prompt_lens", "group_ids", "policy_version", "prompt_index", "newest_version"):
+        if name in arrays and len(arrays[name]) != n:
             raise SpoolFormatError(f"{name} has {len(arrays[name])} entries for {n} samples")
 
 
@@ -250,21 +287,22 @@ def read_header(path: Path) -> BatchHeader:
     """The per-sample arrays of a batch file, checked against their own checksum; the tokens are
     neither read nor checksummed (read_batch does that, once, where they are trained). A file
     written before header checksums existed is read and checked whole."""
-    attrs, arrays, num_tokens = _read(path, _PER_SAMPLE)
+    attrs, arrays, num_tokens = _read(path, header=True)
     if "header_checksum" not in attrs:
         batch = read_batch(path)
-        return BatchHeader(batch.seq, batch.group_ids, batch.policy_version, batch.rewards)
-    if int(attrs["header_checksum"]) != _checksum(arrays, _PER_SAMPLE):
+        assert batch.newest_version is not None, "derived at construction"
+        return BatchHeader(batch.seq, batch.group_ids, batch.policy_version, batch.rewards, batch.newest_version)
+    if int(attrs["header_checksum"]) != _checksum(arrays, PER_SAMPLE_OF[attrs["schema_version"]]):
         raise SpoolFormatError("header checksum mismatch (the file was modified or damaged after it was written)")
     _check_structure(arrays, num_tokens)
-    return BatchHeader(int(attrs["seq"]), arrays["group_ids"], arrays["policy_version"], arrays["rewards"])
+    newest = arrays.get("newest_version", arrays["policy_version"])
+    return BatchHeader(int(attrs["seq"]), arrays["group_ids"], arrays["policy_version"], arrays["rewards"], newest)
 
 
 def read_batch(path: Path) -> SampleBatch:
     """Read and validate a batch file; any defect raises SpoolFormatError with the reason."""
-    attrs, arrays, num_tokens = _read(path, {**_ARRAYS, **_MEDIA})
-    summed = {**_ARRAYS, **_MEDIA} if attrs["schema_version"] >= 2 else _ARRAYS
-    if int(attrs.get("checksum", -1)) != _checksum(arrays, summed):
+    attrs, arrays, num_tokens = _read(path, header=False)
+    if int(attrs.get("checksum", -1)) != _checksum(arrays, ARRAYS_OF[attrs["schema_version"]]):
         raise SpoolFormatError("checksum mismatch (the file was modified or damaged after it was written)")
     _check_structure(arrays, num_tokens)
     arrays = {**_no_media(), **arrays}
@@ -275,6 +313,8 @@ def read_batch(path: Path) -> SampleBatch:
         or not (len(media_offsets) - 1 == len(arrays["media_kind"]) == len(arrays["media_group"]))
     ):
         raise SpoolFormatError("media offsets do not describe the media arrays")
+    if "token_versions" in arrays and len(arrays["token_versions"]) != num_tokens:
+        raise SpoolFormatError("token_versions does not have one entry per token")
     meta = {k: (v.item() if hasattr(v, "item") else v) for k, v in attrs.items() if k not in ("seq",)}
     return SampleBatch(seq=int(attrs["seq"]), attrs=meta, **arrays)
 

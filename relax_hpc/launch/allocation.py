@@ -111,7 +111,8 @@ def plan_layout(cfg: JobConfig, alloc: Allocation) -> Layout:
         rollout_nodes = nodes[want_trainer:] or trainer_nodes
         groups = (0, 0)
     colocated = rollout_nodes == trainer_nodes
-    engine_nodes = [rollout_nodes[i % len(rollout_nodes)] for i in range(cfg.rollout.num_engines)]
+    # Judge engines (reward.name=judge) come after the rollout engines, placed the same way.
+    engine_nodes = [rollout_nodes[i % len(rollout_nodes)] for i in range(engine_count(cfg))]
     per_node = Counter(engine_nodes)
     seen: Counter[str] = Counter()
     engine_gpus: list[str | None] = []
@@ -125,6 +126,15 @@ def plan_layout(cfg: JobConfig, alloc: Allocation) -> Layout:
     if sl.trainer.gpus_per_node == 0:
         trainer_gpus = NO_GPU  # a node's GPUs that the job did not ask for are not the trainer's
     return Layout(groups[0], trainer_nodes, trainer_gpus, groups[1], engine_nodes, engine_gpus)
+
+
+def engine_count(cfg: JobConfig) -> int:
+    """Engine processes of the run: the rollout engines, then the judge engines if any."""
+    return cfg.rollout.num_engines + judge_count(cfg)
+
+
+def judge_count(cfg: JobConfig) -> int:
+    return cfg.reward.judge.num_engines if cfg.reward.name == "judge" else 0
 
 
 def _gpu_slice(gpus_per_node: int, engines_on_node: int, index: int, offset: int, tp_size: int | None) -> str | None:

@@ -2,6 +2,7 @@
 
     engines   python -m relax_hpc.engines.torch_engine   (rollout.num_engines processes; with
               rollout.engine=sglang, python -m relax_hpc.engines.sglang_engine, which runs SGLang)
+    judges    the same, on reward.judge.model, registered in RUN_DIR/registry/judge (reward.name=judge)
     driver    python -m relax_hpc.rollout.driver
     metrics   python -m relax_hpc.metrics.sinks              (only with metrics.tensorboard or metrics.clearml)
     trainer   torchrun ... -m relax_hpc.trainer.main      (one torchrun per trainer node)
@@ -22,19 +23,27 @@ from relax_hpc.launch.gpus import LocalDevices, place_local, visible_gpu_count
 from relax_hpc.paths import RunPaths
 
 
+def engine_name(cfg: JobConfig, index: int) -> tuple[str, str]:
+    """(role name, pool) of engine process `index`: rollout engines first, then judge engines."""
+    n = cfg.rollout.num_engines
+    return (f"engine-{index}", "policy") if index < n else (f"judge-{index - n}", "judge")
+
+
 def engine_args(cfg: JobConfig, paths: RunPaths, index: int, host: str) -> list[str]:
+    name, pool = engine_name(cfg, index)
     port = cfg.rollout.base_port + index if cfg.rollout.base_port else 0
     if cfg.rollout.engine == "sglang":
         # A supervisor of one SGLang server; it builds the server's arguments from RUN_DIR/config.yaml.
         return [
-            "-m", "relax_hpc.engines.sglang_engine", "--run-dir", str(paths.root), "--engine-id", f"engine-{index}",
-            "--host", host, "--port", str(port),
+            "-m", "relax_hpc.engines.sglang_engine", "--run-dir", str(paths.root), "--engine-id", name,
+            "--host", host, "--port", str(port), "--pool", pool,
         ]  # fmt: skip
+    model = cfg.model.path if pool == "policy" else str(cfg.reward.judge.model)
     return [
-        "-m", "relax_hpc.engines.torch_engine", "--run-dir", str(paths.root), "--engine-id", f"engine-{index}",
-        "--model-path", cfg.model.path, "--dtype", cfg.model.dtype, "--host", host,
+        "-m", "relax_hpc.engines.torch_engine", "--run-dir", str(paths.root), "--engine-id", name,
+        "--model-path", model, "--dtype", cfg.model.dtype, "--host", host,
         "--port", str(port), "--threads", str(cfg.launch.threads_per_process),
-        "--weights-timeout-s", str(cfg.weights.timeout_s),
+        "--weights-timeout-s", str(cfg.weights.timeout_s), "--pool", pool,
     ]  # fmt: skip
 
 
@@ -66,7 +75,7 @@ def local_commands(cfg: JobConfig, paths: RunPaths, devices: LocalDevices | None
     devices = devices or place_local(cfg, visible_gpu_count())
     py = python(cfg)
     commands = {
-        f"engine-{i}": _on_gpus(gpus, [py, *engine_args(cfg, paths, i, cfg.rollout.host)])
+        engine_name(cfg, i)[0]: _on_gpus(gpus, [py, *engine_args(cfg, paths, i, cfg.rollout.host)])
         for i, gpus in enumerate(devices.engines)
     }
     commands["driver"] = [py, *driver_args(paths)]
@@ -86,9 +95,8 @@ def step_commands(cfg: JobConfig, paths: RunPaths, alloc: Allocation) -> dict[st
         # Engines listen on every interface and announce the node's name: the trainer and the
         # driver may run on other nodes.
         argv = _on_gpus(gpus, [py, *engine_args(cfg, paths, i, "0.0.0.0")])
-        commands[f"engine-{i}"] = _srun(cfg, alloc, layout.engine_group, [node], f"engine-{i}") + wrap_in_container(
-            cfg, argv
-        )
+        name = engine_name(cfg, i)[0]
+        commands[name] = _srun(cfg, alloc, layout.engine_group, [node], name) + wrap_in_container(cfg, argv)
     first_trainer_node = layout.trainer_nodes[:1]
     for name, args in (("driver", driver_args(paths)), ("metrics", sinks_args(paths))):
         if name == "metrics" and not wants_sinks(cfg):

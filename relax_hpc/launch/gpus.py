@@ -61,10 +61,12 @@ class LocalDevices:
 
 def place_local(cfg: JobConfig, visible: int) -> LocalDevices:
     """The roles take GPUs only when there are enough for all of them: one per trainer rank, then
-    one per engine (an SGLang engine rollout.sglang.tp_size); otherwise everything runs on the CPU
-    (a trainer on GPUs would push weights over NCCL, which an engine on the CPU cannot join).
+    one per engine (an SGLang engine rollout.sglang.tp_size; judge engines after the rollout
+    ones); otherwise everything runs on the CPU (a trainer on GPUs would push weights over NCCL,
+    which an engine on the CPU cannot join).
     launch.local_trainer_gpus and launch.local_engine_gpus, when set, decide instead."""
-    ranks, count = cfg.trainer.num_ranks, cfg.rollout.num_engines
+    ranks = cfg.trainer.num_ranks
+    count = cfg.rollout.num_engines + (cfg.reward.judge.num_engines if cfg.reward.name == "judge" else 0)
     per_engine = cfg.rollout.sglang.tp_size if cfg.rollout.engine == "sglang" else 1
     enough = visible >= ranks + count * per_engine
     trainer = cfg.launch.local_trainer_gpus or (f"0-{ranks - 1}" if enough else NO_GPU)

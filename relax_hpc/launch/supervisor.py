@@ -128,7 +128,9 @@ class Supervisor:
         roles = {
             # A driver resumes from the spool, so restarting it is cheap; a few tries cover a crash
             # without hiding a driver that cannot run at all.
-            name: Role(name, argv, logs / f"{name}.log", ro.max_engine_restarts if name.startswith("engine") else 3)
+            name: Role(
+                name, argv, logs / f"{name}.log", ro.max_engine_restarts if name.startswith(("engine", "judge")) else 3
+            )
             for name, argv in self.commands.items()
         }
         job = os.environ.get("SLURM_JOB_ID")
@@ -170,6 +172,7 @@ class Supervisor:
             self.paths, self.cfg.trainer.total_steps, self.out, log_every_s=self.cfg.metrics.progress_every_s
         )
         engines = [r for n, r in roles.items() if n.startswith("engine")]
+        judges = [r for n, r in roles.items() if n.startswith("judge")]
         trainer, driver = roles["trainer"], roles["driver"]
         helpers = [r for n, r in roles.items() if n == "metrics"]
         started = time.monotonic()
@@ -182,7 +185,7 @@ class Supervisor:
             wall = self.cfg.launch.max_wall_s
             if wall and time.monotonic() - started > wall:
                 self.request_stop(f"launch.max_wall_s ({wall:.0f} s) reached")
-            for role in [*engines, driver, *helpers]:
+            for role in [*engines, *judges, driver, *helpers]:
                 if role.alive() or role.abandoned or trainer_done_at is not None or self.stop_requested:
                     continue
                 code = role.returncode

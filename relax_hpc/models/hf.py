@@ -3,25 +3,72 @@ exports load them: one loader, and where each kind keeps its decoder layers and 
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Any
+
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForMultimodalLM, PreTrainedModel
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMultimodalLM, PreTrainedModel
 
 from relax_hpc.data.processor import is_multimodal
 
 # Encoders of the supported multimodal families (Qwen VL's vision tower, Qwen2-Audio's audio tower)
 # under the model's `model` attribute; their parameters' names start with model.NAME.
 ENCODERS = ("visual", "audio_tower")
+# Omni folders (thinker + talker + code2wav: what SGLang serves) whose policy is the thinker alone:
+# AutoModelForMultimodalLM would build the whole model, which has no forward and keeps its
+# encoders under thinker.model. The thinker class loads its part of the folder (the talker's
+# weights are ignored) and is a Qwen VL-like model: model.visual, model.audio_tower, get_rope_index.
+THINKERS = {
+    "qwen3_omni_moe": "Qwen3OmniMoeThinkerForConditionalGeneration",
+    "qwen2_5_omni": "Qwen2_5OmniThinkerForConditionalGeneration",
+}
 
 
-def policy_class(path: str) -> type[AutoModelForCausalLM] | type[AutoModelForMultimodalLM]:
-    """The auto class of the folder's policy: a causal LM, or a multimodal model (Qwen2/2.5-VL,
-    Qwen2-Audio, ...) with its encoders."""
+def _model_type(path: str) -> str | None:
+    model_type: str | None = json.loads((Path(path) / "config.json").read_text()).get("model_type")
+    return model_type
+
+
+def is_omni(path: str) -> bool:
+    """An Omni folder, whose policy is its thinker."""
+    return _model_type(path) in THINKERS
+
+
+def policy_class(path: str) -> Any:
+    """The class of the folder's policy: a causal LM, or a multimodal model (Qwen2/2.5-VL,
+    Qwen3-VL, Qwen2-Audio, ...) with its encoders (auto classes); an Omni model's thinker."""
+    model_type = _model_type(path)
+    if model_type in THINKERS:
+        return getattr(transformers, THINKERS[model_type])
     return AutoModelForMultimodalLM if is_multimodal(path) else AutoModelForCausalLM
 
 
 def load_policy(path: str, dtype: torch.dtype) -> PreTrainedModel:
     model: PreTrainedModel = policy_class(path).from_pretrained(path, dtype=dtype)
     return model
+
+
+def empty_policy(path: str, dtype: torch.dtype) -> PreTrainedModel:
+    """The folder's policy on the meta device (no memory), to load a checkpoint's tensors into."""
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        if is_omni(path):
+            model: PreTrainedModel = policy_class(path)._from_config(config.thinker_config, dtype=dtype)
+        else:
+            model = policy_class(path).from_config(config, dtype=dtype)
+    return model
+
+
+def checkpoint_layout(model: PreTrainedModel, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Parameters as the model's HF checkpoint names and shapes them (what SGLang loads):
+    transformers' own reverse of the conversions it applied at load (fused MoE experts split per
+    expert, an Omni thinker's names under thinker.*); views of the given tensors where it can."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    converted: dict[str, torch.Tensor] = revert_weight_conversion(model, tensors)
+    return converted
 
 
 def pad_token_id(model: PreTrainedModel) -> int:

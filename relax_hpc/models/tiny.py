@@ -8,6 +8,8 @@ loads with `from_pretrained`, exactly as it would load a real Qwen3 checkpoint.
 
 from __future__ import annotations
 
+import random
+
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
@@ -84,6 +86,45 @@ def _supervised(
         labels[:, :4] = -100  # the prompt "a+b=" is 4 characters: no loss on it
         labels[ids == tokenizer.pad_token_id] = -100
         loss = model(input_ids=ids, labels=labels).loss
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+    return float(loss.detach())
+
+
+def tool_warmup(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, steps: int, seed: int) -> float:
+    """Teach the calculator task's *format* only (relax_hpc.envs.calculator): for a question
+    "a<op>b=", half the examples answer at once with a random number, half call the calculator
+    with a random operator, "(op)", read its output (that operator's result, then a space; not
+    trained on) and copy it as the answer. The model learns both forms and to copy a tool's output,
+    not which form or operator is right, so RL starts low (about 1/6 of the answers use the right
+    operator). Returns the last batch's loss."""
+    from relax_hpc.envs.calculator import tool_output
+
+    rng = random.Random(seed)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    loss = torch.tensor(0.0)
+    eos = tokenizer.eos_token_id
+    for _ in range(steps):
+        rows, masks = [], []
+        for _ in range(64):
+            question = f"{rng.randint(100, 999)}{rng.choice('+-*')}{rng.randint(10, 99)}="
+            pieces: list[tuple[str, bool]] = [(question, False)]  # (text, trained on)
+            if rng.random() < 0.5:
+                pieces.append((str(rng.randint(0, 99999)), True))
+            else:
+                op = rng.choice("+-*")
+                output = tool_output(question, op)
+                pieces += [(f"({op})", True), (output, False), (output.strip(), True)]
+            ids = [t for text, _ in pieces for t in tokenizer(text)["input_ids"]] + [eos]
+            mask = [m for text, m in pieces for _ in tokenizer(text)["input_ids"]] + [True]
+            rows.append(ids)
+            masks.append(mask)
+        width = max(map(len, rows))
+        ids_t = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows])
+        labels = torch.tensor([r + [-100] * (width - len(r)) for r in rows])
+        labels[~torch.tensor([m + [False] * (width - len(m)) for m in masks])] = -100
+        loss = model(input_ids=ids_t, labels=labels).loss
         optim.zero_grad()
         loss.backward()
         optim.step()

@@ -89,13 +89,13 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def _id(tokenizer: PreTrainedTokenizerFast, token: str) -> int:
+def token_id(tokenizer: PreTrainedTokenizerFast, token: str) -> int:
     return int(tokenizer.convert_tokens_to_ids(token))  # type: ignore[arg-type]  # one token: one id
 
 
 def build_vision_model(tokenizer: PreTrainedTokenizerFast) -> Qwen2_5_VLForConditionalGeneration:
     def ids(token: str) -> int:
-        return _id(tokenizer, token)
+        return token_id(tokenizer, token)
 
     config = Qwen2_5_VLConfig(
         text_config={**TEXT, "vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,
@@ -127,7 +127,7 @@ def build_audio_model(tokenizer: PreTrainedTokenizerFast) -> Qwen2AudioForCondit
                      "pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id},
         audio_config={"num_mel_bins": 32, "encoder_layers": 2, "encoder_attention_heads": 4, "encoder_ffn_dim": 256,
                       "d_model": 64, "max_source_positions": frames // 2},
-        audio_token_index=_id(tokenizer, "<|AUDIO|>"),
+        audio_token_index=token_id(tokenizer, "<|AUDIO|>"),
     )  # fmt: skip
     config.tie_word_embeddings = False  # Qwen2-Audio never ties its head: the config says so
     return Qwen2AudioForConditionalGeneration(config)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from relax_hpc.algos.stats import Stats
 from relax_hpc.trainer.batching import TrainBatch
 from relax_hpc.trainer.schedule import WarmupSchedule
+from relax_hpc.weights.layout import Convert
 
 
 class NonFiniteLossError(RuntimeError):
@@ -93,6 +94,11 @@ class Backend(Protocol):
     def full_parameters(self) -> Iterable[tuple[str, torch.Tensor | None]]:
         """Collective: (HF name, full tensor) in parameter_specs() order; every rank iterates, only
         rank 0's tensors are used (others may yield None)."""
+        ...
+
+    def checkpoint_layout(self) -> Convert | None:
+        """How full_parameters' tensors become the model's HF checkpoint layout, which SGLang
+        loads (relax_hpc.weights.layout); None where they are in it already."""
         ...
 
     def save_checkpoint(self, folder: Path) -> None:

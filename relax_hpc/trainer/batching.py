@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from relax_hpc.data.processor import MediaProcessor, ProcessorError, concat_inputs, rope_positions
@@ -136,10 +137,12 @@ def share_of(
     world: int,
     pad_id: int,
     processor: MediaProcessor | None = None,
+    oldest_version: int | None = None,
 ) -> tuple[TrainBatch, dict[str, Any]]:
     """This rank's share of the `trained` samples of a batch: whole groups, dealt round-robin in
     group order. With media, `processor` rebuilds each group's model inputs from its stored
-    media, once per group."""
+    media, once per group. With `oldest_version` (rollout.mask_stale_tokens), sampled tokens of
+    an older version are left out of the loss."""
     groups = sorted(set(batch.group_ids[trained].tolist()))
     mine = set(groups[rank::world])
     rows = [i for i in trained if batch.group_ids[i] in mine]
@@ -159,7 +162,13 @@ def share_of(
         dummy = pad_samples([[pad_id, pad_id]], [[0, 0]], [[0.0, 0.0]], [0.0], [-1], pad_id)
         return dummy.without_loss(), stats
     seqs = [batch.sample_tokens(i).tolist() for i in rows]
-    masks = [batch.loss_mask[batch.offsets[i] : batch.offsets[i + 1]].tolist() for i in rows]
+    loss_mask = batch.loss_mask
+    if oldest_version is not None:
+        assert batch.token_versions is not None, "derived at construction"
+        stale = (loss_mask == 1) & (batch.token_versions < oldest_version)
+        stats["stale_tokens_masked"] = int(sum(stale[batch.offsets[i] : batch.offsets[i + 1]].sum() for i in rows))
+        loss_mask = np.where(stale, 0, loss_mask)
+    masks = [loss_mask[batch.offsets[i] : batch.offsets[i + 1]].tolist() for i in rows]
     logps = [batch.rollout_logprobs[batch.offsets[i] : batch.offsets[i + 1]].tolist() for i in rows]
     tb = pad_samples(seqs, masks, logps, batch.rewards[rows].tolist(), batch.group_ids[rows].tolist(), pad_id, media)
     return tb, stats

@@ -37,6 +37,7 @@ from relax_hpc.trainer.batching import share_of
 from relax_hpc.trainer.build import build_backend
 from relax_hpc.trainer.claims import claim_next, read_claimed
 from relax_hpc.weights.buckets import plan_buckets
+from relax_hpc.weights.layout import EngineLayout
 from relax_hpc.weights.sender import WeightSender, WeightSyncError, push
 
 log = logging.getLogger("relax_hpc.trainer")
@@ -109,6 +110,10 @@ def reduce_stats(stats: Stats, epochs: int) -> dict[str, float]:
     return out
 
 
+# Counts each rank makes over its own share of a batch, summed over ranks for the step's record.
+RANK_COUNTS = ("media_mismatched_groups", "stale_tokens_masked")
+
+
 class Trainer:
     def __init__(self, cfg: JobConfig, paths: RunPaths, device: torch.device) -> None:
         self.cfg, self.paths = cfg, paths
@@ -116,8 +121,13 @@ class Trainer:
         self.backend = build_backend(cfg, device)
         self.pad_id = self.backend.pad_token_id
         self.processor = media_processor(cfg.model.path)  # rebuilds the model inputs of media batches
+        # Partial rollout with stale tokens masked: a sample's age is its newest token's.
+        self.per_token = cfg.rollout.partial and cfg.rollout.mask_stale_tokens
         self.ckpt = Checkpointer(paths.ckpt, cfg.ckpt.keep)
-        self.buckets = plan_buckets(self.backend.parameter_specs(), int(cfg.weights.bucket_mb * 2**20))
+        # SGLang loads the HF checkpoint's layout; the built-in engine the trainer's own.
+        convert = self.backend.checkpoint_layout() if cfg.rollout.engine == "sglang" else None
+        self.layout = EngineLayout(self.backend.parameter_specs(), convert)
+        self.buckets = plan_buckets(self.layout.specs(), int(cfg.weights.bucket_mb * 2**20))
         self.state = RunState()
         self.stop = StopRequest(paths.stop_request)
         self.delivered = -1  # policy version the engines hold (rank 0's knowledge)
@@ -129,7 +139,7 @@ class Trainer:
             auto = "nccl" if device.type == "cuda" else "gloo"
             backend = cfg.weights.backend if cfg.weights.backend != "auto" else auto
             self.sender: WeightSender | None = WeightSender(
-                paths.engines, paths.read_token(), backend, cfg.weights.timeout_s
+                paths.engines, paths.read_token(), backend, cfg.weights.timeout_s, cfg.rollout.partial
             )
             self.spool = Spool(paths.spool)
             self.metrics = JsonlWriter(paths.train_metrics)
@@ -176,7 +186,8 @@ class Trainer:
         ):
             self.last_engine_check = time.monotonic()
             return {"kind": "sync"}
-        claim = claim_next(self.spool, self.state.step, self.state.version, self.cfg.rollout.max_staleness)
+        ro = self.cfg.rollout
+        claim = claim_next(self.spool, self.state.step, self.state.version, ro.max_staleness, self.per_token)
         if claim is None:
             return {"kind": "wait"}
         self.state.quarantined_files += claim.quarantined
@@ -192,7 +203,8 @@ class Trainer:
 
     def sync(self) -> None:
         try:
-            engines = push(self.sender, self.buckets, self.backend.full_parameters, self.state.version)
+            params = lambda: self.layout.tensors(self.backend.full_parameters())  # noqa: E731  # a stream per push
+            engines = push(self.sender, self.buckets, params, self.state.version)
         except WeightSyncError as e:
             log.warning("%s; retrying with the engines that answer", e)
             return
@@ -216,11 +228,15 @@ class Trainer:
             return None
         b = self.backend
         with self.timer.phase("read"):  # and made into this rank's training tensors
-            share, stats = share_of(batch, command["trained"], b.data_rank, b.data_world, self.pad_id, self.processor)
-            if len(batch.media_kind):  # each rank checked its own groups' media
-                counts = [0] * self.world
-                dist.all_gather_object(counts, stats["media_mismatched_groups"])
-                stats["media_mismatched_groups"] = sum(counts)
+            oldest = self.state.version - self.cfg.rollout.max_staleness if self.per_token else None
+            share, stats = share_of(
+                batch, command["trained"], b.data_rank, b.data_world, self.pad_id, self.processor, oldest
+            )
+            counted = [k for k in RANK_COUNTS if k in stats] if len(batch.media_kind) or self.per_token else []
+            if counted:  # each rank counted in its own groups
+                everyone: list[dict[str, int]] = [{}] * self.world
+                dist.all_gather_object(everyone, {k: stats[k] for k in counted})
+                stats.update({k: sum(c[k] for c in everyone) for k in counted})
         with self.timer.phase("train"):
             result = self.backend.train_step(share, self.state.step)
         objective = reduce_stats(result.stats, self.cfg.algo.epochs)
@@ -250,6 +266,7 @@ class Trainer:
             "quarantined_files_total": self.state.quarantined_files,
             "engines": len(self.sender.members),
             **({"media_mismatched_groups": stats["media_mismatched_groups"]} if len(batch.media_kind) else {}),
+            **({"stale_tokens_masked": stats["stale_tokens_masked"]} if self.per_token else {}),
             "time_generate": float(batch.attrs.get("generate_seconds", 0.0)),
             "time_optimizer": result.optimizer_s,
         }

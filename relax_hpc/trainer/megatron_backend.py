@@ -308,6 +308,9 @@ class MegatronBackend:
         a collective: every rank must iterate."""
         return export_hf(self.model.module, self.hf_config)
 
+    def checkpoint_layout(self) -> None:
+        return None  # relax_hpc.models.hf_mapping names and shapes them as the HF checkpoint does
+
     def parameter_specs(self) -> list[tuple[str, torch.Size, torch.dtype]]:
         return hf_specs(self.hf_config, self.dtype)
 

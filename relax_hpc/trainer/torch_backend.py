@@ -11,6 +11,7 @@ sharded.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TypeVar
@@ -28,10 +29,18 @@ from relax_hpc.algos.objective import Advantages, Objective
 from relax_hpc.algos.stats import Stats
 from relax_hpc.config.schema import JobConfig
 from relax_hpc.metrics.timing import PhaseTimer
-from relax_hpc.models.hf import decoder_layers, encoders, is_encoder_parameter, load_policy, pad_token_id
+from relax_hpc.models.hf import (
+    checkpoint_layout,
+    decoder_layers,
+    encoders,
+    is_encoder_parameter,
+    load_policy,
+    pad_token_id,
+)
 from relax_hpc.trainer.backend import DistComm, NonFiniteLossError, StepResult
 from relax_hpc.trainer.batching import TrainBatch, token_logprobs_and_entropy
 from relax_hpc.trainer.schedule import WarmupSchedule
+from relax_hpc.weights.layout import Convert
 
 _Model = TypeVar("_Model", bound=torch.nn.Module)
 
@@ -229,6 +238,9 @@ class TorchBackend:
             if name in synced:
                 full = param.full_tensor() if isinstance(param, DTensor) else param
                 yield name, full.detach()
+
+    def checkpoint_layout(self) -> Convert:
+        return functools.partial(checkpoint_layout, self.model)
 
     def parameter_specs(self) -> list[tuple[str, torch.Size, torch.dtype]]:
         synced = set(self.synced)

@@ -1,7 +1,8 @@
 """Trainer side of weight sync (rank 0 of the trainer is rank 0 of the group).
 
 SGLang 0.5.23's sequence: pause_generation (in_place, so no completion mixes buckets of two
-versions), begin_weight_update, then for each bucket POST /update_weights_from_distributed to
+versions; abort with partial rollout: what is in flight returns, and the driver continues it),
+begin_weight_update, then for each bucket POST /update_weights_from_distributed to
 every engine (which then waits in the broadcast) and broadcast the flat bucket, end_weight_update,
 continue_generation. `weight_version` goes with the last bucket only, so an engine reports the new
 version only once it holds all of it.
@@ -27,6 +28,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -59,8 +61,13 @@ def _engine_key(records: list[EngineRecord]) -> list[tuple[str, str]]:
 
 
 class WeightSender:
-    def __init__(self, registry: Path, api_key: str, backend: str, timeout_s: float) -> None:
+    def __init__(
+        self, registry: Path, api_key: str, backend: str, timeout_s: float, abort_in_flight: bool = False
+    ) -> None:
         self.registry = registry
+        # Partial rollout: generations in flight are aborted (the driver continues them with the
+        # new weights); otherwise they are paused in place and finish with the new weights.
+        self.pause_mode: Literal["abort", "in_place"] = "abort" if abort_in_flight else "in_place"
         self.api_key = api_key
         self.backend = backend
         self.timeout_s = timeout_s
@@ -150,7 +157,7 @@ class WeightSender:
         self._pipelines = list(
             self._pool.map(lambda r: RequestPipeline(r.url, self.api_key, self.timeout_s), self.members)
         )
-        self._queue("/pause_generation", P.PauseGenerationReqInput(mode="in_place"))
+        self._queue("/pause_generation", P.PauseGenerationReqInput(mode=self.pause_mode))
         self._queue("/begin_weight_update", P.BeginWeightUpdateReqInput())
         return len(self.members)
 

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from relax_hpc.config.load import read_frozen
+from relax_hpc.envs.context import GenerateCall
 from relax_hpc.protocol import requests as P
 from relax_hpc.protocol.client import EngineClient
 from relax_hpc.rollout.driver import Driver
@@ -29,16 +30,20 @@ def test_prompts_of_a_killed_engine_are_reissued(tmp_path, engines):
     )
     driver = Driver(read_frozen(paths.config), paths)
     driver.pool.refresh(force=True)
-    driver._load = {records["engine-1"].instance: 5}  # make engine-0 the least loaded: it gets the chunk
+    policy = driver.policy
+    policy._load = {records["engine-1"].instance: 5}  # make engine-0 the least loaded: it gets the chunk
+    calls = [
+        GenerateCall(ids, {"max_new_tokens": 4, "sampling_seed": k}) for k, ids in enumerate(driver.prompt_ids[:6])
+    ]
     result: dict = {}
-    thread = threading.Thread(target=lambda: result.update(out=driver._run_chunk(list(range(6)), list(range(6)), 0)))
+    thread = threading.Thread(target=lambda: result.update(out=policy._run_chunk(calls)))
     thread.start()
     time.sleep(1.0)
     assert thread.is_alive()  # waiting on the paused engine
     os.kill(victim.pid, signal.SIGKILL)
     thread.join(timeout=60)
     assert not thread.is_alive()
-    assert driver.reissued == 6
+    assert policy.reissued == 6
     assert len(result["out"]) == 6 and all(o["meta_info"]["finish_reason"]["type"] != "abort" for o in result["out"])
 
 

@@ -42,3 +42,24 @@ def test_a_vision_run_killed_twice_reproduces_the_uninterrupted_run(tmp_path):
     resumed = tmp_path / "resumed"
     run_with_kills(resumed, 2, random.Random(7), *COMMON, steps=STEPS, config=VISION)
     assert_reproduces(reference, resumed, STEPS)
+
+
+LEARNING_STEPS = 80
+# The shipped config shortened to LEARNING_STEPS; chance is 0.2 (five answers) and the first steps
+# sit below it (the warm-up answers any digit). Levels: BENCHMARKS.md, "Images and audio".
+LEARNING = {"tiny-vision-grpo.yaml": 0.4, "tiny-audio-grpo.yaml": 0.4}
+
+
+@pytest.mark.learning
+@pytest.mark.parametrize("config", sorted(LEARNING))
+def test_the_reward_rises_with_engines_and_trainer_ranks(tmp_path, config):
+    job = Job(
+        tmp_path / "run",
+        f"trainer.total_steps={LEARNING_STEPS}",
+        "rollout.eval_every=0",
+        config=REPO / "configs" / config,
+    )
+    assert job.run(timeout_s=600) == 0, job.text()[-3000:]
+    rewards = [r["reward"] for r in job.steps()]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert first < 0.25 and last >= LEARNING[config], (first, last)

@@ -13,7 +13,8 @@ from tests.unit.test_spool import make_batch
 
 def _header(batch: SampleBatch) -> BatchHeader:
     """What read_header gives for the batch once written (its arrays, not copies)."""
-    return BatchHeader(batch.seq, batch.group_ids, batch.policy_version, batch.rewards)
+    assert batch.newest_version is not None
+    return BatchHeader(batch.seq, batch.group_ids, batch.policy_version, batch.rewards, batch.newest_version)
 
 
 def test_groups_with_any_too_old_sample_are_set_aside():

@@ -1,10 +1,12 @@
 """Dynamic sampling and reward shaping in BatchPlan, with stand-in sampling rounds."""
 
+import asyncio
 from pathlib import Path
 
 from relax_hpc.config import load_config
 from relax_hpc.data.plan import BatchPlan, Group
 from relax_hpc.data.prompts import load_prompts
+from relax_hpc.envs.base import Trajectory
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -18,22 +20,30 @@ def rounds_with(rewards_per_round):
     """A sampling function whose round r returns groups with the given rewards, and the rounds asked."""
     asked = []
 
-    def sample_round(r):
+    async def sample_round(r):
         asked.append(r)
-        return [Group(10 * r + j, j, [1], [[2]], [[0.0]], rw, [0]) for j, rw in enumerate(rewards_per_round[r])]
+        groups = []
+        for j, rewards in enumerate(rewards_per_round[r]):
+            trajectories = [Trajectory([1], [2], [1], [0.0], [0]) for _ in rewards]
+            groups.append(Group(10 * r + j, j, trajectories, rewards))
+        return groups
 
     return sample_round, asked
 
 
+def select(p, sample_round):
+    return asyncio.run(p.select(sample_round))
+
+
 def test_without_dynamic_sampling_the_first_round_is_the_batch():
     sample_round, asked = rounds_with([[[1, 1], [0, 0], [0, 1]]])
-    sel = plan().select(sample_round)
+    sel = select(plan(), sample_round)
     assert asked == [0] and [g.group_id for g in sel.groups] == [0, 1, 2] and sel.dropped == 0
 
 
 def test_uninformative_groups_are_replaced_from_later_rounds():
     sample_round, asked = rounds_with([[[1, 1], [0, 1], [0, 0]], [[0, 0], [1, 0], [1, 0]]])
-    sel = plan("algo.dynamic_sampling.enabled=true").select(sample_round)
+    sel = select(plan("algo.dynamic_sampling.enabled=true"), sample_round)
     assert asked == [0, 1]
     assert [g.group_id for g in sel.groups] == [1, 11, 12]  # round 0's informative one, then round 1's
     assert (sel.rounds, sel.dropped, sel.topped_up) == (2, 3, 0)
@@ -41,7 +51,7 @@ def test_uninformative_groups_are_replaced_from_later_rounds():
 
 def test_a_batch_still_short_after_max_rounds_is_topped_up_with_dropped_groups():
     sample_round, asked = rounds_with([[[1, 1], [0, 1], [0, 0]], [[0, 0], [0, 0], [1, 1]]])
-    sel = plan("algo.dynamic_sampling.enabled=true", "algo.dynamic_sampling.max_rounds=2").select(sample_round)
+    sel = select(plan("algo.dynamic_sampling.enabled=true", "algo.dynamic_sampling.max_rounds=2"), sample_round)
     assert asked == [0, 1] and len(sel.groups) == 3
     assert [g.group_id for g in sel.groups] == [1, 0, 2]  # the informative group, then the first dropped
     assert (sel.dropped, sel.topped_up) == (5, 2)
@@ -57,6 +67,11 @@ def test_rounds_are_a_pure_function_of_the_batch_and_round():
 
 def test_overlong_completions_lose_reward_linearly_in_the_buffer():
     p = plan("algo.overlong.buffer=2", "algo.overlong.penalty=0.5")  # limit 4 tokens: penalty from 3
-    index = next(i for i, r in enumerate(p.rows) if r.answer == "7")
-    assert [p.reward("7", n, index) for n in (1, 2, 3, 4)] == [1.0, 1.0, 0.75, 0.5]
-    assert p.reward("8", 4, index) == -0.5
+
+    def sampled(n: int, observed: int = 0) -> Trajectory:
+        t = Trajectory([1], [2] * n, [1] * n, [0.0] * n, [0] * n)
+        return t.add_observation([3] * observed)
+
+    assert [p.shaped(1.0, sampled(n)) for n in (1, 2, 3, 4)] == [1.0, 1.0, 0.75, 0.5]
+    assert p.shaped(0.0, sampled(4)) == -0.5
+    assert p.shaped(1.0, sampled(2, observed=5)) == 1.0  # environment tokens are not the model's length

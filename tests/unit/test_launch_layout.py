@@ -112,6 +112,7 @@ def test_sglang_engine_commands_run_the_wrapper(tmp_path):
     assert engine[wrapper - 5 : wrapper - 2] == ["relax_hpc.launch.gpus", "4-7", "--"]
     assert engine[wrapper + 1 :] == [
         "--run-dir", str(paths.root), "--engine-id", "engine-1", "--host", "0.0.0.0", "--port", "30001",
+        "--pool", "policy",
     ]  # fmt: skip
     # The wrapper reads the run token itself: it is on no command line the launcher prints.
     local = local_commands(cfg, paths)["engine-0"]

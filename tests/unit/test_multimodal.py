@@ -1,4 +1,5 @@
-"""Images and audio from the dataset to the loss, with the tiny Qwen2.5-VL and Qwen2-Audio.
+"""Images and audio from the dataset to the loss: the shipped tiny Qwen2.5-VL and Qwen2-Audio,
+and tiny Qwen3-VL and Qwen3-Omni (the GPU recipes' families) built for the test.
 
 The engine expands the placeholders, samples, and reports the prompt it conditioned on; the
 batch goes through a real spool file; the trainer rebuilds the model inputs from the stored media
@@ -8,35 +9,46 @@ in the same batch, and prompts of different lengths exercise padding and multimo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from relax_hpc.data.media import Kind
 from relax_hpc.data.plan import Group, to_sample_batch
-from relax_hpc.data.processor import MediaProcessor, prompt_encoder
+from relax_hpc.data.processor import MediaProcessor, prompt_encoder, up_to_media_token
 from relax_hpc.data.prompts import PromptRow, load_prompts
 from relax_hpc.engines.torch_engine import TorchEngine
+from relax_hpc.envs.base import Sampled, Trajectory
+from relax_hpc.envs.context import GenerateCall
 from relax_hpc.exchange.spool import read_batch, write_batch
 from relax_hpc.models.hf import load_policy
 from relax_hpc.models.tiny_multimodal import CELL, GRID
 from relax_hpc.protocol import requests as P
-from relax_hpc.rollout.driver import Driver
+from relax_hpc.rollout.engine_policy import EnginePolicy
 from relax_hpc.trainer.batching import share_of, token_logprobs_and_entropy
+from tests.models.qwen3_family import build_qwen3_omni, build_qwen3_vl
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
-TASKS = {
-    "image": (ASSETS / "tiny-qwen2.5-vl-shapes", ASSETS / "shapes/shapes.jsonl", "images", GRID * GRID),
-    "audio": (ASSETS / "tiny-qwen2-audio-beeps", ASSETS / "beeps/beeps.jsonl", "audios", 25),
+SHAPES, BEEPS = ASSETS / "shapes/shapes.jsonl", ASSETS / "beeps/beeps.jsonl"
+# name -> (model folder or builder, dataset, media field, placeholder tokens per item)
+TASKS: dict[str, tuple[Path | Callable[[Path], Path], Path, str, int]] = {
+    "qwen2.5-vl": (ASSETS / "tiny-qwen2.5-vl-shapes", SHAPES, "images", GRID * GRID),
+    "qwen2-audio": (ASSETS / "tiny-qwen2-audio-beeps", BEEPS, "audios", 25),
+    "qwen3-vl": (build_qwen3_vl, SHAPES, "images", 4),  # 64 x 64 pixels: 2 x 2 merged patches of 16
+    "qwen3-omni-image": (build_qwen3_omni, SHAPES, "images", 4),
+    "qwen3-omni-audio": (build_qwen3_omni, BEEPS, "audios", 13),  # 1 s: 100 frames, 13 tokens
 }
-COPIES = 2
+COPIES, NEW_TOKENS = 2, 4
 
 
 @pytest.fixture(scope="module", params=sorted(TASKS))
-def task(request) -> SimpleNamespace:
-    kind = request.param
-    model, data, field, tokens = TASKS[kind]
+def task(request, tmp_path_factory) -> SimpleNamespace:
+    source, data, field, tokens = TASKS[request.param]
+    model = source if isinstance(source, Path) else source(tmp_path_factory.mktemp(request.param))
+    kind: Kind = "image" if field == "images" else "audio"
     engine = TorchEngine(str(model), "float32")
     assert engine.processor is not None
     rows = load_prompts(data, "prompt", "answer", {kind: field})[:2]
@@ -47,7 +59,7 @@ def task(request) -> SimpleNamespace:
     ]
     encode = prompt_encoder(str(model), engine.processor)
     return SimpleNamespace(
-        kind=kind, model=str(model), engine=engine, processor=engine.processor, rows=rows,
+        name=request.param, kind=kind, model=str(model), engine=engine, processor=engine.processor, rows=rows,
         prompt_ids=[encode(r) for r in rows], tokens_per_item=tokens,
     )  # fmt: skip
 
@@ -56,30 +68,33 @@ def generate(task: SimpleNamespace) -> tuple[list[int], list[dict]]:
     """Every row COPIES times, as the driver asks an engine."""
     indices = [i for i in range(len(task.rows)) for _ in range(COPIES)]
     sampling = [
-        {"max_new_tokens": 4, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 7 + k}
+        {"max_new_tokens": NEW_TOKENS, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 7 + k}
         for k in range(len(indices))
     ]
-    request = Driver._request(task, indices, sampling, True)  # type: ignore[arg-type]  # the stand-in has what it reads
+    calls = [
+        GenerateCall(task.prompt_ids[i], params, [(r.kind, r.read()) for r in task.rows[i].media])
+        for i, params in zip(indices, sampling, strict=True)
+    ]
+    request = EnginePolicy._request(SimpleNamespace(), calls)  # type: ignore[arg-type]  # reads nothing of self
     outputs = task.engine.generate(request)
     assert isinstance(outputs, list)
     return indices, outputs
 
 
 def groups_of(task: SimpleNamespace, outputs: list[dict]) -> list[Group]:
-    mine = [outputs[i * COPIES : (i + 1) * COPIES] for i in range(len(task.rows))]
-    return [
-        Group(
-            group_id=10 + i,
-            prompt_index=i,
-            prompt_ids=mine[i][0]["prompt_token_ids"],
-            completions=[o["output_ids"] for o in mine[i]],
-            logprobs=[[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]] for o in mine[i]],
-            rewards=[1.0, 0.0],
-            versions=[0, 0],
-            media=[(ref.kind, ref.read()) for ref in row.media],
-        )
-        for i, row in enumerate(task.rows)
-    ]  # fmt: skip
+    """The answers as the driver stores them: cut before a sampled media token (random-init
+    models sample them), the prompt the engine conditioned on, the group's items."""
+    groups = []
+    for i, row in enumerate(task.rows):
+        trajectories = []
+        for o in outputs[i * COPIES : (i + 1) * COPIES]:
+            keep = up_to_media_token(o["output_ids"], task.processor.media_token_ids)
+            logprobs = [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]][:keep]
+            sampled = Sampled(o["output_ids"][:keep], logprobs, [0] * keep, "length", "", o["prompt_token_ids"])
+            media = [(ref.kind, ref.read()) for ref in row.media]
+            trajectories.append(Trajectory(o["prompt_token_ids"], media=media).add_sampled(sampled))
+        groups.append(Group(10 + i, i, trajectories, [1.0, 0.0]))
+    return groups
 
 
 def test_prompts_hold_one_placeholder_per_item_and_the_processor_expands_it(task):
@@ -90,9 +105,9 @@ def test_prompts_hold_one_placeholder_per_item_and_the_processor_expands_it(task
     processed = processor.process(task.prompt_ids[0], [(ref.kind, ref.read()) for ref in row.media])
     assert processed.input_ids.count(placeholder) == task.tokens_per_item
     assert processor.collapse(processed.input_ids) == task.prompt_ids[0]
-    if task.kind == "image":  # one merged token per 28-pixel cell: a GRID x GRID picture
+    if task.name == "qwen2.5-vl":  # one merged token per 28-pixel cell: a GRID x GRID picture
         assert processed.tensors["image_grid_thw"].tolist() == [[1, GRID * CELL // 14, GRID * CELL // 14]]
-    else:
+    elif task.kind == "audio":
         assert int(processed.tensors["feature_attention_mask"].sum()) == 100  # 10 ms frames of 1 s
 
 
@@ -102,7 +117,7 @@ def test_the_engine_answers_with_the_expanded_prompt(task):
         row = task.rows[i]
         expected = task.processor.process(task.prompt_ids[i], [(r.kind, r.read()) for r in row.media]).input_ids
         assert out["prompt_token_ids"] == (expected if row.media else task.prompt_ids[i])
-        assert len(out["output_ids"]) == 4
+        assert len(out["output_ids"]) == NEW_TOKENS
 
 
 def test_the_trainer_rebuilds_the_same_inputs_from_the_spool_and_agrees_on_logprobs(task, tmp_path):
@@ -112,8 +127,8 @@ def test_the_trainer_rebuilds_the_same_inputs_from_the_spool_and_agrees_on_logpr
     batch = read_batch(tmp_path / "b.h5")
     # Each group's items once, whatever the group size: rows 0 and 2 share a clip, stored twice
     # (once per group); the text row stores nothing.
-    assert len(batch.media_bytes) == sum(len(data) for g in groups for _, data in g.media)
-    assert batch.group_media(13) == [] and batch.group_media(12) == groups[2].media
+    assert len(batch.media_bytes) == sum(len(data) for g in groups for _, data in g.trajectories[0].media)
+    assert batch.group_media(13) == [] and batch.group_media(12) == groups[2].trajectories[0].media
     pad = task.processor.tokenizer.pad_token_id
     train, stats = share_of(batch, list(range(batch.num_samples)), 0, 1, pad, task.processor)
     assert stats["media_mismatched_groups"] == 0 and train.num_samples == len(task.rows) * COPIES
@@ -121,7 +136,7 @@ def test_the_trainer_rebuilds_the_same_inputs_from_the_spool_and_agrees_on_logpr
     with torch.no_grad():
         logprobs, _ = token_logprobs_and_entropy(model, train)
     mask = train.loss_mask.bool()
-    assert int(mask.sum()) == 4 * len(task.rows) * COPIES
+    assert int(mask.sum()) == sum(len(t.tokens) for g in groups for t in g.trajectories) > 0
     diff = (logprobs[mask] - train.rollout_logprobs[mask]).abs().max()
     assert diff < 1e-4, f"trainer and engine disagree by {float(diff):.2e}"
 
@@ -130,9 +145,10 @@ def test_a_group_the_trainer_expands_differently_is_left_out_and_counted(task, t
     _, outputs = generate(task)
     groups = groups_of(task, outputs)
     placeholder = task.processor.placeholders[task.kind]
-    ids = groups[1].prompt_ids
-    at = ids.index(placeholder)
-    groups[1].prompt_ids = [*ids[:at], placeholder, *ids[at:]]
+    for trajectory in groups[1].trajectories:
+        ids = trajectory.prompt_ids
+        at = ids.index(placeholder)
+        trajectory.prompt_ids = [*ids[:at], placeholder, *ids[at:]]
     write_batch(tmp_path / "b.h5", to_sample_batch(0, groups), writer="test")
     batch = read_batch(tmp_path / "b.h5")
     pad = task.processor.tokenizer.pad_token_id

@@ -42,8 +42,10 @@ import pytest
 from relax_hpc.config import load_config
 from relax_hpc.data.prompts import PromptRow, load_prompts
 from relax_hpc.engines.sglang_engine import server_args
+from relax_hpc.envs.context import GenerateCall
+from relax_hpc.envs.rounds import sampling_params
 from relax_hpc.protocol import requests as P
-from relax_hpc.rollout.driver import Driver
+from relax_hpc.rollout.engine_policy import EnginePolicy
 from tests.sglang_import import import_sglang
 
 REPO = Path(__file__).resolve().parents[2]
@@ -98,8 +100,8 @@ def sglang() -> SimpleNamespace:
 
 def sent_requests(cfg) -> list[Any]:
     """Each request as relax_hpc builds it (relax_hpc/rollout/driver.py, relax_hpc/weights/sender.py)."""
-    driver = SimpleNamespace(ro=cfg.rollout)  # all that Driver._sampling reads
-    sampling, greedy = Driver._sampling(driver), Driver._sampling(driver, temperature=0.0)  # type: ignore[arg-type]  # the stand-in above
+    sampling = sampling_params(cfg.rollout)
+    greedy = {**sampling, "temperature": 0.0}
     init = P.InitWeightsUpdateGroupReqInput(
         master_address="127.0.0.1",
         master_port=29517,
@@ -116,12 +118,10 @@ def sent_requests(cfg) -> list[Any]:
         "load_format": "flattened_bucket",
     }
     return [
-        P.GenerateReqInput(
-            input_ids=[[5, 6, 7], [5, 6, 7]],
-            sampling_params=[{**sampling, "sampling_seed": s} for s in (11, 12)],
-            return_logprob=True,
-        ),
-        P.GenerateReqInput(input_ids=[[5, 6, 7], [8, 9]], sampling_params=greedy),  # evaluation
+        policy_request([GenerateCall([5, 6, 7], {**sampling, "sampling_seed": s}) for s in (11, 12)]),
+        policy_request([GenerateCall(ids, greedy) for ids in ([5, 6, 7], [8, 9])]),  # evaluation
+        # a multi-turn environment's second turn: a stop token, fewer new tokens
+        policy_request([GenerateCall([5, 6, 7, 9], {**sampling, "max_new_tokens": 2, "stop_token_ids": [9]})]),
         *media_requests(sampling),
         init,
         P.InitWeightsUpdateGroupReqInput(**{**P.to_json(init), "rank_offset": 1}),
@@ -138,17 +138,24 @@ def sent_requests(cfg) -> list[Any]:
     ]
 
 
+def policy_request(calls: list[GenerateCall]) -> P.GenerateReqInput:
+    """A /generate request as the driver's engine policy builds it from episodes' calls."""
+    return EnginePolicy._request(SimpleNamespace(), calls)  # type: ignore[arg-type]  # _request reads nothing of self
+
+
 def media_requests(sampling: dict[str, Any]) -> list[P.GenerateReqInput]:
     """The driver's requests for rows with images, with audio, and for a batch mixing rows with
-    and without media, built by Driver._request from the shipped datasets."""
+    and without media, built from the shipped datasets."""
     images = load_prompts(REPO / "assets/shapes/shapes.jsonl", "prompt", "answer", {"image": "images"})[:2]
     audios = load_prompts(REPO / "assets/beeps/beeps.jsonl", "prompt", "answer", {"audio": "audios"})[:2]
     both = [*images, audios[0], PromptRow(9, "text only", "1")]
     requests = []
     for rows, indices in ((images, [0, 0, 1, 1]), (audios, [0, 1]), (both, [0, 2, 3, 3])):
-        driver = SimpleNamespace(rows=rows, prompt_ids=[[5, 6, 7]] * len(rows))  # all that _request reads
-        params = [{**sampling, "sampling_seed": k} for k in range(len(indices))]
-        requests.append(Driver._request(driver, indices, params, True))  # type: ignore[arg-type]  # the stand-in above
+        calls = [
+            GenerateCall([5, 6, 7], {**sampling, "sampling_seed": k}, [(r.kind, r.read()) for r in rows[i].media])
+            for k, i in enumerate(indices)
+        ]
+        requests.append(policy_request(calls))
     assert all(r.return_prompt_token_ids for r in requests) and requests[2].image_data and requests[2].audio_data
     return requests
 

@@ -1,0 +1,57 @@
+"""Environments: how one episode of a rollout goes (relax_hpc.envs.base has the interface).
+
+`rollout.env.name` picks one: a built-in by name, or any `module:attribute` on the Python path:
+an async function `(row, ctx) -> Trajectory | list[Trajectory]`, or a class whose constructor
+takes the env's settings (`rollout.env.settings`, a mapping) and whose async `rollout(row, ctx)`
+is that function.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from relax_hpc.envs.base import EnvError, EnvFn
+from relax_hpc.envs.calculator import Calculator
+from relax_hpc.envs.long_tail import LongTail
+from relax_hpc.envs.single_turn import single_turn
+
+BUILTIN: dict[str, Any] = {"single_turn": single_turn, "calculator": Calculator, "long_tail": LongTail}
+
+
+def resolve(name: str) -> Any:
+    """The object `name` designates: a built-in, or `module:attribute` (imported)."""
+    if name in BUILTIN:
+        return BUILTIN[name]
+    module_name, sep, attribute = name.partition(":")
+    if not sep or not module_name or not attribute:
+        raise EnvError(f"rollout.env.name {name!r}: a built-in ({', '.join(BUILTIN)}) or module:attribute")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise EnvError(f"rollout.env.name {name!r}: cannot import {module_name} ({e})") from None
+    target = getattr(module, attribute, None)
+    if target is None:
+        raise EnvError(f"rollout.env.name {name!r}: {module_name} has no attribute {attribute!r}")
+    return target
+
+
+def load_env(name: str, settings: Mapping[str, Any]) -> EnvFn:
+    """The episode function of the configured environment."""
+    target: Any = resolve(name)
+    if inspect.isclass(target):
+        make: Callable[[dict[str, Any]], Any] = target
+        instance = make(dict(settings))
+        rollout = getattr(instance, "rollout", None)
+        if rollout is None or not inspect.iscoroutinefunction(rollout):
+            raise EnvError(f"rollout.env.name {name!r}: the class needs an async method rollout(row, ctx)")
+        env: EnvFn = rollout
+        return env
+    if not inspect.iscoroutinefunction(target):
+        raise EnvError(f"rollout.env.name {name!r}: an environment is an async function (row, ctx) or a class")
+    if settings:
+        raise EnvError(f"rollout.env.settings: {name} is a function and takes no settings")
+    fn: EnvFn = target
+    return fn

@@ -1,0 +1,223 @@
+"""The policy as the rollout engines serve it: batches of generate calls over HTTP.
+
+A batch of calls is split across the engines that hold an eligible policy version (at least
+`min_version`), one /generate request each, the least loaded first. A request whose engine dies
+or times out is re-issued to another one; an answer from an older version, or aborted, is
+re-issued too, unless partial rollout is on: then an aborted answer (the engines abort what is in
+flight when new weights arrive) keeps the tokens it has and continues from them on an engine with
+the new weights, with the rest of its token budget; each token keeps the version that sampled it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from relax_hpc.data.media import KINDS, Kind, data_uri
+from relax_hpc.data.processor import up_to_media_token
+from relax_hpc.envs.base import Sampled
+from relax_hpc.envs.context import GenerateCall
+from relax_hpc.paths import RunPaths
+from relax_hpc.protocol import requests as P
+from relax_hpc.protocol.client import EngineClient, EngineRequestError, EngineUnavailable
+from relax_hpc.protocol.registry import EngineRecord, read_records
+
+log = logging.getLogger("relax_hpc.driver")
+
+
+class Stopping(Exception):
+    """The driver was asked to stop while waiting for an engine."""
+
+
+@dataclass
+class Engine:
+    record: EngineRecord
+    client: EngineClient
+    version: int
+
+
+class EnginePool:
+    """The engines that answer, with the policy version each holds (re-read at most every 0.5 s)."""
+
+    def __init__(self, paths: RunPaths, timeout_s: float) -> None:
+        self.paths = paths
+        self.api_key = paths.read_token()
+        self.timeout_s = timeout_s
+        self.engines: list[Engine] = []
+        self._last = 0.0
+
+    def refresh(self, force: bool = False) -> None:
+        if not force and time.monotonic() - self._last < 0.5:
+            return
+        self._last = time.monotonic()
+        engines = []
+        for record in read_records(self.paths.engines):
+            client = EngineClient(record.url, self.api_key, self.timeout_s)
+            try:
+                engines.append(Engine(record, client, int(client.weight_version())))
+            except (EngineUnavailable, EngineRequestError, ValueError):
+                continue
+        self.engines = engines
+
+    def eligible(self, min_version: int) -> list[Engine]:
+        return [e for e in self.engines if e.version >= min_version]
+
+    def mark_down(self, engine: Engine) -> None:
+        self.engines = [e for e in self.engines if e.record.instance != engine.record.instance]
+
+
+@dataclass
+class _Progress:
+    """A call being answered, possibly in segments (partial rollout)."""
+
+    call: GenerateCall
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    prompt_ids: list[int] | None = None
+    segments: int = 0
+    finish: str = "stop"
+
+    @property
+    def budget(self) -> int:
+        return int(self.call.sampling["max_new_tokens"]) - len(self.tokens)
+
+    def continuation(self) -> GenerateCall:
+        """The rest of the call: prompt + tokens so far, the remaining budget, a seed of its own."""
+        if not self.tokens:
+            return self.call
+        seed = int(self.call.sampling.get("sampling_seed", 0))
+        digest = hashlib.blake2b(f"{seed}:segment:{self.segments}".encode(), digest_size=8).digest()
+        sampling = {
+            **self.call.sampling,
+            "max_new_tokens": self.budget,
+            "sampling_seed": int.from_bytes(digest, "little") >> 2,
+        }
+        return GenerateCall(self.call.token_ids + self.tokens, sampling, self.call.media)
+
+
+class EnginePolicy:
+    """relax_hpc.envs.context.Policy over the run's engines."""
+
+    def __init__(
+        self,
+        pool: EnginePool,
+        decode: Callable[[list[int]], str],
+        media_token_ids: Sequence[int] = (),
+        partial: bool = False,
+        stopping: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.pool, self.decode, self.media_token_ids = pool, decode, list(media_token_ids)
+        self.partial, self.stopping = partial, stopping
+        self.min_version = 0  # set by the driver per batch
+        self.reissued = 0
+        self.continued = 0  # partial rollout: answers continued after an abort
+        self.threads = ThreadPoolExecutor(max_workers=16, thread_name_prefix="generate")
+        self._load: dict[str, int] = {}  # requests in flight per engine instance
+
+    def generate(self, calls: Sequence[GenerateCall]) -> list[Sampled]:
+        progress = [_Progress(c) for c in calls]
+        todo = list(range(len(calls)))
+        while todo:
+            todo = self._round(progress, todo)
+        return [self._sampled(p) for p in progress]
+
+    def _round(self, progress: list[_Progress], todo: list[int]) -> list[int]:
+        """Send the unfinished calls, split across the eligible engines; returns those still
+        unfinished (aborted under partial rollout)."""
+        engines = self._wait_for_engines()
+        per_chunk = math.ceil(len(todo) / len(engines))
+        chunks = [todo[k : k + per_chunk] for k in range(0, len(todo), per_chunk)]
+        futures = [
+            self.threads.submit(self._run_chunk, [progress[i].continuation() for i in chunk]) for chunk in chunks
+        ]
+        unfinished = []
+        for chunk, future in zip(chunks, futures, strict=True):
+            for i, output in zip(chunk, future.result(), strict=True):
+                if not self._absorb(progress[i], output):
+                    unfinished.append(i)
+        return unfinished
+
+    def _wait_for_engines(self) -> list[Any]:
+        wait = 0.1
+        while True:
+            if self.stopping():
+                raise Stopping
+            self.pool.refresh()
+            engines = self.pool.eligible(self.min_version)
+            if engines:
+                return engines
+            time.sleep(wait)
+            wait = min(wait * 2, 2.0)
+
+    def _request(self, calls: Sequence[GenerateCall]) -> P.GenerateReqInput:
+        """One /generate batch: each call's ids (one placeholder per media item), its sampling
+        params, its media as data URIs, and a request for the expanded prompt ids."""
+        media: dict[Kind, list[str | list[str]]] = {kind: [] for kind in KINDS}
+        for call in calls:
+            for kind in KINDS:
+                media[kind].append([data_uri(k, data) for k, data in call.media if k == kind])
+        has = {kind: any(media[kind]) for kind in KINDS}
+        return P.GenerateReqInput(
+            input_ids=[c.token_ids for c in calls],
+            sampling_params=[c.sampling for c in calls],
+            return_logprob=True,
+            image_data=media["image"] if has["image"] else None,
+            audio_data=media["audio"] if has["audio"] else None,
+            return_prompt_token_ids=any(has.values()),
+        )
+
+    def _run_chunk(self, calls: list[GenerateCall]) -> list[dict]:
+        """One request on some eligible engine, re-issued until an engine answers it."""
+        request = self._request(calls)
+        while True:
+            engine = min(self._wait_for_engines(), key=lambda e: self._load.get(e.record.instance, 0))
+            self._load[engine.record.instance] = self._load.get(engine.record.instance, 0) + 1
+            try:
+                outputs: list[dict] = engine.client.generate(request)
+            except EngineUnavailable as e:
+                log.warning("engine %s failed (%s); re-issuing %d prompts", engine.record.engine_id, e, len(calls))
+                self.pool.mark_down(engine)
+                self.reissued += len(calls)
+                continue
+            finally:
+                self._load[engine.record.instance] -= 1
+            old = min(int(o["meta_info"]["weight_version"]) for o in outputs) < self.min_version
+            aborted = any(o["meta_info"]["finish_reason"]["type"] == "abort" for o in outputs)
+            if not old and (self.partial or not aborted):
+                return outputs
+            log.warning("engine %s answered from an older version or aborted; re-issuing", engine.record.engine_id)
+            self.reissued += len(calls)
+
+    def _absorb(self, p: _Progress, output: dict) -> bool:
+        """Add an answer's tokens to the call; False if the call must continue (aborted)."""
+        meta = output["meta_info"]
+        ids: list[int] = output["output_ids"]
+        logprobs = [lp for lp, _, _ in meta.get("output_token_logprobs", [])]
+        version = int(meta["weight_version"])
+        if p.prompt_ids is None and output.get("prompt_token_ids"):
+            p.prompt_ids = output["prompt_token_ids"]
+        p.tokens += ids
+        p.logprobs += logprobs[: len(ids)]
+        p.versions += [version] * len(ids)
+        p.segments += 1
+        aborted = meta["finish_reason"]["type"] == "abort"
+        if aborted and p.budget > 0:
+            self.continued += 1
+            return False
+        p.finish = "length" if aborted or meta["finish_reason"]["type"] == "length" else "stop"
+        return True
+
+    def _sampled(self, p: _Progress) -> Sampled:
+        finish: Literal["stop", "length"] = "stop" if p.finish == "stop" else "length"
+        keep = up_to_media_token(p.tokens, self.media_token_ids) if self.media_token_ids else len(p.tokens)
+        tokens = p.tokens[:keep]
+        if keep < len(p.tokens):
+            finish = "stop"
+        return Sampled(tokens, p.logprobs[:keep], p.versions[:keep], finish, self.decode(tokens), p.prompt_ids)
