@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
-from tests.slurm.jobs import submit
+import pytest
+
+from tests.models.qwen3_family import build_qwen3_omni, build_qwen3_vl
+from tests.slurm.jobs import REPO, submit
 
 
 def test_dry_run_shows_the_submission_file_and_every_job_step(slurm_cluster, tmp_path):
@@ -50,3 +54,27 @@ def test_slurm_tools_missing_from_path(tmp_path, monkeypatch):
     out = submit(tmp_path / "run")
     assert out.returncode == 2 and "needs Slurm's `sbatch` on PATH" in out.stderr, out.stderr
     assert sys.executable
+
+
+@pytest.mark.parametrize(
+    ("recipe", "build", "data"),
+    [
+        ("qwen3-vl-4b-grpo.yaml", build_qwen3_vl, "shapes/shapes.jsonl"),
+        ("qwen3-omni-grpo.yaml", build_qwen3_omni, "beeps/beeps.jsonl"),
+    ],
+)
+def test_the_multimodal_gpu_recipes_validate_and_lay_out_their_jobs(slurm_cluster, tmp_path, recipe, build, data):
+    """The recipes as a user submits them, their model and data replaced by a tiny model of the
+    same family and a shipped dataset: --dry-run checks every input (each picture and clip
+    decoded) and shows the job: torch backend, SGLang engines."""
+    model = build(tmp_path / "model")
+    media = "data.media={image: images}" if "shapes" in data else "data.media={audio: audios}"
+    argv = [
+        sys.executable, "-m", "relax_hpc.submit", "--config", str(REPO / "configs" / recipe),
+        f"run.dir={tmp_path / 'run'}",
+        f"model.path={model}", f"data.path={REPO / 'assets' / data}", media, "--dry-run",
+    ]  # fmt: skip
+    out = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, check=False, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "relax_hpc.engines.sglang_engine" in out.stdout and "relax_hpc.trainer.main" in out.stdout
+    assert not (tmp_path / "run").exists()

@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
@@ -162,7 +163,8 @@ def test_environments_are_named_by_builtin_or_module_attribute(monkeypatch):
         setattr(module, name, value)
     monkeypatch.setitem(sys.modules, "my_envs", module)
     assert load_env("my_envs:mine", {}) is mine
-    assert getattr(load_env("my_envs:WithSettings", {"n": 3}), "__self__").n == 3
+    bound: Any = load_env("my_envs:WithSettings", {"n": 3})
+    assert bound.__self__.n == 3
     with pytest.raises(EnvError, match=r"an environment is an async function"):
         load_env("my_envs:plain", {})
     with pytest.raises(EnvError, match=r"my_envs has no attribute 'nope'"):
