@@ -33,7 +33,7 @@ def trained_batches(run_dir):
 def test_the_calculator_task_learns_with_engines_and_trainer_ranks(tmp_path):
     job = Job(
         tmp_path / "run",
-        "trainer.total_steps=70",
+        "trainer.total_steps=100",
         "rollout.eval_every=0",
         config=REPO / "configs/tiny-agentic-grpo.yaml",
     )
@@ -41,7 +41,7 @@ def test_the_calculator_task_learns_with_engines_and_trainer_ranks(tmp_path):
     steps = job.steps()
     rewards = [r["reward"] for r in steps]
     first, last = np.mean(rewards[:10]), np.mean(rewards[-10:])
-    assert first < 0.3 and last >= 0.45, (first, last)  # BENCHMARKS.md, "Tool use"
+    assert first < 0.3 and last >= 0.6, (first, last)  # BENCHMARKS.md, "Tool use"
     rollout = [r for r in read_jsonl(tmp_path / "run" / "metrics" / "rollout.jsonl") if "batch" in r]
     assert rollout[-1]["env_tool_calls"] > rollout[0]["env_tool_calls"]  # it learned to use the tool
     assert 0 < rollout[-1]["masked_token_share"] < 1

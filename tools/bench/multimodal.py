@@ -90,6 +90,8 @@ def small_vl(folder: Path) -> Path:
     text = config.get_text_config()
     text.hidden_size, text.intermediate_size, text.num_hidden_layers = 512, 1536, 4
     text.num_attention_heads, text.num_key_value_heads = 8, 4
+    text.layer_types = ["full_attention"] * text.num_hidden_layers
+    text.rope_parameters = {**text.rope_parameters, "mrope_section": [8, 12, 12]}  # half of head_dim 64
     vision: Any = config.vision_config  # a Qwen2.5-VL vision config
     vision.out_hidden_size, vision.depth, vision.hidden_size, vision.intermediate_size = 512, 4, 256, 512
     model = type(model)(config)
