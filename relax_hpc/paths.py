@@ -11,6 +11,8 @@ RUN_DIR/
   logs/RESTART/ROLE.log                 one folder per start of the launcher
   slurm/                                submitit's folder (submission file, job output), job_id
   control/stop                          asks the trainer to checkpoint and stop
+  health/ROLE.json                      heartbeats: what each role is doing, since when
+  scale/ops|drain|logs                  elastic rollout: scale operations, engines leaving, their logs
 """
 
 from __future__ import annotations
@@ -82,6 +84,19 @@ class RunPaths:
     def judge_engines(self) -> Path:
         """The judge engines' registry (reward.name=judge): never part of weight sync."""
         return self.root / "registry" / "judge"
+
+    def health(self, role: str) -> Path:
+        """A role's heartbeat (relax_hpc.launch.health): what it is doing, since when."""
+        return self.root / "health" / f"{role}.json"
+
+    @property
+    def scale(self) -> Path:
+        """Elastic rollout (relax_hpc.launch.elastic): ops/ID.json, drain/ENGINE, logs/ID/."""
+        return self.root / "scale"
+
+    def drain_marker(self, engine_id: str) -> Path:
+        """Exists while an elastic engine drains: the driver sends it nothing new."""
+        return self.scale / "drain" / engine_id
 
     def registry(self, pool: str) -> Path:
         """The registry of an engine pool: `policy` (the rollout engines) or `judge`."""
@@ -159,6 +174,12 @@ class RunPaths:
 
     def read_token(self) -> str:
         return self.token.read_text().strip()
+
+
+def draining(paths: RunPaths) -> set[str]:
+    """The engines asked to leave (elastic rollout's scale in)."""
+    folder = paths.scale / "drain"
+    return {p.name for p in folder.iterdir()} if folder.is_dir() else set()
 
 
 def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:

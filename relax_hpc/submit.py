@@ -51,6 +51,7 @@ def check_inputs(cfg: JobConfig, in_allocation: bool = False) -> None:
             problems += check_megatron_job(cfg.model.path, cfg.trainer.megatron)
             problems += megatron_gpu_problems(cfg, in_allocation)
         problems += missing_sinks(cfg)
+        problems += notify_problems(cfg)
     if problems:
         raise ConfigError("\n".join(problems))
 
@@ -74,6 +75,18 @@ def dataset_problems(cfg: JobConfig) -> list[str]:
     try:
         load_prompts(d.path, d.prompt_key, d.answer_key, d.media, sampling_rate(model), check_media=True)
     except DatasetError as e:
+        return [str(e)]
+    return []
+
+
+def notify_problems(cfg: JobConfig) -> list[str]:
+    """Notification URLs Apprise takes, their ${NAME} variables set (checked where submit runs:
+    the job inherits this environment)."""
+    from relax_hpc.launch.notify import Notifier, NotifyError
+
+    try:
+        Notifier(cfg.notify, "check").close()
+    except NotifyError as e:
         return [str(e)]
     return []
 
@@ -220,19 +233,18 @@ def submit_to_slurm(cfg: JobConfig, paths: RunPaths, wait: bool) -> int:
     )
     if not wait:
         return 0
-    try:
-        print(job.result())
-    except Exception as e:  # noqa: BLE001  # submitit re-raises the job's failure, whatever its type
-        # submitit's own message names a stderr file that these jobs do not write (stderr goes to
-        # the output file): say what happened and where to look instead.
-        reason = str(e).split("You can check full logs", 1)[0].strip()
+    from relax_hpc.launch.follow import follow
+
+    result = follow(job.job_id, paths)
+    if result.code:
         print(
-            f"job {job.job_id} did not complete: {reason}\n"
-            f"output: {job.paths.stdout}\nroles' logs: {root}/logs/\nstatus: python -m relax_hpc.status {root}",
+            f"{result.message}\noutput: {job.paths.stdout}\nroles' logs: {root}/logs/\n"
+            f"status: python -m relax_hpc.status {root}",
             file=sys.stderr,
         )
-        return 1
-    return 0
+    else:
+        print(result.message)
+    return result.code
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ fi
 export PIP_CONSTRAINT="$PWD/constraints.txt" PIP_DISABLE_PIP_VERSION_CHECK=1
 .venv/bin/python -m pip install --quiet --upgrade "pip>=24"
 .venv/bin/python -m pip install --quiet torch==2.13.0
-.venv/bin/python -m pip install --quiet -e ".[test,megatron,dev,sinks]"
+.venv/bin/python -m pip install --quiet -e ".[test,megatron,dev,sinks,notify]"
 # SGLang without its dependencies (they pin torch 2.14.1 and GPU kernels), plus the light packages
 # its request classes and argument parser import: the section of constraints.txt between the
 # sglang markers, which also pins them. The contract and launcher tests import it; nothing runs it.

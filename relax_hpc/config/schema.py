@@ -15,6 +15,7 @@ RESUMABLE_CHANGES = (
     "trainer.total_steps",
     "ckpt.",
     "metrics.",
+    "notify.",
     "launch.",
     "rollout.eval_every",
     "rollout.request_timeout_s",
@@ -518,6 +519,20 @@ class SlurmConfig(Section):
     do not count."""
     job_name: str = "relax_hpc"
     """`--job-name`."""
+
+    @model_validator(mode="after")
+    def _lead_within_the_limit(self) -> SlurmConfig:
+        # Slurm sends the signal signal_lead_s before the end, checking about every 30 s: a lead
+        # this close to the limit signals every allocation at its start, and it does no work.
+        if self.signal_lead_s + 60 > self.time_min * 60:
+            raise ValueError(
+                f"launch.slurm.time_min={self.time_min} ({self.time_min * 60} s) leaves no time to work before "
+                f"the pre-timeout signal launch.slurm.signal_lead_s={self.signal_lead_s} s (Slurm may send it "
+                f"up to a minute early): raise time_min to at least {-(-(self.signal_lead_s + 120) // 60)} or "
+                "lower signal_lead_s"
+            )
+        return self
+
     extra_sbatch: dict[str, str] = {}
     """Any other sbatch option, e.g. `{mail-type: END, reservation: rl}` (written as
     `#SBATCH --KEY=VALUE`; an empty value writes the bare flag)."""
@@ -526,6 +541,39 @@ class SlurmConfig(Section):
     rdzv_port: int = Field(default=0, ge=0, le=65535)
     """Port of the trainer's torchrun rendezvous on the first trainer node; 0 derives it from
     the job id (20000 + id mod 20000)."""
+
+
+class NotifyConfig(Section):
+    urls: list[str] = []
+    """Apprise URLs (https://github.com/caronc/apprise) that hear of the run's start, end,
+    failure, restarts and preemption, e.g. `mailto://${MAIL_USER}:${MAIL_PASS}@example.com` or
+    `slack://${SLACK_TOKENS}`. `${NAME}` is replaced by the environment variable NAME when a
+    notification is sent: write credentials that way, so that they reach neither RUN_DIR (the
+    config is saved there) nor any log. Empty: no notifications (the default). A notification that
+    fails is logged (without its URL) and the run goes on."""
+    config: Annotated[str | None, PathOption("file")] = None
+    """An Apprise configuration file (YAML or text, yours, outside RUN_DIR) with more URLs."""
+
+
+class HealthConfig(Section):
+    trainer_restarts: int = Field(default=2, ge=0)
+    """Times the launcher restarts the run from its last checkpoint, inside the same allocation or
+    launch, after the trainer died or hung; then it stops the run, exit 1, naming the cause."""
+    restart_backoff_s: float = Field(default=5.0, ge=0)
+    """Wait before such a restart (and before restarting an engine or the driver), doubled after
+    each restart of the same role, at most 60 s."""
+    engine_timeout_s: float = Field(default=60.0, gt=0)
+    """An engine whose /health has not answered for this long is hung: it is killed and restarted
+    (its work re-issued), counting against rollout.max_engine_restarts."""
+    driver_timeout_s: float = Field(default=120.0, gt=0)
+    """A driver whose heartbeat (RUN_DIR/health/driver.json, written every few seconds by its
+    event loop) is this old is hung: it is killed and restarted."""
+    step_timeout_s: float = Field(default=1800.0, gt=0)
+    """A trainer phase (reading a batch, forward/backward, the weight push, a checkpoint) that
+    has lasted longer than this, and than step_factor times the median step so far, is hung: the
+    trainer is killed and the run restarted from its checkpoint (trainer_restarts)."""
+    step_factor: float = Field(default=20.0, gt=1)
+    """See step_timeout_s."""
 
 
 class LaunchConfig(Section):
@@ -554,6 +602,8 @@ class LaunchConfig(Section):
     (one entry per engine; default: every visible GPU)."""
     slurm: SlurmConfig = SlurmConfig()
     """Slurm resources and behaviour (used when executor is `slurm`)."""
+    health: HealthConfig = HealthConfig()
+    """How the launcher tells a hung or dead role, and what it does then."""
 
 
 class JobConfig(Section):
@@ -569,6 +619,7 @@ class JobConfig(Section):
     weights: WeightsConfig = WeightsConfig()
     ckpt: CheckpointConfig = CheckpointConfig()
     metrics: MetricsConfig = MetricsConfig()
+    notify: NotifyConfig = NotifyConfig()
     launch: LaunchConfig = LaunchConfig()
 
     @model_validator(mode="after")

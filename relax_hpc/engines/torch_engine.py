@@ -274,9 +274,12 @@ class TorchEngine:
         )
 
     def destroy_group(self, req: P.DestroyWeightsUpdateGroupReqInput) -> None:
+        """An update still waiting in this group's broadcast gives up (the trainer abandoned the
+        push: a member failed), releasing the model; the group is let go off this thread."""
         group = self.groups.pop(req.group_name, None)
         if group is not None:
-            group.close()
+            group.cancel()
+            threading.Thread(target=group.close, name="weights-drop", daemon=True).start()
 
     def weights_by_name(self, req: P.GetWeightsByNameReqInput) -> list:
         if req.name not in self.params:

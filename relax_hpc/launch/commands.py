@@ -29,9 +29,10 @@ def engine_name(cfg: JobConfig, index: int) -> tuple[str, str]:
     return (f"engine-{index}", "policy") if index < n else (f"judge-{index - n}", "judge")
 
 
-def engine_args(cfg: JobConfig, paths: RunPaths, index: int, host: str) -> list[str]:
-    name, pool = engine_name(cfg, index)
-    port = cfg.rollout.base_port + index if cfg.rollout.base_port else 0
+def engine_args(cfg: JobConfig, paths: RunPaths, index: int, host: str, engine_id: str | None = None) -> list[str]:
+    """Engine process `index` of the run, or, with `engine_id`, an elastic engine (a port of its own)."""
+    name, pool = engine_name(cfg, index) if engine_id is None else (engine_id, "policy")
+    port = cfg.rollout.base_port + index if cfg.rollout.base_port and engine_id is None else 0
     if cfg.rollout.engine == "sglang":
         # A supervisor of one SGLang server; it builds the server's arguments from RUN_DIR/config.yaml.
         return [

@@ -47,9 +47,11 @@ def recover(paths: RunPaths) -> Recovery:
     paths.stop_request.unlink(missing_ok=True)
     # No engine of this run is alive before the launcher starts them (a previous allocation's are
     # gone with it): records left by killed engines would only cost the trainer a timeout.
+    # Elastic engines (relax_hpc.launch.elastic) keep theirs: they outlive the main job's starts.
     for pool in ("policy", "judge"):
         for record in paths.registry(pool).glob("*.json"):
-            record.unlink()
+            if record.stem.startswith(("engine-", "judge-")):
+                record.unlink()
     if result.step or result.returned or result.orphaned:
         log.info(
             "resuming at step %d (policy version %d): %d claimed batch(es) returned to the spool, "

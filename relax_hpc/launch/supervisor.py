@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import TextIO
 
 from relax_hpc.config.schema import JobConfig
+from relax_hpc.launch.health import HealthMonitor
+from relax_hpc.launch.notify import Notifier
 from relax_hpc.launch.recover import recover
 from relax_hpc.metrics.jsonl import JsonlWriter, read_jsonl
 from relax_hpc.metrics.progress import Progress
@@ -42,8 +44,12 @@ class Role:
     proc: subprocess.Popen | None = None
     restarts: int = 0
     abandoned: bool = False  # a helper role that failed too often; the run went on without it
+    started_at: float = 0.0  # wall time of the current process's start
+    hung: str | None = None  # why the health monitor killed it, until its restart
+    not_before: float = 0.0  # a restart waits until then (monotonic; the back-off)
 
     def start(self, env: dict[str, str]) -> None:
+        self.started_at = time.time()
         with self.log_path.open("ab") as out:
             # A new session: Ctrl-C in the terminal reaches the launcher only, which then asks
             # the trainer to checkpoint instead of every process dying at once.
@@ -102,6 +108,7 @@ class Supervisor:
         self.stop_requested = False
         self.kill_requested = False
         self.events = JsonlWriter(paths.events_metrics)
+        self.notifier = Notifier(cfg.notify, paths.root.name)
 
     def say(self, text: str) -> None:
         self.out.write(text)
@@ -114,6 +121,7 @@ class Supervisor:
             self.stop_requested = True
             self.say(f"\n{why}: asking the trainer to checkpoint and stop\n")
             self.events.log({"event": "stop_requested", "why": why})
+            self.notifier.send("stopping", f"{why}: the trainer checkpoints and stops")
             write_atomic(self.paths.stop_request, b"stop\n")
 
     def request_kill(self) -> None:
@@ -121,6 +129,38 @@ class Supervisor:
         self.kill_requested = True
 
     def run(self) -> int:
+        """Start every role and watch them; after the trainer died or hung, start the run again
+        from its checkpoint (launch.health.trainer_restarts times, with a back-off)."""
+        health = self.cfg.launch.health
+        attempt = 0
+        while True:
+            code, trainer_failed = self._attempt()
+            if not trainer_failed or attempt >= health.trainer_restarts or self.stop_requested:
+                if trainer_failed and attempt >= health.trainer_restarts:
+                    self.say(f"the trainer failed {attempt + 1} times; giving up (launch.health.trainer_restarts)\n")
+                self._end(code)
+                return code
+            attempt += 1
+            wait = min(60.0, health.restart_backoff_s * 2 ** (attempt - 1))
+            self.say(
+                f"restarting the run from its last checkpoint in {wait:.0f} s ({attempt}/{health.trainer_restarts})\n"
+            )
+            self.events.log({"event": "restart", "why": "trainer", "attempt": attempt})
+            self.notifier.send("restarting", f"the trainer failed; restarting from the last checkpoint ({attempt})")
+            time.sleep(wait)
+
+    def _end(self, code: int) -> None:
+        step = completed_steps(self.paths)
+        self.events.log({"event": "end", "exit": code, "step": step})
+        summary = run_summary(self.paths, self.cfg.trainer.total_steps)
+        if code != EXIT_FAILED:
+            self.say(summary + "\n")
+        title = {EXIT_COMPLETED: "completed", EXIT_STOPPED: "stopped with a checkpoint"}.get(code, "failed")
+        self.notifier.send(title, f"at step {step}\n{summary}")
+        self.notifier.close()
+
+    def _attempt(self) -> tuple[int, bool]:
+        """One start of every role, from the checkpoint: (exit status, whether the trainer failed)."""
         recovery = recover(self.paths)
         logs = self._next_log_dir()
         env = child_env(self.cfg)
@@ -149,15 +189,13 @@ class Supervisor:
         )  # fmt: skip
         for role in roles.values():
             role.start(env)
-        code = EXIT_FAILED
+        self.notifier.send("resumed" if recovery.step else "started", f"at step {recovery.step}; logs in {logs}")
+        monitor = HealthMonitor(self.paths, self.cfg.launch.health, lambda name: roles[name].started_at)
         try:
-            code = self._supervise(roles, env)
-            return code
+            return self._supervise(roles, env, monitor)
         finally:
+            monitor.close()
             self._stop_all(roles.values())
-            self.events.log({"event": "end", "exit": code, "step": completed_steps(self.paths)})
-            if code != EXIT_FAILED:
-                self.say(run_summary(self.paths, self.cfg.trainer.total_steps) + "\n")
 
     def _next_log_dir(self) -> Path:
         root = self.paths.logs_root
@@ -167,7 +205,20 @@ class Supervisor:
         path.mkdir(parents=True)
         return path
 
-    def _supervise(self, roles: dict[str, Role], env: dict[str, str]) -> int:
+    def _act_on_health(self, roles: dict[str, Role], monitor: HealthMonitor) -> None:
+        """Kill what hangs: the next round of the loop handles it like a role that died."""
+        for finding in monitor.findings():
+            role = roles.get(finding.role)
+            if role is None or not role.alive():
+                continue
+            self.say(f"\n{role.name}: {finding.cause}; killing it\n")
+            self.notifier.send(f"{role.name} hung", f"{finding.cause}; killed and restarted")
+            self.events.log({"event": "role_hung", "role": role.name, "cause": finding.cause})
+            role.hung = finding.cause
+            role.signal(signal.SIGKILL)
+            monitor.forget(role.name)
+
+    def _supervise(self, roles: dict[str, Role], env: dict[str, str], monitor: HealthMonitor) -> tuple[int, bool]:
         progress = Progress(
             self.paths, self.cfg.trainer.total_steps, self.out, log_every_s=self.cfg.metrics.progress_every_s
         )
@@ -177,16 +228,25 @@ class Supervisor:
         helpers = [r for n, r in roles.items() if n == "metrics"]
         started = time.monotonic()
         trainer_done_at: float | None = None
+        health_checked = 0.0
+        backoff = self.cfg.launch.health.restart_backoff_s
         while True:
             time.sleep(0.2)
             if self.kill_requested:
                 self.say("\nkilled\n")
-                return EXIT_STOPPED
+                return EXIT_STOPPED, False
+            if time.monotonic() - health_checked > 2.0 and trainer_done_at is None and not self.stop_requested:
+                health_checked = time.monotonic()
+                self._act_on_health(roles, monitor)
             wall = self.cfg.launch.max_wall_s
             if wall and time.monotonic() - started > wall:
                 self.request_stop(f"launch.max_wall_s ({wall:.0f} s) reached")
             for role in [*engines, *judges, driver, *helpers]:
                 if role.alive() or role.abandoned or trainer_done_at is not None or self.stop_requested:
+                    continue
+                if role.not_before == 0.0:  # just found dead: the restart waits out the back-off
+                    role.not_before = time.monotonic() + min(60.0, backoff * 2**role.restarts) * bool(role.restarts)
+                if time.monotonic() < role.not_before:
                     continue
                 code = role.returncode
                 if role is driver and code == 0:
@@ -198,24 +258,26 @@ class Supervisor:
                     role.abandoned = True
                     self.events.log(
                         {"event": "role_exit", "role": role.name, "exit": code, "restarts": role.restarts,
-                         "action": "abandon", "last_line": role.log_tail(1)}
+                         "action": "abandon", "last_line": role.log_tail(1), "hung": role.hung}
                     )  # fmt: skip
                     self.say(f"\n{role.name} failed {role.restarts + 1} times (exit {code}); the run goes on "
                              f"without it (see {role.log_path})\n")  # fmt: skip
                     continue
                 self.events.log(
                     {"event": "role_exit", "role": role.name, "exit": code, "restarts": role.restarts,
-                     "action": "give_up" if give_up else "restart", "last_line": role.log_tail(1)}
+                     "action": "give_up" if give_up else "restart", "last_line": role.log_tail(1), "hung": role.hung}
                 )  # fmt: skip
+                cause = f"hung: {role.hung}" if role.hung else f"exit {code}"
                 if give_up:
                     progress.finish()
                     self.say(
-                        f"\n{role.name} failed {role.restarts + 1} times (exit {code}); giving up.\n"
+                        f"\n{role.name} failed {role.restarts + 1} times ({cause}); giving up.\n"
                         f"last lines of {role.log_path}:\n{role.log_tail()}\n"
                     )
-                    return EXIT_FAILED
+                    return EXIT_FAILED, False
                 role.restarts += 1
-                self.say(f"\n{role.name} exited ({code}); restarting ({role.restarts}/{role.max_restarts})\n")
+                self.say(f"\n{role.name} ended ({cause}); restarting ({role.restarts}/{role.max_restarts})\n")
+                role.hung, role.not_before = None, 0.0
                 role.start(env)
             progress.show(sum(r.alive() for r in engines), len(engines))
             end = progress.trainer_end
@@ -223,20 +285,18 @@ class Supervisor:
                 # The checkpoint is complete once the trainer writes its stop record: end now
                 # rather than wait for its teardown (seconds that a preempted job may not have).
                 progress.finish()
-                return EXIT_STOPPED
+                return EXIT_STOPPED, False
             if trainer.alive():
                 continue
             if trainer.returncode != 0 and progress.trainer_end is None:
                 progress.finish()
+                cause = f"hung: {trainer.hung}" if trainer.hung else f"exit {trainer.returncode}"
                 self.events.log(
                     {"event": "role_exit", "role": "trainer", "exit": trainer.returncode, "restarts": 0,
-                     "action": "give_up", "last_line": trainer.log_tail(1)}
+                     "action": "restart_run", "last_line": trainer.log_tail(1), "hung": trainer.hung}
                 )  # fmt: skip
-                self.say(
-                    f"\ntrainer failed (exit {trainer.returncode}); last lines of "
-                    f"{trainer.log_path}:\n{trainer.log_tail()}\n"
-                )
-                return EXIT_FAILED
+                self.say(f"\ntrainer failed ({cause}); last lines of {trainer.log_path}:\n{trainer.log_tail()}\n")
+                return EXIT_FAILED, True
             # A non-zero exit after its end record (which follows its last checkpoint) is a fault
             # of the teardown (gloo's threads at exit): nothing is lost.
             trainer_done_at = trainer_done_at or time.monotonic()
@@ -245,7 +305,7 @@ class Supervisor:
             if not completed or not driver.alive() or time.monotonic() - trainer_done_at > 120:
                 progress.show(sum(r.alive() for r in engines), len(engines), force=True)
                 progress.finish()
-                return EXIT_COMPLETED if completed else EXIT_STOPPED
+                return (EXIT_COMPLETED if completed else EXIT_STOPPED), False
 
     def _training_completed(self) -> bool:
         """The trainer's own verdict: its last record says whether it reached total_steps."""

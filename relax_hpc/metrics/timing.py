@@ -3,24 +3,30 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 
 class PhaseTimer:
     """Seconds per named phase since the last `take()`. Host time: on a GPU, work a phase only
-    queued is counted by the phase that waits for it (the next host sync)."""
+    queued is counted by the phase that waits for it (the next host sync). `on_phase`, if given,
+    hears each phase's name as it starts and "wait" as it ends (the trainer's heartbeat)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_phase: Callable[[str], None] | None = None) -> None:
         self._seconds: dict[str, float] = {}
+        self.on_phase = on_phase
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         started = time.perf_counter()
+        if self.on_phase is not None:
+            self.on_phase(name)
         try:
             yield
         finally:
             self.add(name, time.perf_counter() - started)
+            if self.on_phase is not None:
+                self.on_phase("wait")
 
     def add(self, name: str, seconds: float) -> None:
         self._seconds[name] = self._seconds.get(name, 0.0) + seconds

@@ -32,6 +32,7 @@ from relax_hpc.data.processor import media_processor, prompt_encoder
 from relax_hpc.data.prompts import load_prompts
 from relax_hpc.envs.rounds import Rounds
 from relax_hpc.exchange.spool import SampleBatch, Spool
+from relax_hpc.metrics.heartbeat import Heartbeat
 from relax_hpc.metrics.jsonl import JsonlWriter, read_jsonl
 from relax_hpc.paths import RunPaths
 from relax_hpc.protocol.client import EngineRequestError, EngineUnavailable
@@ -66,6 +67,7 @@ class Driver:
         self.spool = Spool(paths.spool)
         self.pool = EnginePool(paths, self.ro.request_timeout_s)
         self.stopping = False
+        self.position = 0  # the next batch to generate (for the heartbeat)
         self.policy = EnginePolicy(
             self.pool,
             lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
@@ -79,6 +81,14 @@ class Driver:
         judge = judge_reward(cfg, paths) if cfg.reward.name == "judge" else None
         scorer = make_scorer(cfg, judge)
         self.rounds = Rounds(cfg, self.rows, self.prompt_ids, self.tokenizer, self.policy, scorer, self.failures.log)
+
+    async def _beat(self) -> None:
+        """The heartbeat (RUN_DIR/health/driver.json): written by the event loop, so a loop stuck
+        in synchronous code, or deadlocked, falls silent and the launcher restarts the driver."""
+        heartbeat = Heartbeat(self.paths, "driver")
+        while True:
+            heartbeat.beat(batch=self.position, engines=len(self.pool.engines), load=self.policy.load())
+            await asyncio.sleep(5.0)
 
     async def generate_batch(self, seq: int) -> tuple[SampleBatch, dict]:
         self.policy.min_version = seq - self.ro.max_staleness
@@ -111,6 +121,8 @@ class Driver:
         next_eval = first_evaluation(resumed, max(done, default=-1), every, total)
         seq = self.spool.next_seq()
         log.info("driver starts at batch %d", seq)
+        self.position = seq
+        self._heartbeat = asyncio.get_running_loop().create_task(self._beat())  # held: tasks are weakly referenced
         wait = 0.05
         while not self.stopping:
             self.pool.refresh()
@@ -148,6 +160,7 @@ class Driver:
                     }
                 )
                 seq, wait = seq + 1, 0.05
+                self.position = seq
                 continue
             await asyncio.sleep(wait)
             wait = min(wait * 1.5, 0.5)

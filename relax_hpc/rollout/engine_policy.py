@@ -23,7 +23,7 @@ from relax_hpc.data.media import KINDS, Kind, data_uri
 from relax_hpc.data.processor import up_to_media_token
 from relax_hpc.envs.base import Sampled
 from relax_hpc.envs.context import GenerateCall
-from relax_hpc.paths import RunPaths
+from relax_hpc.paths import RunPaths, draining
 from relax_hpc.protocol import requests as P
 from relax_hpc.protocol.client import EngineClient, EngineRequestError, EngineUnavailable
 from relax_hpc.protocol.registry import EngineRecord, read_records
@@ -57,7 +57,10 @@ class EnginePool:
             return
         self._last = time.monotonic()
         engines = []
+        leaving = draining(self.paths)  # elastic engines asked to leave: nothing new for them
         for record in read_records(self.paths.engines):
+            if record.engine_id in leaving:
+                continue
             client = EngineClient(record.url, self.api_key, self.timeout_s)
             try:
                 engines.append(Engine(record, client, int(client.weight_version())))
@@ -120,6 +123,11 @@ class EnginePolicy:
         self.continued = 0  # partial rollout: answers continued after an abort
         self.threads = ThreadPoolExecutor(max_workers=16, thread_name_prefix="generate")
         self._load: dict[str, int] = {}  # requests in flight per engine instance
+
+    def load(self) -> dict[str, int]:
+        """Requests in flight per engine id (the driver's heartbeat carries it)."""
+        ids = {e.record.instance: e.record.engine_id for e in self.pool.engines}
+        return {ids[i]: n for i, n in self._load.items() if i in ids and n}
 
     def generate(self, calls: Sequence[GenerateCall]) -> list[Sampled]:
         progress = [_Progress(c) for c in calls]

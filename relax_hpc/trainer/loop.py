@@ -30,6 +30,7 @@ from relax_hpc.ckpt.manager import Checkpointer
 from relax_hpc.config.schema import JobConfig
 from relax_hpc.data.processor import media_processor
 from relax_hpc.exchange.spool import Spool
+from relax_hpc.metrics.heartbeat import Heartbeat, StepClock
 from relax_hpc.metrics.jsonl import JsonlWriter
 from relax_hpc.metrics.timing import PhaseTimer
 from relax_hpc.paths import RunPaths, write_atomic
@@ -133,7 +134,10 @@ class Trainer:
         self.delivered = -1  # policy version the engines hold (rank 0's knowledge)
         self.last_engine_check = 0.0
         self.total = cfg.trainer.total_steps
-        self.timer = PhaseTimer()
+        # Rank 0 says what it is doing (RUN_DIR/health/trainer.json): the launcher tells a hung
+        # phase from a long one by the median step.
+        self.clock = StepClock(Heartbeat(paths, "trainer")) if self.rank == 0 else None
+        self.timer = PhaseTimer(self.clock.phase if self.clock else None)
         self.last_log_line = 0.0
         if self.rank == 0:
             auto = "nccl" if device.type == "cuda" else "gloo"
@@ -280,6 +284,8 @@ class Trainer:
         phases = self.timer.take()
         busy = sum(phases.values())
         step_s = time.monotonic() - started
+        if self.clock is not None:
+            self.clock.stepped(self.state.step, busy)
         generate = record.pop("time_generate")
         optimizer = record.pop("time_optimizer")
         record.update(
@@ -334,7 +340,8 @@ class Trainer:
                 log.info("stop requested at step %d", self.state.step)
                 break
             if kind == "sync":
-                self.sync()
+                with self.timer.phase("push"):
+                    self.sync()
             elif kind == "wait":
                 time.sleep(wait_s)
                 wait_s = min(wait_s * 1.5, 0.5)  # back off: the spool may live on NFS

@@ -10,9 +10,15 @@ and a backend class rather than through init_process_group.
 from __future__ import annotations
 
 import datetime
+import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+
+
+class Abandoned(RuntimeError):
+    """A collective was given up on: a member failed, or the group was cancelled meanwhile."""
 
 
 class SideGroup:
@@ -30,6 +36,8 @@ class SideGroup:
     ) -> None:
         timeout = datetime.timedelta(seconds=timeout_s)
         self.rank, self.world_size, self.group_name = rank, world_size, group_name
+        self.backend = backend
+        self.cancelled = False  # set by cancel(): a collective waiting in wait() gives up
         self._store: dist.TCPStore | None = dist.TCPStore(
             master_address, master_port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=False
         )
@@ -43,7 +51,7 @@ class SideGroup:
             raise ValueError(f"weight-sync backend must be gloo or nccl, got {backend!r}")
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        self.broadcast_async(tensor, src).wait()
+        self.wait(self.broadcast_async(tensor, src))
 
     def broadcast_async(self, tensor: torch.Tensor, src: int = 0) -> dist.Work:
         """Start a broadcast; its Work's wait() blocks the host on gloo, but on NCCL only makes the
@@ -53,6 +61,21 @@ class SideGroup:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         return self._pg.broadcast([tensor], opts)  # type: ignore[union-attr]  # torch's stub omits Backend.broadcast, which the binding has
+
+    def wait(self, work: dist.Work, abandon: Callable[[], bool] | None = None) -> None:
+        """Wait for a collective. On gloo the host blocks for it, up to the group's whole timeout
+        if a member never joins; here it polls instead, and gives up (Abandoned) once the group is
+        cancelled or `abandon()` says so. On NCCL the wait only orders the current stream: as is."""
+        if self.backend == "gloo":
+            while not work.is_completed():
+                if self.cancelled or (abandon is not None and abandon()):
+                    raise Abandoned(f"weight-sync group {self.group_name}: collective abandoned")
+                time.sleep(0.005)
+        work.wait()
+
+    def cancel(self) -> None:
+        """Make a collective that waits in wait() give up (another thread's call)."""
+        self.cancelled = True
 
     def close(self) -> None:
         # Dropping the references tears down the backend's connections; there is no public

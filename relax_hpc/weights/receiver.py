@@ -44,7 +44,7 @@ class BucketReceiver:
         try:
             work = group.broadcast_async(flat)
             with torch.cuda.stream(self._copy_stream), torch.no_grad():  # None: a no-op on CPU
-                work.wait()  # CUDA: the copy stream waits for the broadcast; gloo: blocks until received
+                group.wait(work)  # CUDA: the copy stream waits for the broadcast; gloo: until received
                 received = unpack(flat, plan)
                 if copy and received:  # one launch for the bucket: the host must keep ahead of the broadcasts
                     torch._foreach_copy_([self.params[n] for n, _ in received], [t for _, t in received])

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +38,7 @@ from relax_hpc.protocol import requests as P
 from relax_hpc.protocol.client import EngineClient, EngineRequestError, EngineUnavailable, RequestPipeline
 from relax_hpc.protocol.registry import EngineRecord, read_records
 from relax_hpc.weights.buckets import BucketPacker, BucketPlan
-from relax_hpc.weights.group import SideGroup
+from relax_hpc.weights.group import Abandoned, SideGroup
 
 log = logging.getLogger("relax_hpc.weights")
 
@@ -60,6 +61,48 @@ def _engine_key(records: list[EngineRecord]) -> list[tuple[str, str]]:
     return sorted((r.engine_id, r.instance) for r in records)
 
 
+class MemberWatch:
+    """During a push, asks every member's /health each second. A raw broadcast has no timeout of
+    its own beyond the group's (weights.timeout_s): without this, a member that dies or hangs in the
+    middle of a push holds the trainer for all of it. Two failed probes in a row mark the member
+    failed; the sender then abandons the push (closing the pipelines unblocks their reads)."""
+
+    def __init__(self, members: list[EngineRecord], api_key: str, on_failure: Callable[[], None]) -> None:
+        self.failed: str | None = None
+        self._members, self._api_key, self._on_failure = members, api_key, on_failure
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="weights-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        misses = dict.fromkeys((m.engine_id for m in self._members), 0)
+        while not self._stop.wait(1.0):
+            for member in self._members:
+                ok = EngineClient(member.url, self._api_key, 2.0).healthy(2.0)
+                misses[member.engine_id] = 0 if ok else misses[member.engine_id] + 1
+                if misses[member.engine_id] >= 2 and not self._stop.is_set():
+                    self.failed = member.engine_id
+                    self._on_failure()
+                    return
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class WatchedWork:
+    """A broadcast's Work whose wait gives up when a member failed during the push."""
+
+    def __init__(self, work: dist.Work, group: SideGroup, watch: MemberWatch | None) -> None:
+        self.work, self.group, self.watch = work, group, watch
+
+    def wait(self) -> None:
+        try:
+            self.group.wait(self.work, lambda: self.watch is not None and self.watch.failed is not None)
+        except Abandoned:
+            failed = self.watch.failed if self.watch is not None else None
+            raise EngineUnavailable(f"engine {failed} stopped answering during the push") from None
+
+
 class WeightSender:
     def __init__(
         self, registry: Path, api_key: str, backend: str, timeout_s: float, abort_in_flight: bool = False
@@ -76,6 +119,7 @@ class WeightSender:
         self._pipelines: list[RequestPipeline] = []  # one per member, during a push
         self._trusted: list[tuple[str, str]] | None = None  # see begin()
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="weights")
+        self._watch: MemberWatch | None = None
 
     def live_engines(self, records: list[EngineRecord] | None = None) -> list[EngineRecord]:
         """The engines of `records` (default: the registry's) that answer /health."""
@@ -90,9 +134,11 @@ class WeightSender:
     def _client(self, record: EngineRecord) -> EngineClient:
         return EngineClient(record.url, self.api_key, self.timeout_s)
 
-    def _fan_out(self, route: str, request: object, members: list[EngineRecord] | None = None) -> list:
+    def _fan_out(
+        self, route: str, request: object, members: list[EngineRecord] | None = None, timeout_s: float | None = None
+    ) -> list:
         members = self.members if members is None else members
-        return [self._pool.submit(self._client(r).post, route, request) for r in members]
+        return [self._pool.submit(self._client(r).post, route, request, timeout_s) for r in members]
 
     def _form_group(self, engines: list[EngineRecord]) -> None:
         self.drop_group()
@@ -123,18 +169,24 @@ class WeightSender:
 
     def drop_group(self) -> None:
         """Leave the group; engines that still answer are un-paused (a failed push may have left
-        them between begin and end of an update)."""
+        them between begin and end of an update). A member the watch found failed is not asked
+        (it would hold each request for the whole timeout), and the group is let go in a thread of
+        its own: a backend may wait for a collective the failed member never joins."""
+        failed = self._watch.failed if self._watch is not None else None
+        self._stop_watch()
+        self._close_pipelines()
         if self.group is not None:
-            for route, request in (
+            answering = [m for m in self.members if m.engine_id != failed]
+            for route, request in (  # destroy first: it frees a survivor still in the collective
+                ("/destroy_weights_update_group", P.DestroyWeightsUpdateGroupReqInput(self.group.group_name)),
                 ("/end_weight_update", P.EndWeightUpdateReqInput()),
                 ("/continue_generation", P.ContinueGenerationReqInput()),
-                ("/destroy_weights_update_group", P.DestroyWeightsUpdateGroupReqInput(self.group.group_name)),
             ):
-                for f in self._fan_out(route, request):
+                # Best effort, briefly: a survivor may still be in the abandoned collective.
+                for f in self._fan_out(route, request, answering, timeout_s=5.0):
                     with contextlib.suppress(EngineUnavailable, EngineRequestError):
                         f.result()
-            self.group.close()
-        self._close_pipelines()
+            threading.Thread(target=self.group.close, name="weights-drop", daemon=True).start()
         self.group, self.members = None, []
 
     def begin(self) -> int:
@@ -157,6 +209,7 @@ class WeightSender:
         self._pipelines = list(
             self._pool.map(lambda r: RequestPipeline(r.url, self.api_key, self.timeout_s), self.members)
         )
+        self._watch = MemberWatch(self.members, self.api_key, self._close_pipelines)
         self._queue("/pause_generation", P.PauseGenerationReqInput(mode=self.pause_mode))
         self._queue("/begin_weight_update", P.BeginWeightUpdateReqInput())
         return len(self.members)
@@ -184,10 +237,10 @@ class WeightSender:
         for pipeline in self._pipelines:
             pipeline.wait_answers(leave=1)
 
-    def broadcast(self, flat: torch.Tensor) -> dist.Work:
+    def broadcast(self, flat: torch.Tensor) -> WatchedWork:
         """Start the broadcast of a packed bucket (after its request_bucket)."""
         assert self.group is not None, "begin() forms the group before buckets are sent"
-        return self.group.broadcast_async(flat)
+        return WatchedWork(self.group.broadcast_async(flat), self.group, self._watch)
 
     def end(self) -> None:
         """Queue end + continue, then wait for every answer of the push."""
@@ -195,7 +248,13 @@ class WeightSender:
         self._queue("/continue_generation", P.ContinueGenerationReqInput())
         for pipeline in self._pipelines:
             pipeline.wait_answers()
+        self._stop_watch()
         self._close_pipelines()
+
+    def _stop_watch(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
 
     def _queue(self, route: str, request: object) -> None:
         for pipeline in self._pipelines:
@@ -203,7 +262,8 @@ class WeightSender:
 
     def _close_pipelines(self) -> None:
         for pipeline in self._pipelines:
-            pipeline.close()
+            with contextlib.suppress(OSError):
+                pipeline.close()
         self._pipelines = []
 
 

@@ -47,6 +47,9 @@ def test_every_shipped_config_validates_and_its_inputs_exist(path):
         ("rollout.num_engines=two", "rollout.num_engines: Input should be a valid integer"),
         ("trainer.lr.x=1", "trainer.lr is not a section"),
         ("trainer.lr", "expected key=value"),
+        # The default signal lead (120 s) in a 2-minute allocation: every allocation would be
+        # signalled at its start and do no work (seen as 31 allocations of 2-12 steps each).
+        ("launch.slurm.time_min=2", "launch.slurm.time_min=2 (120 s) leaves no time to work before the pre-timeout"),
     ],
 )
 def test_bad_overrides_are_named(override, message):

@@ -1,0 +1,54 @@
+"""Heartbeats: each role's RUN_DIR/health/ROLE.json says what it is doing and since when, so
+that the launcher (relax_hpc.launch.health) can tell a hung role from a busy one."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from relax_hpc.paths import RunPaths
+
+
+class Heartbeat:
+    """A role's RUN_DIR/health/NAME.json: what it does, since when (written atomically)."""
+
+    def __init__(self, paths: RunPaths, role: str) -> None:
+        self.path = paths.health(role)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def beat(self, **state: Any) -> None:
+        # Renamed into place (a reader never sees half a file) but not fsynced: a heartbeat is
+        # news, not a record, and the trainer writes several per step.
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps({"time": time.time(), "pid": os.getpid(), **state}))
+        os.replace(tmp, self.path)
+
+
+def read_heartbeat(path: Path) -> dict[str, Any] | None:
+    try:
+        state: dict[str, Any] = json.loads(path.read_text())
+        return state
+    except (OSError, ValueError):
+        return None
+
+
+class StepClock:
+    """The trainer's phases, for its heartbeat: the median step time so far sets how long a busy
+    phase may take before it counts as hung."""
+
+    def __init__(self, heartbeat: Heartbeat) -> None:
+        self.heartbeat = heartbeat
+        self.steps: list[float] = []
+        self.step = 0
+
+    def phase(self, name: str) -> None:
+        median = statistics.median(self.steps[-50:]) if self.steps else None
+        self.heartbeat.beat(phase=name, since=time.time(), step=self.step, median_step_s=median)
+
+    def stepped(self, step: int, seconds: float) -> None:
+        self.step = step
+        self.steps.append(seconds)
