@@ -432,6 +432,8 @@ def serve(args: argparse.Namespace) -> None:
     advertised = socket.gethostname() if args.host in ("0.0.0.0", "::") else args.host
 
     def announce() -> None:
+        if args.pool == "none":  # a server of its own that `relax_hpc.scale out --url` adds
+            return
         record = EngineRecord(
             args.engine_id, advertised, server.server_address[1], os.getpid(), instance, engine.weight_version
         )
@@ -457,7 +459,8 @@ def serve(args: argparse.Namespace) -> None:
         server.serve_forever(poll_interval=0.2)
     finally:
         announcer.shutdown()  # a late announcement must not bring the record back
-        remove_record(paths.registry(args.pool), args.engine_id, instance)
+        if args.pool != "none":
+            remove_record(paths.registry(args.pool), args.engine_id, instance)
         log.info("engine %s stopped", args.engine_id)
 
 
@@ -478,7 +481,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--weights-timeout-s", type=float, default=60.0)
     parser.add_argument(
-        "--pool", choices=("policy", "judge"), default="policy", help="which registry in RUN_DIR it registers in"
+        "--pool",
+        choices=("policy", "judge", "none"),
+        default="policy",
+        help="which registry in RUN_DIR it registers in (none: a server that scale out --url adds)",
     )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

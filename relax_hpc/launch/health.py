@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from relax_hpc.config.schema import HealthConfig
 from relax_hpc.metrics.heartbeat import read_heartbeat
-from relax_hpc.paths import RunPaths
+from relax_hpc.paths import RunPaths, SpoolDirs
 from relax_hpc.protocol.client import EngineClient
 from relax_hpc.protocol.registry import read_records
 
@@ -85,10 +85,18 @@ class HealthMonitor:
         if now - driver_since > self.cfg.driver_timeout_s:
             out.append(Finding("driver", f"no heartbeat for {now - driver_since:.0f} s (hung)"))
         trainer = read_heartbeat(self.paths.health("trainer"))
-        if trainer and trainer.get("phase") in BUSY_PHASES and trainer["time"] >= self.started("trainer"):
+        if trainer and trainer["time"] >= self.started("trainer"):
             lasted = now - float(trainer["since"])
             median = trainer.get("median_step_s")
             limit = max(self.cfg.step_timeout_s, self.cfg.step_factor * median if median else 0.0)
-            if lasted > limit:
-                out.append(Finding("trainer", f"in its {trainer['phase']} phase for {lasted:.0f} s (hung)"))
+            phase = trainer.get("phase")
+            if phase in BUSY_PHASES and lasted > limit:
+                out.append(Finding("trainer", f"in its {phase} phase for {lasted:.0f} s (hung)"))
+            elif phase == "wait" and now - self._oldest_ready(now) > limit and lasted > limit:
+                out.append(Finding("trainer", f"waiting for {lasted:.0f} s with batches ready (hung)"))
         return out
+
+    def _oldest_ready(self, now: float) -> float:
+        """When the oldest batch waiting in the spool was published (now: none waits)."""
+        times = [p.stat().st_mtime for p in SpoolDirs(self.paths.spool).ready.glob("b*.h5")]
+        return min(times, default=now)
