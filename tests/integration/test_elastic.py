@@ -20,7 +20,7 @@ from tests.runs import assert_nothing_lost_or_repeated
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-STEPS = 30
+STEPS = 120
 COMMON = (
     f"trainer.total_steps={STEPS}", "rollout.prompts_per_step=8", "rollout.eval_every=0", "ckpt.every_steps=5",
     "ckpt.keep_trained_batches=true", "rollout.num_engines=1",
