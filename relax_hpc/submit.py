@@ -122,12 +122,16 @@ def megatron_gpu_problems(cfg: JobConfig, in_allocation: bool) -> list[str]:
     visible = visible_gpu_count()
     trainer = place_local(cfg, visible).trainer
     if trainer in (None, NO_GPU) or span(trainer) < ranks or int(trainer.split("-")[1]) >= visible:
+        engines = (
+            "engines share their GPUs (launch.colocate)"
+            if cfg.launch.colocate
+            else f"{cfg.rollout.num_engines} engine(s) take one each unless launch.local_trainer_gpus / "
+            "launch.local_engine_gpus say otherwise"
+        )
         return [
             (
-                f"trainer.backend=megatron runs one rank per GPU: this machine shows {visible} GPU(s), and the "
-                f"trainer's {ranks} rank(s) and {cfg.rollout.num_engines} engine(s) take one each unless "
-                "launch.local_trainer_gpus / launch.local_engine_gpus say otherwise; use trainer.backend=torch "
-                "here, or fewer ranks"
+                f"trainer.backend=megatron runs one rank per GPU: this machine shows {visible} GPU(s), for the "
+                f"trainer's {ranks} rank(s), and its {engines}; use trainer.backend=torch here, or fewer ranks"
             )
         ]
     return []
@@ -165,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         help="run the roles as job steps of the Slurm allocation this command runs in (what sbatch recipes use)",
     )
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. trainer.lr=3e-4 rollout.num_engines=4")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides before or after the flags
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         cfg = load_config(args.config, args.overrides)

@@ -181,7 +181,7 @@ def test_the_supervisor_restarts_a_crashed_sglang_engine(tmp_path):
         raise AssertionError(f"the restarted engine never received weights:\n{job.text()[-2000:]}")
     (job.run_dir / "control" / "stop").write_text("stop")
     assert job.wait(timeout_s=120) == 75, job.text()[-3000:]
-    assert "engine-0 exited (1); restarting (1/5)" in job.text()
+    assert "engine-0 ended (exit 1); restarting (1/5)" in job.text()
     assert "the SGLang server exited with code -9 while serving" in log.read_text()
     time.sleep(1.0)  # the supervisor's SIGTERM reached the wrappers; give them a moment to clean up
     assert not record_path.exists() and len(servers()) == 2 and all(_gone(pid) for pid in servers())

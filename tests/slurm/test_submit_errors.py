@@ -65,14 +65,17 @@ def test_slurm_tools_missing_from_path(tmp_path, monkeypatch):
 )
 def test_the_multimodal_gpu_recipes_validate_and_lay_out_their_jobs(slurm_cluster, tmp_path, recipe, build, data):
     """The recipes as a user submits them, their model and data replaced by a tiny model of the
-    same family and a shipped dataset: --dry-run checks every input (each picture and clip
-    decoded) and shows the job: torch backend, SGLang engines."""
+    same family and a shipped dataset, and their GPUs by the test cluster's 2 a node (Slurm
+    itself judges the job): --dry-run checks every input (each picture and clip decoded) and
+    shows the job: torch backend, SGLang engines."""
     model = build(tmp_path / "model")
     media = "data.media={image: images}" if "shapes" in data else "data.media={audio: audios}"
     argv = [
         sys.executable, "-m", "relax_hpc.submit", "--config", str(REPO / "configs" / recipe),
         f"run.dir={tmp_path / 'run'}",
         f"model.path={model}", f"data.path={REPO / 'assets' / data}", media, "--dry-run",
+        "trainer.num_ranks=1", "launch.slurm.trainer.gpus_per_node=1", "rollout.num_engines=1",
+        "launch.slurm.rollout.gpus_per_node=1", "rollout.sglang.tp_size=1",
     ]  # fmt: skip
     out = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, check=False, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
