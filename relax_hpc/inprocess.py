@@ -61,6 +61,7 @@ class LocalPolicy:
         self.model: PreTrainedModel = model
         self.tokenizer, self.processor = tokenizer, processor
         self.version = 0
+        self.routing = False  # record the routers' choices (algo.off_policy.routing_replay)
 
     def generate(self, calls: Sequence[GenerateCall]) -> list[Sampled]:
         specs, seeds = zip(*(SamplingSpec.from_params(c.sampling) for c in calls), strict=True)
@@ -70,7 +71,10 @@ class LocalPolicy:
             prompts.append(processed.input_ids if processed else call.token_ids)
             inputs.append(processed.tensors if processed else {})
         eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
-        outs = sample(self.model, prompts, list(specs), list(seeds), eos, pad, inputs if any(inputs) else None)
+        outs = sample(
+            self.model, prompts, list(specs), list(seeds), eos, pad, inputs if any(inputs) else None,
+            record_routing=self.routing,
+        )  # fmt: skip
         results = []
         for out, prompt, call in zip(outs, prompts, calls, strict=True):
             keep = (
@@ -83,8 +87,19 @@ class LocalPolicy:
                 "length" if out.finish_reason == "length" and keep == len(out.output_ids) else "stop"
             )
             text = str(self.tokenizer.decode(ids, skip_special_tokens=True))
+            routed = (
+                out.routed.reshape(len(out.routed), -1)[: len(prompt) + keep - 1] if out.routed is not None else None
+            )
             results.append(
-                Sampled(ids, out.logprobs[:keep], [self.version] * keep, finish, text, prompt if call.media else None)
+                Sampled(
+                    ids,
+                    out.logprobs[:keep],
+                    [self.version] * keep,
+                    finish,
+                    text,
+                    prompt if call.media else None,
+                    routed,
+                )
             )
         return results
 
@@ -107,6 +122,7 @@ class InProcessRun:
         # What weight sync would update (tied weights appear once; a frozen encoder not at all).
         self.params = {n: p for n, p in self.sampler.named_parameters() if n in synced}
         self.policy = LocalPolicy(self.sampler, self.tokenizer, self.processor)
+        self.policy.routing = cfg.algo.off_policy.routing_replay
         self.rounds = Rounds(
             cfg, self.rows, [encode(r) for r in self.rows], self.tokenizer, self.policy, make_scorer(cfg)
         )

@@ -293,6 +293,11 @@ class OffPolicyConfig(Section):
     """icepop: lower end of the kept band of w."""
     icepop_high: float = Field(default=2.0, gt=0)
     """icepop: upper end of the kept band of w."""
+    routing_replay: bool = False
+    """MoE models: the engines return the experts their routers chose for every token (SGLang:
+    start it with --enable-return-routed-experts), the spool keeps them, and the trainer's forward
+    uses exactly those experts (torch backend), so that the ratio measures the policy, not a
+    routing flip between two kernels."""
 
 
 class CriticConfig(Section):
@@ -582,6 +587,12 @@ class LaunchConfig(Section):
     `slurm`: `submit` hands one job to Slurm (through submitit); inside its allocation the same
     launcher runs every role as a job step (srun) and requeues the job on a time limit or a
     preemption."""
+    colocate: bool = False
+    """Trainer ranks and engines on the same devices: engine i shares trainer rank i's GPU (modulo
+    the ranks). The engines free their weights while the trainer trains (release/resume memory
+    occupation) and take the new weights by reference (CUDA IPC; shared memory on the CPU) instead
+    of a broadcast. Synchronous by construction: needs rollout.max_staleness 0, since an engine
+    cannot generate while its memory is the trainer's."""
     threads_per_process: int = Field(default=1, ge=1)
     """torch threads of each role process. On a small machine, more threads than free cores make
     these tiny models slower, not faster."""
@@ -648,6 +659,26 @@ class JobConfig(Section):
             raise ValueError(
                 "algo.policy_loss.kind=reinforce has no importance ratio, so samples from older policies "
                 "would train uncorrected: set rollout.max_staleness=0 or an algo.off_policy.correction"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _colocated(self) -> JobConfig:
+        if not self.launch.colocate:
+            return self
+        if self.rollout.max_staleness != 0 or self.rollout.partial:
+            raise ValueError(
+                "launch.colocate: engines and trainer take turns on the same devices, so rollout cannot run "
+                "ahead of training: set rollout.max_staleness=0 (and rollout.partial=false)"
+            )
+        if self.launch.executor == "slurm" and self.launch.slurm.rollout.nodes:
+            raise ValueError(
+                "launch.colocate puts the engines on the trainer's nodes: set launch.slurm.rollout.nodes=0"
+            )
+        if self.trainer.backend == "megatron" and self.trainer.num_ranks > 1:
+            # Its full parameters are gathered on rank 0 alone; every colocated rank serves its own engines.
+            raise ValueError(
+                "launch.colocate with trainer.backend=megatron runs one trainer rank: set trainer.num_ranks=1"
             )
         return self
 

@@ -113,4 +113,5 @@ def to_sample_batch(seq: int, groups: list[Group]) -> SampleBatch:
         media={grp.group_id: grp.trajectories[0].media for grp in groups if grp.trajectories[0].media},
         loss_masks=[t.loss_mask for _, t, _ in samples],
         token_versions=[t.versions for _, t, _ in samples],
+        routed=[t.routed for _, t, _ in samples],
     )

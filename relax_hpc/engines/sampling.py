@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from relax_hpc.data.processor import concat_inputs, rope_positions
+from relax_hpc.models.routing import recording, routers
 from relax_hpc.protocol.requests import SAMPLING_PARAMS
 
 
@@ -53,6 +56,9 @@ class Completion:
     logprobs: list[float]
     finish_reason: str  # "stop" | "length" | "abort"
     matched: int | None = None
+    # MoE, when asked: the experts each input position's routers chose, [prompt + output - 1,
+    # layers, top_k] (the last token is never an input), as SGLang's return_routed_experts.
+    routed: np.ndarray | None = None
 
 
 def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -96,6 +102,7 @@ def sample(
     pad_token_id: int,
     inputs: Sequence[dict[str, torch.Tensor]] | None = None,
     aborted: Callable[[int], bool] | None = None,
+    record_routing: bool = False,
 ) -> list[Completion]:
     """Sample one completion per prompt. Returned logprobs follow SGLang: log-softmax of the logits
     divided by the temperature, before top-k/top-p filtering; with temperature 1 they are the
@@ -104,7 +111,37 @@ def sample(
     `inputs`: each prompt's processor tensors (relax_hpc.data.processor.process) when its
     placeholders are expanded for media; the first forward pass (the prompts') takes them.
     `aborted(i)`, asked before every decoding step, stops row i where it is: its completion keeps
-    the tokens it has, finish_reason "abort" (as SGLang answers an aborted request)."""
+    the tokens it has, finish_reason "abort" (as SGLang answers an aborted request).
+    `record_routing`: an MoE model's routers' choices go into each completion's `routed`."""
+    with recording(model) if record_routing and routers(model) else nullcontext() as calls:
+        out = _sample(model, prompts, specs, seeds, eos_token_id, pad_token_id, inputs, aborted)
+    if calls:
+        _attach_routing(out, [len(p) for p in prompts], calls)
+    return out
+
+
+def _attach_routing(out: list[Completion], prompt_lens: list[int], calls: list[list[torch.Tensor]]) -> None:
+    """Per row, its input positions' choices: its prompt (left-padded in the prefill), then the
+    decoding steps that fed its own tokens."""
+    n, width = len(out), max(prompt_lens)
+    prefill = torch.stack(calls[0], dim=1).reshape(n, width, len(calls[0]), -1)  # [rows, width, layers, k]
+    steps = [torch.stack(call, dim=1) for call in calls[1:]]  # each [rows, layers, k]
+    for i, completion in enumerate(out):
+        fed = len(completion.output_ids) - 1  # decoding steps that took one of this row's tokens
+        rows = [prefill[i, width - prompt_lens[i] :], *(step[i : i + 1] for step in steps[: max(fed, 0)])]
+        completion.routed = torch.cat(rows).numpy()
+
+
+def _sample(
+    model: PreTrainedModel,
+    prompts: Sequence[Sequence[int]],
+    specs: Sequence[SamplingSpec],
+    seeds: Sequence[int | None],
+    eos_token_id: int,
+    pad_token_id: int,
+    inputs: Sequence[dict[str, torch.Tensor]] | None,
+    aborted: Callable[[int], bool] | None,
+) -> list[Completion]:
     n = len(prompts)
     device = next(model.parameters()).device
     width = max(len(p) for p in prompts)

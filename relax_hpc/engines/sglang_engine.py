@@ -60,9 +60,12 @@ class EngineFailed(RuntimeError):
     """The server did not start, exited, or stopped answering: the supervisor restarts the engine."""
 
 
-def server_args(cfg: JobConfig, host: str, port: int, api_key: str, pool: str = "policy") -> list[str]:
+def server_args(
+    cfg: JobConfig, host: str, port: int, api_key: str, pool: str = "policy", device: str | None = None
+) -> list[str]:
     """launch_server's command-line arguments for this run (rollout.sglang.extra_args last,
-    verbatim); a judge engine serves reward.judge.model."""
+    verbatim); a judge engine serves reward.judge.model; `device` cuda:K: a colocated engine on
+    GPU K of those it sees (its trainer rank's)."""
     sg = cfg.rollout.sglang
     model = cfg.reward.judge.model if pool == "judge" else cfg.model.path
     argv = [
@@ -73,6 +76,12 @@ def server_args(cfg: JobConfig, host: str, port: int, api_key: str, pool: str = 
     ]  # fmt: skip
     if sg.context_length is not None:
         argv += ["--context-length", str(sg.context_length)]
+    if device is not None:
+        argv += ["--base-gpu-id", device.removeprefix("cuda:")]
+    if cfg.launch.colocate and pool == "policy":
+        argv.append("--enable-memory-saver")  # /release_memory_occupation frees nothing without it
+    if cfg.algo.off_policy.routing_replay and pool == "policy":
+        argv.append("--enable-return-routed-experts")  # without it the routing is silently absent
     return argv + list(sg.extra_args)
 
 
@@ -149,7 +158,7 @@ class Wrapper:
                 os.killpg(self.proc.pid, self.signum)
 
     def run(self) -> int:
-        argv = server_args(self.cfg, self.args.host, self.port, self.api_key, self.args.pool)
+        argv = server_args(self.cfg, self.args.host, self.port, self.api_key, self.args.pool, self.args.device)
         module = self.cfg.rollout.sglang.module
         log.info("%s: starting python -m %s %s", self.args.engine_id, module, redact(argv, self.api_key))
         self.proc = start_server(self.cfg, argv)
@@ -250,6 +259,7 @@ def main() -> None:
     parser.add_argument(
         "--pool", choices=("policy", "judge"), default="policy", help="which registry in RUN_DIR it registers in"
     )
+    parser.add_argument("--device", default=None, help="cuda:K: the server's first GPU (colocated engines)")
     parser.add_argument(
         "--unhealthy-after-s",
         type=float,

@@ -11,6 +11,7 @@ version, which its meta_info reports as `weight_version`.
 from __future__ import annotations
 
 import argparse
+import base64
 import errno
 import functools
 import json
@@ -28,6 +29,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, cast
 
+import numpy as np
 import torch
 from transformers import AutoTokenizer
 
@@ -41,8 +43,14 @@ from relax_hpc.protocol.registry import EngineRecord, remove_record, write_recor
 from relax_hpc.weights.buckets import BucketPlan
 from relax_hpc.weights.group import SideGroup
 from relax_hpc.weights.receiver import BucketReceiver
+from relax_hpc.weights.tensors import PayloadError, deserialize
 
 log = logging.getLogger("relax_hpc.engine")
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")  # SGLang's (srt/constants.py)
+
+
+class EngineBusy(RuntimeError):
+    """The request cannot be served now (HTTP 503), e.g. while the weights are released."""
 
 
 @dataclass
@@ -54,6 +62,7 @@ class _Job:
     return_logprob: list[bool]
     inputs: list[dict[str, torch.Tensor]]  # each prompt's processor tensors (empty without media)
     return_prompt_ids: bool = False
+    routed_from: int | None = None  # return_routed_experts: from this position (routed_experts_start_len)
     done: threading.Event = field(default_factory=threading.Event)
     completions: list[Completion] | None = None
     version: str = ""  # weight_version that produced the completions
@@ -113,6 +122,7 @@ class TorchEngine:
         self.model_path = model_path
         self.weight_version = "0"
         self.updating = False  # between /begin_weight_update and /end_weight_update
+        self.released: dict[str, tuple[torch.Size, torch.dtype]] = {}  # weights freed for the trainer
         self.groups: dict[str, SideGroup] = {}
         self.receiver = BucketReceiver(self.params, self.device)
         self._model_lock = threading.Lock()
@@ -125,6 +135,8 @@ class TorchEngine:
     # -- generation -----------------------------------------------------------------------------
 
     def generate(self, req: P.GenerateReqInput) -> list[dict[str, Any]] | dict[str, Any]:
+        if self.released:  # colocated: the trainer has the device; ask again after the push
+            raise EngineBusy("the engine's weights are released while the trainer trains")
         batched = bool(req.input_ids) and isinstance(req.input_ids[0], list)
         # The first item tells the union apart, which mypy cannot follow into a list's items.
         prompts = cast(list[list[int]], req.input_ids) if batched else [cast(list[int], req.input_ids)]
@@ -145,7 +157,8 @@ class TorchEngine:
         rids = [r if r is not None else uuid.uuid4().hex for r in rids]
         prompts, inputs = self._expand(prompts, _media_of(req, batched, n))
         logprob = [bool(x) for x in per_item(req.return_logprob, False)]
-        job = _Job(prompts, list(specs), list(seeds), rids, logprob, inputs, req.return_prompt_token_ids)
+        routed_from = req.routed_experts_start_len if req.return_routed_experts else None
+        job = _Job(prompts, list(specs), list(seeds), rids, logprob, inputs, req.return_prompt_token_ids, routed_from)
         with self._cv:
             self._pending.append(job)
             self._cv.notify()
@@ -197,6 +210,11 @@ class TorchEngine:
         }
         if job.return_logprob[i]:
             meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(logprobs, ids, strict=True)]
+        chosen = job.completions[i].routed if job.completions is not None else None
+        if job.routed_from is not None and chosen is not None:
+            # As SGLang: base64 of the raw int32 [positions, layers, top_k], C order, no header.
+            routed = np.ascontiguousarray(chosen[job.routed_from :], dtype=np.int32)
+            meta["routed_experts"] = base64.b64encode(routed.tobytes()).decode()
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         out: dict[str, Any] = {"text": text, "output_ids": ids, "meta_info": meta}
         if job.return_prompt_ids:  # top-level, as SGLang answers it
@@ -221,6 +239,7 @@ class TorchEngine:
                     self.tokenizer.pad_token_id,
                     inputs if any(inputs) else None,
                     aborted=functools.partial(_row_aborted, flat),  # set by /abort_request, read per step
+                    record_routing=any(j.routed_from is not None for j in jobs),
                 )
                 version = self.weight_version
             with self._cv:
@@ -287,6 +306,57 @@ class TorchEngine:
         with self._model_lock:
             param = self.params[req.name].detach()
             return param[: req.truncate_size].tolist() if param.dim() else param.item()
+
+    def update_from_tensor(self, req: P.UpdateWeightsFromTensorReqInput) -> bool:
+        """Copy tensors mapped from the trainer's memory into the parameters (this engine's
+        tensor-parallel rank 0 payload). Returns whether it changed the weight version."""
+        if not self.updating:
+            raise P.ProtocolError(
+                "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
+            )
+        if req.load_format not in (None, "direct"):
+            raise P.ProtocolError(f"load_format {req.load_format!r}: the torch engine takes None or direct")
+        try:
+            named = deserialize(req.serialized_named_tensors[0])
+        except PayloadError as e:
+            raise P.ProtocolError(str(e)) from None
+        unknown = [name for name, _ in named if name not in self.params]
+        if unknown:
+            raise P.ProtocolError(f"unknown parameter names {unknown[:5]}")
+        with self._model_lock, torch.no_grad():
+            torch._foreach_copy_([self.params[n] for n, _ in named], [t.to(self.device) for _, t in named])
+            if req.weight_version is None:
+                return False
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+            self.weight_version = req.weight_version
+            return True
+
+    def release_memory(self, req: P.ReleaseMemoryOccupationReqInput) -> None:
+        """Free the weights' memory while the trainer trains on the same device (colocation): the
+        engine must be idle; a released engine refuses /generate until resumed and updated."""
+        tags = set(req.tags or MEMORY_TAGS)
+        if unknown := tags - set(MEMORY_TAGS):
+            raise P.ProtocolError(f"unknown memory tags {sorted(unknown)}; SGLang's are {list(MEMORY_TAGS)}")
+        with self._cv:
+            if self._pending or self._running:
+                raise P.ProtocolError("release_memory_occupation needs an idle engine: pause generation first")
+        with self._model_lock:
+            if "weights" in tags and not self.released:
+                self.released = {name: (p.shape, p.dtype) for name, p in self.params.items()}
+                for p in self.params.values():
+                    p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def resume_memory(self, req: P.ResumeMemoryOccupationReqInput) -> None:
+        """Allocate the released weights again (no values: the next update fills them)."""
+        tags = set(req.tags or MEMORY_TAGS)
+        with self._model_lock:
+            if "weights" in tags and self.released:
+                for name, (shape, dtype) in self.released.items():
+                    self.params[name].data = torch.empty(shape, dtype=dtype, device=self.device)
+                self.released = {}
 
     def begin_update(self, req: P.BeginWeightUpdateReqInput) -> None:
         if req.selector == "draft":
@@ -369,6 +439,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._route(body)
         except (P.ProtocolError, json.JSONDecodeError) as e:
             self._reply(HTTPStatus.BAD_REQUEST, {"success": False, "message": str(e)})
+        except EngineBusy as e:  # answered 503: a client tries again later, or elsewhere
+            self._reply(HTTPStatus.SERVICE_UNAVAILABLE, {"success": False, "message": str(e)})
         except Exception as e:  # a failed weight transfer, a dead peer: report it, keep serving
             log.exception("request %s failed", self.path)
             self._reply(HTTPStatus.INTERNAL_SERVER_ERROR, {"success": False, "message": f"{type(e).__name__}: {e}"})
@@ -404,6 +476,16 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(HTTPStatus.OK, {"success": True, "message": "Weight update ended."})
         elif self.path == "/get_weights_by_name":
             self._reply(HTTPStatus.OK, e.weights_by_name(P.parse(P.GetWeightsByNameReqInput, body)))
+        elif self.path == "/update_weights_from_tensor":
+            if e.update_from_tensor(P.parse(P.UpdateWeightsFromTensorReqInput, body)):
+                self.on_weights()
+            self._reply(HTTPStatus.OK, {"success": True, "message": "Succeeded to update parameter online."})
+        elif self.path == "/release_memory_occupation":
+            e.release_memory(P.parse(P.ReleaseMemoryOccupationReqInput, body))
+            self._reply(HTTPStatus.OK, None)
+        elif self.path == "/resume_memory_occupation":
+            e.resume_memory(P.parse(P.ResumeMemoryOccupationReqInput, body))
+            self._reply(HTTPStatus.OK, None)
         elif self.path == "/update_weights_from_distributed":
             if e.update_from_distributed(P.parse(P.UpdateWeightsFromDistributedReqInput, body)):
                 self.on_weights()

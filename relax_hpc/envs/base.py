@@ -26,6 +26,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+import numpy as np
+
 from relax_hpc.data.media import Kind
 from relax_hpc.data.prompts import PromptRow
 
@@ -46,6 +48,9 @@ class Sampled:
     finish_reason: Literal["stop", "length"]
     text: str  # the tokens decoded (for parsing tool calls; never re-encoded)
     prompt_ids: list[int] | None = None  # the prompt as the engine conditioned on it (media expanded)
+    # MoE routing replay: the routers' choices for every input position of this call (its prompt
+    # and its new tokens but the last), [positions, layers * top_k].
+    routed: np.ndarray | None = None
 
 
 @dataclass(slots=True)
@@ -65,6 +70,7 @@ class Trajectory:
     response: str = ""  # the text the reward function scores (default: the last sampled text)
     metrics: dict[str, float] = field(default_factory=dict)  # per trajectory; means per step are logged
     media: list[tuple[Kind, bytes]] = field(default_factory=list)  # the prompt's items
+    routed: np.ndarray | None = None  # the last call's routing (it covers every earlier position)
 
     @property
     def ids(self) -> list[int]:
@@ -77,6 +83,8 @@ class Trajectory:
         self.logprobs += out.logprobs
         self.versions += out.versions
         self.response = out.text
+        if out.routed is not None:
+            self.routed = out.routed
         if out.finish_reason == "length":
             self.status = "truncated"
         return self

@@ -29,10 +29,11 @@ import numpy as np
 from relax_hpc.data.media import KIND_CODES, Kind
 from relax_hpc.paths import SpoolDirs, fsync_dir, write_atomic
 
-# 2: media (once per prompt group); 3: per-token policy versions (multi-turn and partial rollout).
-# A reader refuses versions it does not know, naming both.
-SCHEMA_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+# 2: media (once per prompt group); 3: per-token policy versions (multi-turn and partial rollout);
+# 4: the routers' choices per token, optional (MoE routing replay). A reader refuses versions it
+# does not know, naming both.
+SCHEMA_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 BATCH_NAME = re.compile(r"^b(\d{9})\.h5$")
 _ARRAYS: dict[str, type[np.generic]] = {
     "tokens": np.int32,
@@ -61,7 +62,12 @@ ARRAYS_OF: dict[int, dict[str, type[np.generic]]] = {
     1: _ARRAYS,
     2: {**_ARRAYS, **_MEDIA},
     3: {**_ARRAYS, **_MEDIA, **_VERSIONS},
+    4: {**_ARRAYS, **_MEDIA, **_VERSIONS},
 }
+# Schema 4, optional: `routed_experts` [T, layers * top_k], uint8 (uint16 for models of 255 or more
+# experts), the routers' choices for every input position, ROUTED_NONE where none was recorded (the
+# last token, environment tokens after the last call): the trainer's router decides there.
+ROUTED = "routed_experts"
 _ALL = ARRAYS_OF[SCHEMA_VERSION]
 _KINDS: tuple[Kind, ...] = tuple(sorted(KIND_CODES, key=KIND_CODES.__getitem__))
 
@@ -97,6 +103,7 @@ class SampleBatch:
     # Derived from policy_version when not given (files of schema 1 and 2: one version per sample).
     token_versions: np.ndarray | None = None
     newest_version: np.ndarray | None = None
+    routed_experts: np.ndarray | None = None  # [T, layers * top_k], schema 4 (routing replay)
 
     def __post_init__(self) -> None:
         if self.token_versions is None:
@@ -136,6 +143,7 @@ class SampleBatch:
         media: Mapping[int, Sequence[tuple[Kind, bytes]]] | None = None,
         loss_masks: list[list[int]] | None = None,
         token_versions: list[list[int]] | None = None,
+        routed: list[np.ndarray | None] | None = None,
     ) -> SampleBatch:
         """Build from per-sample prompt+completion token lists. Per completion token (after the
         prompt): `logprobs`, `loss_masks` (default all 1: every completion token was sampled) and
@@ -173,11 +181,38 @@ class SampleBatch:
             prompt_index=np.asarray(prompt_index, dtype=np.int64),
             token_versions=versions,
             newest_version=newest,
+            routed_experts=pack_routing(routed, lengths)
+            if routed is not None and any(r is not None for r in routed)
+            else None,
             media_bytes=packed["media_bytes"],
             media_offsets=packed["media_offsets"],
             media_kind=packed["media_kind"],
             media_group=packed["media_group"],
         )
+
+
+def pack_routing(routed: list[np.ndarray | None], lengths: list[int]) -> np.ndarray:
+    """Each sample's [positions, layers * top_k] choices (or None), padded to its length with the
+    dtype's largest value (no choice), stacked over the batch's tokens."""
+    width = next(r.shape[1] for r in routed if r is not None)
+    top = max((int(r.max()) for r in routed if r is not None and r.size), default=0)
+    dtype = np.uint8 if top < np.iinfo(np.uint8).max else np.uint16
+    out = np.full((sum(lengths), width), np.iinfo(dtype).max, dtype=dtype)
+    start = 0
+    for choices, length in zip(routed, lengths, strict=True):
+        if choices is not None:
+            out[start : start + min(len(choices), length)] = choices[:length]
+        start += length
+    return out
+
+
+def routing_of(batch: SampleBatch, i: int) -> np.ndarray | None:
+    """Sample i's choices as int64, -1 where none was recorded (None: the batch has none)."""
+    if batch.routed_experts is None:
+        return None
+    rows = batch.routed_experts[batch.offsets[i] : batch.offsets[i + 1]].astype(np.int64)
+    rows[rows == np.iinfo(batch.routed_experts.dtype).max] = -1
+    return rows
 
 
 def _pack_media(media: Mapping[int, Sequence[tuple[Kind, bytes]]]) -> dict[str, np.ndarray]:
@@ -196,7 +231,8 @@ def _pack_media(media: Mapping[int, Sequence[tuple[Kind, bytes]]]) -> dict[str, 
 
 # The arrays with one entry per sample (offsets: one more); a header read covers these only.
 _PER_SAMPLE_V1 = ("offsets", "prompt_lens", "rewards", "group_ids", "policy_version", "prompt_index")
-PER_SAMPLE_OF = {1: _PER_SAMPLE_V1, 2: _PER_SAMPLE_V1, 3: (*_PER_SAMPLE_V1, "newest_version")}
+_PER_SAMPLE_V3 = (*_PER_SAMPLE_V1, "newest_version")
+PER_SAMPLE_OF = {1: _PER_SAMPLE_V1, 2: _PER_SAMPLE_V1, 3: _PER_SAMPLE_V3, 4: _PER_SAMPLE_V3}
 
 
 def _checksum(arrays: dict[str, np.ndarray], names: Iterable[str] = _ARRAYS) -> int:
@@ -225,6 +261,9 @@ class BatchHeader:
 def write_batch(path: Path, batch: SampleBatch, writer: str) -> None:
     """Write `batch` to `path` directly (callers publish through Spool.publish)."""
     arrays = {name: np.asarray(getattr(batch, name), dtype=dtype) for name, dtype in _ALL.items()}
+    summed = list(_ALL)
+    if batch.routed_experts is not None:
+        arrays[ROUTED], summed = batch.routed_experts, [*summed, ROUTED]
     with h5py.File(path, "w", locking=False) as f:
         for name, arr in arrays.items():
             f.create_dataset(name, data=arr)
@@ -235,7 +274,7 @@ def write_batch(path: Path, batch: SampleBatch, writer: str) -> None:
                 "seq": batch.seq,
                 "writer": writer,
                 "created": time.time(),
-                "checksum": _checksum(arrays, _ALL),
+                "checksum": _checksum(arrays, summed),
                 "header_checksum": _checksum(arrays, PER_SAMPLE_OF[SCHEMA_VERSION]),
             }
         )
@@ -265,6 +304,8 @@ def _read(path: Path, header: bool) -> tuple[dict, dict[str, np.ndarray], int]:
                 raise SpoolFormatError(f"missing datasets {missing}")
             names = PER_SAMPLE_OF[int(version)] if header else kinds
             arrays = {name: np.asarray(f[name][()], dtype=kinds[name]) for name in names}
+            if not header and ROUTED in f:
+                arrays[ROUTED] = f[ROUTED][()]
             num_tokens = int(f["tokens"].shape[0])
     except SpoolFormatError:
         raise
@@ -302,7 +343,8 @@ def read_header(path: Path) -> BatchHeader:
 def read_batch(path: Path) -> SampleBatch:
     """Read and validate a batch file; any defect raises SpoolFormatError with the reason."""
     attrs, arrays, num_tokens = _read(path, header=False)
-    if int(attrs.get("checksum", -1)) != _checksum(arrays, ARRAYS_OF[attrs["schema_version"]]):
+    summed = [*ARRAYS_OF[attrs["schema_version"]], *([ROUTED] if ROUTED in arrays else [])]
+    if int(attrs.get("checksum", -1)) != _checksum(arrays, summed):
         raise SpoolFormatError("checksum mismatch (the file was modified or damaged after it was written)")
     _check_structure(arrays, num_tokens)
     arrays = {**_no_media(), **arrays}
@@ -315,6 +357,8 @@ def read_batch(path: Path) -> SampleBatch:
         raise SpoolFormatError("media offsets do not describe the media arrays")
     if "token_versions" in arrays and len(arrays["token_versions"]) != num_tokens:
         raise SpoolFormatError("token_versions does not have one entry per token")
+    if ROUTED in arrays and len(arrays[ROUTED]) != num_tokens:
+        raise SpoolFormatError("routed_experts does not have one row per token")
     meta = {k: (v.item() if hasattr(v, "item") else v) for k, v in attrs.items() if k not in ("seq",)}
     return SampleBatch(seq=int(attrs["seq"]), attrs=meta, **arrays)
 

@@ -87,6 +87,7 @@ class Layout:
     engine_group: int
     engine_nodes: list[str]  # the node of each engine
     engine_gpus: list[str | None]
+    engine_devices: list[str | None] | None = None  # colocated: each engine's --device (its rank's GPU)
 
 
 def plan_layout(cfg: JobConfig, alloc: Allocation) -> Layout:
@@ -110,6 +111,8 @@ def plan_layout(cfg: JobConfig, alloc: Allocation) -> Layout:
         trainer_nodes = nodes[:want_trainer]
         rollout_nodes = nodes[want_trainer:] or trainer_nodes
         groups = (0, 0)
+    if cfg.launch.colocate:
+        return _colocated_layout(cfg, groups[0], trainer_nodes)
     colocated = rollout_nodes == trainer_nodes
     # Judge engines (reward.name=judge) come after the rollout engines, placed the same way.
     engine_nodes = [rollout_nodes[i % len(rollout_nodes)] for i in range(engine_count(cfg))]
@@ -126,6 +129,21 @@ def plan_layout(cfg: JobConfig, alloc: Allocation) -> Layout:
     if sl.trainer.gpus_per_node == 0:
         trainer_gpus = NO_GPU  # a node's GPUs that the job did not ask for are not the trainer's
     return Layout(groups[0], trainer_nodes, trainer_gpus, groups[1], engine_nodes, engine_gpus)
+
+
+def _colocated_layout(cfg: JobConfig, group: int, trainer_nodes: list[str]) -> Layout:
+    """launch.colocate: engine i beside trainer rank i modulo the ranks, on that rank's node and
+    GPU; every role on a node sees the same GPUs, so that a CUDA IPC handle means the same device
+    to the rank that made it and to the engine that maps it."""
+    per_node = cfg.trainer.num_ranks // len(trainer_nodes)
+    gpus = cfg.launch.slurm.trainer.gpus_per_node
+    if gpus and gpus < per_node:
+        raise AllocationError(f"launch.colocate: {per_node} trainer ranks per node on {gpus} GPU(s)")
+    ranks = [i % cfg.trainer.num_ranks for i in range(engine_count(cfg))]
+    nodes = [trainer_nodes[r // per_node] for r in ranks]
+    visible = f"0-{gpus - 1}" if gpus else NO_GPU
+    devices: list[str | None] = [f"cuda:{r % per_node}" if gpus else None for r in ranks]
+    return Layout(group, trainer_nodes, visible, group, nodes, [visible] * len(nodes), devices)
 
 
 def engine_count(cfg: JobConfig) -> int:

@@ -29,22 +29,25 @@ def engine_name(cfg: JobConfig, index: int) -> tuple[str, str]:
     return (f"engine-{index}", "policy") if index < n else (f"judge-{index - n}", "judge")
 
 
-def engine_args(cfg: JobConfig, paths: RunPaths, index: int, host: str, engine_id: str | None = None) -> list[str]:
-    """Engine process `index` of the run, or, with `engine_id`, an elastic engine (a port of its own)."""
+def engine_args(
+    cfg: JobConfig, paths: RunPaths, index: int, host: str, engine_id: str | None = None, device: str | None = None
+) -> list[str]:
+    """Engine process `index` of the run, or, with `engine_id`, an elastic engine (a port of its
+    own); `device`: the engine's GPU (colocated engines share a trainer rank's)."""
     name, pool = engine_name(cfg, index) if engine_id is None else (engine_id, "policy")
     port = cfg.rollout.base_port + index if cfg.rollout.base_port and engine_id is None else 0
     if cfg.rollout.engine == "sglang":
         # A supervisor of one SGLang server; it builds the server's arguments from RUN_DIR/config.yaml.
         return [
             "-m", "relax_hpc.engines.sglang_engine", "--run-dir", str(paths.root), "--engine-id", name,
-            "--host", host, "--port", str(port), "--pool", pool,
+            "--host", host, "--port", str(port), "--pool", pool, *(["--device", device] if device else []),
         ]  # fmt: skip
     model = cfg.model.path if pool == "policy" else str(cfg.reward.judge.model)
     return [
         "-m", "relax_hpc.engines.torch_engine", "--run-dir", str(paths.root), "--engine-id", name,
         "--model-path", model, "--dtype", cfg.model.dtype, "--host", host,
         "--port", str(port), "--threads", str(cfg.launch.threads_per_process),
-        "--weights-timeout-s", str(cfg.weights.timeout_s), "--pool", pool,
+        "--weights-timeout-s", str(cfg.weights.timeout_s), "--pool", pool, *(["--device", device] if device else []),
     ]  # fmt: skip
 
 
@@ -75,8 +78,9 @@ def local_commands(cfg: JobConfig, paths: RunPaths, devices: LocalDevices | None
     gives it (default: placed for the GPUs this machine shows)."""
     devices = devices or place_local(cfg, visible_gpu_count())
     py = python(cfg)
+    device: list[str | None] = [*devices.engine_devices] if devices.engine_devices else [None] * len(devices.engines)
     commands = {
-        engine_name(cfg, i)[0]: _on_gpus(gpus, [py, *engine_args(cfg, paths, i, cfg.rollout.host)])
+        engine_name(cfg, i)[0]: _on_gpus(gpus, [py, *engine_args(cfg, paths, i, cfg.rollout.host, device=device[i])])
         for i, gpus in enumerate(devices.engines)
     }
     commands["driver"] = [py, *driver_args(paths)]
@@ -92,10 +96,11 @@ def step_commands(cfg: JobConfig, paths: RunPaths, alloc: Allocation) -> dict[st
     layout = plan_layout(cfg, alloc)
     py = python(cfg)
     commands = {}
+    devices = layout.engine_devices or [None] * len(layout.engine_nodes)
     for i, (node, gpus) in enumerate(zip(layout.engine_nodes, layout.engine_gpus, strict=True)):
         # Engines listen on every interface and announce the node's name: the trainer and the
         # driver may run on other nodes.
-        argv = _on_gpus(gpus, [py, *engine_args(cfg, paths, i, "0.0.0.0")])
+        argv = _on_gpus(gpus, [py, *engine_args(cfg, paths, i, "0.0.0.0", device=devices[i])])
         name = engine_name(cfg, i)[0]
         commands[name] = _srun(cfg, alloc, layout.engine_group, [node], name) + wrap_in_container(cfg, argv)
     first_trainer_node = layout.trainer_nodes[:1]

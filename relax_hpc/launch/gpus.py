@@ -57,6 +57,7 @@ class LocalDevices:
     trainer: str | None
     engines: list[str | None]
     summary: str  # what was chosen, for the launcher's header
+    engine_devices: list[str] | None = None  # each engine's --device (colocated: its rank's GPU)
 
 
 def place_local(cfg: JobConfig, visible: int) -> LocalDevices:
@@ -67,6 +68,8 @@ def place_local(cfg: JobConfig, visible: int) -> LocalDevices:
     launch.local_trainer_gpus and launch.local_engine_gpus, when set, decide instead."""
     ranks = cfg.trainer.num_ranks
     count = cfg.rollout.num_engines + (cfg.reward.judge.num_engines if cfg.reward.name == "judge" else 0)
+    if cfg.launch.colocate:
+        return _colocated(ranks, count, visible)
     per_engine = cfg.rollout.sglang.tp_size if cfg.rollout.engine == "sglang" else 1
     enough = visible >= ranks + count * per_engine
     trainer = cfg.launch.local_trainer_gpus or (f"0-{ranks - 1}" if enough else NO_GPU)
@@ -77,6 +80,19 @@ def place_local(cfg: JobConfig, visible: int) -> LocalDevices:
     else:
         engines = [NO_GPU] * count
     return LocalDevices(trainer, engines, _describe(trainer, engines, visible, ranks))
+
+
+def _colocated(ranks: int, count: int, visible: int) -> LocalDevices:
+    """Engine i on trainer rank i's GPU (modulo the ranks); each engine sees the trainer's GPUs,
+    so that the device index in a CUDA IPC handle means the same GPU to both."""
+    if visible < ranks:
+        return LocalDevices(
+            NO_GPU, [NO_GPU] * count, "CPU only, colocated" + (f" ({visible} GPU(s) visible)" if visible else "")
+        )
+    gpus = f"0-{ranks - 1}"
+    devices = [f"cuda:{i % ranks}" for i in range(count)]
+    summary = f"colocated on GPUs {gpus}: trainer rank r and engines r, r+{ranks}, ... share GPU r"
+    return LocalDevices(gpus, [gpus] * count, summary, devices)
 
 
 def _describe(trainer: str, engines: list[str | None], visible: int, ranks: int) -> str:

@@ -6,6 +6,8 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import torch
+
 
 class PhaseTimer:
     """Seconds per named phase since the last `take()`. Host time: on a GPU, work a phase only
@@ -35,3 +37,19 @@ class PhaseTimer:
         """The phases' seconds so far, and start over."""
         out, self._seconds = self._seconds, {}
         return out
+
+
+class PeakMemory:
+    """The device's peak allocated memory over a phase, in GB (CUDA only: `on` is False elsewhere)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.on = device.type == "cuda"
+        if self.on:
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def take(self) -> float:
+        """The peak since the last take (or the start), and start over."""
+        peak = torch.cuda.max_memory_allocated(self.device) / 2**30
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return round(peak, 3)

@@ -45,6 +45,10 @@ class GenerateReqInput:
     # The prompt ids the engine conditioned on (placeholders expanded), as a top-level
     # `prompt_token_ids` of each answer.
     return_prompt_token_ids: bool = False
+    # MoE: the experts each token's router chose, as meta_info.routed_experts (base64 of int32
+    # [positions, layers, top_k], positions routed_experts_start_len .. prompt + output - 1).
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
 
 
 @dataclass
@@ -79,6 +83,36 @@ class UpdateWeightsFromDistributedReqInput:
     abort_all_requests: bool = False
     weight_version: str | None = None
     load_format: str | None = None
+
+
+@dataclass
+class UpdateWeightsFromTensorReqInput:
+    """POST /update_weights_from_tensor: tensors the engine maps from the sender's memory (CUDA
+    IPC handles; on the CPU, shared memory). serialized_named_tensors holds one payload per
+    tensor-parallel rank: a ForkingPickler pickle, base64-encoded; with load_format
+    "flattened_bucket" the payload is {"flattened_tensor": uint8 tensor, "metadata": [...]}."""
+
+    serialized_named_tensors: list[str]
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+@dataclass
+class ReleaseMemoryOccupationReqInput:
+    """POST /release_memory_occupation: free the engine's GPU memory (tags: kv_cache, weights,
+    cuda_graph; None: all) while it is idle (colocated training)."""
+
+    tags: list[str] | None = None
+
+
+@dataclass
+class ResumeMemoryOccupationReqInput:
+    """POST /resume_memory_occupation: take back what release freed (released weights hold no
+    values until the next update)."""
+
+    tags: list[str] | None = None
 
 
 @dataclass

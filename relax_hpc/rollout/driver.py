@@ -74,6 +74,7 @@ class Driver:
             self.processor.media_token_ids if self.processor else (),
             partial=self.ro.partial,
             stopping=lambda: self.stopping,
+            routing=cfg.algo.off_policy.routing_replay,
         )
         self.metrics = JsonlWriter(paths.rollout_metrics)
         self.evals = JsonlWriter(paths.eval_metrics)

@@ -10,6 +10,7 @@ the new weights, with the rest of its token budget; each token keeps the version
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import logging
 import math
@@ -18,6 +19,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+import numpy as np
 
 from relax_hpc.data.media import KINDS, Kind, data_uri
 from relax_hpc.data.processor import up_to_media_token
@@ -86,6 +89,7 @@ class _Progress:
     prompt_ids: list[int] | None = None
     segments: int = 0
     finish: str = "stop"
+    routed: np.ndarray | None = None  # the last answer's (a continuation's covers everything before)
 
     @property
     def budget(self) -> int:
@@ -115,9 +119,10 @@ class EnginePolicy:
         media_token_ids: Sequence[int] = (),
         partial: bool = False,
         stopping: Callable[[], bool] = lambda: False,
+        routing: bool = False,
     ) -> None:
         self.pool, self.decode, self.media_token_ids = pool, decode, list(media_token_ids)
-        self.partial, self.stopping = partial, stopping
+        self.partial, self.stopping, self.routing = partial, stopping, routing
         self.min_version = 0  # set by the driver per batch
         self.reissued = 0
         self.continued = 0  # partial rollout: answers continued after an abort
@@ -179,6 +184,7 @@ class EnginePolicy:
             image_data=media["image"] if has["image"] else None,
             audio_data=media["audio"] if has["audio"] else None,
             return_prompt_token_ids=any(has.values()),
+            return_routed_experts=self.routing,
         )
 
     def _run_chunk(self, calls: list[GenerateCall]) -> list[dict]:
@@ -211,6 +217,10 @@ class EnginePolicy:
         version = int(meta["weight_version"])
         if p.prompt_ids is None and output.get("prompt_token_ids"):
             p.prompt_ids = output["prompt_token_ids"]
+        if "routed_experts" in meta:  # int32 [positions, layers, top_k], flattened per position
+            positions = len(p.call.token_ids) + len(p.tokens) + len(ids) - 1
+            choices = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.int32)
+            p.routed = choices.reshape(positions, -1)
         p.tokens += ids
         p.logprobs += logprobs[: len(ids)]
         p.versions += [version] * len(ids)
@@ -228,4 +238,5 @@ class EnginePolicy:
         tokens = p.tokens[:keep]
         if keep < len(p.tokens):
             finish = "stop"
-        return Sampled(tokens, p.logprobs[:keep], p.versions[:keep], finish, self.decode(tokens), p.prompt_ids)
+        routed = p.routed[: len(p.call.token_ids) + keep - 1] if p.routed is not None else None
+        return Sampled(tokens, p.logprobs[:keep], p.versions[:keep], finish, self.decode(tokens), p.prompt_ids, routed)

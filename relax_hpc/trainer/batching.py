@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -10,7 +11,9 @@ import numpy as np
 import torch
 
 from relax_hpc.data.processor import MediaProcessor, ProcessorError, concat_inputs, rope_positions
-from relax_hpc.exchange.spool import SampleBatch
+from relax_hpc.exchange.spool import SampleBatch, routing_of
+from relax_hpc.models.routing import replaying
+from relax_hpc.models.routing import shape as routing_shape
 
 log = logging.getLogger("relax_hpc.trainer")
 TENSORS = ("input_ids", "attention_mask", "targets", "loss_mask", "rollout_logprobs", "rewards", "group_ids")
@@ -34,9 +37,11 @@ class TrainBatch:
     rewards: torch.Tensor  # float [n]
     group_ids: torch.Tensor  # long [n]
     media: tuple[dict[str, torch.Tensor], ...] = field(default=())
+    routed: torch.Tensor | None = None  # long [n, T, layers * top_k], -1: the router decides (replay)
 
     def to(self, device: torch.device) -> TrainBatch:
-        return replace(self, **{f: getattr(self, f).to(device) for f in TENSORS})
+        routed = self.routed.to(device) if self.routed is not None else None
+        return replace(self, routed=routed, **{f: getattr(self, f).to(device) for f in TENSORS})
 
     def model_inputs(self, model: torch.nn.Module) -> dict[str, Any]:
         """Everything the model's forward takes besides input_ids and attention_mask: the rows'
@@ -61,7 +66,8 @@ class TrainBatch:
 
     def select(self, rows: torch.Tensor) -> TrainBatch:
         media = tuple(self.media[i] for i in rows.tolist()) if self.media else ()
-        return replace(self, media=media, **{f: getattr(self, f)[rows] for f in TENSORS})
+        routed = self.routed[rows] if self.routed is not None else None
+        return replace(self, media=media, routed=routed, **{f: getattr(self, f)[rows] for f in TENSORS})
 
     def without_loss(self) -> TrainBatch:
         """The same rows contributing nothing: what a rank with no samples in a mini-batch runs, so
@@ -121,13 +127,23 @@ def token_logprobs_and_entropy(
     under the sampling distribution: logits divided by the temperature, as the engines report
     their log-probabilities (so that ratios against them are 1 for the same weights)."""
     inputs = batch.model_inputs(model)
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **inputs).logits.float()
+    replay = nullcontext() if batch.routed is None else replaying(model, _per_layer(model, batch.routed))
+    with replay:
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **inputs).logits.float()
     if temperature not in (0.0, 1.0):
         logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
     logprobs = torch.gather(logp_all, -1, batch.targets.unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logprobs, entropy
+
+
+def _per_layer(model: torch.nn.Module, routed: torch.Tensor) -> torch.Tensor:
+    """[n, T, layers * top_k] as [n, T, layers, top_k] for the model's routers."""
+    layers_k = routing_shape(model)
+    if layers_k is None:
+        raise ValueError("routing replay needs an MoE model (algo.off_policy.routing_replay)")
+    return routed.reshape(*routed.shape[:2], *layers_k)
 
 
 def share_of(
@@ -171,6 +187,11 @@ def share_of(
     masks = [loss_mask[batch.offsets[i] : batch.offsets[i + 1]].tolist() for i in rows]
     logps = [batch.rollout_logprobs[batch.offsets[i] : batch.offsets[i + 1]].tolist() for i in rows]
     tb = pad_samples(seqs, masks, logps, batch.rewards[rows].tolist(), batch.group_ids[rows].tolist(), pad_id, media)
+    if batch.routed_experts is not None:
+        tb.routed = torch.full((len(rows), tb.input_ids.shape[1], batch.routed_experts.shape[1]), -1, dtype=torch.long)
+        for k, i in enumerate(rows):
+            choices = torch.from_numpy(routing_of(batch, i))
+            tb.routed[k, : len(choices)] = choices
     return tb, stats
 
 

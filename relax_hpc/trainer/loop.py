@@ -32,12 +32,14 @@ from relax_hpc.data.processor import media_processor
 from relax_hpc.exchange.spool import Spool
 from relax_hpc.metrics.heartbeat import Heartbeat, StepClock
 from relax_hpc.metrics.jsonl import JsonlWriter
-from relax_hpc.metrics.timing import PhaseTimer
+from relax_hpc.metrics.timing import PeakMemory, PhaseTimer
 from relax_hpc.paths import RunPaths, write_atomic
+from relax_hpc.protocol.registry import read_records
 from relax_hpc.trainer.batching import share_of
 from relax_hpc.trainer.build import build_backend
 from relax_hpc.trainer.claims import claim_next, read_claimed
 from relax_hpc.weights.buckets import plan_buckets
+from relax_hpc.weights.colocated import ColocatedSender
 from relax_hpc.weights.layout import EngineLayout
 from relax_hpc.weights.sender import WeightSender, WeightSyncError, push
 
@@ -139,11 +141,25 @@ class Trainer:
         self.clock = StepClock(Heartbeat(paths, "trainer")) if self.rank == 0 else None
         self.timer = PhaseTimer(self.clock.phase if self.clock else None)
         self.last_log_line = 0.0
+        # Colocated: every rank serves the engines on its device, by reference; otherwise rank 0
+        # broadcasts to all of them.
+        self.colocated = (
+            ColocatedSender(paths.engines, paths.read_token(), cfg.weights.timeout_s, self.rank, self.world)
+            if cfg.launch.colocate
+            else None
+        )
+        self.engines_served = 0  # by the last push (rank 0: over all ranks)
+        self.resume_s = self.update_s = 0.0  # the last colocated push's parts
+        self.device = device
         if self.rank == 0:
             auto = "nccl" if device.type == "cuda" else "gloo"
             backend = cfg.weights.backend if cfg.weights.backend != "auto" else auto
-            self.sender: WeightSender | None = WeightSender(
-                paths.engines, paths.read_token(), backend, cfg.weights.timeout_s, cfg.rollout.partial
+            self.sender: WeightSender | None = (
+                None
+                if self.colocated
+                else WeightSender(
+                    paths.engines, paths.read_token(), backend, cfg.weights.timeout_s, cfg.rollout.partial
+                )
             )
             self.spool = Spool(paths.spool)
             self.metrics = JsonlWriter(paths.train_metrics)
@@ -202,17 +218,26 @@ class Trainer:
         return {"kind": "train", "path": claim.trained_file, "trained": claim.trained}
 
     def _engines_changed(self) -> bool:
+        if self.colocated is not None:  # an engine (re)started since the last push
+            return any(int(r.weight_version) != self.delivered for r in read_records(self.paths.engines))
         assert self.sender is not None, "rank 0 decides"
         return self.sender.engine_set_changed()
 
     def sync(self) -> None:
-        try:
-            params = lambda: self.layout.tensors(self.backend.full_parameters())  # noqa: E731  # a stream per push
-            engines = push(self.sender, self.buckets, params, self.state.version)
-        except WeightSyncError as e:
-            log.warning("%s; retrying with the engines that answer", e)
-            return
+        params = lambda: self.layout.tensors(self.backend.full_parameters())  # noqa: E731  # a stream per push
+        if self.colocated is not None:
+            mine, self.resume_s, self.update_s = self.colocated.push(self.buckets, params(), self.state.version)
+            everyone: list[int] = [0] * self.world
+            dist.all_gather_object(everyone, mine)
+            engines = sum(everyone)
+        else:
+            try:
+                engines = push(self.sender, self.buckets, params, self.state.version)
+            except WeightSyncError as e:
+                log.warning("%s; retrying with the engines that answer", e)
+                return
         if self.rank == 0 and engines:
+            self.engines_served = engines
             self.delivered = self.state.version
             self.announce_version(engines)
 
@@ -241,8 +266,13 @@ class Trainer:
                 everyone: list[dict[str, int]] = [{}] * self.world
                 dist.all_gather_object(everyone, {k: stats[k] for k in counted})
                 stats.update({k: sum(c[k] for c in everyone) for k in counted})
+        if self.colocated is not None:
+            with self.timer.phase("release"):  # the engines free the device for the step
+                self.colocated.release()
+        peak = PeakMemory(self.device)
         with self.timer.phase("train"):
             result = self.backend.train_step(share, self.state.step)
+        memory = {"mem_train_gb": peak.take()} if peak.on else {}
         objective = reduce_stats(result.stats, self.cfg.algo.epochs)
         trained_version = self.state.version
         self.state.step += 1
@@ -250,9 +280,10 @@ class Trainer:
         self.state.trained_samples += stats["num_samples"]
         with self.timer.phase("push"):
             self.sync()
+        if peak.on:
+            memory["mem_push_gb"] = peak.take()
         if self.rank != 0:
             return {}
-        assert self.sender is not None, "rank 0 holds the sender"
         versions = stats["policy_versions"]
         return {
             "step": self.state.step,
@@ -268,7 +299,10 @@ class Trainer:
             "staleness_max": int((trained_version - versions).max()),
             "stale_samples_total": self.state.stale_samples,
             "quarantined_files_total": self.state.quarantined_files,
-            "engines": len(self.sender.members),
+            "engines": self.engines_served,
+            **memory,
+            # Colocated: the push is the engines' memory coming back, then the update by reference.
+            **({"time_resume": self.resume_s, "time_update": self.update_s} if self.colocated is not None else {}),
             **({"media_mismatched_groups": stats["media_mismatched_groups"]} if len(batch.media_kind) else {}),
             **({"stale_tokens_masked": stats["stale_tokens_masked"]} if self.per_token else {}),
             "time_generate": float(batch.attrs.get("generate_seconds", 0.0)),
@@ -297,6 +331,7 @@ class Trainer:
                 "time_optimizer": optimizer,
                 "time_push": phases.get("push", 0.0),
                 "time_checkpoint": phases.get("checkpoint", 0.0),
+                **({"time_release": phases.get("release", 0.0)} if self.colocated is not None else {}),
                 "time_generate": generate,
                 "overlap_bound": (generate + busy) / max(generate, busy, 1e-9),
                 "overlap_gain": (generate + busy) / max(step_s, 1e-9),

@@ -1,4 +1,8 @@
-"""torchrun worker for test_weight_sync: perturb the sharded model, push it, record what to expect."""
+"""torchrun worker for test_weight_sync: perturb the sharded model, push it, record what to expect.
+
+argv: run dir, output file, version, and the path: "broadcast" (rank 0 broadcasts to every engine)
+or "colocated" (each rank releases its own engines' memory first, then hands them the weights by
+reference)."""
 
 import json
 import sys
@@ -12,13 +16,16 @@ from relax_hpc.config.load import read_frozen
 from relax_hpc.engines.sampling import SamplingSpec, sample
 from relax_hpc.models.tiny import addition_problems
 from relax_hpc.paths import RunPaths
+from relax_hpc.protocol.client import EngineClient, EngineUnavailable
+from relax_hpc.protocol.requests import GenerateReqInput
 from relax_hpc.trainer.torch_backend import TorchBackend
 from relax_hpc.weights.buckets import plan_buckets
+from relax_hpc.weights.colocated import ColocatedSender
 from relax_hpc.weights.sender import WeightSender, push
 
 
 def main() -> None:
-    paths, out, version = RunPaths(Path(sys.argv[1])), Path(sys.argv[2]), int(sys.argv[3])
+    paths, out, version, path = RunPaths(Path(sys.argv[1])), Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     cfg = read_frozen(paths.config)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -29,8 +36,17 @@ def main() -> None:
         for p in backend.model.parameters():
             p.add_(0.3 * torch.randn_like(p))
     buckets = plan_buckets(backend.parameter_specs(), int(cfg.weights.bucket_mb * 2**20))
-    sender = WeightSender(paths.engines, paths.read_token(), "gloo", 30.0) if rank == 0 else None
-    engines = push(sender, buckets, backend.full_parameters, version)
+    refused = None
+    if path == "colocated":
+        colocated = ColocatedSender(paths.engines, paths.read_token(), 30.0, rank, dist.get_world_size())
+        colocated.release()
+        refused = all(refuses_generation(r.url, paths.read_token()) for r in colocated.engines())
+        counts = [0] * dist.get_world_size()
+        dist.all_gather_object(counts, colocated.push(buckets, backend.full_parameters(), version)[0])
+        engines = sum(counts)
+    else:
+        sender = WeightSender(paths.engines, paths.read_token(), "gloo", 30.0) if rank == 0 else None
+        engines = push(sender, buckets, backend.full_parameters, version)
     full = dict(backend.full_parameters())
     if rank == 0:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
@@ -50,6 +66,7 @@ def main() -> None:
             json.dumps(
                 {
                     "engines": engines,
+                    "refused_while_released": refused,
                     "buckets": len(buckets),
                     "greedy": [c.output_ids for c in greedy],
                     "weights": {name: t[:2].tolist() for name, t in full.items()},
@@ -58,6 +75,17 @@ def main() -> None:
         )
     dist.barrier()
     dist.destroy_process_group()
+
+
+def refuses_generation(url: str, token: str) -> bool:
+    """A released engine answers /generate with 503 (busy) rather than from emptied weights."""
+    try:
+        EngineClient(url, token, 10.0).generate(
+            GenerateReqInput(input_ids=[[1, 2]], sampling_params={"max_new_tokens": 1})
+        )
+    except EngineUnavailable as e:
+        return "HTTP 503" in str(e)
+    return False
 
 
 if __name__ == "__main__":

@@ -13,19 +13,27 @@ from tests.integration.conftest import REPO, make_run
 pytestmark = pytest.mark.integration
 
 
-def test_engines_hold_the_trainer_weights_after_a_push(tmp_path, engines):
+@pytest.mark.parametrize("path", ["broadcast", "colocated"])
+def test_engines_hold_the_trainer_weights_after_a_push(tmp_path, engines, path):
+    """Broadcast: rank 0 sends every engine each bucket over a gloo group. Colocated: each rank
+    releases its own engine's memory (the engine then refuses to generate), then hands it the
+    buckets by reference (shared memory on the CPU, CUDA IPC on a GPU)."""
     # 0.05 MiB buckets: the 1.2 MB model travels in many buckets, as a large model would.
     cfg, paths = make_run(tmp_path / "run", "weights.bucket_mb=0.05")
     group = engines(cfg, paths, 2)
-    out = tmp_path / "expected.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(REPO / "tests" / "integration" / "sync_worker.py"), str(paths.root), str(out), "7"],
-        check=False, cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    out, log = tmp_path / "expected.json", tmp_path / "worker.log"
+    # Output to a file, not a pipe: torch's shared-memory manager (CPU tensors shared by name)
+    # outlives the workers and would hold a pipe open until the engines exit.
+    with log.open("w") as sink:
+        result = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+             str(REPO / "tests" / "integration" / "sync_worker.py"), str(paths.root), str(out), "7", path],
+            check=False, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, timeout=300,
+        )  # fmt: skip
+    assert result.returncode == 0, log.read_text()[-3000:]
     expected = json.loads(out.read_text())
     assert expected["engines"] == 2 and expected["buckets"] > 5
+    assert expected["refused_while_released"] is (True if path == "colocated" else None)
     token = paths.read_token()
     for record in group.wait_registered(2):
         client = EngineClient(record.url, token, 30)

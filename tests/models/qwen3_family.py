@@ -145,3 +145,22 @@ def build_qwen3_omni(out: Path) -> Path:
     merged.pop("mel_filters", None)
     (out / "preprocessor_config.json").write_text(json.dumps(merged, indent=1))
     return out
+
+
+def build_qwen3_moe(out: Path) -> Path:
+    """A tiny Qwen3-MoE (8 experts, 2 per token, 2 layers) with the character tokenizer."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from relax_hpc.models.tiny import build_char_tokenizer
+
+    torch.manual_seed(0)
+    tok = build_char_tokenizer()
+    config = Qwen3MoeConfig(  # type: ignore[call-arg]  # head_dim: a keyword its signature leaves to **kwargs
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=64, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
+        norm_topk_prob=True,
+    )  # fmt: skip
+    Qwen3MoeForCausalLM(config).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out

@@ -37,6 +37,27 @@ def test_one_node_split_between_trainer_and_engines():
     assert layout.engine_gpus == ["4-5", "6-7"]
 
 
+@pytest.mark.parametrize("engine", ["torch", "sglang"])
+def test_colocated_engines_sit_on_their_ranks_node_and_gpu(engine, tmp_path):
+    """Two nodes of 2 ranks each, 4 engines: engine i beside rank i, seeing the same GPUs as the
+    trainer (a CUDA IPC handle names a device index) and told which one is its rank's."""
+    cfg = cfg_with(
+        f"rollout.engine={engine}", "launch.colocate=true", "rollout.max_staleness=0", "launch.slurm.trainer.nodes=2",
+        "trainer.num_ranks=4", "launch.slurm.trainer.gpus_per_node=2", "launch.slurm.rollout.nodes=0",
+        "rollout.num_engines=4", f"run.dir={tmp_path}",
+    )  # fmt: skip
+    alloc = Allocation("7", [["a", "b"]], dict.fromkeys("ab", 8))
+    layout = plan_layout(cfg, alloc)
+    assert layout.engine_nodes == ["a", "a", "b", "b"] and layout.trainer_gpus == "0-1"
+    assert layout.engine_gpus == ["0-1"] * 4 and layout.engine_devices == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
+    command = step_commands(cfg, RunPaths(tmp_path), alloc)["engine-3"]
+    assert command[command.index("--device") + 1] == "cuda:1" and "--nodelist=b" in command
+    with pytest.raises(ValueError, match=r"launch\.slurm\.rollout\.nodes=0"):
+        cfg_with("launch.colocate=true", "rollout.max_staleness=0", "launch.slurm.rollout.nodes=1")
+    with pytest.raises(ValueError, match=r"rollout\.max_staleness=0"):
+        cfg_with("launch.colocate=true", "launch.slurm.rollout.nodes=0")
+
+
 def test_rollout_nodes_of_their_own_and_round_robin_engines():
     cfg = cfg_with("launch.slurm.rollout.nodes=2", "launch.slurm.rollout.gpus_per_node=8", "rollout.num_engines=4")
     layout = plan_layout(cfg, Allocation("7", [["a", "b", "c"]], dict.fromkeys("abc", 8)))

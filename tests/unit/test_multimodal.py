@@ -75,7 +75,7 @@ def generate(task: SimpleNamespace) -> tuple[list[int], list[dict]]:
         GenerateCall(task.prompt_ids[i], params, [(r.kind, r.read()) for r in task.rows[i].media])
         for i, params in zip(indices, sampling, strict=True)
     ]
-    request = EnginePolicy._request(SimpleNamespace(), calls)  # type: ignore[arg-type]  # reads nothing of self
+    request = EnginePolicy._request(SimpleNamespace(routing=False), calls)  # type: ignore[arg-type]  # all it reads
     outputs = task.engine.generate(request)
     assert isinstance(outputs, list)
     return indices, outputs

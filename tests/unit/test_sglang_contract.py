@@ -22,6 +22,8 @@ importing the HTTP server would take fastapi, uvicorn and the rest of the servin
 from __future__ import annotations
 
 import argparse
+import base64
+import binascii
 import dataclasses
 import importlib.metadata
 import importlib.util
@@ -38,6 +40,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
 from relax_hpc.config import load_config
 from relax_hpc.data.prompts import PromptRow, load_prompts
@@ -46,6 +49,8 @@ from relax_hpc.envs.context import GenerateCall
 from relax_hpc.envs.rounds import sampling_params
 from relax_hpc.protocol import requests as P
 from relax_hpc.rollout.engine_policy import EnginePolicy
+from relax_hpc.weights.buckets import BucketPlan, pack, unpack
+from relax_hpc.weights.tensors import deserialize, serialize
 from tests.sglang_import import import_sglang
 
 REPO = Path(__file__).resolve().parents[2]
@@ -65,6 +70,9 @@ CLASSES = [
     P.AbortReq,
     P.PauseGenerationReqInput,
     P.ContinueGenerationReqInput,
+    P.ReleaseMemoryOccupationReqInput,
+    P.ResumeMemoryOccupationReqInput,
+    P.UpdateWeightsFromTensorReqInput,
 ]
 ROUTES = [
     "/generate",
@@ -80,6 +88,9 @@ ROUTES = [
     "/update_weights_from_distributed",
     "/end_weight_update",
     "/get_weights_by_name",
+    "/release_memory_occupation",
+    "/resume_memory_occupation",
+    "/update_weights_from_tensor",
 ]
 
 
@@ -120,6 +131,8 @@ def sent_requests(cfg) -> list[Any]:
     return [
         policy_request([GenerateCall([5, 6, 7], {**sampling, "sampling_seed": s}) for s in (11, 12)]),
         policy_request([GenerateCall(ids, greedy) for ids in ([5, 6, 7], [8, 9])]),  # evaluation
+        # routing replay: the routers' choices with the answer
+        policy_request([GenerateCall([5, 6, 7], {**sampling, "sampling_seed": 3})], routing=True),
         # a multi-turn environment's second turn: a stop token, fewer new tokens
         policy_request([GenerateCall([5, 6, 7, 9], {**sampling, "max_new_tokens": 2, "stop_token_ids": [9]})]),
         *media_requests(sampling),
@@ -132,15 +145,27 @@ def sent_requests(cfg) -> list[Any]:
         P.EndWeightUpdateReqInput(),
         P.ContinueGenerationReqInput(),
         P.DestroyWeightsUpdateGroupReqInput(init.group_name),
+        # colocated (relax_hpc/weights/colocated.py): memory turns, weights by reference
+        P.ReleaseMemoryOccupationReqInput(),
+        P.ResumeMemoryOccupationReqInput(),
+        P.UpdateWeightsFromTensorReqInput(serialized_named_tensors=colocated_payload(2), flush_cache=False),
+        P.UpdateWeightsFromTensorReqInput(serialized_named_tensors=colocated_payload(1), weight_version="7"),
         P.AbortReq(abort_all=True),
         P.AbortReq(rid="r-1"),
         P.GetWeightsByNameReqInput(name="lm_head.weight", truncate_size=2),
     ]
 
 
-def policy_request(calls: list[GenerateCall]) -> P.GenerateReqInput:
+def colocated_payload(tp_size: int) -> list[str]:
+    """A bucket of two parameters as a colocated trainer rank sends it (one payload per TP rank)."""
+    tensors = [torch.arange(12, dtype=torch.float32).reshape(3, 4), torch.ones(5, dtype=torch.bfloat16)]
+    plan = BucketPlan(["model.embed_tokens.weight", "model.norm.weight"], ["float32", "bfloat16"], [[3, 4], [5]])
+    return serialize(unpack(pack(tensors), plan), tp_size)
+
+
+def policy_request(calls: list[GenerateCall], routing: bool = False) -> P.GenerateReqInput:
     """A /generate request as the driver's engine policy builds it from episodes' calls."""
-    return EnginePolicy._request(SimpleNamespace(), calls)  # type: ignore[arg-type]  # _request reads nothing of self
+    return EnginePolicy._request(SimpleNamespace(routing=routing), calls)  # type: ignore[arg-type]  # all it reads
 
 
 def media_requests(sampling: dict[str, Any]) -> list[P.GenerateReqInput]:
@@ -185,6 +210,8 @@ def conforms(value: Any, hint: Any) -> bool:
     if hint is Any or isinstance(hint, typing.TypeVar):
         return True
     if origin is typing.Annotated:
+        if any(type(m).__name__ == "Base64Bytes" for m in args[1:]):  # bytes that travel as base64 text
+            return _conforms_base64(value, args[0])
         return conforms(value, args[0])
     if origin in (typing.Union, types.UnionType):
         return any(conforms(value, a) for a in args)
@@ -203,6 +230,17 @@ def conforms(value: Any, hint: Any) -> bool:
     if hint is int:
         return isinstance(value, int) and not isinstance(value, bool)
     return isinstance(hint, type) and isinstance(value, hint)
+
+
+def _conforms_base64(value: Any, hint: Any) -> bool:
+    if hint is bytes:
+        try:
+            return isinstance(value, str) and bool(base64.b64decode(value, validate=True))
+        except binascii.Error:
+            return False
+    if typing.get_origin(hint) in ARRAYS:
+        return isinstance(value, list) and all(_conforms_base64(v, typing.get_args(hint)[0]) for v in value)
+    return conforms(value, hint)
 
 
 def _conforms_source(value: Any, annotation: str) -> bool:
@@ -225,7 +263,7 @@ def _conforms_source(value: Any, annotation: str) -> bool:
 def hints(cls: type) -> dict[str, Any]:
     """Field -> resolved type hint, or the annotation's source where it does not resolve."""
     try:
-        return typing.get_type_hints(cls)
+        return typing.get_type_hints(cls, include_extras=True)
     except Exception:  # noqa: BLE001  # any hint that does not resolve (a TYPE_CHECKING-only name, say): read the source
         annotations: dict[str, Any] = {}
         for klass in reversed(cls.__mro__):
@@ -270,6 +308,20 @@ def test_sent_requests_construct_sglangs_classes(sglang, request_):
         sampling = body.get("sampling_params") or {}
         for params in sampling if isinstance(sampling, list) else [sampling]:
             check_sampling_params(sglang, params)
+
+
+def test_sglang_deserializes_the_colocated_payload_to_the_same_tensors(sglang):
+    """SGLang's own MultiprocessingSerializer (its SafeUnpickler's exact list of globals) opens
+    what the colocated sender packs, to the tensors relax_hpc's engine reads."""
+    (common,) = import_sglang("sglang.srt.utils.common")
+    payload = colocated_payload(1)[0]
+    theirs, ours = common.MultiprocessingSerializer.deserialize(payload), deserialize(payload)
+    assert (
+        [name for name, _ in theirs] == [name for name, _ in ours] == ["model.embed_tokens.weight", "model.norm.weight"]
+    )
+    for (_, a), (_, b) in zip(theirs, ours, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert torch.equal(ours[0][1], torch.arange(12, dtype=torch.float32).reshape(3, 4))
 
 
 def test_every_request_class_is_sent_above():
@@ -328,14 +380,16 @@ class _Parser(argparse.ArgumentParser):
         # (0.5.23 split --cuda-graph-max-bs into -decode and -prefill).
         ["model.dtype=bfloat16", "rollout.sglang.tp_size=4", "rollout.sglang.context_length=8192",
          "rollout.sglang.extra_args=[--attention-backend, fa3, --cuda-graph-max-bs-decode, '256']"],
+        ["launch.colocate=true", "rollout.max_staleness=0", "algo.off_policy.routing_replay=true"],
     ],
-    ids=["defaults", "everything"],
+    ids=["defaults", "everything", "colocated"],
 )  # fmt: skip
 def test_launch_server_arguments_are_server_args(sglang, overrides):
     import msgspec
 
     cfg = load_config(None, ["rollout.engine=sglang", "run.seed=7", *overrides])
-    argv = server_args(cfg, "0.0.0.0", 30001, "the-run-token")
+    device = "cuda:1" if cfg.launch.colocate else None
+    argv = server_args(cfg, "0.0.0.0", 30001, "the-run-token", device=device)
     parser = _Parser(prog="launch_server")
     sglang.ServerArgs.add_cli_args(parser)
     parsed = parser.parse_args(argv)
@@ -351,6 +405,8 @@ def test_launch_server_arguments_are_server_args(sglang, overrides):
     assert (parsed.api_key, parsed.tp_size, parsed.context_length) == ("the-run-token", sg.tp_size, sg.context_length)
     assert parsed.mem_fraction_static == sg.mem_fraction_static
     assert (parsed.dtype, parsed.random_seed, parsed.weight_version) == (cfg.model.dtype, 7, "0")
+    assert parsed.enable_memory_saver is cfg.launch.colocate and parsed.base_gpu_id == (1 if device else 0)
+    assert parsed.enable_return_routed_experts is cfg.algo.off_policy.routing_replay
 
 
 def test_routes_exist_in_sglang(sglang):

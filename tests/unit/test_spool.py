@@ -179,8 +179,8 @@ def test_a_batch_of_an_unknown_schema_is_refused_naming_both_versions(tmp_path):
     spool = Spool(tmp_path)
     path = spool.publish(make_batch(0), writer="t")
     with h5py.File(path, "r+") as f:
-        f.attrs["schema_version"] = 4
-    with pytest.raises(SpoolFormatError, match=r"schema_version 4: this relax_hpc reads versions \[1, 2, 3\]"):
+        f.attrs["schema_version"] = 5
+    with pytest.raises(SpoolFormatError, match=r"schema_version 5: this relax_hpc reads versions \[1, 2, 3, 4\]"):
         read_batch(path)
 
 

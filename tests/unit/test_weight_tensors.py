@@ -1,0 +1,76 @@
+"""Weights by reference (relax_hpc.weights.tensors): what a colocated engine maps, and what it refuses."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from relax_hpc.weights.buckets import BucketPlan, pack, unpack
+from relax_hpc.weights.tensors import PayloadError, deserialize, serialize
+
+PLAN = BucketPlan(["w", "b"], ["float32", "float32"], [[2, 3], [4]])
+
+
+def test_another_process_maps_the_senders_memory_not_a_copy_of_its_bytes():
+    """The payload names shared memory: bytes the sender writes after serializing are what the
+    reader sees, and the payload is far smaller than the tensors."""
+    flat = pack([torch.zeros(2, 3), torch.zeros(4)])
+    (payload,) = serialize(unpack(flat, PLAN))
+    flat.view(torch.float32).copy_(torch.arange(10, dtype=torch.float32))  # written after serializing
+    big = pack([torch.zeros(512, 512), torch.zeros(4)])
+    assert len(serialize(unpack(big, BucketPlan(["w", "b"], ["float32"] * 2, [[512, 512], [4]])))[0]) < 2000
+    reader = (
+        "import json, sys\n"
+        "from relax_hpc.weights.tensors import deserialize\n"
+        "print(json.dumps({n: t.flatten().tolist() for n, t in deserialize(sys.stdin.read())}))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", reader], check=False, input=payload, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"w": [0.0, 1.0, 2.0, 3.0, 4.0, 5.0], "b": [6.0, 7.0, 8.0, 9.0]}
+
+
+def _pickled(obj: object) -> str:
+    return base64.b64encode(pickle.dumps(obj)).decode()
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+class _LoadsAModel:
+    def __reduce__(self):
+        return (torch.load, ("/tmp/x",))
+
+
+@pytest.mark.parametrize(
+    ("payload", "error"),
+    [
+        (_pickled(_RunsCode()), "may not name posix.system"),
+        (_pickled(_LoadsAModel()), "may not name torch.serialization.load"),
+        (_pickled({"w": 1}), "list of (name, tensor) pairs"),
+        (_pickled([("w", [1.0, 2.0])]), "list of (name, tensor) pairs"),
+        ("not base64!", "does not decode"),
+        (base64.b64encode(b"\x80\x05junk").decode(), "does not decode"),
+    ],
+    ids=["os.system", "torch.load", "a dict", "a list, not a tensor", "not base64", "not a pickle"],
+)
+def test_a_payload_that_is_not_shared_tensors_is_refused_before_it_runs(payload, error):
+    with pytest.raises(PayloadError, match=error.replace("(", r"\(").replace(")", r"\)")):
+        deserialize(payload)
+
+
+def test_the_payload_carries_one_copy_per_tensor_parallel_rank():
+    payloads = serialize(unpack(pack([torch.ones(2, 3), torch.ones(4)]), PLAN), tp_size=4)
+    assert len(payloads) == 4 and len(set(payloads)) == 1
+    named = deserialize(payloads[2])
+    assert [n for n, _ in named] == ["w", "b"] and named[0][1].shape == (2, 3)
