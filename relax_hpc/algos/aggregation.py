@@ -9,20 +9,22 @@ completions add nothing to any numerator or denominator.
     seq_mean_token_mean       1/N sum_i (sum_t l_it / |o_i|)                 (GRPO paper, GSPO)
     seq_mean_token_sum        1/N sum_i sum_t l_it
     seq_mean_token_sum_norm   1/N sum_i sum_t l_it / L, L a constant         (Dr. GRPO)
+    token_sum                 sum_i sum_t l_it                               (no normalisation)
 
 token_mean weights every token equally (long answers weigh more); seq_mean_token_mean weights
 every sample equally, which favours short wrong answers and long right ones (Dr. GRPO's length
-bias); seq_mean_token_sum_norm is unbiased and its scale does not drift with lengths.
+bias); seq_mean_token_sum_norm is unbiased and its scale does not drift with lengths; token_sum
+scales with the batch (the learning rate must then shrink as the batch grows), as in the
+implementations that sum the per-token loss.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
+from relax_hpc.config.schema import Aggregation
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,4 +49,6 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: Aggregation, no
         return masked.sum() / max(norm.sequences, 1.0)
     if mode == "seq_mean_token_sum_norm":
         return masked.sum() / (max(norm.sequences, 1.0) * norm.constant)
+    if mode == "token_sum":
+        return masked.sum()
     raise ValueError(f"unknown loss aggregation {mode!r}")

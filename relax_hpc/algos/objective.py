@@ -110,6 +110,10 @@ class Objective:
             return policy_losses.cispo(
                 logprobs, old, adv, clip_low=p.clip_low, clip_high=p.clip_high, log_ratio_clamp=clamp
             )
+        if p.kind == "gmpo":
+            return policy_losses.gmpo(
+                logprobs, old, adv, mask, log_bounds=(-p.clip_low, p.clip_high), log_ratio_clamp=clamp
+            )
         if p.kind == "m2po":
             return policy_losses.m2po(logprobs, old, adv, mask, tau=p.m2po_tau, log_ratio_clamp=clamp, comm=self.comm)
         return policy_losses.reinforce(logprobs, adv)
@@ -136,6 +140,7 @@ class Objective:
             low=off.icepop_low,
             high=off.icepop_high,
             log_ratio_clamp=p.log_ratio_clamp,
+            mask=mask,
         )
         per_token = terms.loss * weight - p.entropy_coef * entropy
         stats = Stats()
@@ -145,6 +150,7 @@ class Objective:
             if kl.placement == "loss":
                 per_token = per_token + kl.coef * divergence
             stats.mean_of("kl_ref", divergence, mask)
+            stats.mean_of("kl_ref_k1", (logprobs - ref_logprobs).detach(), mask)
         loss = aggregate(per_token, mask, p.aggregation, Normalizer(norm.tokens, norm.sequences, self.agg_constant))
         log_ratio = (logprobs - old_logprobs).detach().clamp(-p.log_ratio_clamp, p.log_ratio_clamp)
         stats.sums["tokens"] = float(mask.sum())
@@ -153,6 +159,7 @@ class Objective:
         stats.mean_of("clip_fraction", terms.clipped.to(mask.dtype), mask)
         # k3 estimate of KL(pi_old || pi) on tokens sampled from pi_old: (r - 1) - log r
         stats.mean_of("approx_kl", torch.exp(log_ratio) - 1 - log_ratio, mask)
+        stats.mean_of("kl_k1", -log_ratio, mask)  # the plain estimate, log pi_old - log pi
         stats.mean_of("ratio_mean", terms.ratio, mask)
         stats.range_of("ratio", terms.ratio, mask)
         stats.mean_of("advantage_mean", advantages, mask)
@@ -177,9 +184,12 @@ class Objective:
         mask: torch.Tensor,
         norm: Normalizer,
     ) -> tuple[torch.Tensor, Stats]:
-        per_token = value_loss(values, old_values, returns, self.cfg.critic.value_clip)
+        critic = self.cfg.critic
+        per_token, clipped = value_loss(values, old_values, returns, critic.value_clip)
         stats = Stats()
         stats.mean_of("value_loss", per_token, mask)
         stats.mean_of("value_mean", values, mask)
         stats.mean_of("return_mean", returns, mask)
-        return aggregate(per_token, mask, "token_mean", norm), stats
+        stats.mean_of("value_clip_fraction", clipped.to(mask.dtype), mask)
+        constant = Normalizer(norm.tokens, norm.sequences, self.agg_constant)
+        return aggregate(per_token, mask, critic.loss_aggregation, constant), stats

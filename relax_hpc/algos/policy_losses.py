@@ -19,6 +19,12 @@ With r = pi_theta / pi_old per token (log-ratio clamped to +-log_ratio_clamp) an
 - m2po (Zheng et al. 2025, arXiv:2510.01161): -M r A without clipping, where M drops the tokens
   with the largest (log r)^2 until the mean of (log r)^2 over the kept tokens of the whole batch is
   at most tau.
+- gmpo (Zhao et al. 2025, arXiv:2507.20673): the geometric mean of the sequence's token ratios
+  instead of their arithmetic mean, each token's log-ratio clipped in log space to
+  [-eps_low, eps_high] on the pessimistic side (sign(A) min(sign(A) log r, sign(A) clip(log r))):
+  R_i = exp(mean_t m_it), loss -A R_i on every token of the sequence (with seq_mean_token_mean,
+  exactly the paper's objective). One extreme token moves a geometric mean less than an
+  arithmetic one; the paper's bounds are 0.4.
 - reinforce: -A r with r = exp(log pi - sg(log pi)) = 1; its gradient is the plain policy
   gradient -A grad log pi (Williams 1992; RLOO's loss). pi_old is ignored.
 """
@@ -81,12 +87,33 @@ def gspo(
     clip_high: float,
     log_ratio_clamp: float,
 ) -> PolicyTerms:
-    log_ratio = (logprobs - old_logprobs) * mask
-    seq_log_ratio = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    seq_log_ratio = _sequence_mean(logprobs - old_logprobs, mask)
     seq_ratio = torch.exp(seq_log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)).detach()
     ratio = seq_ratio * torch.exp(logprobs - logprobs.detach())
     loss, clipped = _clipped_surrogate(ratio, adv, clip_low, clip_high, None)
     return PolicyTerms(loss, ratio.detach(), clipped)
+
+
+def _sequence_mean(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[n, 1]: each sample's mean over its loss tokens (0 for an empty one)."""
+    return (per_token * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+
+
+def gmpo(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    log_bounds: tuple[float, float],
+    log_ratio_clamp: float,
+) -> PolicyTerms:
+    """`log_bounds`: (low, high), the clip range of the log-ratio (the paper's (-0.4, 0.4))."""
+    log_ratio = (logprobs - old_logprobs).clamp(-log_ratio_clamp, log_ratio_clamp)
+    sign = torch.where(adv < 0, -1.0, 1.0).to(log_ratio.dtype)
+    pessimistic = sign * torch.minimum(sign * log_ratio, sign * log_ratio.clamp(*log_bounds))
+    ratio = torch.exp(_sequence_mean(pessimistic, mask)).expand_as(log_ratio)
+    return PolicyTerms(-adv * ratio, ratio.detach(), pessimistic.detach() != log_ratio.detach())
 
 
 def sapo(

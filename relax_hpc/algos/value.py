@@ -11,6 +11,10 @@ from __future__ import annotations
 import torch
 
 
-def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float) -> torch.Tensor:
+def value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-token loss, whether the clipped term was the larger: that token gave no gradient)."""
     clipped = old_values + (values - old_values).clamp(-clip, clip)
-    return 0.5 * torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
+    unclipped_sq, clipped_sq = (values - returns) ** 2, (clipped - returns) ** 2
+    return 0.5 * torch.maximum(unclipped_sq, clipped_sq), (clipped_sq > unclipped_sq).detach()

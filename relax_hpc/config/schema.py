@@ -24,6 +24,10 @@ RESUMABLE_CHANGES = (
 )
 
 
+# How per-token losses become one number (relax_hpc/algos/aggregation.py).
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm", "token_sum"]
+
+
 @dataclass(frozen=True, slots=True)
 class PathOption:
     """Marks an option that names a file or folder. Everything about path options derives from
@@ -232,15 +236,19 @@ class AdvantageConfig(Section):
 
 
 class PolicyLossConfig(Section):
-    kind: Literal["ppo", "gspo", "sapo", "cispo", "m2po", "reinforce"] = "ppo"
+    kind: Literal["ppo", "gspo", "gmpo", "sapo", "cispo", "m2po", "reinforce"] = "ppo"
     """`ppo`: clipped ratio (clip_low/clip_high, optional dual_clip). `gspo`: sequence-level ratio,
-    clipped. `sapo`: soft sigmoid gate instead of the clip. `cispo`: clipped, stop-gradient
-    importance weight times log-probability. `m2po`: unclipped ratio, tokens masked by the second
-    moment of the log-ratio. `reinforce`: plain policy gradient, no ratio."""
+    clipped. `gmpo`: geometric mean of the token ratios, each log-ratio clipped to
+    [-clip_low, clip_high] (log space; paper: 0.4). `sapo`: soft sigmoid gate instead of the clip.
+    `cispo`: clipped, stop-gradient importance weight times log-probability. `m2po`: unclipped
+    ratio, tokens masked by the second moment of the log-ratio. `reinforce`: plain policy
+    gradient, no ratio."""
     clip_low: float = Field(default=0.2, ge=0.0)
-    """Clip epsilon below 1 of ppo, gspo (paper: 3e-4) and cispo (1 = no lower bound)."""
+    """Clip epsilon below 1 of ppo, gspo (paper: 3e-4) and cispo (1 = no lower bound); gmpo: the
+    lower bound of the log-ratio is -clip_low."""
     clip_high: float = Field(default=0.2, ge=0.0)
-    """Clip epsilon above 1 of ppo (0.28 = DAPO's clip-higher), gspo (paper: 4e-4) and cispo."""
+    """Clip epsilon above 1 of ppo (0.28 = DAPO's clip-higher), gspo (paper: 4e-4) and cispo; gmpo:
+    the upper bound of the log-ratio."""
     dual_clip: float | None = Field(default=None, gt=1.0)
     """ppo: cap the loss of a negative-advantage token at dual_clip * |A| (typically 3); off if unset."""
     sapo_tau_pos: float = Field(default=1.0, gt=0)
@@ -251,11 +259,10 @@ class PolicyLossConfig(Section):
     """m2po: bound on the batch mean of (log ratio)^2 that masking enforces."""
     log_ratio_clamp: float = Field(default=20.0, gt=0)
     """Log importance ratios (and KL log-ratios) are clamped to +-this before exp (no gradient beyond)."""
-    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"] = (
-        "token_mean"
-    )
+    aggregation: Aggregation = "token_mean"
     """How per-token losses become one number: over all tokens of the batch, per sample then over
-    samples, per-sample sums over samples, or per-sample sums over samples and a constant (Dr. GRPO)."""
+    samples, per-sample sums over samples, per-sample sums over samples and a constant (Dr.
+    GRPO), or the plain sum (`token_sum`: its scale grows with the batch)."""
     aggregation_constant: int = Field(default=0, ge=0)
     """seq_mean_token_sum_norm's constant L; 0 = rollout.max_new_tokens (resolved when the config
     is loaded, so RUN_DIR/config.yaml holds the number)."""
@@ -266,8 +273,10 @@ class PolicyLossConfig(Section):
 class KLConfig(Section):
     coef: float = Field(default=0.0, ge=0)
     """Weight of the KL to the reference policy (a frozen copy of model.path in the trainer); 0 = off."""
-    estimator: Literal["k1", "k2", "k3"] = "k3"
-    """k1 = log ratio, k2 = half its square, k3 = exp(-log ratio) - 1 + log ratio."""
+    estimator: Literal["k1", "k2", "k3", "k3_grad_k2", "k3_grad_k1"] = "k3"
+    """k1 = log ratio, k2 = half its square, k3 = exp(-log ratio) - 1 + log ratio; straight-through:
+    `k3_grad_k2` (k3's value, k2's gradient: the unbiased KL gradient in the loss, verl's `k3+`)
+    and `k3_grad_k1` (k3's value, k1's gradient)."""
     placement: Literal["loss", "reward"] = "loss"
     """`loss`: coef * KL added to the loss (GRPO). `reward`: -coef * KL added to every token's reward
     before the advantages (REINFORCE++, PPO-RLHF), measured with the ratio's denominator
@@ -283,16 +292,18 @@ class OffPolicyConfig(Section):
     correction is set, recompute otherwise (uncorrected stale samples made 2 of 3 seeds of the
     embedded default stall or collapse); resolved when the config is loaded, so RUN_DIR/config.yaml
     holds the concrete choice."""
-    correction: Literal["none", "tis", "icepop", "decoupled"] = "none"
+    correction: Literal["none", "tis", "icepop", "decoupled", "mis", "seq_tis", "seq_mis"] = "none"
     """Weight on the policy loss for the rollout/trainer mismatch w = pi_proximal / pi_rollout
     (needs the recompute ratio): `tis` min(w, is_cap); `icepop` w inside [icepop_low, icepop_high],
-    the token dropped outside; `decoupled` (decoupled PPO) w, the token dropped above is_cap."""
+    the token dropped outside; `decoupled` (decoupled PPO) w, the token dropped above is_cap;
+    `mis` 1 inside the band, the token dropped outside; `seq_tis` and `seq_mis` the same as tis and
+    mis with the sample's w (the product over its tokens) on every token of the sample."""
     is_cap: float = Field(default=2.0, gt=0)
-    """tis: truncation of w; decoupled: tokens with w above it are dropped."""
+    """tis, seq_tis: truncation of w; decoupled: tokens with w above it are dropped."""
     icepop_low: float = Field(default=0.5, ge=0)
-    """icepop: lower end of the kept band of w."""
+    """icepop, mis, seq_mis: lower end of the kept band of w."""
     icepop_high: float = Field(default=2.0, gt=0)
-    """icepop: upper end of the kept band of w."""
+    """icepop, mis, seq_mis: upper end of the kept band of w."""
     routing_replay: bool = False
     """MoE models: the engines return the experts their routers chose for every token (SGLang:
     start it with --enable-return-routed-experts), the spool keeps them, and the trainer's forward
@@ -308,6 +319,9 @@ class CriticConfig(Section):
     """A batch moves a value by at most this much (PPO's clipped value loss)."""
     warmup_steps: int = Field(default=0, ge=0)
     """Trainer steps at the start during which only the critic learns (the policy is not updated)."""
+    loss_aggregation: Aggregation = "token_mean"
+    """How the critic's per-token value losses become one number (the modes of
+    algo.policy_loss.aggregation)."""
 
 
 class TeacherConfig(Section):

@@ -77,6 +77,15 @@ def test_unknown_kl_estimator_is_rejected():
         kl_estimate(t([[0.0]]), t([[0.0]]), "k4", clamp=20.0)  # type: ignore[arg-type]  # not an estimator, on purpose
 
 
+@pytest.mark.parametrize(("estimator", "grad"), [("k3_grad_k2", [[0.5, -0.5, 0.0]]), ("k3_grad_k1", [[1.0, 1.0, 1.0]])])
+def test_straight_through_kl_has_k3s_value_and_the_other_gradient(estimator, grad):
+    # value k3 = e^-d - 1 + d: d 0.5 -> e^-0.5 - 0.5, d -0.5 -> e^0.5 - 1.5, d 0 -> 0; gradient k2' = d or k1' = 1.
+    lp, ref = kl_inputs()
+    out = kl_estimate(lp, ref, estimator, clamp=20.0)
+    close(out, [[math.exp(-0.5) - 0.5, math.exp(0.5) - 1.5, 0.0]])
+    close(grad_of_sum(out, lp), grad)
+
+
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
 def test_kl_gradcheck(estimator):
     torch.manual_seed(0)
@@ -86,6 +95,8 @@ def test_kl_gradcheck(estimator):
 
 
 # -- aggregation -----------------------------------------------------------------------------------
+
+MODES = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm", "token_sum"]
 
 
 def agg_case():
@@ -107,6 +118,7 @@ def test_local_counts_skip_empty_completions():
         ("seq_mean_token_mean", (3 / 2 + 15 / 3) / 2),  # (1.5 + 5) / 2 = 3.25
         ("seq_mean_token_sum", (3 + 15) / 2),  # 9
         ("seq_mean_token_sum_norm", (3 + 15) / (2 * 4)),  # L = 4: 2.25
+        ("token_sum", 1 + 2 + 4 + 5 + 6),  # 18: no normalisation
     ],
 )
 def test_aggregation_by_hand(mode, expected):
@@ -115,10 +127,10 @@ def test_aggregation_by_hand(mode, expected):
     assert float(out) == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"])
+@pytest.mark.parametrize("mode", MODES)
 def test_aggregation_gradient_weights_by_hand(mode):
     # d loss / d l_it: token_mean 1/5 each; seq_mean_token_mean 1/(2*2) on sample 0, 1/(2*3) on sample 1;
-    # seq_mean_token_sum 1/2; seq_mean_token_sum_norm 1/(2*4); masked tokens 0.
+    # seq_mean_token_sum 1/2; seq_mean_token_sum_norm 1/(2*4); token_sum 1; masked tokens 0.
     loss, mask = agg_case()
     loss.requires_grad_(True)
     w = {
@@ -126,12 +138,13 @@ def test_aggregation_gradient_weights_by_hand(mode):
         "seq_mean_token_mean": (1 / 4, 1 / 6),
         "seq_mean_token_sum": (1 / 2, 1 / 2),
         "seq_mean_token_sum_norm": (1 / 8, 1 / 8),
+        "token_sum": (1.0, 1.0),
     }[mode]
     out = aggregate(loss, mask, mode, Normalizer(5.0, 2.0, 4.0))
     close(grad_of_sum(out, loss), [[w[0], w[0], 0], [w[1], w[1], w[1]], [0, 0, 0]])
 
 
-@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"])
+@pytest.mark.parametrize("mode", MODES)
 def test_ranks_with_global_counts_sum_to_the_whole_batch(mode):
     loss, mask = agg_case()
     whole = aggregate(loss, mask, mode, Normalizer(5.0, 2.0, 4.0))
@@ -140,7 +153,7 @@ def test_ranks_with_global_counts_sum_to_the_whole_batch(mode):
     assert float(sum(parts)) == pytest.approx(float(whole))
 
 
-@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"])
+@pytest.mark.parametrize("mode", MODES)
 def test_fully_masked_batch_aggregates_to_zero_with_finite_gradient(mode):
     loss = t([[1.0, 2.0], [3.0, 4.0]]).requires_grad_(True)
     mask = torch.zeros(2, 2, dtype=torch.float64)
@@ -194,10 +207,41 @@ def test_decoupled_ppo_drops_tokens_above_the_cap():
     close(weight, [[0.4, 0.9, 1.5, 0.0]])  # w if w <= 2 else 0 (no lower bound)
 
 
-@pytest.mark.parametrize("correction", ["none", "tis", "icepop", "decoupled"])
+def test_masked_importance_sampling_keeps_band_tokens_at_weight_one():
+    prox, behav, _ = mismatch_case()
+    weight, _ = behaviour_weights(prox, behav, "mis", cap=2.0, low=0.5, high=2.0, log_ratio_clamp=20.0)
+    close(weight, [[0.0, 1.0, 1.0, 0.0]])  # w 0.4 and 3.0 outside [0.5, 2]
+
+
+def sequence_case():
+    # Sample 0: w 0.5, 1.6 (and a masked 9.0): w_0 = 0.8. Sample 1: w 2.0, 1.5, 1.0: w_1 = 3.0.
+    w = [[0.5, 1.6, 9.0], [2.0, 1.5, 1.0]]
+    behaviour = t([[-1.0] * 3] * 2)
+    proximal = behaviour + t([[math.log(x) for x in row] for row in w])
+    return proximal, behaviour, t([[1, 1, 0], [1, 1, 1]])
+
+
+def test_sequence_level_tis_weighs_every_token_by_the_samples_truncated_ratio():
+    prox, behav, mask = sequence_case()
+    weight, raw = behaviour_weights(prox, behav, "seq_tis", cap=2.0, low=0.5, high=2.0, log_ratio_clamp=20.0, mask=mask)
+    close(weight, [[0.8] * 3, [2.0] * 3])  # min(0.8, 2), min(3, 2)
+    close(raw, [[0.5, 1.6, 9.0], [2.0, 1.5, 1.0]])  # the token-level mismatch is still reported
+
+
+def test_sequence_level_mis_drops_whole_samples_outside_the_band():
+    prox, behav, mask = sequence_case()
+    weight, _ = behaviour_weights(prox, behav, "seq_mis", cap=2.0, low=0.5, high=2.0, log_ratio_clamp=20.0, mask=mask)
+    close(weight, [[1.0] * 3, [0.0] * 3])  # 0.8 in [0.5, 2]: kept; 3.0 outside: dropped
+    weight, _ = behaviour_weights(prox, behav, "seq_mis", cap=2.0, low=0.9, high=4.0, log_ratio_clamp=20.0, mask=mask)
+    close(weight, [[0.0] * 3, [1.0] * 3])
+
+
+@pytest.mark.parametrize("correction", ["none", "tis", "icepop", "decoupled", "mis", "seq_tis", "seq_mis"])
 def test_behaviour_weights_carry_no_gradient(correction):
     prox, behav, _ = mismatch_case()
-    weight, raw = behaviour_weights(prox, behav, correction, cap=2.0, low=0.5, high=2.0, log_ratio_clamp=20.0)
+    weight, raw = behaviour_weights(
+        prox, behav, correction, cap=2.0, low=0.5, high=2.0, log_ratio_clamp=20.0, mask=torch.ones_like(behav)
+    )
     assert not weight.requires_grad and not raw.requires_grad
 
 

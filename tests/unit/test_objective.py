@@ -241,6 +241,19 @@ def test_critic_loss_by_hand():
     assert stats.sums["value_mean"] == pytest.approx(0.6 + 0.2 + 0.2 + 0.9)
     assert stats.sums["return_mean"] == pytest.approx(0.60624 + 0.792 + 1.0 - 1.0)
     assert stats.sums["value_loss"] == pytest.approx(expected * 4)
+    assert stats.sums["value_clip_fraction"] == 0  # (1,1) was clipped, but the unclipped branch is larger
+
+
+def test_critic_loss_aggregation_and_value_clip_fraction():
+    obj = objective({"advantage": {"estimator": "gae"}, "critic": {"value_clip": 0.5, "loss_aggregation": "token_sum"}})
+    _, _, mask, old_values = gae_case()
+    returns = t([[0.60624, 0.792, 1.0], [0.0, 3.0, 0.0]])
+    v = t([[0.6, 0.2, 0.2], [7.0, 0.9, 7.0]])
+    loss, stats = obj.critic_loss(v, old_values, returns, mask, norm_of(mask))
+    # (1,1): V 0.9 moved 0.6 from V_old 0.3, clipped to 0.8: (0.8 - 3)^2 = 4.84 > (0.9 - 3)^2 = 4.41.
+    expected = 0.5 * (0.00624**2 + 0.592**2 + 0.8**2 + 2.2**2)  # token_sum: no division
+    assert float(loss) == pytest.approx(expected)
+    assert stats.sums["value_clip_fraction"] == 1
 
 
 # -- on-policy distillation ------------------------------------------------------------------------
@@ -337,6 +350,19 @@ def test_icepop_drops_out_of_band_tokens_and_reports_them():
     assert stats.sums["is_weight_mean"] == pytest.approx(1.5)
 
 
+def test_the_plain_k1_kls_are_among_the_statistics():
+    # log r = log pi - log pi_old = 0.2, -0.4 -> kl_k1 = mean(-log r) = 0.1; against the reference
+    # (log pi - log pi_ref = 0.5, -0.1) kl_ref_k1 = 0.2.
+    obj = objective({"kl": {"coef": 0.1}})
+    old = t([[-1.0, -1.0]])
+    lp = old + t([[0.2, -0.4]])
+    ref = lp - t([[0.5, -0.1]])
+    mask = t([[1, 1]])
+    _, stats = obj.policy_loss(lp, torch.zeros_like(lp), old, old, t([[1.0, 1.0]]), mask, norm_of(mask), ref)
+    assert stats.sums["kl_k1"] / stats.sums["tokens"] == pytest.approx(0.1)
+    assert stats.sums["kl_ref_k1"] / stats.sums["tokens"] == pytest.approx(0.2)
+
+
 def test_which_log_probabilities_the_ratio_uses():
     assert objective({}, max_staleness=1).old_is_rollout  # auto, stale, no correction: rollout
     assert not objective({}, max_staleness=0).old_is_rollout
@@ -355,6 +381,12 @@ CONFIGS = {
     },
     "sapo_tis": {"policy_loss": {"kind": "sapo"}, "off_policy": {"correction": "tis"}},
     "m2po_token_sum": {"policy_loss": {"kind": "m2po", "aggregation": "seq_mean_token_sum"}},
+    "gmpo_seq_mis": {
+        "policy_loss": {"kind": "gmpo", "clip_low": 0.4, "clip_high": 0.4, "aggregation": "seq_mean_token_mean"},
+        "off_policy": {"correction": "seq_mis", "icepop_low": 0.1, "icepop_high": 10.0},
+    },
+    # (a straight-through KL estimator's gradient is by design not its value's: tested by hand)
+    "token_sum_seq_tis": {"policy_loss": {"aggregation": "token_sum"}, "off_policy": {"correction": "seq_tis"}},
     "dr_grpo_norm": {
         "advantage": {"normalize_std": False},
         "policy_loss": {"aggregation": "seq_mean_token_sum_norm"},

@@ -33,6 +33,49 @@ def sigmoid(x):
     return 1 / (1 + math.exp(-x))
 
 
+# -- GMPO ------------------------------------------------------------------------------------------
+
+
+def test_gmpo_geometric_mean_of_log_clipped_ratios_by_hand():
+    # eps 0.4 (log space). Sample 0, A = +1, log r = 0.2, 0.6, -0.6: the pessimistic side for A > 0
+    # is min(l, clip(l)): 0.2, 0.4 (clipped: no gradient), -0.6 (below: kept) -> mean 0 -> R = 1,
+    # loss -1 on each token; gradient of -A exp(mean m) in each unclipped log pi: -A R / 3 = -1/3.
+    # Sample 1, A = -2, log r = 0.6, -0.6 (and a masked token): for A < 0 the pessimistic side is
+    # max(l, clip(l)): 0.6 (kept), -0.4 (clipped) -> mean 0.1 -> R = e^0.1, loss 2 e^0.1;
+    # gradient -A R / 2 = e^0.1 on the kept token.
+    lp, old = leaf_logprobs([[0.2, 0.6, -0.6], [0.6, -0.6, 0.0]])
+    a = t([[1.0, 1.0, 1.0], [-2.0, -2.0, -2.0]])
+    mask = t([[1, 1, 1], [1, 1, 0]])
+    terms = pl.gmpo(lp, old, a, mask, log_bounds=(-0.4, 0.4), log_ratio_clamp=20.0)
+    r1 = math.exp(0.1)
+    close(terms.loss, [[-1.0] * 3, [2 * r1] * 3])
+    close(grad_of_sum(terms.loss * mask / mask.sum(-1, keepdim=True), lp), [[-1 / 3, 0.0, -1 / 3], [r1, 0.0, 0.0]])
+    assert terms.clipped.tolist() == [[False, True, False], [False, True, False]]
+    close(terms.ratio, [[1.0] * 3, [r1] * 3])
+
+
+def test_gmpo_is_the_paper_objective_under_seq_mean_token_mean():
+    # The paper's loss: -(1/N) sum_i sign(A_i) prod_t |min(r_t A_i, clip(r_t, e^-0.4, e^0.4) A_i)|^(1/|o_i|).
+    torch.manual_seed(0)
+    lp = (torch.randn(3, 5, dtype=torch.float64) * 0.3).requires_grad_(True)
+    old = torch.zeros(3, 5, dtype=torch.float64)
+    adv = t([[1.5] * 5, [-0.5] * 5, [2.0] * 5])
+    mask = t([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0]])
+    terms = pl.gmpo(lp, old, adv, mask, log_bounds=(-0.4, 0.4), log_ratio_clamp=20.0)
+    ours = aggregate(terms.loss, mask, "seq_mean_token_mean", Normalizer(9.0, 3.0))
+    per_sample = []
+    for i in range(3):
+        n, sign = int(mask[i].sum()), math.copysign(1.0, float(adv[i, 0]))
+        r = torch.exp(lp[i, :n] - old[i, :n])
+        clipped = r.clamp(math.exp(-0.4), math.exp(0.4))
+        inner = torch.minimum(r * adv[i, :n], clipped * adv[i, :n]).abs()
+        per_sample.append(-sign * torch.prod(inner) ** (1 / n))
+    paper = torch.stack(per_sample).mean()
+    torch.testing.assert_close(ours, paper)
+    g_ours, g_paper = (torch.autograd.grad(x, lp, retain_graph=True)[0] for x in (ours, paper))
+    torch.testing.assert_close(g_ours, g_paper)
+
+
 # -- PPO -------------------------------------------------------------------------------------------
 
 
@@ -408,6 +451,22 @@ def test_gradcheck_of_the_losses_without_stop_gradients(name):
     assert torch.autograd.gradcheck(lambda x: fns[name](x) * mask, (lp,))
 
 
+def test_gradcheck_of_gmpo_aggregated_as_in_the_paper():
+    # Log-ratios away from the +-0.4 kinks (some far outside them: clipped, no gradient).
+    lp, old, _, mask = gradcheck_point()
+    a = t([[0.7], [-1.3], [0.4]]).expand(3, 5)
+    norm = Normalizer(tokens=float(mask.sum()), sequences=3.0)
+    assert torch.autograd.gradcheck(
+        lambda x: aggregate(
+            pl.gmpo(x, old, a, mask, log_bounds=(-0.4, 0.4), log_ratio_clamp=20.0).loss,
+            mask,
+            "seq_mean_token_mean",
+            norm,
+        ),
+        (lp,),
+    )
+
+
 def test_gradcheck_of_gspo_aggregated_as_in_the_paper():
     # The token form's value is GSPO's sequence objective; with sequence-level advantages and
     # seq_mean_token_mean its gradient is that objective's gradient, so gradcheck applies.
@@ -471,9 +530,10 @@ def test_value_loss_by_hand():
     #   V 0.6, R 2.0: inside the clip: 1.96 both: loss 0.98, gradient V - R = -1.4
     #   V 0.2, R 0.0: clipped V 0.3 -> 0.09, unclipped 0.04: loss 0.045, gradient 0
     v = t([[1.0, 1.0, 0.6, 0.2]]).requires_grad_(True)
-    out = value_loss(v, t([[0.5] * 4]), t([[2.0, 0.0, 2.0, 0.0]]), clip=0.2)
+    out, clipped = value_loss(v, t([[0.5] * 4]), t([[2.0, 0.0, 2.0, 0.0]]), clip=0.2)
     close(out, [[0.845, 0.5, 0.98, 0.045]])
     close(grad_of_sum(out, v), [[0.0, 1.0, -1.4, 0.0]])
+    assert clipped.tolist() == [[True, False, False, True]]  # the value clip fraction counts these
 
 
 def test_value_loss_gradcheck():
@@ -481,4 +541,4 @@ def test_value_loss_gradcheck():
     v = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
     old = v.detach() + t([[0.5, -0.5, 0.05, -0.05], [0.9, 0.01, -0.02, -0.8]])
     returns = torch.randn(2, 4, dtype=torch.float64)
-    assert torch.autograd.gradcheck(lambda x: value_loss(x, old, returns, 0.2), (v,))
+    assert torch.autograd.gradcheck(lambda x: value_loss(x, old, returns, 0.2)[0], (v,))
