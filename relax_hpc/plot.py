@@ -61,13 +61,20 @@ def reward(ax: Axes, steps: list[Record], evals: list[Record]) -> None:
 
 
 def kl_entropy(ax: Axes, steps: list[Record], _: list[Record]) -> None:
-    for key, color in (("entropy", "tab:green"), ("approx_kl", "tab:red"), ("kl_ref", "tab:purple"),
-                       ("clip_fraction", "tab:gray")):  # fmt: skip
+    """Entropy on the left axis; the KLs and the clip fraction, an order of magnitude smaller, on
+    the right. 10-step means, the raw values faint behind them."""
+    x, y = _series(steps, "entropy")
+    ax.plot(x, y, color="tab:green", alpha=0.25, linewidth=0.8)
+    ax.plot(x, _mean_of(y, 10), color="tab:green", linewidth=1.6, label="entropy")
+    ax.set(title="entropy, KL and clipping (per loss token, 10-step means)", xlabel="step", ylabel="entropy")
+    twin = ax.twinx()
+    for key, color in (("approx_kl", "tab:red"), ("kl_ref", "tab:purple"), ("clip_fraction", "tab:gray")):
         x, y = _series(steps, key)
         if x:
-            ax.plot(x, y, color=color, linewidth=1.2, label=key)
-    ax.set(title="entropy, KL and clipping (per loss token)", xlabel="step", yscale="symlog")
-    ax.legend(loc="upper right", fontsize=8)
+            twin.plot(x, _mean_of(y, 10), color=color, linewidth=1.2, label=key)
+    twin.set_ylabel("KL, clip fraction")
+    lines = ax.get_legend_handles_labels(), twin.get_legend_handles_labels()
+    ax.legend(lines[0][0] + lines[1][0], lines[0][1] + lines[1][1], loc="upper right", fontsize=8)
 
 
 def time_breakdown(ax: Axes, steps: list[Record], _: list[Record]) -> None:
@@ -76,9 +83,11 @@ def time_breakdown(ax: Axes, steps: list[Record], _: list[Record]) -> None:
         ax.set(title="where the time goes (no timed steps yet)")
         return
     x = [r["step"] for r in timed]
-    ax.stackplot(x, *[[r[f"time_{p}"] for r in timed] for p in TIME_PHASES], labels=TIME_PHASES, alpha=0.8)
-    ax.plot(x, [r["time_generate"] for r in timed], color="black", linewidth=1.2, label="generate (its batch)")
-    ax.set(title="where a step's time goes", xlabel="step", ylabel="seconds")
+    phases = [_mean_of([r[f"time_{p}"] for r in timed], 10) for p in TIME_PHASES]
+    ax.stackplot(x, *phases, labels=TIME_PHASES, alpha=0.8)
+    generate = _mean_of([r["time_generate"] for r in timed], 10)
+    ax.plot(x, generate, color="black", linewidth=1.2, label="generate (its batch)")
+    ax.set(title="where a step's time goes (10-step means)", xlabel="step", ylabel="seconds")
     ax.legend(loc="upper left", fontsize=7, ncol=2)
     twin = ax.twinx()
     twin.plot(x, _mean_of([r["overlap_gain"] for r in timed], 10), color="tab:cyan", linestyle="--", label="overlap")
@@ -88,14 +97,17 @@ def time_breakdown(ax: Axes, steps: list[Record], _: list[Record]) -> None:
 
 
 def staleness(ax: Axes, steps: list[Record], _: list[Record]) -> None:
-    for key, color in (("staleness_mean", "tab:blue"), ("staleness_max", "tab:red")):
-        x, y = _series(steps, key)
-        ax.plot(x, y, color=color, linewidth=1.2, label=key)
-    ax.set(title="staleness of trained samples (versions)", xlabel="step")
-    twin = ax.twinx()
-    x, y = _series(steps, "stale_samples_total")
-    twin.plot(x, y, color="tab:gray", linestyle="--", label="set aside (total)")
-    twin.set_ylabel("samples set aside as stale")
+    x, mean = _series(steps, "staleness_mean")
+    high = _series(steps, "staleness_max")[1]
+    ax.plot(x, _mean_of(mean, 10), color="tab:blue", linewidth=1.4, label="staleness_mean (10-step mean)")
+    ax.step(x, [max(high[max(0, i - 9) : i + 1]) for i in range(len(high))], color="tab:red", linewidth=1.0,
+            where="post", label="staleness_max (over 10 steps)")  # fmt: skip
+    ax.set(title="staleness of trained samples (versions)", xlabel="step", ylim=(-0.05, max(high, default=0) + 0.5))
+    x, aside = _series(steps, "stale_samples_total")
+    if any(aside):  # a second axis only when something was set aside
+        twin = ax.twinx()
+        twin.plot(x, aside, color="tab:gray", linestyle="--", label="set aside (total)")
+        twin.set_ylabel("samples set aside as stale")
     ax.legend(loc="upper left", fontsize=8)
 
 
