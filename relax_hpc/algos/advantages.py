@@ -4,6 +4,9 @@
   unbiased (Bessel) std as in TRL and verl; without the division it is Dr. GRPO (Liu et al. 2025,
   arXiv:2503.20783).
 - RLOO (Ahmadian et al. 2024, arXiv:2402.14740): A_i = r_i - mean_{j in g, j != i} r_j.
+- ReMax (Li et al. 2024, arXiv:2310.10505): A_i = r_i - b_g, b_g the reward of the prompt's
+  greedy completion (sampled by the rollout alongside the group, not trained); where the greedy
+  reward failed, the group's mean reward stands in.
 - REINFORCE++ (Hu 2025, arXiv:2501.03262): token rewards (the outcome on the last completion token
   plus any per-token KL penalty), discounted returns G_t = sum_{s>=t} gamma^(s-t) r_s, whitened
   over the global batch.
@@ -65,6 +68,15 @@ def rloo(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     count = _group_sum(torch.ones_like(r), index, num_groups)[index]
     others = (_group_sum(r, index, num_groups)[index] - r) / (count - 1).clamp(min=1)
     return torch.where(_informative(r, index, num_groups), r - others, 0.0).to(rewards.dtype)
+
+
+def remax(rewards: torch.Tensor, baselines: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """Per-sample ReMax advantages [n]: r_i minus the greedy baseline (NaN: the group's mean)."""
+    index, num_groups = _group_index(group_ids)
+    r = rewards.double()
+    mean = _group_sum(r, index, num_groups)[index] / _group_sum(torch.ones_like(r), index, num_groups)[index]
+    b = baselines.double()
+    return (r - torch.where(torch.isnan(b), mean, b)).to(rewards.dtype)
 
 
 def per_token(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

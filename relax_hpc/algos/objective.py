@@ -51,21 +51,26 @@ class Objective:
         ref_logprobs: torch.Tensor | None = None,
         teacher_logprobs: torch.Tensor | None = None,
         values: torch.Tensor | None = None,
+        baselines: torch.Tensor | None = None,
     ) -> Advantages:
         """old_logprobs: the policy that sampled (as far as the ratio is concerned), for the KL
-        reward penalty and the distillation advantage. All inputs carry no gradient."""
+        reward penalty and the distillation advantage; baselines: each sample's greedy reward
+        (remax; NaN where the greedy episode's reward failed). All inputs carry no gradient."""
         a, kl = self.cfg.advantage, self.cfg.kl
         penalty = torch.zeros_like(mask)
         if self.needs_reference and kl.placement == "reward":
             clamp = self.cfg.policy_loss.log_ratio_clamp
             assert ref_logprobs is not None, "kl.coef > 0 needs the reference's log-probabilities"
             penalty = -kl.coef * kl_estimate(old_logprobs, ref_logprobs, kl.estimator, clamp=clamp) * mask
-        if a.estimator in ("grpo", "rloo"):
+        if a.estimator in ("grpo", "rloo", "remax"):
             rewards = rewards + penalty.sum(-1)
             if a.estimator == "grpo":
                 per_sample = adv_lib.grpo(rewards, group_ids, normalize_std=a.normalize_std, eps=a.std_eps)
-            else:
+            elif a.estimator == "rloo":
                 per_sample = adv_lib.rloo(rewards, group_ids)
+            else:
+                assert baselines is not None, "remax needs the greedy baselines"
+                per_sample = adv_lib.remax(rewards, baselines, group_ids)
             return Advantages(adv_lib.per_token(per_sample, mask))
         if a.estimator == "distill":
             assert teacher_logprobs is not None, "the distill estimator needs the teacher's log-probabilities"

@@ -217,10 +217,12 @@ class RewardConfig(Section):
 
 
 class AdvantageConfig(Section):
-    estimator: Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae", "distill"] = "grpo"
+    estimator: Literal["grpo", "rloo", "remax", "reinforce_pp", "reinforce_pp_baseline", "gae", "distill"] = "grpo"
     """How rewards become per-token advantages. `grpo`: group-normalised outcome (Dr. GRPO with
-    normalize_std off). `rloo`: leave-one-out baseline. `reinforce_pp`: discounted token returns,
-    whitened over the batch. `reinforce_pp_baseline`: group-mean baseline, then as reinforce_pp.
+    normalize_std off). `rloo`: leave-one-out baseline. `remax`: the reward minus that of the
+    prompt's greedy completion (the rollout samples one more per prompt, greedily, not trained).
+    `reinforce_pp`: discounted token returns, whitened over the batch. `reinforce_pp_baseline`:
+    group-mean baseline, then as reinforce_pp.
     `gae`: generalised advantage estimation with a critic (algo.critic). `distill`: on-policy
     distillation, advantage = teacher minus student log-probability per token (algo.teacher)."""
     normalize_std: bool = True

@@ -36,6 +36,7 @@ class Group:
     prompt_index: int
     trajectories: list[Trajectory]
     rewards: list[float]
+    baseline: float | None = None  # ReMax: the shaped reward of the prompt's greedy episode
 
 
 @dataclass(slots=True)
@@ -114,4 +115,5 @@ def to_sample_batch(seq: int, groups: list[Group]) -> SampleBatch:
         loss_masks=[t.loss_mask for _, t, _ in samples],
         token_versions=[t.versions for _, t, _ in samples],
         routed=[t.routed for _, t, _ in samples],
+        baselines=[grp.baseline for grp, _, _ in samples],
     )

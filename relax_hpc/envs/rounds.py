@@ -90,14 +90,16 @@ class Rounds:
         ]
 
     async def sample_round(self, seq: int, round_: int) -> list[Group]:
-        """Round `round_` of batch `seq`: every prompt group_size times, scored and grouped."""
+        """Round `round_` of batch `seq`: every prompt group_size times, scored and grouped (with
+        the remax estimator, each prompt once more greedily: its reward is the group's baseline)."""
         g = self.cfg.rollout.group_size
         prompts = self.plan.prompts(seq, round_)
         copies = [i for i in prompts for _ in range(g)]
-        episodes = await run_episodes(
-            self.env, self._contexts(copies, self.plan.seeds(seq, round_, len(copies)), False)
-        )
+        greedy = prompts if self.cfg.algo.advantage.estimator == "remax" else []
+        contexts = self._contexts(copies, self.plan.seeds(seq, round_, len(copies)), False)
+        episodes = await run_episodes(self.env, contexts + self._contexts(greedy, [0] * len(greedy), True))
         per_prompt = [[t for episode in episodes[j * g : (j + 1) * g] for t in episode] for j in range(len(prompts))]
+        baselines = await self._baselines(seq, greedy, episodes[len(copies) :]) if greedy else [None] * len(prompts)
         rewards = await self._rewards(seq, prompts, per_prompt)
         groups = []
         for j, index in enumerate(prompts):
@@ -106,8 +108,20 @@ class Rounds:
             if kept:
                 trajectories = [t for t, _ in kept]
                 shaped = [self.plan.shaped(r, t) for t, r in kept]
-                groups.append(Group(self.plan.group_id(seq, round_, j), index, trajectories, shaped))
+                groups.append(Group(self.plan.group_id(seq, round_, j), index, trajectories, shaped, baselines[j]))
         return groups
+
+    async def _baselines(
+        self, seq: int, prompts: Sequence[int], episodes: list[list[Trajectory]]
+    ) -> list[float | None]:
+        """Each greedy episode's shaped reward (the mean over its trajectories); None where its
+        reward failed (the trainer then falls back to the group's mean)."""
+        rewards = await self._rewards(seq, prompts, episodes)
+        out: list[float | None] = []
+        for trajectories, scores in zip(episodes, rewards, strict=True):
+            kept = [self.plan.shaped(r, t) for t, r in zip(trajectories, scores, strict=True) if r is not None]
+            out.append(sum(kept) / len(kept) if kept else None)
+        return out
 
     async def _rewards(
         self, seq: int, prompts: Sequence[int], per_prompt: list[list[Trajectory]]

@@ -30,8 +30,8 @@ from relax_hpc.data.media import KIND_CODES, Kind
 from relax_hpc.paths import SpoolDirs, fsync_dir, write_atomic
 
 # 2: media (once per prompt group); 3: per-token policy versions (multi-turn and partial rollout);
-# 4: the routers' choices per token, optional (MoE routing replay). A reader refuses versions it
-# does not know, naming both.
+# 4: the routers' choices per token, optional (MoE routing replay), and each sample's reward
+# baseline (ReMax's greedy reward; NaN: none). A reader refuses versions it does not know, naming both.
 SCHEMA_VERSION = 4
 READABLE_VERSIONS = (1, 2, 3, 4)
 BATCH_NAME = re.compile(r"^b(\d{9})\.h5$")
@@ -62,7 +62,7 @@ ARRAYS_OF: dict[int, dict[str, type[np.generic]]] = {
     1: _ARRAYS,
     2: {**_ARRAYS, **_MEDIA},
     3: {**_ARRAYS, **_MEDIA, **_VERSIONS},
-    4: {**_ARRAYS, **_MEDIA, **_VERSIONS},
+    4: {**_ARRAYS, **_MEDIA, **_VERSIONS, "reward_baseline": np.float32},
 }
 # Schema 4, optional: `routed_experts` [T, layers * top_k], uint8 (uint16 for models of 255 or more
 # experts), the routers' choices for every input position, ROUTED_NONE where none was recorded (the
@@ -104,8 +104,11 @@ class SampleBatch:
     token_versions: np.ndarray | None = None
     newest_version: np.ndarray | None = None
     routed_experts: np.ndarray | None = None  # [T, layers * top_k], schema 4 (routing replay)
+    reward_baseline: np.ndarray | None = None  # per sample, NaN where none (schema 4; older: all NaN)
 
     def __post_init__(self) -> None:
+        if self.reward_baseline is None:
+            self.reward_baseline = np.full(len(self.rewards), np.nan, dtype=np.float32)
         if self.token_versions is None:
             per_token = np.repeat(self.policy_version, np.diff(self.offsets)).astype(np.int32)
             self.token_versions = np.where(self.loss_mask == 1, per_token, -1).astype(np.int32)
@@ -144,11 +147,13 @@ class SampleBatch:
         loss_masks: list[list[int]] | None = None,
         token_versions: list[list[int]] | None = None,
         routed: list[np.ndarray | None] | None = None,
+        baselines: list[float | None] | None = None,
     ) -> SampleBatch:
         """Build from per-sample prompt+completion token lists. Per completion token (after the
         prompt): `logprobs`, `loss_masks` (default all 1: every completion token was sampled) and
         `token_versions` (default: the sample's policy_version where the mask is 1, else -1).
-        `media`: each group's items (group id -> [(kind, bytes)], in prompt order), stored once."""
+        `media`: each group's items (group id -> [(kind, bytes)], in prompt order), stored once.
+        `baselines`: each sample's reward baseline (ReMax), None where it has none."""
         lengths = [len(s) for s in sequences]
         offsets = np.zeros(len(sequences) + 1, dtype=np.int64)
         offsets[1:] = np.cumsum(lengths)
@@ -188,6 +193,9 @@ class SampleBatch:
             media_offsets=packed["media_offsets"],
             media_kind=packed["media_kind"],
             media_group=packed["media_group"],
+            reward_baseline=np.asarray(
+                [np.nan if b is None else b for b in baselines or [None] * len(rewards)], dtype=np.float32
+            ),
         )
 
 
@@ -232,7 +240,7 @@ def _pack_media(media: Mapping[int, Sequence[tuple[Kind, bytes]]]) -> dict[str, 
 # The arrays with one entry per sample (offsets: one more); a header read covers these only.
 _PER_SAMPLE_V1 = ("offsets", "prompt_lens", "rewards", "group_ids", "policy_version", "prompt_index")
 _PER_SAMPLE_V3 = (*_PER_SAMPLE_V1, "newest_version")
-PER_SAMPLE_OF = {1: _PER_SAMPLE_V1, 2: _PER_SAMPLE_V1, 3: _PER_SAMPLE_V3, 4: _PER_SAMPLE_V3}
+PER_SAMPLE_OF = {1: _PER_SAMPLE_V1, 2: _PER_SAMPLE_V1, 3: _PER_SAMPLE_V3, 4: (*_PER_SAMPLE_V3, "reward_baseline")}
 
 
 def _checksum(arrays: dict[str, np.ndarray], names: Iterable[str] = _ARRAYS) -> int:
@@ -319,7 +327,7 @@ def _check_structure(arrays: dict[str, np.ndarray], num_tokens: int) -> None:
     n, offsets = len(arrays["rewards"]), arrays["offsets"]
     if len(offsets) != n + 1 or offsets[0] != 0 or offsets[-1] != num_tokens or np.any(np.diff(offsets) <= 0):
         raise SpoolFormatError("offsets do not describe the token array")
-    for name in ("prompt_lens", "group_ids", "policy_version", "prompt_index", "newest_version"):
+    for name in ("prompt_lens", "group_ids", "policy_version", "prompt_index", "newest_version", "reward_baseline"):
         if name in arrays and len(arrays[name]) != n:
             raise SpoolFormatError(f"{name} has {len(arrays[name])} entries for {n} samples")
 

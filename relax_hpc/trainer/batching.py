@@ -16,7 +16,16 @@ from relax_hpc.models.routing import replaying
 from relax_hpc.models.routing import shape as routing_shape
 
 log = logging.getLogger("relax_hpc.trainer")
-TENSORS = ("input_ids", "attention_mask", "targets", "loss_mask", "rollout_logprobs", "rewards", "group_ids")
+TENSORS = (
+    "input_ids",
+    "attention_mask",
+    "targets",
+    "loss_mask",
+    "rollout_logprobs",
+    "rewards",
+    "group_ids",
+    "baselines",
+)
 
 
 @dataclass(slots=True)
@@ -36,6 +45,7 @@ class TrainBatch:
     rollout_logprobs: torch.Tensor  # float [n, T]
     rewards: torch.Tensor  # float [n]
     group_ids: torch.Tensor  # long [n]
+    baselines: torch.Tensor  # float [n]: each sample's reward baseline (ReMax), NaN where none
     media: tuple[dict[str, torch.Tensor], ...] = field(default=())
     routed: torch.Tensor | None = None  # long [n, T, layers * top_k], -1: the router decides (replay)
 
@@ -92,9 +102,11 @@ def pad_samples(
     group_ids: list[int],
     pad_token_id: int,
     media: tuple[dict[str, torch.Tensor], ...] = (),
+    baselines: list[float] | None = None,
 ) -> TrainBatch:
     """Each sequence is prompt + completion; loss_masks and rollout_logprobs are per token of it;
-    `media` (if any): each row's processor tensors."""
+    `media` (if any): each row's processor tensors; `baselines`: each row's reward baseline (NaN:
+    none; default none)."""
     n = len(sequences)
     width = max(len(s) for s in sequences)
     input_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
@@ -116,6 +128,7 @@ def pad_samples(
         rollout_logprobs=torch.cat([logps[:, 1:], torch.zeros((n, 1))], dim=1),
         rewards=torch.tensor(rewards, dtype=torch.float32),
         group_ids=torch.tensor(group_ids, dtype=torch.long),
+        baselines=torch.tensor(baselines if baselines is not None else [float("nan")] * n, dtype=torch.float32),
         media=media,
     )
 
@@ -186,7 +199,17 @@ def share_of(
         loss_mask = np.where(stale, 0, loss_mask)
     masks = [loss_mask[batch.offsets[i] : batch.offsets[i + 1]].tolist() for i in rows]
     logps = [batch.rollout_logprobs[batch.offsets[i] : batch.offsets[i + 1]].tolist() for i in rows]
-    tb = pad_samples(seqs, masks, logps, batch.rewards[rows].tolist(), batch.group_ids[rows].tolist(), pad_id, media)
+    assert batch.reward_baseline is not None, "derived at construction"
+    tb = pad_samples(
+        seqs,
+        masks,
+        logps,
+        batch.rewards[rows].tolist(),
+        batch.group_ids[rows].tolist(),
+        pad_id,
+        media,
+        batch.reward_baseline[rows].tolist(),
+    )
     if batch.routed_experts is not None:
         tb.routed = torch.full((len(rows), tb.input_ids.shape[1], batch.routed_experts.shape[1]), -1, dtype=torch.long)
         for k, i in enumerate(rows):

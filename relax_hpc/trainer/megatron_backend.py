@@ -219,7 +219,9 @@ class MegatronBackend:
         advantages = None
         if parallel_state.is_pipeline_last_stage():
             base = batch.rollout_logprobs if old is None else old
-            advantages = objective.advantages(batch.rewards, batch.group_ids, batch.loss_mask, base, ref, teacher)
+            advantages = objective.advantages(
+                batch.rewards, batch.group_ids, batch.loss_mask, base, ref, teacher, baselines=batch.baselines
+            )
         rows = list(batch.minibatches(algo.minibatches))
         norms = self._global_counts(batch, rows)
         stats, losses, grad_norm = Stats(), [], 0.0

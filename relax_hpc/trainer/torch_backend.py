@@ -209,7 +209,9 @@ class TorchBackend:
         teacher: torch.Tensor | None,
         values: torch.Tensor | None,
     ) -> Advantages:
-        return self.objective.advantages(batch.rewards, batch.group_ids, batch.loss_mask, old, ref, teacher, values)
+        return self.objective.advantages(
+            batch.rewards, batch.group_ids, batch.loss_mask, old, ref, teacher, values, batch.baselines
+        )
 
     def _check_finite(self, loss: torch.Tensor, step: int) -> float:
         total = loss.detach().clone()

@@ -41,6 +41,7 @@ CASES: dict[str, tuple[float, tuple[str, ...]]] = {
     "grpo": (0.6, ()),
     "dr-grpo": (0.3, ()),
     "rloo": (0.15, ()),
+    "remax": (0.15, ()),
     "reinforce-pp": (0.45, ()),
     "reinforce-pp-baseline": (0.25, ()),
     "ppo": (0.55, ()),

@@ -95,6 +95,15 @@ def test_rloo_by_hand():
     assert out.tolist() == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3, 2.0, -2.0])
 
 
+def test_remax_subtracts_the_greedy_baseline_or_the_group_mean_where_it_failed():
+    # group 0 (1, 0, 1), greedy reward 1: 0, -1, 0. group 4 (0.5, 1.5), greedy failed (NaN): the
+    # group mean 1 stands in: -0.5, 0.5. group 7, one sample 2 with greedy 0.5 (ReMax's own setting:
+    # one sample per prompt): 1.5.
+    nan = float("nan")
+    out = adv.remax(t([1.0, 0.0, 1.0, 0.5, 1.5, 2.0]), t([1.0, 1.0, 1.0, nan, nan, 0.5]), ids([0, 0, 0, 4, 4, 7]))
+    assert out.tolist() == pytest.approx([0.0, -1.0, 0.0, -0.5, 0.5, 1.5])
+
+
 # -- token rewards and discounted returns (REINFORCE++) --------------------------------------------
 
 

@@ -234,3 +234,31 @@ def test_the_remote_reward_batched_and_a_missing_token(service, monkeypatch):
     monkeypatch.delenv("NO_SUCH_TOKEN", raising=False)
     with pytest.raises(RewardError, match="the environment variable NO_SUCH_TOKEN is not set"):
         RemoteReward(service, 5, 0, 0, 1, token_env="NO_SUCH_TOKEN")
+
+
+class GreedyKnows(Fixed):
+    """Answers right at temperature 0 and wrong when sampling: the greedy baseline shows."""
+
+    def __init__(self, tokenizer, answers: dict[tuple[int, ...], str]) -> None:
+        super().__init__(tokenizer, "")
+        self.answers = answers
+
+    def generate(self, calls):
+        out = []
+        for call in calls:
+            self.text = str(int(self.answers[tuple(call.token_ids)])) if call.sampling["temperature"] == 0 else "x"
+            out.extend(super().generate([call]))
+        return out
+
+
+def test_remax_scores_one_greedy_episode_per_prompt_as_its_groups_baseline():
+    from transformers import PreTrainedTokenizerFast
+
+    cfg = load_config(REPO / "configs/tiny-remax.yaml", ["rollout.prompts_per_step=3", "rollout.group_size=2"])
+    tok = PreTrainedTokenizerFast.from_pretrained(cfg.model.path)
+    rows = load_prompts(cfg.data.path, "prompt", "answer")
+    ids = [tok(r.prompt)["input_ids"] for r in rows]
+    policy = GreedyKnows(tok, {tuple(i): r.answer for i, r in zip(ids, rows, strict=True)})
+    groups = asyncio.run(Rounds(cfg, rows, ids, tok, policy, make_scorer(cfg)).sample_round(0, 0))
+    assert [g.baseline for g in groups] == [1.0, 1.0, 1.0]  # the greedy answers are right
+    assert all(len(g.trajectories) == 2 and g.rewards == [0.0, 0.0] for g in groups)  # only sampled ones train

@@ -45,6 +45,27 @@ def test_round_trip_keeps_every_array(tmp_path):
         assert mask[:4].sum() == 0 and mask[4:].all()
 
 
+def test_reward_baselines_travel_per_sample_and_default_to_none(tmp_path):
+    spool = Spool(tmp_path)
+    plain = read_batch(spool.publish(make_batch(1), writer="t")).reward_baseline
+    assert plain is not None and np.isnan(plain).all()
+    batch = make_batch(2)
+    with_baseline = SampleBatch.from_samples(
+        seq=5,
+        sequences=[[5, 6, 7], [5, 6, 8]],
+        prompt_lens=[2, 2],
+        logprobs=[[-0.1], [-0.2]],
+        rewards=[1.0, 0.0],
+        group_ids=[50, 50],
+        policy_version=[0, 0],
+        prompt_index=[0, 0],
+        baselines=[0.5, None],
+    )
+    back = read_batch(spool.publish(with_baseline, writer="t")).reward_baseline
+    assert back is not None and back[0] == 0.5 and np.isnan(back[1])
+    assert batch.reward_baseline is not None and len(batch.reward_baseline) == batch.num_samples
+
+
 def test_truncated_file_is_a_format_error(tmp_path):
     path = Spool(tmp_path).publish(make_batch(0), writer="test")
     data = path.read_bytes()
