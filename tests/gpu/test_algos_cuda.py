@@ -39,6 +39,15 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "off_policy": {"old_logprobs": "recompute", "correction": "icepop", "icepop_low": 0.8, "icepop_high": 1.25}
     },
     "decoupled": {"off_policy": {"old_logprobs": "recompute", "correction": "decoupled", "is_cap": 1.5}},
+    "gmpo-seq-mis": {
+        "policy_loss": {"kind": "gmpo", "clip_low": 0.4, "clip_high": 0.4, "aggregation": "token_sum"},
+        "off_policy": {"old_logprobs": "recompute", "correction": "seq_mis", "icepop_low": 0.1, "icepop_high": 10.0},
+    },
+    "remax-seq-tis": {
+        "advantage": {"estimator": "remax"},
+        "off_policy": {"old_logprobs": "recompute", "correction": "seq_tis"},
+        "kl": {"coef": 0.1, "estimator": "k3_grad_k2"},
+    },
 }
 
 
@@ -58,17 +67,22 @@ def inputs(seed: int = 0) -> dict[str, torch.Tensor]:
         "teacher": -torch.rand(n, t, generator=g) * 2,
         "entropy": torch.rand(n, t, generator=g),
         "values": torch.randn(n, t, generator=g),
+        "baselines": torch.where(torch.arange(n) % 5 == 0, torch.nan, torch.rand(n, generator=g)),
         "new_values": torch.randn(n, t, generator=g),
     }
 
 
 def evaluate(cfg: dict, device: str) -> dict:
     x = {k: v.to(device) for k, v in inputs().items()}
-    job = JobConfig.model_validate({"algo": cfg, "rollout": {"max_new_tokens": 7, "max_staleness": 1}})
+    # A plain policy gradient has no ratio to correct stale samples with: on-policy (the config refuses it otherwise).
+    staleness = 0 if cfg.get("policy_loss", {}).get("kind") == "reinforce" else 1
+    job = JobConfig.model_validate({"algo": cfg, "rollout": {"max_new_tokens": 7, "max_staleness": staleness}})
     objective = Objective(job.algo)
     tokens, seqs = local_counts(x["mask"])
     norm = Normalizer(tokens, seqs)
-    adv = objective.advantages(x["rewards"], x["group_ids"], x["mask"], x["old"], x["ref"], x["teacher"], x["values"])
+    adv = objective.advantages(
+        x["rewards"], x["group_ids"], x["mask"], x["old"], x["ref"], x["teacher"], x["values"], x["baselines"]
+    )
     logprobs = x["logprobs"].clone().requires_grad_(True)
     loss, stats = objective.policy_loss(
         logprobs, x["entropy"], x["old"], x["rollout"], adv.advantages, x["mask"], norm, x["ref"]
