@@ -175,7 +175,26 @@ def scale_in(paths: RunPaths, args: argparse.Namespace) -> str:
                 and (queue_state(op.job_id) or "").startswith("PENDING")
             ):
                 subprocess.run(["scancel", op.job_id], check=False, timeout=60)
-    return f"drained {len(engines)} engine(s): {', '.join(engines)}"
+    if not _left(paths, engines, LEAVE_TIMEOUT_S):
+        return (
+            f"drained {len(engines)} engine(s): {', '.join(engines)}; still registered after {LEAVE_TIMEOUT_S:.0f} s "
+            "(`list` shows them draining until their processes exit)"
+        )
+    return f"drained {len(engines)} engine(s): {', '.join(engines)}; they have left"
+
+
+def _left(paths: RunPaths, engines: list[str], timeout_s: float) -> bool:
+    """Whether the drained engines' processes deregistered within `timeout_s` (an elastic job
+    stops its engines once it sees the operation cancelled: within seconds)."""
+    deadline = time.monotonic() + timeout_s
+    while any(r.engine_id in engines for r in read_records(paths.engines)):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
+
+
+LEAVE_TIMEOUT_S = 60.0  # how long `scale in` waits for drained engines to deregister
 
 
 def drain(paths: RunPaths, engines: list[str], timeout_s: float) -> None:
