@@ -16,6 +16,7 @@ wrong, retrying elsewhere won't help) or `EngineUnavailable` (no answer, a close
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import socket
@@ -92,6 +93,12 @@ class _Connection:
         return decode_answer(f"{self.url}{route}", response.status, body)
 
     def close(self) -> None:
+        """Safe from another thread while one reads: shutdown wakes that read with end-of-stream
+        (closing the buffered reader first would wait for the reader's lock, and a close of the
+        socket alone does not wake a blocked recv: a frozen engine would hold both for the whole
+        socket timeout)."""
+        with contextlib.suppress(OSError):  # the peer may have gone already
+            self._sock.shutdown(socket.SHUT_RDWR)
         self._stream.close_stream()
         self._sock.close()
 
