@@ -73,7 +73,12 @@ COLOURS = [(220, 40, 40), (40, 160, 40), (40, 80, 220), (200, 160, 20), (160, 40
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
     """The text default's character tokenizer, plus Qwen's chat and media tokens (each one id)."""
-    specials = [PAD_TOKEN, EOS_TOKEN, CHAT_START, *MEDIA_SPECIALS]
+    return char_tokenizer([PAD_TOKEN, EOS_TOKEN, CHAT_START, *MEDIA_SPECIALS], NAMED_TOKENS, CHAT_TEMPLATE)
+
+
+def char_tokenizer(specials: list[str], named: dict[str, str], chat_template: str) -> PreTrainedTokenizerFast:
+    """One id per character of the text default, after `specials` (each one id, `named` as the
+    processor finds them) and with `chat_template`."""
     vocab = {token: i for i, token in enumerate(specials)}
     for ch in ALPHABET + "\n:.,":
         vocab.setdefault(ch, len(vocab))
@@ -83,9 +88,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core, pad_token=PAD_TOKEN, eos_token=EOS_TOKEN, clean_up_tokenization_spaces=False,
-        padding_side="left", extra_special_tokens=NAMED_TOKENS,
+        padding_side="left", extra_special_tokens=named,
     )  # fmt: skip
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = chat_template
     return tokenizer
 
 

@@ -13,7 +13,6 @@ import json
 from pathlib import Path
 
 import torch
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     PreTrainedTokenizerFast,
     Qwen2VLImageProcessorPil,
@@ -24,8 +23,8 @@ from transformers import (
     WhisperFeatureExtractor,
 )
 
-from relax_hpc.models.tiny import ALPHABET, EOS_TOKEN, PAD_TOKEN
-from relax_hpc.models.tiny_multimodal import build_tokenizer, save_model, token_id
+from relax_hpc.models.tiny import EOS_TOKEN, PAD_TOKEN
+from relax_hpc.models.tiny_multimodal import build_tokenizer, char_tokenizer, save_model, token_id
 
 PIXELS = 64 * 64  # one 64 x 64 picture: 4 x 4 patches of 16, merged 2 x 2: 4 tokens
 
@@ -82,19 +81,7 @@ OMNI_CHAT = (
 
 
 def omni_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {t: i for i, t in enumerate(OMNI_SPECIALS)}
-    for ch in ALPHABET + "\n:.,":
-        vocab.setdefault(ch, len(vocab))
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD_TOKEN))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    core.decoder = decoders.Fuse()
-    core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in OMNI_SPECIALS])
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token=PAD_TOKEN, eos_token=EOS_TOKEN, clean_up_tokenization_spaces=False,
-        padding_side="left", extra_special_tokens=OMNI_NAMED,
-    )  # fmt: skip
-    tok.chat_template = OMNI_CHAT
-    return tok
+    return char_tokenizer(OMNI_SPECIALS, OMNI_NAMED, OMNI_CHAT)
 
 
 def build_qwen3_omni(out: Path) -> Path:
