@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from preemption import REPO  # puts the repository on sys.path too
+from preemption import REPO, slurm_cluster  # puts the repository on sys.path too
 
 from relax_hpc.metrics.jsonl import read_jsonl  # importable once preemption has set sys.path
 from relax_hpc.paths import RunPaths
@@ -116,27 +116,22 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=20)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-elastic-"))
-    cluster = None
-    if "SLURM_CONF" not in os.environ:
-        cluster = work / "cluster"
-        started = subprocess.run(["bash", str(REPO / "tools/slurm/cluster.sh"), "start", str(cluster)],
-                                 capture_output=True, text=True, check=True)  # fmt: skip
-        os.environ["SLURM_CONF"] = started.stdout.strip().splitlines()[-1].split("=", 1)[1]
     run_dir = work / "run"
-    try:
+    with slurm_cluster(work):
         out = submit(run_dir, "trainer.total_steps=100000", "ckpt.every_steps=1000", "launch.slurm.time_min=30",
                      f"launch.health.engine_timeout_s={ENGINE_TIMEOUT_S}")  # fmt: skip
         if out.returncode != 0:
             raise SystemExit(out.stdout + out.stderr)
-        wait_until(lambda: len(steps(run_dir)) >= 5, 300, "the first steps")
-        two = samples_per_s(run_dir, args.window)
-        joined = scale_out(run_dir)
-        four = samples_per_s(run_dir, args.window)
-        hung = hung_engine(run_dir)
-    finally:
-        subprocess.run(["scancel", "--user", os.environ.get("USER", "root")], check=False)
-        if cluster is not None:
-            subprocess.run(["bash", str(REPO / "tools/slurm/cluster.sh"), "stop", str(cluster)], check=False)
+        try:
+            wait_until(lambda: len(steps(run_dir)) >= 5, 300, "the first steps")
+            two = samples_per_s(run_dir, args.window)
+            joined = scale_out(run_dir)
+            four = samples_per_s(run_dir, args.window)
+            hung = hung_engine(run_dir)
+        finally:
+            # Only this run's jobs: $SLURM_CONF may name a cluster shared with other work.
+            elastic = [json.loads(p.read_text()).get("job_id") for p in (run_dir / "scale" / "ops").glob("*.json")]
+            subprocess.run(["scancel", job_id(run_dir), *filter(None, elastic)], check=False)
     print(
         json.dumps(
             {

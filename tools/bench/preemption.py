@@ -28,6 +28,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 
@@ -127,27 +129,31 @@ def baseline_cycles(work: Path, cycles: int) -> list[float]:
     return times
 
 
+@contextmanager
+def slurm_cluster(work: Path) -> Iterator[None]:
+    """The cluster $SLURM_CONF names, or the test cluster (tools/slurm/cluster.sh) started in
+    `work` for the duration."""
+    if "SLURM_CONF" in os.environ:
+        yield
+        return
+    cluster = work / "cluster"
+    started = subprocess.run(["bash", str(REPO / "tools/slurm/cluster.sh"), "start", str(cluster)],
+                             capture_output=True, text=True, check=True)  # fmt: skip
+    os.environ["SLURM_CONF"] = started.stdout.strip().splitlines()[-1].split("=", 1)[1]
+    try:
+        yield
+    finally:
+        subprocess.run(["bash", str(REPO / "tools/slurm/cluster.sh"), "stop", str(cluster)], check=False)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cycles", type=int, default=3)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-preempt-"))
-    cluster = None
-    if "SLURM_CONF" not in os.environ:
-        cluster = work / "cluster"
-        started = subprocess.run(
-            ["bash", str(REPO / "tools/slurm/cluster.sh"), "start", str(cluster)],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        os.environ["SLURM_CONF"] = started.stdout.strip().splitlines()[-1].split("=", 1)[1]
-    try:
+    with slurm_cluster(work):
         baseline = baseline_cycles(work, args.cycles)
         cycles = relax_cycles(work, args.cycles)
-    finally:
-        if cluster is not None:
-            subprocess.run(["bash", str(REPO / "tools/slurm/cluster.sh"), "stop", str(cluster)], check=False)
     keys = [k for k in cycles[0] if k.endswith("_s")]
     median = {k: round(statistics.median(c[k] for c in cycles), 2) for k in keys}
     print(
