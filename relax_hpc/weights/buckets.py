@@ -147,8 +147,8 @@ class BucketPacker:
     broadcast's Work) before which the buffer must not be packed again.
     """
 
-    def __init__(self, device: torch.device, capacity: int, count: int = 2) -> None:
-        self._ring = BufferRing(device, capacity, count)
+    def __init__(self, device: torch.device, capacity: int) -> None:
+        self._ring = BufferRing(device, capacity)
         self._stream = side_stream(device)
 
     def pack(self, tensors: list[torch.Tensor]) -> torch.Tensor:

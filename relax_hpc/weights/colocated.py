@@ -18,10 +18,10 @@ Every rank gathers the full parameters (FSDP's full_tensor, a collective), so ev
 serve its engines. A bucket's buffer stays alive until its engine has answered: the engine has
 copied the bytes by then. The version rides on the last bucket, as in the broadcast path.
 
-The bucket buffer is the same allocation on every push (one buffer of the largest bucket, kept
-by the sender for the whole run), so every push names the same handle and the engine, which
-keeps what it mapped (relax_hpc.weights.tensors.KeptMappings), opens it only once. The cost: the
-trainer holds that one buffer while it trains.
+The bucket buffers are the same allocations on every push (the sender's packer, two buffers of
+the largest bucket, kept for the whole run), so every push names the same handles and the
+engine, which keeps what it mapped (relax_hpc.weights.tensors.KeptMappings), opens each only
+once. The cost: the trainer holds those buffers while it trains.
 """
 
 from __future__ import annotations
@@ -143,9 +143,11 @@ class ColocatedSender:
                 self._packer.drain()
 
     def _packer_on(self, device: torch.device, capacity: int) -> BucketPacker:
-        """The run's one packer (one buffer: a push waits for each answer before the next bucket)."""
+        """The run's one packer. Two buffers although each bucket is answered before the next is
+        packed: an engine that answers before its copy has run (SGLang's load_weights queues the
+        copy; the torch engine waits for it) still reads a buffer no newer bucket overwrites."""
         if self._packer is None:
-            self._packer = BucketPacker(device, capacity, count=1)
+            self._packer = BucketPacker(device, capacity)
         return self._packer
 
 
