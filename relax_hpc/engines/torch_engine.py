@@ -43,7 +43,7 @@ from relax_hpc.protocol.registry import EngineRecord, remove_record, write_recor
 from relax_hpc.weights.buckets import BucketPlan
 from relax_hpc.weights.group import SideGroup
 from relax_hpc.weights.receiver import BucketReceiver
-from relax_hpc.weights.tensors import KeptMappings, PayloadError, deserialize
+from relax_hpc.weights.tensors import PayloadError, deserialize
 
 log = logging.getLogger("relax_hpc.engine")
 MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")  # SGLang's (srt/constants.py)
@@ -125,7 +125,6 @@ class TorchEngine:
         self.released: dict[str, tuple[torch.Size, torch.dtype]] = {}  # weights freed for the trainer
         self.groups: dict[str, SideGroup] = {}
         self.receiver = BucketReceiver(self.params, self.device)
-        self.mappings = KeptMappings()  # the trainer's buffers, mapped once for the whole run
         self._model_lock = threading.Lock()
         self._cv = threading.Condition()
         self._pending: list[_Job] = []
@@ -324,7 +323,6 @@ class TorchEngine:
         unknown = [name for name, _ in named if name not in self.params]
         if unknown:
             raise P.ProtocolError(f"unknown parameter names {unknown[:5]}")
-        self.mappings.keep(named)
         with self._model_lock, torch.no_grad():
             torch._foreach_copy_([self.params[n] for n, _ in named], [t.to(self.device) for _, t in named])
             if self.device.type == "cuda":  # the answer says the bytes are copied: the sender reuses the buffer
@@ -368,7 +366,6 @@ class TorchEngine:
     def end_update(self) -> None:
         with self._model_lock:
             self.receiver.settle(wait=False)
-            self.mappings.settle()
         self.updating = False
 
     def update_from_distributed(self, req: P.UpdateWeightsFromDistributedReqInput) -> bool:

@@ -17,11 +17,6 @@ another process can open (torch places it in shared memory).
 Every rank gathers the full parameters (FSDP's full_tensor, a collective), so every rank can
 serve its engines. A bucket's buffer stays alive until its engine has answered: the engine has
 copied the bytes by then. The version rides on the last bucket, as in the broadcast path.
-
-The bucket buffers are the same allocations on every push (the sender's packer, two buffers of
-the largest bucket, kept for the whole run), so every push names the same handles and the
-engine, which keeps what it mapped (relax_hpc.weights.tensors.KeptMappings), opens each only
-once. The cost: the trainer holds those buffers while it trains.
 """
 
 from __future__ import annotations
@@ -66,9 +61,8 @@ class ColocatedSender:
         self.registry, self.api_key, self.timeout_s = registry, api_key, timeout_s
         self.rank, self.world, self.tp_size, self.pack = rank, world, tp_size, pack
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="colocated")
-        self._packer: BucketPacker | None = None  # kept: its buffer's handle stays the same
         self.released = False
-        self.requests_s = 0.0  # of the last push: in the update requests (engine + HTTP)
+        self.requests_s = 0.0  # of the last push: inside the update requests (HTTP and the engine)
 
     def engines(self) -> list[EngineRecord]:
         mine = [r for r in read_records(self.registry) if served_by(r.engine_id, self.rank, self.world)]
@@ -99,56 +93,36 @@ class ColocatedSender:
         self._each(engines, "/resume_memory_occupation", P.ResumeMemoryOccupationReqInput())
         resumed = time.monotonic()
         self._each(engines, "/begin_weight_update", P.BeginWeightUpdateReqInput())
-        self._send(engines, buckets, params, version)
+        it = iter(params)
+        packer: BucketPacker | None = None
+        self.requests_s = 0.0
+        for i, plan in enumerate(buckets):
+            tensors = [_tensor(next(it)) for _ in plan.names]
+            device = tensors[0].device
+            if self.pack or device.type == "cpu":
+                packer = packer or BucketPacker(device, max(b.nbytes for b in buckets))
+                named = unpack(packer.pack(tensors), plan)
+            else:
+                named = [(name, t.contiguous()) for name, t in zip(plan.names, tensors, strict=True)]
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()  # the bytes are there before the engine maps them
+            last = i == len(buckets) - 1
+            request = P.UpdateWeightsFromTensorReqInput(
+                serialized_named_tensors=serialize(named, self.tp_size),
+                flush_cache=last,
+                weight_version=str(version) if last else None,
+            )
+            sent = time.monotonic()
+            self._each(engines, "/update_weights_from_tensor", request)
+            self.requests_s += time.monotonic() - sent
+            if packer is not None:
+                packer.consumed(None)  # answered: the engines have copied it
+        if packer is not None:
+            packer.drain()
         self._each(engines, "/end_weight_update", P.EndWeightUpdateReqInput())
         self._each(engines, "/continue_generation", P.ContinueGenerationReqInput())
         self.released = False
         return len(engines), resumed - started, time.monotonic() - resumed
-
-    def _send(
-        self,
-        engines: list[EngineRecord],
-        buckets: list[BucketPlan],
-        params: Iterable[tuple[str, torch.Tensor | None]],
-        version: int,
-    ) -> None:
-        """One /update_weights_from_tensor per bucket, each answered before the next is packed."""
-        it = iter(params)
-        self.requests_s = 0.0
-        try:
-            for i, plan in enumerate(buckets):
-                tensors = [_tensor(next(it)) for _ in plan.names]
-                device = tensors[0].device
-                shared = self.pack or device.type == "cpu"
-                packer = self._packer_on(device, max(b.nbytes for b in buckets)) if shared else None
-                if packer is not None:
-                    named = unpack(packer.pack(tensors), plan)
-                else:
-                    named = [(name, t.contiguous()) for name, t in zip(plan.names, tensors, strict=True)]
-                if device.type == "cuda":
-                    torch.cuda.current_stream(device).synchronize()  # the bytes are there before the engine maps them
-                last = i == len(buckets) - 1
-                request = P.UpdateWeightsFromTensorReqInput(
-                    serialized_named_tensors=serialize(named, self.tp_size),
-                    flush_cache=last,
-                    weight_version=str(version) if last else None,
-                )
-                sent = time.monotonic()
-                self._each(engines, "/update_weights_from_tensor", request)
-                self.requests_s += time.monotonic() - sent
-                if packer is not None:
-                    packer.consumed(None)  # answered: the engines have copied it
-        finally:  # a failed push leaves the buffer free for the next one
-            if self._packer is not None:
-                self._packer.drain()
-
-    def _packer_on(self, device: torch.device, capacity: int) -> BucketPacker:
-        """The run's one packer. Two buffers although each bucket is answered before the next is
-        packed: an engine that answers before its copy has run (SGLang's load_weights queues the
-        copy; the torch engine waits for it) still reads a buffer no newer bucket overwrites."""
-        if self._packer is None:
-            self._packer = BucketPacker(device, capacity)
-        return self._packer
 
 
 def _tensor(param: tuple[str, torch.Tensor | None]) -> torch.Tensor:

@@ -95,27 +95,3 @@ def deserialize(payload: str) -> list[tuple[str, torch.Tensor]]:
     ):
         raise PayloadError("a weight payload holds a list of (name, tensor) pairs")
     return named
-
-
-class KeptMappings:
-    """The trainer's shared storages an engine keeps mapped from one push to the next.
-
-    torch rebuilds a tensor from a handle it has mapped already by reusing that mapping (its
-    shared_cache, keyed by the handle), but holds it only weakly: without a strong reference the
-    mapping closes when the request ends and the next push opens the same handle again
-    (cudaIpcOpenMemHandle, or a shared-memory file). The sender reuses one bucket buffer, so each
-    push names the same handles. Kept: what the current and the previous push mapped; older ones
-    are let go, which closes handles no longer sent. A kept mapping also holds the trainer's
-    block out of reuse (torch's IPC reference count), so a cached handle always names the memory
-    it named when it was opened."""
-
-    def __init__(self) -> None:
-        self._previous: list[torch.Tensor] = []
-        self._current: list[torch.Tensor] = []
-
-    def keep(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        self._current.extend(t for _, t in named)
-
-    def settle(self) -> None:
-        """A push has ended: its mappings stay, the one before's go."""
-        self._previous, self._current = self._current, []

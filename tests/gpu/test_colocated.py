@@ -1,8 +1,7 @@
 """Colocated weight updates on one GPU: a torch engine on the trainer's device takes the weights
-by CUDA IPC, and after every push holds exactly the trainer's. The engine keeps the trainer's
-bucket buffer mapped from one push to the next (relax_hpc.weights.tensors.KeptMappings), so the
-later pushes read new bytes through a mapping opened by an earlier one.
-Run on the GPU machine: `python -m pytest tests/gpu -m gpu`."""
+by CUDA IPC, packed into bucket buffers or shared where they lie, and after every push holds
+exactly the trainer's (the parameters change in place between pushes: the same allocations,
+new bytes). Run on the GPU machine: `python -m pytest tests/gpu -m gpu`."""
 
 import subprocess
 import sys

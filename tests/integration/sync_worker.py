@@ -37,7 +37,7 @@ def main() -> None:
     refused = None
     if path == "colocated":
         colocated = ColocatedSender(paths.engines, paths.read_token(), 30.0, rank, dist.get_world_size())
-        # Two pushes of different weights: the second reuses the buffer the engine kept mapped.
+        # Two pushes of different weights: the engine holds the second exactly.
         for pushed in (version - 1, version):
             if pushed == version:
                 perturb(backend.model)
