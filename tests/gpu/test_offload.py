@@ -14,15 +14,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture
-def world(one_gpu_world):
-    from megatron.core import parallel_state
-
-    yield  # the megatron backend initialises megatron's parallel state from the job's config
-    parallel_state.destroy_model_parallel()
-
-
-def test_optimizer_state_round_trip_is_exact_and_frees_the_device(world, tmp_path):
+def test_optimizer_state_round_trip_is_exact_and_frees_the_device(megatron_world, tmp_path):
     from relax_hpc.config.load import load_config
     from relax_hpc.trainer.build import build_backend
     from relax_hpc.trainer.offload import OptimizerOffload

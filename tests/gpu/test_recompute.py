@@ -14,16 +14,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture
-def world(one_gpu_world):
-    from megatron.core import parallel_state
-
-    yield
-    parallel_state.destroy_model_parallel()
-
-
 @pytest.mark.parametrize("option", ["trainer.megatron.recompute", "trainer.gradient_checkpointing"])
-def test_recomputed_step_equals_the_plain_one(world, tmp_path, option):
+def test_recomputed_step_equals_the_plain_one(megatron_world, tmp_path, option):
     from relax_hpc.config.load import load_config
     from relax_hpc.trainer.build import build_backend
 
