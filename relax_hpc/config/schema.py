@@ -434,6 +434,10 @@ class TrainerConfig(Section):
     """AdamW betas."""
     max_grad_norm: float = Field(default=1.0, gt=0)
     """Gradient clipping by global norm."""
+    gradient_checkpointing: bool = False
+    """torch backend: recompute each decoder layer's activations in the backward pass (HF gradient
+    checkpointing, non-reentrant): less memory, one more forward pass of every layer. The megatron
+    backend's is trainer.megatron.recompute."""
     freeze_encoder: bool = Field(default=False)
     """Multimodal models: keep the vision and audio encoders as loaded (not trained, not sent to
     the engines at weight sync); the language model (and Qwen2-Audio's projector) train."""
@@ -609,6 +613,11 @@ class LaunchConfig(Section):
     occupation) and take the new weights by reference (CUDA IPC; shared memory on the CPU) instead
     of a broadcast. Synchronous by construction: needs rollout.max_staleness 0, since an engine
     cannot generate while its memory is the trainer's."""
+    colocate_offload: Literal["none", "optimizer"] = "none"
+    """With launch.colocate and the megatron backend: `optimizer` parks the optimizer state (Adam's
+    moments) in pinned host memory while the engines generate, after the weight push, and brings
+    it back before the next step trains: that much more device memory for the engines (8 bytes a
+    trained parameter), for two host-device copies a step. `none`: the state stays."""
     threads_per_process: int = Field(default=1, ge=1)
     """torch threads of each role process. On a small machine, more threads than free cores make
     these tiny models slower, not faster."""
@@ -681,7 +690,15 @@ class JobConfig(Section):
     @model_validator(mode="after")
     def _colocated(self) -> JobConfig:
         if not self.launch.colocate:
+            if self.launch.colocate_offload != "none":
+                raise ValueError(
+                    "launch.colocate_offload frees the trainer's memory for engines on its devices: "
+                    "it needs launch.colocate=true"
+                )
             return self
+        if self.launch.colocate_offload != "none" and self.trainer.backend != "megatron":
+            # The torch backend's FSDP2 state (DTensor shards) has not passed the round trip on a GPU yet.
+            raise ValueError("launch.colocate_offload needs trainer.backend=megatron")
         if self.rollout.max_staleness != 0 or self.rollout.partial:
             raise ValueError(
                 "launch.colocate: engines and trainer take turns on the same devices, so rollout cannot run "

@@ -325,10 +325,10 @@ class TorchEngine:
             raise P.ProtocolError(f"unknown parameter names {unknown[:5]}")
         with self._model_lock, torch.no_grad():
             torch._foreach_copy_([self.params[n] for n, _ in named], [t.to(self.device) for _, t in named])
+            if self.device.type == "cuda":  # the answer says the bytes are copied: the sender reuses the buffer
+                torch.cuda.current_stream(self.device).synchronize()
             if req.weight_version is None:
                 return False
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()
             self.weight_version = req.weight_version
             return True
 

@@ -87,6 +87,10 @@ class Backend(Protocol):
         rank's share of a rollout batch."""
         ...
 
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The torch optimizers whose state this rank holds (launch.colocate_offload parks it)."""
+        ...
+
     def parameter_specs(self) -> list[tuple[str, torch.Size, torch.dtype]]:
         """(HF name, shape, dtype) of every parameter the engines hold, in full_parameters' order."""
         ...

@@ -38,6 +38,7 @@ from relax_hpc.protocol.registry import read_records
 from relax_hpc.trainer.batching import share_of
 from relax_hpc.trainer.build import build_backend
 from relax_hpc.trainer.claims import claim_next, read_claimed
+from relax_hpc.trainer.offload import OptimizerOffload
 from relax_hpc.weights.buckets import plan_buckets
 from relax_hpc.weights.colocated import ColocatedSender
 from relax_hpc.weights.layout import EngineLayout
@@ -147,6 +148,10 @@ class Trainer:
             ColocatedSender(paths.engines, paths.read_token(), cfg.weights.timeout_s, self.rank, self.world)
             if cfg.launch.colocate
             else None
+        )
+        # launch.colocate_offload: the optimizer state waits in host memory while the engines generate.
+        self.offload = (
+            OptimizerOffload(self.backend.optimizers(), device) if cfg.launch.colocate_offload == "optimizer" else None
         )
         self.engines_served = 0  # by the last push (rank 0: over all ranks)
         self.resume_s = self.update_s = 0.0  # the last colocated push's parts
@@ -269,6 +274,9 @@ class Trainer:
         if self.colocated is not None:
             with self.timer.phase("release"):  # the engines free the device for the step
                 self.colocated.release()
+        if self.offload is not None:
+            with self.timer.phase("restore"):
+                self.offload.restore()
         peak = PeakMemory(self.device)
         with self.timer.phase("train"):
             result = self.backend.train_step(share, self.state.step)
@@ -332,6 +340,11 @@ class Trainer:
                 "time_push": phases.get("push", 0.0),
                 "time_checkpoint": phases.get("checkpoint", 0.0),
                 **({"time_release": phases.get("release", 0.0)} if self.colocated is not None else {}),
+                **(
+                    {"time_offload": phases.get("offload", 0.0), "time_restore": phases.get("restore", 0.0)}
+                    if self.offload is not None
+                    else {}
+                ),
                 "time_generate": generate,
                 "overlap_bound": (generate + busy) / max(generate, busy, 1e-9),
                 "overlap_gain": (generate + busy) / max(step_s, 1e-9),
@@ -343,8 +356,23 @@ class Trainer:
             self.last_log_line = now
             log.info(step_line(record, self.total))
 
+    def park(self, record: dict[str, Any]) -> None:
+        """Colocated, after the push and any checkpoint: with launch.colocate_offload the optimizer
+        state goes to host memory until the next step; the record gets what the trainer still
+        holds on the device while the engines generate (mem_held_gb) and what moved."""
+        moved = 0
+        if self.offload is not None:
+            with self.timer.phase("offload"):
+                moved = self.offload.offload()
+        if self.colocated is not None and self.device.type == "cuda":
+            record["mem_held_gb"] = round(torch.cuda.memory_allocated(self.device) / 2**30, 3)
+            if self.offload is not None:
+                record["mem_offloaded_gb"] = round(moved / 2**30, 3)
+
     def save_and_prune(self) -> bool:
         """Checkpoint; once it is complete, delete the trained batches it covers (ckpt.keep_trained_batches)."""
+        if self.offload is not None:  # the checkpoint holds the state where the backend keeps it
+            self.offload.restore()
         with self.timer.phase("checkpoint"):
             ok = self.save()
             if ok and self.rank == 0 and not self.cfg.ckpt.keep_trained_batches:
@@ -386,6 +414,7 @@ class Trainer:
                     continue
                 if self.state.step % self.cfg.ckpt.every_steps == 0 and self.state.step < total:
                     self.save_and_prune()
+                self.park(record)
                 if self.rank == 0:
                     self.finish_step(record, step_started)
                 step_started, wait_s = time.monotonic(), 0.05

@@ -200,6 +200,9 @@ class MegatronBackend:
         kl = self.algo.kl
         return self.objective.needs_teacher or (self.objective.needs_reference and kl.placement == "reward")
 
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return megatron_state.torch_optimizers(self.optimizer)
+
     def train_step(self, batch: TrainBatch, step: int) -> StepResult:
         """Advantages, then algo.epochs x algo.minibatches optimizer steps on this rank's share."""
         self.model.train()

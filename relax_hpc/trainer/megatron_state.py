@@ -66,6 +66,11 @@ def _inner(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
     return getattr(optimizer, "chained_optimizers", [optimizer])
 
 
+def torch_optimizers(optimizer: MegatronOptimizer) -> list[torch.optim.Optimizer]:
+    """The torch optimizers megatron's (possibly chained) optimizer steps."""
+    return [inner.optimizer for inner in _inner(optimizer)]
+
+
 def _sharded_state(model: DistributedDataParallel, optimizer: MegatronOptimizer, loading: bool) -> dict[str, Any]:
     model_sd = model.module.sharded_state_dict()
     return {

@@ -72,6 +72,8 @@ class TorchBackend:
         self.objective = Objective(algo, DistComm())
         torch_dtype = getattr(torch, job.model.dtype)
         hf_model = load_policy(model_path, torch_dtype)
+        if cfg.gradient_checkpointing:
+            hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.synced = [
             n for n, _ in hf_model.named_parameters() if not (cfg.freeze_encoder and is_encoder_parameter(n))
         ]
@@ -144,6 +146,9 @@ class TorchBackend:
             rows.append(r if len(r) else torch.zeros(1, dtype=torch.long))
             parts.append(batch.select(rows[-1]) if len(r) else batch.select(rows[-1]).without_loss())
         return rows, parts
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [self.optimizer] + ([self.critic_optimizer] if self.critic_optimizer is not None else [])
 
     def train_step(self, batch: TrainBatch, step: int) -> StepResult:
         """Advantages, then algo.epochs x algo.minibatches optimizer steps on this rank's share of

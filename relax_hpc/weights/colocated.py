@@ -62,6 +62,7 @@ class ColocatedSender:
         self.rank, self.world, self.tp_size, self.pack = rank, world, tp_size, pack
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="colocated")
         self.released = False
+        self.requests_s = 0.0  # of the last push: inside the update requests (HTTP and the engine)
 
     def engines(self) -> list[EngineRecord]:
         mine = [r for r in read_records(self.registry) if served_by(r.engine_id, self.rank, self.world)]
@@ -94,6 +95,7 @@ class ColocatedSender:
         self._each(engines, "/begin_weight_update", P.BeginWeightUpdateReqInput())
         it = iter(params)
         packer: BucketPacker | None = None
+        self.requests_s = 0.0
         for i, plan in enumerate(buckets):
             tensors = [_tensor(next(it)) for _ in plan.names]
             device = tensors[0].device
@@ -110,7 +112,9 @@ class ColocatedSender:
                 flush_cache=last,
                 weight_version=str(version) if last else None,
             )
+            sent = time.monotonic()
             self._each(engines, "/update_weights_from_tensor", request)
+            self.requests_s += time.monotonic() - sent
             if packer is not None:
                 packer.consumed(None)  # answered: the engines have copied it
         if packer is not None:

@@ -31,3 +31,11 @@ def mp(one_gpu_world):
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     yield
     parallel_state.destroy_model_parallel()
+
+
+@pytest.fixture
+def megatron_world(one_gpu_world):
+    from megatron.core import parallel_state
+
+    yield  # the megatron backend initialises megatron's parallel state from the job's config
+    parallel_state.destroy_model_parallel()

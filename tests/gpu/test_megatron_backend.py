@@ -28,14 +28,6 @@ def _weights(backend) -> dict[str, torch.Tensor]:
     return {name: t.detach().clone() for name, t in backend.full_parameters()}
 
 
-@pytest.fixture
-def megatron_world(one_gpu_world):
-    from megatron.core import parallel_state
-
-    yield  # the backend initialises megatron's parallel state from the job's config
-    parallel_state.destroy_model_parallel()
-
-
 def test_checkpoint_resumes_exactly_and_converts_to_hf(megatron_world, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -32,17 +32,19 @@ def main() -> None:
     rank = dist.get_rank()
     torch.manual_seed(100 + rank)
     backend = TorchBackend(cfg, torch.device("cpu"))
-    with torch.no_grad():
-        for p in backend.model.parameters():
-            p.add_(0.3 * torch.randn_like(p))
+    perturb(backend.model)
     buckets = plan_buckets(backend.parameter_specs(), int(cfg.weights.bucket_mb * 2**20))
     refused = None
     if path == "colocated":
         colocated = ColocatedSender(paths.engines, paths.read_token(), 30.0, rank, dist.get_world_size())
-        colocated.release()
-        refused = all(refuses_generation(r.url, paths.read_token()) for r in colocated.engines())
-        counts = [0] * dist.get_world_size()
-        dist.all_gather_object(counts, colocated.push(buckets, backend.full_parameters(), version)[0])
+        # Two pushes of different weights: the engine holds the second exactly.
+        for pushed in (version - 1, version):
+            if pushed == version:
+                perturb(backend.model)
+            colocated.release()
+            refused = all(refuses_generation(r.url, paths.read_token()) for r in colocated.engines())
+            counts = [0] * dist.get_world_size()
+            dist.all_gather_object(counts, colocated.push(buckets, backend.full_parameters(), pushed)[0])
         engines = sum(counts)
     else:
         sender = WeightSender(paths.engines, paths.read_token(), "gloo", 30.0) if rank == 0 else None
@@ -75,6 +77,12 @@ def main() -> None:
         )
     dist.barrier()
     dist.destroy_process_group()
+
+
+def perturb(model: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
 
 
 def refuses_generation(url: str, token: str) -> bool:

@@ -56,6 +56,10 @@ def test_colocated_engines_sit_on_their_ranks_node_and_gpu(engine, tmp_path):
         cfg_with("launch.colocate=true", "rollout.max_staleness=0", "launch.slurm.rollout.nodes=1")
     with pytest.raises(ValueError, match=r"rollout\.max_staleness=0"):
         cfg_with("launch.colocate=true", "launch.slurm.rollout.nodes=0")
+    with pytest.raises(ValueError, match=r"needs launch\.colocate=true"):
+        cfg_with("launch.colocate_offload=optimizer")
+    with pytest.raises(ValueError, match=r"needs trainer\.backend=megatron"):
+        cfg_with("launch.colocate=true", "rollout.max_staleness=0", "launch.colocate_offload=optimizer")
 
 
 def test_rollout_nodes_of_their_own_and_round_robin_engines():

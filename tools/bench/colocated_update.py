@@ -12,6 +12,9 @@ would. Each repetition is what a colocated step does around training: release th
 memory, then resume it and update its weights (ColocatedSender), the buckets sent where they are
 ("in place", the default on a GPU) and, for comparison, packed into one flat tensor first.
 `ratio` = the copy's time / the update's time (the update's bandwidth over the copy's).
+`requests_s`: of the update, the time inside the /update_weights_from_tensor requests (the
+engine's side: HTTP, unpickling, mapping the handle, the copy); the rest is packing and the fixed
+begin/end/continue requests.
 """
 
 from __future__ import annotations
@@ -84,16 +87,18 @@ def measure(size: str, models: Path, bucket_mb: float, repeat: int) -> dict:
             out: dict = {}
             for label, pack in (("in_place", False), ("packed", True)):
                 sender = ColocatedSender(paths.engines, paths.read_token(), 300, 0, 1, pack=pack)
-                release, resume, update = [], [], []
+                release, resume, update, requests = [], [], [], []
                 for version in range(repeat + 1):
                     release.append(sender.release())
                     served, resume_s, update_s = sender.push(buckets, iter(named), version + 1)
                     assert served == 1
                     resume.append(resume_s)
                     update.append(update_s)
+                    requests.append(sender.requests_s)
                 out[label] = {
                     "update_s": statistics.median(update[1:]),  # the first maps the handles
                     "first_update_s": update[0],
+                    "requests_s": statistics.median(requests[1:]),
                     "release_s": statistics.median(release[1:]),
                     "resume_s": statistics.median(resume[1:]),
                 }

@@ -1,8 +1,8 @@
 """Training throughput on one GPU: tokens/s and MFU of the megatron backend against the torch
 backend, on the same random Qwen3-shaped model and the same batch, measured in the same run.
 
-    python tools/bench/train_throughput.py [--sizes 0.6b,1.7b] [--seq 4096] [--batch 4] [--steps 5]
-                                           [--microbatch-tokens 16384]
+    python tools/bench/train_throughput.py [--sizes 0.6b,1.7b,4b] [--seq 4096] [--batch 4] [--steps 5]
+                                           [--microbatch-tokens 16384] [--recompute]
                                            [--profile-dir DIR]
 
 Each (size, backend) runs in its own process (one trainer rank under torchrun), on a batch of
@@ -13,6 +13,11 @@ plus attention in full (12 x layers x seq x heads x head_dim, not halved for cau
 against the H200's dense bf16 peak, 989 TFLOP/s. Prints one JSON object per size. With
 --profile-dir, one more step runs under torch.profiler: its GPU time by kind of kernel goes into
 the JSON (`gpu_ms`) and the top kernels into DIR/SIZE-BACKEND.txt.
+
+Memory options: --recompute recomputes each layer's activations in the backward pass (megatron:
+trainer.megatron.recompute; torch: trainer.gradient_checkpointing); --microbatch-tokens bounds the
+megatron backend's packed micro-batches (the torch backend runs the batch at once). A backend that
+runs out of memory reports `error`; `max_memory_gib` is the peak allocated by torch.
 """
 
 from __future__ import annotations
@@ -27,9 +32,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-SHAPES: dict[str, dict[str, Any]] = {  # Qwen3-0.6B and Qwen3-1.7B (tied embeddings)
+SHAPES: dict[str, dict[str, Any]] = {  # Qwen3-0.6B, 1.7B and 4B (tied embeddings)
     "0.6b": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16},
     "1.7b": {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28, "num_attention_heads": 16},
+    "4b": {"hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36, "num_attention_heads": 32},
 }
 COMMON: dict[str, Any] = {
     "num_key_value_heads": 8,
@@ -81,7 +87,8 @@ def worker(args: argparse.Namespace) -> None:
                 "backend": args.backend,
                 "num_ranks": 1,
                 "lr": 1e-6,
-                "megatron": {"max_tokens_per_microbatch": args.microbatch_tokens},
+                "megatron": {"max_tokens_per_microbatch": args.microbatch_tokens, "recompute": args.recompute},
+                "gradient_checkpointing": args.recompute,
             },
         }
     )
@@ -166,6 +173,8 @@ def run(size: str, backend: str, model: Path, args: argparse.Namespace) -> dict:
             "--microbatch-tokens", str(args.microbatch_tokens)]  # fmt: skip
     if args.profile_dir:
         argv += ["--profile-dir", args.profile_dir]
+    if args.recompute:
+        argv.append("--recompute")
     out = subprocess.run(
         argv, check=False, capture_output=True, text=True, timeout=1200, env={**os.environ, "PYTHONUNBUFFERED": "1"}
     )
@@ -183,6 +192,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--microbatch-tokens", type=int, default=16384)
     parser.add_argument("--backends", default="megatron,torch")
+    parser.add_argument("--recompute", action="store_true", help="recompute each layer's activations in backward")
     parser.add_argument("--profile-dir", help="profile one more step; write each kernel table here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--size", help=argparse.SUPPRESS)
@@ -205,6 +215,7 @@ def main() -> None:
                     "seq": args.seq,
                     "batch": args.batch,
                     "microbatch_tokens": args.microbatch_tokens,
+                    "recompute": args.recompute,
                     "flops_per_token": flops_per_token(SHAPES[size], args.seq),
                     "gpu": torch.cuda.get_device_name(0),
                     "torch": torch.__version__,
