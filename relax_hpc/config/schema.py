@@ -309,8 +309,8 @@ class OffPolicyConfig(Section):
     routing_replay: bool = False
     """MoE models: the engines return the experts their routers chose for every token (SGLang:
     start it with --enable-return-routed-experts), the spool keeps them, and the trainer's forward
-    uses exactly those experts (torch backend), so that the ratio measures the policy, not a
-    routing flip between two kernels."""
+    uses exactly those experts (torch and megatron backends), so that the ratio measures the
+    policy, not a routing flip between two kernels."""
 
 
 class CriticConfig(Section):
@@ -720,6 +720,8 @@ class JobConfig(Section):
                 "use trainer.backend=torch, or an estimator without a critic (grpo, rloo, reinforce_pp)"
             )
         par = self.trainer.megatron
+        if self.algo.off_policy.routing_replay:
+            self._megatron_routing_replay(par)
         model_parallel = par.tensor_parallel * par.pipeline_parallel * par.context_parallel
         if self.trainer.num_ranks % model_parallel:
             raise ValueError(
@@ -729,6 +731,21 @@ class JobConfig(Section):
         if (self.trainer.num_ranks // model_parallel * par.context_parallel) % par.expert_parallel:
             raise ValueError("trainer.megatron.expert_parallel must divide data_parallel x context_parallel")
         return self
+
+    @staticmethod
+    def _megatron_routing_replay(par: MegatronConfig) -> None:
+        """The replayed experts are given per token of the whole packed row, once per forward."""
+        if par.context_parallel > 1 or (par.sequence_parallel and par.tensor_parallel > 1):
+            raise ValueError(
+                "algo.off_policy.routing_replay with trainer.backend=megatron: the routers would see a share "
+                "of the tokens (context or sequence parallelism); set trainer.megatron.context_parallel=1 "
+                "and trainer.megatron.sequence_parallel=false"
+            )
+        if par.recompute:
+            raise ValueError(
+                "algo.off_policy.routing_replay with trainer.backend=megatron: the recomputed forward of "
+                "the backward pass would route anew; set trainer.megatron.recompute=false"
+            )
 
     @model_validator(mode="after")
     def _slurm_layout(self) -> JobConfig:

@@ -29,8 +29,11 @@ from relax_hpc.models.arch import Arch, arch_of, megatron_problems, padded_vocab
 from relax_hpc.models.megatron_layers import RMSNorm, SDPAttention
 
 
-def transformer_config(hf_config: Any, par: MegatronConfig, params_dtype: torch.dtype) -> TransformerConfig:
-    """megatron TransformerConfig of an HF Qwen2/Qwen3/Qwen3-MoE config under the job's parallelism."""
+def transformer_config(
+    hf_config: Any, par: MegatronConfig, params_dtype: torch.dtype, routing_replay: bool = False
+) -> TransformerConfig:
+    """megatron TransformerConfig of an HF Qwen2/Qwen3/Qwen3-MoE config under the job's parallelism;
+    `routing_replay`: the MoE routers can take given experts (relax_hpc/models/megatron_routing.py)."""
     arch = arch_of(hf_config)
     te = use_transformer_engine(par.attention)
     problems = megatron_problems(arch, par, te)
@@ -67,7 +70,7 @@ def transformer_config(hf_config: Any, par: MegatronConfig, params_dtype: torch.
         # GPUs; the CPU, which builds models only to test the mapping, runs the plain form).
         bias_activation_fusion=torch.cuda.is_available(),
         **_recompute(par),
-        **_moe(arch, par, te),
+        **_moe(arch, par, te, routing_replay),
     )
 
 
@@ -77,7 +80,7 @@ def _recompute(par: MegatronConfig) -> dict:
     return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
 
-def _moe(arch: Arch, par: MegatronConfig, te: bool) -> dict:
+def _moe(arch: Arch, par: MegatronConfig, te: bool, routing_replay: bool) -> dict:
     if not arch.moe:
         return {}
     return {
@@ -96,6 +99,7 @@ def _moe(arch: Arch, par: MegatronConfig, te: bool) -> dict:
         # cannot take that, alltoall can. alltoall creates CUDA streams when built, so on a CPU
         # (where models are built only to test the weight mapping) allgather.
         "moe_token_dispatcher_type": "alltoall" if torch.cuda.is_available() else "allgather",
+        "moe_enable_routing_replay": routing_replay,
     }
 
 
@@ -124,13 +128,18 @@ def layer_spec(hf_config: Any, par: MegatronConfig) -> ModuleSpec:
 
 
 def build_model(
-    hf_config: Any, par: MegatronConfig, params_dtype: torch.dtype, pre_process: bool, post_process: bool
+    hf_config: Any,
+    par: MegatronConfig,
+    params_dtype: torch.dtype,
+    pre_process: bool,
+    post_process: bool,
+    routing_replay: bool = False,
 ) -> GPTModel:
     """This rank's GPTModel (needs megatron's parallel_state initialised with par's sizes, and on
     GPUs its CUDA RNG tracker: model_parallel_cuda_manual_seed). Every parameter is params_dtype
     (megatron creates its torch norms in fp32) and on the current GPU (else the CPU)."""
     arch = arch_of(hf_config)
-    config = transformer_config(hf_config, par, params_dtype)
+    config = transformer_config(hf_config, par, params_dtype, routing_replay)
     te = use_transformer_engine(par.attention)
     if arch.moe:
         _define_router_gemm_fallback()

@@ -12,6 +12,8 @@ with the torch backend. What differs is how a rank's share of the batch is compu
   (calculate_per_token_loss: megatron sums instead of averaging) are the configured aggregation
   over the mini-batch, however sharded;
 - log-probabilities come from vocabulary-parallel logits (relax_hpc/trainer/vocab_parallel.py);
+- with algo.off_policy.routing_replay, every forward of an MoE model routes each token through the
+  experts the engine chose for it (relax_hpc/models/megatron_routing.py);
 - checkpoints are megatron's distributed checkpoints in the torch_dist format (PyTorch DCP files),
   which reshard on load, so a run may resume with other parallel sizes (megatron_state.py).
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +42,7 @@ from relax_hpc.config.schema import JobConfig
 from relax_hpc.metrics.timing import PhaseTimer
 from relax_hpc.models.hf_mapping import export_hf, hf_specs, load_hf_weights
 from relax_hpc.models.megatron import build_model
+from relax_hpc.models.megatron_routing import replaying
 from relax_hpc.trainer import megatron_state, packing
 from relax_hpc.trainer.backend import DistComm, NonFiniteLossError, StepResult
 from relax_hpc.trainer.batching import TrainBatch
@@ -65,6 +69,7 @@ def _build(job: JobConfig, hf_config: PretrainedConfig, path: str, trainable: bo
         getattr(torch, job.model.dtype),
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
+        routing_replay=job.algo.off_policy.routing_replay,
     ).cuda()
     load_hf_weights(model, path)
     model.config.variable_seq_lengths = True  # packed micro-batches differ in length
@@ -132,11 +137,14 @@ class MegatronBackend:
         return [packing.pack(batch, rows, self.pad_token_id, multiple) for rows in bins]
 
     def _forward(self, model: torch.nn.Module, mb: packing.Microbatch) -> torch.Tensor:
+        """The model's output on a packed micro-batch; through the engine's experts where the
+        batch carries them (routing replay)."""
         cu = mb.cu_seqlens
         params = PackedSeqParams(
             qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen
         )
-        return model(mb.input_ids, mb.position_ids, None, packed_seq_params=params)
+        with nullcontext() if mb.routed is None else replaying(model, mb.routed):
+            return model(mb.input_ids, mb.position_ids, None, packed_seq_params=params)
 
     def _token_logprobs(
         self, logits: torch.Tensor, mb: packing.Microbatch, entropy_grad: bool
