@@ -32,6 +32,29 @@ def routers(model: nn.Module) -> list[TopKRouter]:
 
 
 @contextmanager
+def recording(model: nn.Module) -> Iterator[list[torch.Tensor]]:
+    """The experts this rank's routers dispatched each token to, one entry per forward: long
+    [tokens, layers * top_k] in the spool's layout, each layer's k ascending."""
+    calls: list[torch.Tensor] = []
+    layers: list[torch.Tensor] = []
+    found = routers(model)
+
+    def record(router: TopKRouter, _: object, out: tuple[torch.Tensor, torch.Tensor]) -> None:
+        routing_map = out[1]  # bool [tokens, experts]
+        layers.append(routing_map.nonzero()[:, 1].reshape(routing_map.shape[0], -1))
+        if router is found[-1]:
+            calls.append(torch.cat(layers, dim=1))
+            layers.clear()
+
+    hooks = [r.register_forward_hook(record) for r in found]
+    try:
+        yield calls
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+@contextmanager
 def replaying(model: nn.Module, chosen: torch.Tensor) -> Iterator[None]:
     """The forward inside routes token t of the (packed) input through the experts chosen[t] holds
     for each MoE layer: long [tokens, layers * top_k] in the spool's layout, -1 where nothing was

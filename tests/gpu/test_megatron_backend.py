@@ -74,3 +74,54 @@ def test_checkpoint_resumes_exactly_and_converts_to_hf(megatron_world, tmp_path)
     converted = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
     for name, param in converted.named_parameters():
         assert torch.equal(param, saved[name].cpu()), name
+
+
+def test_routing_replay_takes_the_engines_experts(megatron_world, tmp_path):
+    """A tiny Qwen3-MoE samples in bfloat16 in the torch engine; its experts travel through a spool
+    file; the float32 megatron backend's forward routes every recorded token through exactly them,
+    and its log-probabilities then match the engine's more closely than when its routers decide."""
+    import base64
+    from dataclasses import replace
+
+    import numpy as np
+
+    from relax_hpc.config.load import load_config
+    from relax_hpc.engines.torch_engine import TorchEngine
+    from relax_hpc.models.megatron_routing import recording
+    from relax_hpc.trainer.batching import share_of
+    from relax_hpc.trainer.megatron_backend import MegatronBackend
+    from tests.models.qwen3_family import build_qwen3_moe
+    from tests.unit.test_routing import LAYERS, TOP_K, answers, batch_of
+
+    folder = build_qwen3_moe(tmp_path / "moe")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 30, (8,), generator=g).tolist() for _ in range(64)]
+    out = answers(TorchEngine(str(folder), "bfloat16", "cuda"), prompts)
+    routed = [
+        np.frombuffer(base64.b64decode(o["meta_info"]["routed_experts"]), dtype=np.int32).reshape(-1, LAYERS * TOP_K)
+        for o in out
+    ]
+    batch, _ = share_of(batch_of(out, prompts, routed, tmp_path), list(range(len(prompts))), 0, 1, 0)
+    cfg = load_config(REPO / "configs/gpu-tiny-megatron.yaml", [f"run.dir={tmp_path / 'run'}", f"model.path={folder}",
+                      "algo.off_policy.routing_replay=true"])  # fmt: skip
+    backend = MegatronBackend(cfg, torch.device("cuda", 0))
+    batch = batch.to(torch.device("cuda", 0))
+
+    with recording(backend.model) as replayed_calls:
+        replayed = backend._frozen_logprobs(backend.model, batch)
+    with recording(backend.model) as free_calls:
+        free = backend._frozen_logprobs(backend.model, replace(batch, routed=None))
+    assert replayed is not None and free is not None
+    packed = [mb.routed for mb in backend._microbatches(batch) if mb.routed is not None]
+    given = torch.cat(packed).reshape(-1, LAYERS, TOP_K).sort(-1).values
+    recorded = (given >= 0).all(-1)  # [tokens, layers]
+    taken = torch.cat(replayed_calls).reshape(-1, LAYERS, TOP_K)
+    assert torch.equal(taken[recorded], given[recorded])
+    own = torch.cat(free_calls).reshape(-1, LAYERS, TOP_K)
+    flips = (own != given).any(-1)[recorded].float().mean()
+    assert flips > 0  # bfloat16 and float32 routers disagree somewhere: what replay is for
+
+    mask = batch.loss_mask.bool()
+    with_replay = (replayed[mask] - batch.rollout_logprobs[mask]).abs()
+    without = (free[mask] - batch.rollout_logprobs[mask]).abs()
+    assert with_replay.mean() < without.mean() and with_replay.max() < without.max()

@@ -15,7 +15,7 @@ from megatron.core import parallel_state
 from relax_hpc.config import ConfigError, load_config
 from relax_hpc.config.schema import MegatronConfig
 from relax_hpc.models.megatron import build_model
-from relax_hpc.models.megatron_routing import replaying, routers
+from relax_hpc.models.megatron_routing import recording, replaying
 from relax_hpc.trainer import packing
 from relax_hpc.trainer.batching import pad_samples
 from tests.unit.test_hf_mapping import one_rank, tiny_configs  # noqa: F401  # one_rank: a fixture
@@ -37,20 +37,15 @@ def moe(one_rank, monkeypatch) -> Iterator[torch.nn.Module]:  # noqa: F811
 
 def run(model: torch.nn.Module, ids: torch.Tensor, chosen: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits [T, vocab], each token's experts [T, layers * top_k] as the routers dispatched them)."""
-    maps: list[torch.Tensor] = []
-    hooks = [r.register_forward_hook(lambda _m, _i, out: maps.append(out[1])) for r in routers(model)]
     positions = torch.arange(ids.shape[1])[None]
-    with torch.no_grad():
+    with torch.no_grad(), recording(model) as calls:
         if chosen is None:
             logits = model(ids, positions, None)
         else:
             with replaying(model, chosen):
                 logits = model(ids, positions, None)
-    for hook in hooks:
-        hook.remove()
-    # routing_map [T, experts] -> the k chosen, ascending
-    experts = torch.cat([m.nonzero()[:, 1].reshape(m.shape[0], -1) for m in maps], dim=1)
-    return logits[0], experts
+    assert len(calls) == 1
+    return logits[0], calls[0]
 
 
 def test_the_routers_take_the_given_experts(moe):
