@@ -316,7 +316,7 @@ class OffPolicyConfig(Section):
 class CriticConfig(Section):
     lr: float = Field(default=1e-3, gt=0)
     """AdamW learning rate of the critic (gae only). The critic is model.path's transformer with a
-    new scalar head, trained and checkpointed with the policy."""
+    new scalar head (zero at the start), trained and checkpointed with the policy (both backends)."""
     value_clip: float = Field(default=0.5, gt=0)
     """A batch moves a value by at most this much (PPO's clipped value loss)."""
     warmup_steps: int = Field(default=0, ge=0)
@@ -714,12 +714,14 @@ class JobConfig(Section):
     def _megatron(self) -> JobConfig:
         if self.trainer.backend != "megatron":
             return self
-        if self.algo.advantage.estimator == "gae":
-            raise ValueError(
-                "algo.advantage.estimator=gae needs a critic, which the megatron backend does not build yet: "
-                "use trainer.backend=torch, or an estimator without a critic (grpo, rloo, reinforce_pp)"
-            )
         par = self.trainer.megatron
+        if self.algo.advantage.estimator == "gae" and par.sequence_parallel and par.tensor_parallel > 1:
+            # The value head takes the full hidden states of every token (tested without Transformer
+            # Engine, which sequence parallelism needs).
+            raise ValueError(
+                "algo.advantage.estimator=gae with trainer.backend=megatron and tensor_parallel > 1: "
+                "set trainer.megatron.sequence_parallel=false"
+            )
         if self.algo.off_policy.routing_replay:
             self._megatron_routing_replay(par)
         model_parallel = par.tensor_parallel * par.pipeline_parallel * par.context_parallel

@@ -163,6 +163,32 @@ def build_model(
     return model.to(device=device, dtype=params_dtype)
 
 
+class ValueHead(torch.nn.Module):
+    """The critic's output layer in a GPTModel's output_layer slot: one value per token, called as
+    megatron calls its output layer (the tied embedding weight it passes is not used). Its
+    parameter keeps the name `weight`, which megatron's checkpoint code looks up there; it is
+    replicated over tensor-parallel ranks, which all hold the full hidden states at the output."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        # V = 0 at the start, as the torch backend's critic: no random initial baseline.
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype, device=device))
+
+    def forward(
+        self, hidden_states: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: Any = None
+    ) -> tuple[torch.Tensor, None]:
+        return F.linear(hidden_states, self.weight), None
+
+
+def as_value_model(model: GPTModel) -> GPTModel:
+    """The critic: the model's transformer (and the weights it holds) with a ValueHead in place of
+    the output layer on the last pipeline stage; its forward then gives [batch, tokens, 1]."""
+    if model.post_process:
+        device = next(model.parameters()).device
+        model.output_layer = ValueHead(model.config.hidden_size, model.config.params_dtype, device)
+    return model
+
+
 def _define_router_gemm_fallback() -> None:
     """megatron-core 0.16.1's MoE router reads moe_utils.te_general_gemm, a name that module
     defines only when Transformer Engine imports: without TE every MoE forward raised NameError.
