@@ -309,14 +309,14 @@ class OffPolicyConfig(Section):
     routing_replay: bool = False
     """MoE models: the engines return the experts their routers chose for every token (SGLang:
     start it with --enable-return-routed-experts), the spool keeps them, and the trainer's forward
-    uses exactly those experts (torch backend), so that the ratio measures the policy, not a
-    routing flip between two kernels."""
+    uses exactly those experts (torch and megatron backends), so that the ratio measures the
+    policy, not a routing flip between two kernels."""
 
 
 class CriticConfig(Section):
     lr: float = Field(default=1e-3, gt=0)
     """AdamW learning rate of the critic (gae only). The critic is model.path's transformer with a
-    new scalar head, trained and checkpointed with the policy."""
+    new scalar head (zero at the start), trained and checkpointed with the policy (both backends)."""
     value_clip: float = Field(default=0.5, gt=0)
     """A batch moves a value by at most this much (PPO's clipped value loss)."""
     warmup_steps: int = Field(default=0, ge=0)
@@ -731,12 +731,16 @@ class JobConfig(Section):
     def _megatron(self) -> JobConfig:
         if self.trainer.backend != "megatron":
             return self
-        if self.algo.advantage.estimator == "gae":
-            raise ValueError(
-                "algo.advantage.estimator=gae needs a critic, which the megatron backend does not build yet: "
-                "use trainer.backend=torch, or an estimator without a critic (grpo, rloo, reinforce_pp)"
-            )
         par = self.trainer.megatron
+        if self.algo.advantage.estimator == "gae" and par.sequence_parallel and par.tensor_parallel > 1:
+            # The value head takes the full hidden states of every token (tested without Transformer
+            # Engine, which sequence parallelism needs).
+            raise ValueError(
+                "algo.advantage.estimator=gae with trainer.backend=megatron and tensor_parallel > 1: "
+                "set trainer.megatron.sequence_parallel=false"
+            )
+        if self.algo.off_policy.routing_replay:
+            self._megatron_routing_replay(par)
         model_parallel = par.tensor_parallel * par.pipeline_parallel * par.context_parallel
         if self.trainer.num_ranks % model_parallel:
             raise ValueError(
@@ -746,6 +750,21 @@ class JobConfig(Section):
         if (self.trainer.num_ranks // model_parallel * par.context_parallel) % par.expert_parallel:
             raise ValueError("trainer.megatron.expert_parallel must divide data_parallel x context_parallel")
         return self
+
+    @staticmethod
+    def _megatron_routing_replay(par: MegatronConfig) -> None:
+        """The replayed experts are given per token of the whole packed row, once per forward."""
+        if par.context_parallel > 1 or (par.sequence_parallel and par.tensor_parallel > 1):
+            raise ValueError(
+                "algo.off_policy.routing_replay with trainer.backend=megatron: the routers would see a share "
+                "of the tokens (context or sequence parallelism); set trainer.megatron.context_parallel=1 "
+                "and trainer.megatron.sequence_parallel=false"
+            )
+        if par.recompute:
+            raise ValueError(
+                "algo.off_policy.routing_replay with trainer.backend=megatron: the recomputed forward of "
+                "the backward pass would route anew; set trainer.megatron.recompute=false"
+            )
 
     @model_validator(mode="after")
     def _slurm_layout(self) -> JobConfig:

@@ -29,8 +29,11 @@ from relax_hpc.models.arch import Arch, arch_of, megatron_problems, padded_vocab
 from relax_hpc.models.megatron_layers import RMSNorm, SDPAttention
 
 
-def transformer_config(hf_config: Any, par: MegatronConfig, params_dtype: torch.dtype) -> TransformerConfig:
-    """megatron TransformerConfig of an HF Qwen2/Qwen3/Qwen3-MoE config under the job's parallelism."""
+def transformer_config(
+    hf_config: Any, par: MegatronConfig, params_dtype: torch.dtype, routing_replay: bool = False
+) -> TransformerConfig:
+    """megatron TransformerConfig of an HF Qwen2/Qwen3/Qwen3-MoE config under the job's parallelism;
+    `routing_replay`: the MoE routers can take given experts (relax_hpc/models/megatron_routing.py)."""
     arch = arch_of(hf_config)
     te = use_transformer_engine(par.attention)
     problems = megatron_problems(arch, par, te)
@@ -67,7 +70,7 @@ def transformer_config(hf_config: Any, par: MegatronConfig, params_dtype: torch.
         # GPUs; the CPU, which builds models only to test the mapping, runs the plain form).
         bias_activation_fusion=torch.cuda.is_available(),
         **_recompute(par),
-        **_moe(arch, par, te),
+        **_moe(arch, par, te, routing_replay),
     )
 
 
@@ -77,7 +80,7 @@ def _recompute(par: MegatronConfig) -> dict:
     return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
 
-def _moe(arch: Arch, par: MegatronConfig, te: bool) -> dict:
+def _moe(arch: Arch, par: MegatronConfig, te: bool, routing_replay: bool) -> dict:
     if not arch.moe:
         return {}
     return {
@@ -96,6 +99,7 @@ def _moe(arch: Arch, par: MegatronConfig, te: bool) -> dict:
         # cannot take that, alltoall can. alltoall creates CUDA streams when built, so on a CPU
         # (where models are built only to test the weight mapping) allgather.
         "moe_token_dispatcher_type": "alltoall" if torch.cuda.is_available() else "allgather",
+        "moe_enable_routing_replay": routing_replay,
     }
 
 
@@ -124,13 +128,18 @@ def layer_spec(hf_config: Any, par: MegatronConfig) -> ModuleSpec:
 
 
 def build_model(
-    hf_config: Any, par: MegatronConfig, params_dtype: torch.dtype, pre_process: bool, post_process: bool
+    hf_config: Any,
+    par: MegatronConfig,
+    params_dtype: torch.dtype,
+    pre_process: bool,
+    post_process: bool,
+    routing_replay: bool = False,
 ) -> GPTModel:
     """This rank's GPTModel (needs megatron's parallel_state initialised with par's sizes, and on
     GPUs its CUDA RNG tracker: model_parallel_cuda_manual_seed). Every parameter is params_dtype
     (megatron creates its torch norms in fp32) and on the current GPU (else the CPU)."""
     arch = arch_of(hf_config)
-    config = transformer_config(hf_config, par, params_dtype)
+    config = transformer_config(hf_config, par, params_dtype, routing_replay)
     te = use_transformer_engine(par.attention)
     if arch.moe:
         _define_router_gemm_fallback()
@@ -152,6 +161,32 @@ def build_model(
     # at its first forward): put every parameter on one device from the start.
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     return model.to(device=device, dtype=params_dtype)
+
+
+class ValueHead(torch.nn.Module):
+    """The critic's output layer in a GPTModel's output_layer slot: one value per token, called as
+    megatron calls its output layer (the tied embedding weight it passes is not used). Its
+    parameter keeps the name `weight`, which megatron's checkpoint code looks up there; it is
+    replicated over tensor-parallel ranks, which all hold the full hidden states at the output."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        # V = 0 at the start, as the torch backend's critic: no random initial baseline.
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype, device=device))
+
+    def forward(
+        self, hidden_states: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: Any = None
+    ) -> tuple[torch.Tensor, None]:
+        return F.linear(hidden_states, self.weight), None
+
+
+def as_value_model(model: GPTModel) -> GPTModel:
+    """The critic: the model's transformer (and the weights it holds) with a ValueHead in place of
+    the output layer on the last pipeline stage; its forward then gives [batch, tokens, 1]."""
+    if model.post_process:
+        device = next(model.parameters()).device
+        model.output_layer = ValueHead(model.config.hidden_size, model.config.params_dtype, device)
+    return model
 
 
 def _define_router_gemm_fallback() -> None:

@@ -12,22 +12,29 @@ with the torch backend. What differs is how a rank's share of the batch is compu
   (calculate_per_token_loss: megatron sums instead of averaging) are the configured aggregation
   over the mini-batch, however sharded;
 - log-probabilities come from vocabulary-parallel logits (relax_hpc/trainer/vocab_parallel.py);
+- with algo.off_policy.routing_replay, every forward of an MoE model routes each token through the
+  experts the engine chose for it (relax_hpc/models/megatron_routing.py);
+- gae's critic is the policy's GPTModel with a scalar head in place of its output layer
+  (relax_hpc/models/megatron.py, ValueHead), loaded from model.path, with its own megatron
+  optimizer; its value loss is summed over micro-batches like the policy loss;
 - checkpoints are megatron's distributed checkpoints in the torch_dist format (PyTorch DCP files),
-  which reshard on load, so a run may resume with other parallel sizes (megatron_state.py).
-
-The critic (GAE) is not built for this backend yet: the config refuses the combination.
+  which reshard on load, so a run may resume with other parallel sizes (megatron_state.py); the
+  critic and its optimizer are a second one in the folder's `critic/`.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.distributed import DistributedDataParallel
+from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from transformers import AutoConfig, PretrainedConfig
@@ -38,12 +45,15 @@ from relax_hpc.algos.stats import Stats
 from relax_hpc.config.schema import JobConfig
 from relax_hpc.metrics.timing import PhaseTimer
 from relax_hpc.models.hf_mapping import export_hf, hf_specs, load_hf_weights
-from relax_hpc.models.megatron import build_model
+from relax_hpc.models.megatron import as_value_model, build_model
+from relax_hpc.models.megatron_routing import replaying
 from relax_hpc.trainer import megatron_state, packing
 from relax_hpc.trainer.backend import DistComm, NonFiniteLossError, StepResult
 from relax_hpc.trainer.batching import TrainBatch
 from relax_hpc.trainer.schedule import WarmupSchedule
 from relax_hpc.trainer.vocab_parallel import logprobs_and_entropy
+
+CRITIC = "critic"  # the critic's checkpoint: a folder inside the policy's
 
 
 def init_parallel(job: JobConfig) -> None:
@@ -65,6 +75,7 @@ def _build(job: JobConfig, hf_config: PretrainedConfig, path: str, trainable: bo
         getattr(torch, job.model.dtype),
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
+        routing_replay=job.algo.off_policy.routing_replay,
     ).cuda()
     load_hf_weights(model, path)
     model.config.variable_seq_lengths = True  # packed micro-batches differ in length
@@ -101,6 +112,22 @@ class MegatronBackend:
         if self.objective.needs_teacher:
             assert algo.teacher.path is not None, "the config refuses distill without algo.teacher.path"
             self.teacher = _build(job, self.hf_config, algo.teacher.path, False)
+        self.critic: DistributedDataParallel | None = None
+        self.critic_optimizer: MegatronOptimizer | None = None
+        if self.objective.needs_critic:
+            self.critic, self.critic_optimizer = self._build_critic(job)
+
+    def _build_critic(self, job: JobConfig) -> tuple[DistributedDataParallel, MegatronOptimizer]:
+        if self.hf_config.tie_word_embeddings and self.par.pipeline_parallel > 1:
+            # megatron would tie the value head to the first stage's embedding (its gradients, its
+            # checkpoint entry) as it ties the output layer.
+            raise ValueError(
+                "algo.advantage.estimator=gae with trainer.backend=megatron: a model with tied embeddings "
+                "needs trainer.megatron.pipeline_parallel=1"
+            )
+        module = as_value_model(_build(job, self.hf_config, job.model.path, trainable=True))
+        critic_cfg = self.cfg.model_copy(update={"lr": job.algo.critic.lr})
+        return megatron_state.trainable(module, critic_cfg, self.dtype, self.par.distributed_optimizer)
 
     # -- who holds which samples ------------------------------------------------------------------
 
@@ -132,11 +159,14 @@ class MegatronBackend:
         return [packing.pack(batch, rows, self.pad_token_id, multiple) for rows in bins]
 
     def _forward(self, model: torch.nn.Module, mb: packing.Microbatch) -> torch.Tensor:
+        """The model's output on a packed micro-batch; through the engine's experts where the
+        batch carries them (routing replay)."""
         cu = mb.cu_seqlens
         params = PackedSeqParams(
             qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen
         )
-        return model(mb.input_ids, mb.position_ids, None, packed_seq_params=params)
+        with nullcontext() if mb.routed is None else replaying(model, mb.routed):
+            return model(mb.input_ids, mb.position_ids, None, packed_seq_params=params)
 
     def _token_logprobs(
         self, logits: torch.Tensor, mb: packing.Microbatch, entropy_grad: bool
@@ -194,6 +224,28 @@ class MegatronBackend:
             out[o["rows"]] = o["logprobs"]
         return out
 
+    @torch.no_grad()
+    def _frozen_values(self, batch: TrainBatch) -> torch.Tensor | None:
+        """[n, width] values of the critic before this batch's updates, on the last pipeline stage
+        (None elsewhere and without a critic)."""
+        if self.critic is None:
+            return None
+
+        def keep(mb: packing.Microbatch, out: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            return torch.zeros((), device=self.device), {"rows": mb.rows, "values": self._token_values(out, mb)}
+
+        outputs = self._run(self.critic, self._microbatches(batch), keep, forward_only=True)
+        if not parallel_state.is_pipeline_last_stage():
+            return None
+        out = torch.zeros_like(batch.loss_mask)
+        for o in outputs:
+            out[o["rows"]] = o["values"]
+        return out
+
+    def _token_values(self, out: torch.Tensor, mb: packing.Microbatch) -> torch.Tensor:
+        """The critic's [1, T, 1] output on a packed micro-batch as [k, width] float values."""
+        return mb.unpack(out.reshape(mb.num_tokens).float())
+
     # -- one rollout batch --------------------------------------------------------------------------
 
     def _old_needed_for_advantages(self) -> bool:
@@ -219,14 +271,16 @@ class MegatronBackend:
             old = None  # the detached forward of the one optimizer step
         ref = self._frozen_logprobs(self.reference, batch)
         teacher = self._frozen_logprobs(self.teacher, batch)
+        old_values = self._frozen_values(batch)
         advantages = None
         if parallel_state.is_pipeline_last_stage():
             base = batch.rollout_logprobs if old is None else old
             advantages = objective.advantages(
-                batch.rewards, batch.group_ids, batch.loss_mask, base, ref, teacher, baselines=batch.baselines
+                batch.rewards, batch.group_ids, batch.loss_mask, base, ref, teacher, old_values, batch.baselines
             )
         rows = list(batch.minibatches(algo.minibatches))
         norms = self._global_counts(batch, rows)
+        policy_learns = self.critic is None or step >= algo.critic.warmup_steps
         stats, losses, grad_norm = Stats(), [], 0.0
         for _ in range(algo.epochs):
             for r, norm in zip(rows, norms, strict=True):
@@ -235,8 +289,11 @@ class MegatronBackend:
                 loss, part_stats = self._minibatch(part, index, old, advantages, ref, norm)
                 stats.add(part_stats)
                 losses.append(self._check_finite(loss, step))
-                grad_norm = self._optimizer_step()
-                self.scheduler.step()
+                if policy_learns:
+                    grad_norm = self._optimizer_step(self.optimizer)
+                    self.scheduler.step()
+                if self.critic is not None:
+                    stats.add(self._critic_minibatch(part, index, old_values, advantages, norm))
         return StepResult(
             stats if self.reports else Stats(),
             sum(losses) / len(losses),
@@ -301,9 +358,40 @@ class MegatronBackend:
             raise NonFiniteLossError(f"step {step}: loss is {float(total)}; refusing the optimizer step")
         return float(total)
 
-    def _optimizer_step(self) -> float:
+    def _critic_minibatch(
+        self,
+        part: TrainBatch,
+        index: torch.Tensor,
+        old_values: torch.Tensor | None,
+        advantages: Advantages | None,
+        norm: Normalizer,
+    ) -> Stats:
+        """One optimizer step of the critic on a mini-batch (PPO's clipped value loss against the
+        GAE returns); its statistics."""
+        assert self.critic is not None and self.critic_optimizer is not None, "built with the critic"
+        stats = Stats()
+
+        def loss_fn(
+            mb: packing.Microbatch, out: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+            assert old_values is not None and advantages is not None, "the last pipeline stage has both"
+            assert advantages.returns is not None, "gae: the critic's targets"
+            rows = index[mb.rows]
+            loss, s = self.objective.critic_loss(
+                self._token_values(out, mb), old_values[rows], advantages.returns[rows], part.loss_mask[mb.rows], norm
+            )
+            stats.add(s)
+            return loss, torch.ones((), dtype=torch.int, device=self.device), {"loss": loss.detach()}
+
+        self.critic.zero_grad_buffer()
+        self.critic_optimizer.zero_grad()
+        self._run(self.critic, self._microbatches(part), loss_fn, forward_only=False)
+        self._optimizer_step(self.critic_optimizer)
+        return stats
+
+    def _optimizer_step(self, optimizer: MegatronOptimizer) -> float:
         with self.timer.phase("optimizer"):
-            _, grad_norm, _ = self.optimizer.step()
+            _, grad_norm, _ = optimizer.step()
             return float(grad_norm or 0.0)
 
     # -- weights and checkpoints --------------------------------------------------------------------
@@ -321,6 +409,12 @@ class MegatronBackend:
 
     def save_checkpoint(self, folder: Path) -> None:
         megatron_state.save(self.model, self.optimizer, folder)
+        if self.critic is not None:
+            assert self.critic_optimizer is not None, "built with the critic"
+            megatron_state.save(self.critic, self.critic_optimizer, folder / CRITIC)
 
     def load_checkpoint(self, folder: Path) -> None:
         megatron_state.load(self.model, self.optimizer, folder)
+        if self.critic is not None:
+            assert self.critic_optimizer is not None, "built with the critic"
+            megatron_state.load(self.critic, self.critic_optimizer, folder / CRITIC)

@@ -27,6 +27,7 @@ class Microbatch:
     cu_seqlens: torch.Tensor  # int32 [k + 1] (+1 when padding was appended)
     max_seqlen: int
     width: int  # of the padded layout the rows come from
+    routed: torch.Tensor | None = None  # long [T, layers * top_k]: the engine's experts (-1: none), replay only
 
     @property
     def num_tokens(self) -> int:
@@ -77,6 +78,10 @@ def pack(batch: TrainBatch, rows: list[int], pad_id: int, multiple: int = 1) -> 
     filler = torch.full((pad,), pad_id, dtype=torch.long, device=device)
     cu = torch.zeros(len(docs) + 1, dtype=torch.int32, device=device)
     cu[1:] = docs.cumsum(0)
+    routed = None
+    if batch.routed is not None:
+        unrecorded = torch.full((pad, batch.routed.shape[-1]), -1, dtype=torch.long, device=device)
+        routed = torch.cat([batch.routed[idx][keep], unrecorded])
     return Microbatch(
         rows=idx,
         lengths=lengths,
@@ -86,6 +91,7 @@ def pack(batch: TrainBatch, rows: list[int], pad_id: int, multiple: int = 1) -> 
         cu_seqlens=cu,
         max_seqlen=int(docs.max()),
         width=batch.input_ids.shape[1],
+        routed=routed,
     )
 
 

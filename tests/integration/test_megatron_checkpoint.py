@@ -24,7 +24,7 @@ from megatron.core import parallel_state
 
 from relax_hpc.config.schema import MegatronConfig, TrainerConfig
 from relax_hpc.models.hf_mapping import export_hf, megatron_checkpoint_to_hf
-from relax_hpc.models.megatron import build_model
+from relax_hpc.models.megatron import as_value_model, build_model
 from relax_hpc.trainer import megatron_state
 from tests.unit.test_hf_mapping import free_port, tiny_configs
 
@@ -68,9 +68,11 @@ def megatron_on_cpu(monkeypatch):
         dist.destroy_process_group()
 
 
-def _trainable(dtype: torch.dtype, distributed: bool, seed: int):
+def _trainable(dtype: torch.dtype, distributed: bool, seed: int, critic: bool = False):
     torch.manual_seed(seed)
     module = build_model(tiny_configs()["qwen3"], MegatronConfig(attention="sdpa"), dtype, True, True)
+    if critic:
+        module = as_value_model(module)
     return megatron_state.trainable(module, TrainerConfig(lr=1e-2, weight_decay=0.1), dtype, distributed)
 
 
@@ -79,7 +81,8 @@ def _step(model, optimizer, seed: int) -> float:
     ids = torch.randint(0, 64, (1, 12), generator=g)
     model.zero_grad_buffer()
     optimizer.zero_grad()
-    (model(ids, torch.arange(12)[None], None).float() ** 2).mean().backward()
+    # Away from 1 (not 0): the critic's value head starts at zero, where (V ** 2) has no gradient.
+    ((model(ids, torch.arange(12)[None], None).float() - 1) ** 2).mean().backward()
     model.finish_grad_sync()
     ok, grad_norm, _ = optimizer.step()
     assert ok
@@ -135,5 +138,25 @@ def test_a_loaded_checkpoint_takes_the_next_step_of_the_run_that_saved_it(
 
     assert _step(model, optimizer, 7) == _step(resumed_model, resumed, 7)
     _assert_same(_optimizer_state(optimizer), _optimizer_state(resumed))
+    for (name, p), (_, q) in zip(model.module.named_parameters(), resumed_model.module.named_parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
+def test_the_critic_resumes_with_its_value_head(megatron_on_cpu, tmp_path):
+    """The megatron backend's critic (a ValueHead in the output layer's place) through the same
+    checkpoint code: its head is saved and loaded with the transformer and Adam's state."""
+    model, optimizer = _trainable(torch.float32, True, seed=0, critic=True)
+    assert model(torch.zeros(1, 5, dtype=torch.long), torch.arange(5)[None], None).shape == (1, 5, 1)
+    for seed in range(3):
+        _step(model, optimizer, seed)
+    head = model.module.output_layer.weight
+    assert head.shape == (1, 32) and head.abs().sum() > 0  # it learned from zero
+    megatron_state.save(model, optimizer, tmp_path / "critic")
+
+    resumed_model, resumed = _trainable(torch.float32, True, seed=1, critic=True)
+    megatron_state.load(resumed_model, resumed, tmp_path / "critic")
+    _assert_same(_optimizer_state(optimizer), _optimizer_state(resumed))
+    assert torch.equal(resumed_model.module.output_layer.weight, head)
+    assert _step(model, optimizer, 7) == _step(resumed_model, resumed, 7)
     for (name, p), (_, q) in zip(model.module.named_parameters(), resumed_model.module.named_parameters(), strict=True):
         assert torch.equal(p, q), name

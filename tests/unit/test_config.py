@@ -42,6 +42,13 @@ def test_every_shipped_config_validates_and_its_inputs_exist(path):
         ("rollout.group_size=0", "rollout.group_size: Input should be greater than or equal to 1 (got 0)"),
         ("rollout.group_size=1", "algo.advantage.estimator=grpo compares samples of a prompt group"),
         ("algo.advantage.estimator=distill", "needs algo.teacher.path"),
+        (
+            (
+                "trainer.backend=megatron trainer.num_ranks=2 trainer.megatron.tensor_parallel=2 "
+                "algo.advantage.estimator=gae"
+            ),
+            "set trainer.megatron.sequence_parallel=false",
+        ),
         ("algo.policy_loss.kind=reinforce rollout.max_staleness=1", "set rollout.max_staleness=0 or an"),
         ("algo.off_policy.correction=tis algo.off_policy.old_logprobs=rollout", "set algo.off_policy.old_logprobs"),
         ("rollout.num_engines=two", "rollout.num_engines: Input should be a valid integer"),
