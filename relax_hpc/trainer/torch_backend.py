@@ -81,8 +81,10 @@ class TorchBackend:
             for n, p in hf_model.named_parameters()
             if (p.requires_grad if cfg.lora is not None else not (cfg.freeze_encoder and is_encoder_parameter(n)))
         ]
-        # A LoRA checkpoint holds the adapters and their optimizer state, not the frozen base.
+        # A LoRA checkpoint holds the adapters and their optimizer state, not the frozen base; loading
+        # it sets the adapters alone (dcp.load has already refused a checkpoint that lacks one).
         self.state_options = StateDictOptions(ignore_frozen_params=cfg.lora is not None)
+        self.load_options = StateDictOptions(ignore_frozen_params=cfg.lora is not None, strict=cfg.lora is None)
         if cfg.freeze_encoder:  # before sharding: FSDP keeps each unit's requires_grad
             for encoder in encoders(hf_model).values():
                 encoder.requires_grad_(False)
@@ -264,6 +266,8 @@ class TorchBackend:
 
     def state_dict(self) -> dict:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.state_options)
+        if self.cfg.lora is not None:  # a tied lm_head survives ignore_frozen_params (named under the embedding)
+            model_sd = {k: v for k, v in model_sd.items() if lora.is_adapter_parameter(k)}
         state = {"model": model_sd, "optim": optim_sd}
         if self.critic is not None:
             assert self.critic_optimizer is not None, "built with the critic"
@@ -284,7 +288,7 @@ class TorchBackend:
             self.optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optim"],
-            options=self.state_options,
+            options=self.load_options,
         )
         if self.critic is not None:
             assert self.critic_optimizer is not None, "built with the critic"
