@@ -18,7 +18,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -66,8 +66,11 @@ def megatron_backend_tensors(folder: Path, hf_config: Any) -> dict[str, torch.Te
     return megatron_checkpoint_to_hf(folder, hf_config)
 
 
-def convert(run_dir: Path, out: Path, step: int | None = None) -> Path:
-    """Write the checkpoint of `step` (default: the latest) to `out`; returns the checkpoint folder."""
+def convert(
+    run_dir: Path, out: Path, step: int | None = None, lora_format: Literal["merged", "adapter"] | None = None
+) -> Path:
+    """Write the checkpoint of `step` (default: the latest) to `out`; returns the checkpoint folder.
+    A LoRA run's is written as `lora_format` (default: the run's ckpt.export_lora)."""
     paths = RunPaths(run_dir)
     cfg = read_frozen(paths.config)
     folder = checkpoint_folder(paths, step)
@@ -78,7 +81,7 @@ def convert(run_dir: Path, out: Path, step: int | None = None) -> Path:
         tensors = torch_backend_tensors(folder)
     if cfg.trainer.lora is not None:
         adapter = {lora.sync_name(k): t for k, t in tensors.items()} | {SCALING: lora.scaling(cfg.trainer.lora)}
-        if cfg.ckpt.export_lora == "adapter":
+        if (lora_format or cfg.ckpt.export_lora) == "adapter":
             lora.write_adapter_folder(out, cfg.trainer.lora, cfg.model.path, adapter)
             _copy_companions(Path(cfg.model.path), out)
             _readable_like_other_output(out)

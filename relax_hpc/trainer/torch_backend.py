@@ -76,6 +76,9 @@ class TorchBackend:
         hf_model = load_policy(model_path, torch_dtype)
         if cfg.lora is not None:  # the engines hold the base already: only the adapters are synced
             lora.add_adapters(hf_model, cfg.lora, model_path, job.run.seed)
+        if cfg.freeze_encoder:  # before sharding (FSDP keeps each unit's requires_grad) and after LoRA's adapters
+            for encoder in encoders(hf_model).values():
+                encoder.requires_grad_(False)
         self.synced = [
             n
             for n, p in hf_model.named_parameters()
@@ -85,9 +88,6 @@ class TorchBackend:
         # it sets the adapters alone (dcp.load has already refused a checkpoint that lacks one).
         self.state_options = StateDictOptions(ignore_frozen_params=cfg.lora is not None)
         self.load_options = StateDictOptions(ignore_frozen_params=cfg.lora is not None, strict=cfg.lora is None)
-        if cfg.freeze_encoder:  # before sharding: FSDP keeps each unit's requires_grad
-            for encoder in encoders(hf_model).values():
-                encoder.requires_grad_(False)
         self.model = _sharded(hf_model.to(device))  # type: ignore[arg-type]  # transformers types .to() as taking a model
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr, betas=cfg.betas,

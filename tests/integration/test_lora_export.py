@@ -3,6 +3,8 @@ writes them as a PEFT adapter folder that peft loads onto the base (ckpt.export_
 the base with them merged as the engines merge them (merged). Both compute what the trained
 policy computes."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,13 +40,6 @@ def trained(tmp_path_factory) -> tuple[InProcessRun, RunPaths]:
     return run, paths
 
 
-def _export(run: InProcessRun, paths: RunPaths, kind: str, out: Path) -> None:
-    cfg = run.cfg.model_copy(deep=True)
-    cfg.ckpt.export_lora = kind  # type: ignore[assignment]
-    paths.config.write_text(to_yaml(cfg))  # the export reads the run's frozen config
-    convert(paths.root, out)
-
-
 @torch.no_grad()
 def _logits(model: torch.nn.Module, run: InProcessRun) -> torch.Tensor:
     prompts = run.rounds.prompt_ids[:8]
@@ -56,7 +51,11 @@ def _logits(model: torch.nn.Module, run: InProcessRun) -> torch.Tensor:
 def test_the_adapter_folder_loads_with_peft_and_computes_the_policy(trained, tmp_path):
     run, paths = trained
     out = tmp_path / "adapter"
-    _export(run, paths, "adapter", out)
+    done = subprocess.run(
+        [sys.executable, "tools/dcp_to_hf.py", "--run-dir", str(paths.root), "--out", str(out), "--lora", "adapter"],
+        cwd=REPO, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in out.iterdir()}
     base = AutoModelForCausalLM.from_pretrained(run.cfg.model.path)
     untrained = _logits(base, run)
@@ -69,7 +68,7 @@ def test_the_adapter_folder_loads_with_peft_and_computes_the_policy(trained, tmp
 def test_the_merged_export_holds_what_the_engines_hold(trained, tmp_path):
     run, paths = trained
     out = tmp_path / "merged"
-    _export(run, paths, "merged", out)
+    convert(paths.root, out, lora_format="merged")
     exported = AutoModelForCausalLM.from_pretrained(out)
     base = AutoModelForCausalLM.from_pretrained(run.cfg.model.path).state_dict()
     engines = merge_all(base, dict(run.backend.full_parameters()))  # what a push makes of them
