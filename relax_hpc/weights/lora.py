@@ -11,6 +11,8 @@ merged weights (the same function computes both), whatever versions it missed.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from relax_hpc.weights.buckets import DTYPES
@@ -23,21 +25,28 @@ def is_adapter_tensor(name: str) -> bool:
     return name == SCALING or name.endswith((_A, _B))
 
 
-def merged(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor) -> torch.Tensor:
-    """The effective weight of a target module: base + scaling x B A (in the base's dtype)."""
-    return base + ((b @ a) * scaling).to(base.dtype)
+def merged(
+    base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The effective weight of a target module: base + scaling x B A, in the base's dtype; one
+    fused op (no weight-sized temporaries), written into `out` when given."""
+    return torch.addmm(base, b.to(base.dtype), a.to(base.dtype), alpha=scaling, out=out)
 
 
-def merge_all(base: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def merge_all(
+    base: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor], out: Mapping[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
     """The merged weight of every module `adapter` (sync names, SCALING included) targets, keyed
-    by the base weight's name."""
-    scaling = adapter[SCALING]
-    out = {}
+    by the base weight's name (into `out`'s tensors when given)."""
+    scaling = float(adapter[SCALING])  # one number per version (a host sync on a GPU, once)
+    merged_weights = {}
     for name, a in adapter.items():
         if name.endswith(_A):
             module = name[: -len(_A)]
-            out[f"{module}.weight"] = merged(base[f"{module}.weight"], a, adapter[module + _B], scaling)
-    return out
+            weight = f"{module}.weight"
+            target = None if out is None else out[weight]
+            merged_weights[weight] = merged(base[weight], a, adapter[module + _B], scaling, target)
+    return merged_weights
 
 
 class AdapterMerger:
@@ -61,5 +70,4 @@ class AdapterMerger:
             if name.endswith(_A):
                 weight = f"{name[: -len(_A)]}.weight"
                 self.base.setdefault(weight, self.params[weight].detach().clone())
-        for weight, value in merge_all(self.base, self.adapter).items():
-            self.params[weight].copy_(value)
+        merge_all(self.base, self.adapter, out=self.params)
