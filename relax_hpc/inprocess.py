@@ -38,6 +38,7 @@ from relax_hpc.rewards import make_scorer
 from relax_hpc.trainer.batching import share_of
 from relax_hpc.trainer.loop import reduce_stats
 from relax_hpc.trainer.torch_backend import TorchBackend
+from relax_hpc.weights.lora import AdapterMerger, is_adapter_tensor
 
 
 def _single_process_group() -> None:
@@ -46,9 +47,15 @@ def _single_process_group() -> None:
 
 
 @torch.no_grad()
-def _load(params: dict[str, torch.nn.Parameter], weights: dict[str, torch.Tensor]) -> None:
-    for name, p in params.items():
-        p.copy_(weights[name])
+def _load(run: InProcessRun, weights: dict[str, torch.Tensor]) -> None:
+    """What a push does to an engine: copy the weights, or (LoRA) merge the adapters into the base."""
+    for name, t in weights.items():
+        if is_adapter_tensor(name):
+            run.merger.adapter[name] = t
+        else:
+            run.params[name].copy_(t)
+    if run.merger.adapter:
+        run.merger.merge()
 
 
 class LocalPolicy:
@@ -121,6 +128,7 @@ class InProcessRun:
         synced = {name for name, _, _ in self.backend.parameter_specs()}
         # What weight sync would update (tied weights appear once; a frozen encoder not at all).
         self.params = {n: p for n, p in self.sampler.named_parameters() if n in synced}
+        self.merger = AdapterMerger(dict(self.sampler.named_parameters()), torch.device("cpu"))
         self.policy = LocalPolicy(self.sampler, self.tokenizer, self.processor)
         self.policy.routing = cfg.algo.off_policy.routing_replay
         self.rounds = Rounds(
@@ -158,14 +166,14 @@ def run_inprocess(
     hands each to `on_step` as soon as it exists."""
     run = InProcessRun(cfg)
     versions: collections.deque[dict] = collections.deque(maxlen=cfg.rollout.max_staleness + 1)
-    versions.append({name: p.detach().clone() for name, p in run.params.items()})
+    versions.append({name: t.clone() for name, t in run.backend.full_parameters()})  # the starting weights
     records = []
     for step in range(steps):
-        _load(run.params, versions[0])  # the oldest version still allowed to sample batch `step`
+        _load(run, versions[0])  # the oldest version still allowed to sample batch `step`
         record = run.train(step, version=max(0, step - len(versions) + 1))
         versions.append({name: t.clone() for name, t in run.backend.full_parameters()})
         if greedy_every and ((step + 1) % greedy_every == 0 or step + 1 == steps):
-            _load(run.params, versions[-1])
+            _load(run, versions[-1])
             record["greedy_accuracy"] = run.greedy_accuracy()
         records.append(record)
         if on_step is not None:

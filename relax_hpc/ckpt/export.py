@@ -7,7 +7,9 @@ also DCP files), whose tensors are unsharded and mapped to HF names and layout b
 relax_hpc.models.hf_mapping. Writes config.json and safetensors (sharded as transformers shards
 them), copies the base model's other files (tokenizer, generation config, processor configs), and
 leaves every file readable like the rest of the user's output (mode 0644 under the usual umask).
-Needs no GPU and no process group.
+A LoRA run's checkpoint holds only the adapters: the export merges them into the base model's
+weights exactly as the engines do (ckpt.export_lora=merged), or writes a PEFT adapter folder
+(ckpt.export_lora=adapter). Needs no GPU and no process group.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -26,8 +28,10 @@ from transformers import AutoConfig
 
 from relax_hpc.ckpt.layout import latest_dir
 from relax_hpc.config.load import read_frozen
-from relax_hpc.models.hf import empty_policy, is_omni
+from relax_hpc.models import lora
+from relax_hpc.models.hf import empty_policy, is_omni, load_policy
 from relax_hpc.paths import CkptDirs, RunPaths
+from relax_hpc.weights.lora import SCALING, merge_all
 
 MODEL_PREFIX = "model."  # the torch backend's state is {"model": ..., "optim": ...}
 
@@ -62,8 +66,11 @@ def megatron_backend_tensors(folder: Path, hf_config: Any) -> dict[str, torch.Te
     return megatron_checkpoint_to_hf(folder, hf_config)
 
 
-def convert(run_dir: Path, out: Path, step: int | None = None) -> Path:
-    """Write the checkpoint of `step` (default: the latest) to `out`; returns the checkpoint folder."""
+def convert(
+    run_dir: Path, out: Path, step: int | None = None, lora_format: Literal["merged", "adapter"] | None = None
+) -> Path:
+    """Write the checkpoint of `step` (default: the latest) to `out`; returns the checkpoint folder.
+    A LoRA run's is written as `lora_format` (default: the run's ckpt.export_lora)."""
     paths = RunPaths(run_dir)
     cfg = read_frozen(paths.config)
     folder = checkpoint_folder(paths, step)
@@ -72,6 +79,15 @@ def convert(run_dir: Path, out: Path, step: int | None = None) -> Path:
         tensors = megatron_backend_tensors(folder, hf_config)
     else:
         tensors = torch_backend_tensors(folder)
+    if cfg.trainer.lora is not None:
+        adapter = {lora.sync_name(k): t for k, t in tensors.items()} | {SCALING: lora.scaling(cfg.trainer.lora)}
+        if (lora_format or cfg.ckpt.export_lora) == "adapter":
+            lora.write_adapter_folder(out, cfg.trainer.lora, cfg.model.path, adapter)
+            _copy_companions(Path(cfg.model.path), out)
+            _readable_like_other_output(out)
+            return folder
+        base = load_policy(cfg.model.path, getattr(torch, cfg.model.dtype)).state_dict()
+        tensors = base | merge_all(base, adapter)  # what the engines hold: relax_hpc.weights.lora
     model = empty_policy(cfg.model.path, getattr(torch, cfg.model.dtype))
     missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     tied = any(getattr(c, "tie_word_embeddings", False) for c in (model.config, model.config.get_text_config()))

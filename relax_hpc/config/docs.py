@@ -31,6 +31,14 @@ def _type_name(annotation: object) -> str:
     return getattr(annotation, "__name__", str(annotation)).replace("|", "\\|")
 
 
+def _optional_section(annotation: object) -> type[BaseModel] | None:
+    """X of an `X | None` option whose X is a section (trainer.lora)."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if len(args) == 1 and isinstance(args[0], type) and issubclass(args[0], BaseModel):
+        return args[0]
+    return None
+
+
 def _section(defaults: BaseModel, prefix: str) -> list[str]:
     """One table per section; defaults come from the instance, since a nested section's default
     may differ from its class's (launch.slurm.rollout.nodes is 0, trainer.nodes 1)."""
@@ -47,6 +55,11 @@ def _section(defaults: BaseModel, prefix: str) -> list[str]:
             nested.append((getattr(defaults, name), f"{prefix}{name}."))
             continue
         doc = " ".join((field.description or "").split())
+        optional = _optional_section(annotation)
+        if optional is not None:  # unset by default; its keys are listed with their defaults once set
+            lines.append(f"| `{prefix}{name}` | section \\| None | `None` | {doc} |")
+            nested.append((optional(), f"{prefix}{name}."))
+            continue
         lines.append(f"| `{prefix}{name}` | {_type_name(annotation)} | `{getattr(defaults, name)!r}` | {doc} |")
     if len(lines) == 3:
         lines = []

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import difflib
+import types
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -52,6 +54,8 @@ def _section_model(location: tuple[str, ...]) -> type[BaseModel] | None:
     for key in location:
         field = model.model_fields.get(key)
         annotation = field.annotation if field else None
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType):  # an optional section (X | None)
+            annotation = next((a for a in typing.get_args(annotation) if a is not type(None)), None)
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             return None
         model = annotation

@@ -413,6 +413,18 @@ class MegatronConfig(Section):
     of every layer)."""
 
 
+class LoraConfig(Section):
+    rank: int = Field(default=8, ge=1)
+    """Rank r of each adapter (A is r x in_features, B is out_features x r)."""
+    alpha: int = Field(default=16, ge=1)
+    """Scaling numerator: the adapter adds (alpha / rank) x B A to each target weight."""
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+    """Dropout on the adapters' input while training (PEFT's lora_dropout)."""
+    target_modules: list[str] = Field(default=["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1)
+    """Linear modules that get an adapter, by name suffix (PEFT's target_modules), e.g. q_proj,
+    v_proj, gate_proj, up_proj, down_proj of Qwen/Llama-style decoders."""
+
+
 class TrainerConfig(Section):
     backend: Literal["torch", "megatron"] = "torch"
     """Trainer backend. `torch`: HF transformers model under FSDP2 (CPU/gloo or GPU/nccl).
@@ -441,6 +453,11 @@ class TrainerConfig(Section):
     freeze_encoder: bool = Field(default=False)
     """Multimodal models: keep the vision and audio encoders as loaded (not trained, not sent to
     the engines at weight sync); the language model (and Qwen2-Audio's projector) train."""
+    lora: LoraConfig | None = None
+    """Train LoRA adapters (PEFT) instead of the whole model: the base stays frozen, weight sync
+    sends only the adapters (the built-in engine merges them into its base weights), checkpoints
+    hold the adapters and their optimizer state. Unset: full fine-tuning. torch backend with the
+    built-in engine only (not colocated)."""
 
 
 class WeightsConfig(Section):
@@ -464,6 +481,11 @@ class CheckpointConfig(Section):
     export_hf: bool = Field(default=True)
     """When training completes, write the final weights as an HF folder to RUN_DIR/hf (what
     tools/dcp_to_hf.py writes; ClearML registers it as an artifact)."""
+    export_lora: Literal["merged", "adapter"] = "merged"
+    """With trainer.lora, what the HF export writes: `merged`, the base model with the adapters
+    merged into its weights (loads like any HF model); `adapter`, a PEFT adapter folder
+    (adapter_config.json + adapter_model.safetensors) that peft's PeftModel.from_pretrained loads
+    on top of model.path."""
 
 
 class ClearMLConfig(Section):
@@ -765,6 +787,25 @@ class JobConfig(Section):
                 "algo.off_policy.routing_replay with trainer.backend=megatron: the recomputed forward of "
                 "the backward pass would route anew; set trainer.megatron.recompute=false"
             )
+
+    @model_validator(mode="after")
+    def _lora(self) -> JobConfig:
+        if self.trainer.lora is None:
+            return self
+        if self.trainer.backend == "megatron":
+            raise ValueError("trainer.lora: the megatron backend trains full models only; use trainer.backend=torch")
+        if self.rollout.engine == "sglang":
+            raise ValueError(
+                "trainer.lora sends only the adapters, which the built-in engine merges into its weights; "
+                "driving SGLang's LoRA adapters (/load_lora_adapter, lora_path per request) is not built yet: "
+                "use rollout.engine=torch"
+            )
+        if self.launch.colocate:
+            raise ValueError(
+                "trainer.lora with launch.colocate: a colocated engine frees its base weights while the trainer "
+                "trains, and an adapter alone cannot restore them: unset one of the two"
+            )
+        return self
 
     @model_validator(mode="after")
     def _slurm_layout(self) -> JobConfig:

@@ -22,6 +22,7 @@ import socket
 import sys
 import threading
 import uuid
+from collections import ChainMap
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -42,6 +43,7 @@ from relax_hpc.protocol import requests as P
 from relax_hpc.protocol.registry import EngineRecord, remove_record, write_record
 from relax_hpc.weights.buckets import BucketPlan
 from relax_hpc.weights.group import SideGroup
+from relax_hpc.weights.lora import AdapterMerger
 from relax_hpc.weights.receiver import BucketReceiver
 from relax_hpc.weights.tensors import PayloadError, deserialize
 
@@ -124,7 +126,9 @@ class TorchEngine:
         self.updating = False  # between /begin_weight_update and /end_weight_update
         self.released: dict[str, tuple[torch.Size, torch.dtype]] = {}  # weights freed for the trainer
         self.groups: dict[str, SideGroup] = {}
-        self.receiver = BucketReceiver(self.params, self.device)
+        # LoRA runs (trainer.lora) send adapters, received beside the parameters and then merged.
+        self.lora = AdapterMerger(self.params, self.device)
+        self.receiver = BucketReceiver(ChainMap(self.lora.adapter, self.params), self.device)
         self._model_lock = threading.Lock()
         self._cv = threading.Condition()
         self._pending: list[_Job] = []
@@ -378,6 +382,7 @@ class TorchEngine:
         if req.abort_all_requests:
             self.abort(P.AbortReq(abort_all=True))
         plan = BucketPlan(req.names, req.dtypes, req.shapes)
+        self.lora.slots(req.names, req.dtypes, req.shapes)
         # Checked now, raised once received (see BucketReceiver.receive).
         unknown = self.receiver.unknown_names(plan)
         with self._model_lock:  # between batches: a completion never mixes two versions
@@ -387,6 +392,8 @@ class TorchEngine:
             if req.weight_version is None:
                 return False
             self.receiver.settle(wait=True)  # the engine reports the new version only once it holds it
+            if self.lora.adapter:
+                self.lora.merge()
             self.weight_version = req.weight_version
             return True
 

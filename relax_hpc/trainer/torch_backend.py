@@ -19,7 +19,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForTokenClassification
@@ -29,6 +29,7 @@ from relax_hpc.algos.objective import Advantages, Objective
 from relax_hpc.algos.stats import Stats
 from relax_hpc.config.schema import JobConfig
 from relax_hpc.metrics.timing import PhaseTimer
+from relax_hpc.models import lora
 from relax_hpc.models.hf import (
     checkpoint_layout,
     decoder_layers,
@@ -41,6 +42,7 @@ from relax_hpc.trainer.backend import DistComm, NonFiniteLossError, StepResult
 from relax_hpc.trainer.batching import TrainBatch, token_logprobs_and_entropy
 from relax_hpc.trainer.schedule import WarmupSchedule
 from relax_hpc.weights.layout import Convert
+from relax_hpc.weights.lora import SCALING
 
 _Model = TypeVar("_Model", bound=torch.nn.Module)
 
@@ -72,14 +74,22 @@ class TorchBackend:
         self.objective = Objective(algo, DistComm())
         torch_dtype = getattr(torch, job.model.dtype)
         hf_model = load_policy(model_path, torch_dtype)
+        if cfg.lora is not None:  # the engines hold the base already: only the adapters are synced
+            lora.add_adapters(hf_model, cfg.lora, model_path, job.run.seed)
         if cfg.gradient_checkpointing:
             hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.synced = [
-            n for n, _ in hf_model.named_parameters() if not (cfg.freeze_encoder and is_encoder_parameter(n))
-        ]
-        if cfg.freeze_encoder:  # before sharding: FSDP keeps each unit's requires_grad
+        if cfg.freeze_encoder:  # before sharding (FSDP keeps each unit's requires_grad) and after LoRA's adapters
             for encoder in encoders(hf_model).values():
                 encoder.requires_grad_(False)
+        self.synced = [
+            n
+            for n, p in hf_model.named_parameters()
+            if (p.requires_grad if cfg.lora is not None else not (cfg.freeze_encoder and is_encoder_parameter(n)))
+        ]
+        # A LoRA checkpoint holds the adapters and their optimizer state, not the frozen base; loading
+        # it sets the adapters alone (dcp.load has already refused a checkpoint that lacks one).
+        self.state_options = StateDictOptions(ignore_frozen_params=cfg.lora is not None)
+        self.load_options = StateDictOptions(ignore_frozen_params=cfg.lora is not None, strict=cfg.lora is None)
         self.model = _sharded(hf_model.to(device))  # type: ignore[arg-type]  # transformers types .to() as taking a model
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr, betas=cfg.betas,
@@ -239,22 +249,30 @@ class TorchBackend:
 
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) for every parameter the engines get (a frozen encoder's stay as
-        they loaded); a collective: every rank must iterate."""
+        they loaded; with LoRA, the adapters by their sync names and the scaling,
+        relax_hpc.weights.lora); a collective: every rank must iterate."""
         synced = set(self.synced)
         for name, param in self.model.named_parameters():
             if name in synced:
                 full = param.full_tensor() if isinstance(param, DTensor) else param
-                yield name, full.detach()
+                yield lora.sync_name(name), full.detach()
+        if self.cfg.lora is not None:
+            yield SCALING, lora.scaling(self.cfg.lora)
 
     def checkpoint_layout(self) -> Convert:
         return functools.partial(checkpoint_layout, self.model)
 
     def parameter_specs(self) -> list[tuple[str, torch.Size, torch.dtype]]:
         synced = set(self.synced)
-        return [(name, p.shape, p.dtype) for name, p in self.model.named_parameters() if name in synced]
+        specs = [(lora.sync_name(n), p.shape, p.dtype) for n, p in self.model.named_parameters() if n in synced]
+        if self.cfg.lora is not None:
+            specs.append((SCALING, torch.Size([1]), torch.float32))
+        return specs
 
     def state_dict(self) -> dict:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.state_options)
+        if self.cfg.lora is not None:  # a tied lm_head survives ignore_frozen_params (named under the embedding)
+            model_sd = {k: v for k, v in model_sd.items() if lora.is_adapter_parameter(k)}
         state = {"model": model_sd, "optim": optim_sd}
         if self.critic is not None:
             assert self.critic_optimizer is not None, "built with the critic"
@@ -270,7 +288,13 @@ class TorchBackend:
         self.load_state_dict(state)
 
     def load_state_dict(self, state: dict) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=self.load_options,
+        )
         if self.critic is not None:
             assert self.critic_optimizer is not None, "built with the critic"
             set_state_dict(

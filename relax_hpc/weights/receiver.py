@@ -9,6 +9,8 @@ copy (CUDA only; on the CPU the broadcast blocks until the bytes are here).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from relax_hpc.weights.buckets import DTYPES, BucketPlan, BufferRing, side_stream, stream_done, unpack
@@ -16,7 +18,7 @@ from relax_hpc.weights.group import SideGroup
 
 
 class BucketReceiver:
-    def __init__(self, params: dict[str, torch.nn.Parameter], device: torch.device) -> None:
+    def __init__(self, params: Mapping[str, torch.Tensor], device: torch.device) -> None:
         self.params = params
         self.device = device
         self._ring: BufferRing | None = None  # allocated per update, freed by settle()

@@ -2,7 +2,8 @@
 
 argv: run dir, output file, version, and the path: "broadcast" (rank 0 broadcasts to every engine)
 or "colocated" (each rank releases its own engines' memory first, then hands them the weights by
-reference)."""
+reference). With trainer.lora in the run's config only the adapters are perturbed and sent, and
+what to expect is the base with the adapters merged (relax_hpc.weights.lora)."""
 
 import json
 import sys
@@ -21,6 +22,7 @@ from relax_hpc.protocol.requests import GenerateReqInput
 from relax_hpc.trainer.torch_backend import TorchBackend
 from relax_hpc.weights.buckets import plan_buckets
 from relax_hpc.weights.colocated import ColocatedSender
+from relax_hpc.weights.lora import merge_all
 from relax_hpc.weights.sender import WeightSender, push
 
 
@@ -53,6 +55,8 @@ def main() -> None:
     if rank == 0:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         reference = AutoModelForCausalLM.from_pretrained(cfg.model.path).eval()
+        if cfg.trainer.lora is not None:
+            full = merge_all(reference.state_dict(), full)
         reference.load_state_dict(full, strict=False)
         prompts = [tokenizer(p)["input_ids"] for p, _ in addition_problems()]
         spec = SamplingSpec(max_new_tokens=4, temperature=0.0)
@@ -70,6 +74,7 @@ def main() -> None:
                     "engines": engines,
                     "refused_while_released": refused,
                     "buckets": len(buckets),
+                    "bytes": sum(b.nbytes for b in buckets),
                     "greedy": [c.output_ids for c in greedy],
                     "weights": {name: t[:2].tolist() for name, t in full.items()},
                 }
@@ -82,7 +87,8 @@ def main() -> None:
 def perturb(model: torch.nn.Module) -> None:
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(0.3 * torch.randn_like(p))
+            if p.requires_grad:  # LoRA: the adapters (B starts at zero), never the frozen base
+                p.add_(0.3 * torch.randn_like(p))
 
 
 def refuses_generation(url: str, token: str) -> bool:

@@ -57,6 +57,10 @@ def test_every_shipped_config_validates_and_its_inputs_exist(path):
         # The default signal lead (120 s) in a 2-minute allocation: every allocation would be
         # signalled at its start and do no work (seen as 31 allocations of 2-12 steps each).
         ("launch.slurm.time_min=2", "launch.slurm.time_min=2 (120 s) leaves no time to work before the pre-timeout"),
+        ("trainer.lora.rank=0", "trainer.lora.rank: Input should be greater than or equal to 1 (got 0)"),
+        ("trainer.lora.rank=8 trainer.backend=megatron", "trainer.lora: the megatron backend trains full models"),
+        ("trainer.lora.rank=8 rollout.engine=sglang", "is not built yet: use rollout.engine=torch"),
+        ("trainer.lora.rank=8 launch.colocate=true rollout.max_staleness=0", "an adapter alone cannot restore"),
     ],
 )
 def test_bad_overrides_are_named(override, message):

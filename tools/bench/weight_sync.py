@@ -11,6 +11,7 @@ the first). Prints one JSON object; `ratio` = push time / raw broadcast time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -59,6 +61,55 @@ def raw_broadcast(sizes: list[int], repeat: int) -> list[float]:
     return times
 
 
+def random_qwen3(folder: Path, hidden: int, layers: int) -> Qwen3ForCausalLM:
+    """A random Qwen3-architecture model of the given size, saved to `folder` for the engines."""
+    config = Qwen3Config(
+        vocab_size=32000,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=hidden // 8,
+        tie_word_embeddings=False,
+    )
+    model = Qwen3ForCausalLM(config)
+    model.save_pretrained(folder)
+    return model
+
+
+@contextlib.contextmanager
+def two_engines(paths: RunPaths, model_dir: Path) -> Iterator[WeightSender]:
+    """Two built-in engines on the model, registered in `paths`; yields a sender to them."""
+    engines = [
+        subprocess.Popen([sys.executable, "-m", "relax_hpc.engines.torch_engine", "--run-dir", str(paths.root),
+                          "--engine-id", f"engine-{i}", "--model-path", str(model_dir)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+        for i in range(2)
+    ]  # fmt: skip
+    try:
+        while len(read_records(paths.engines)) < 2:
+            time.sleep(0.2)
+        sender = WeightSender(paths.engines, paths.read_token(), "gloo", 120)
+        yield sender
+        sender.drop_group()
+    finally:
+        for e in engines:
+            e.terminate()
+            e.wait()
+
+
+def timed_pushes(sender: WeightSender, buckets: list, params: Callable, first: int, repeat: int) -> list[float]:
+    """Seconds of `repeat` pushes of versions first.. (the group already formed)."""
+    times = []
+    for version in range(first, first + repeat):
+        start = time.perf_counter()
+        assert push(sender, buckets, params, version) == 2
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=512)
@@ -71,43 +122,14 @@ def main() -> None:
         paths = RunPaths(Path(tmp) / "run")
         paths.create()
         model_dir = Path(tmp) / "model"
-        config = Qwen3Config(
-            vocab_size=32000,
-            hidden_size=args.hidden,
-            intermediate_size=4 * args.hidden,
-            num_hidden_layers=args.layers,
-            num_attention_heads=8,
-            num_key_value_heads=4,
-            head_dim=args.hidden // 8,
-            tie_word_embeddings=False,
-        )
-        model = Qwen3ForCausalLM(config)
-        model.save_pretrained(model_dir)
+        model = random_qwen3(model_dir, args.hidden, args.layers)
         params = list(model.named_parameters())
         nbytes = sum(p.numel() * p.element_size() for _, p in params)
         buckets = plan_buckets([(n, p.shape, p.dtype) for n, p in params], int(args.bucket_mb * 2**20))
-        engines = [
-            subprocess.Popen([sys.executable, "-m", "relax_hpc.engines.torch_engine", "--run-dir", str(paths.root),
-                              "--engine-id", f"engine-{i}", "--model-path", str(model_dir)],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             env={**os.environ, "OMP_NUM_THREADS": "1"})
-            for i in range(2)
-        ]  # fmt: skip
-        try:
-            while len(read_records(paths.engines)) < 2:
-                time.sleep(0.2)
-            sender = WeightSender(paths.engines, paths.read_token(), "gloo", 120)
-            push(sender, buckets, lambda: ((n, p.detach()) for n, p in params), version=1)  # forms the group
-            push_s = []
-            for version in range(2, 2 + args.repeat):
-                start = time.perf_counter()
-                assert push(sender, buckets, lambda: ((n, p.detach()) for n, p in params), version) == 2
-                push_s.append(time.perf_counter() - start)
-            sender.drop_group()
-        finally:
-            for e in engines:
-                e.terminate()
-                e.wait()
+        with two_engines(paths, model_dir) as sender:
+            tensors = lambda: ((n, p.detach()) for n, p in params)  # noqa: E731
+            push(sender, buckets, tensors, version=1)  # forms the group
+            push_s = timed_pushes(sender, buckets, tensors, 2, args.repeat)
         raw_s = raw_broadcast([b.nbytes for b in buckets], args.repeat)
     push_med, raw_med = statistics.median(push_s), statistics.median(raw_s)
     print(

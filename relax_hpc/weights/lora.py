@@ -1,0 +1,73 @@
+"""LoRA weight sync: only the adapters travel, and the engine merges them into its base weights.
+
+A LoRA push (trainer.lora) sends, through the same buckets as a full one, every adapter's A and B
+(named `<module>.lora_A.weight`, `<module>.lora_B.weight`, as in a PEFT adapter file without its
+`base_model.model.` prefix) and one float32 tensor `lora_scaling` (alpha / rank). The engine keeps
+a copy of each target module's base weight, taken before its first merge, and sets the weight to
+`merged(base, A, B, scaling)` after the last bucket of a version: every version is merged onto
+the base, never onto the previous version, so the engine's weights are exactly the trainer's
+merged weights (the same function computes both), whatever versions it missed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from relax_hpc.weights.buckets import DTYPES
+
+SCALING = "lora_scaling"
+_A, _B = ".lora_A.weight", ".lora_B.weight"
+
+
+def is_adapter_tensor(name: str) -> bool:
+    return name == SCALING or name.endswith((_A, _B))
+
+
+def merged(
+    base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The effective weight of a target module: base + scaling x B A, in the base's dtype; one
+    fused op (no weight-sized temporaries), written into `out` when given."""
+    return torch.addmm(base, b.to(base.dtype), a.to(base.dtype), alpha=scaling, out=out)
+
+
+def merge_all(
+    base: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor], out: Mapping[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """The merged weight of every module `adapter` (sync names, SCALING included) targets, keyed
+    by the base weight's name (into `out`'s tensors when given)."""
+    scaling = float(adapter[SCALING])  # one number per version (a host sync on a GPU, once)
+    merged_weights = {}
+    for name, a in adapter.items():
+        if name.endswith(_A):
+            module = name[: -len(_A)]
+            weight = f"{module}.weight"
+            target = None if out is None else out[weight]
+            merged_weights[weight] = merged(base[weight], a, adapter[module + _B], scaling, target)
+    return merged_weights
+
+
+class AdapterMerger:
+    """Engine side: buffers the received adapter tensors and merges them into the parameters."""
+
+    def __init__(self, params: dict[str, torch.nn.Parameter], device: torch.device) -> None:
+        self.params, self.device = params, device
+        self.adapter: dict[str, torch.Tensor] = {}  # where the receiver writes A, B and the scaling
+        self.base: dict[str, torch.Tensor] = {}  # base weights of the modules merged so far
+
+    def slots(self, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> None:
+        """Allocate (once) the buffers a bucket's adapter tensors are received into."""
+        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+            if is_adapter_tensor(name) and name not in self.adapter:
+                self.adapter[name] = torch.empty(shape, dtype=DTYPES[dtype], device=self.device)
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """After a version's last bucket: every target weight becomes base + scaling x B A."""
+        for name in self.adapter:
+            if name.endswith(_A):
+                weight = f"{name[: -len(_A)]}.weight"
+                self.base.setdefault(weight, self.params[weight].detach().clone())
+        merge_all(self.base, self.adapter, out=self.params)
