@@ -133,7 +133,8 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (), base_dir
 
 
 def to_yaml(config: JobConfig) -> str:
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+    """The resolved config as YAML, without the sections its kind does not read."""
+    return yaml.safe_dump(config.model_dump(mode="json", exclude=config.unused_sections()), sort_keys=False)
 
 
 def read_frozen(path: Path) -> JobConfig:
