@@ -80,7 +80,7 @@ def test_a_rank_divides_by_the_global_batch():
 
 def test_prompt_response_masks_the_prompt_and_learns_the_eos(tok):
     ex = prompt_response_example({"prompt": "3+4=", "response": "7"}, "prompt", "response", tok, "row")
-    assert ex.ids == tok.encode("3+4=7") + [tok.eos_token_id]
+    assert ex.ids == [*tok.encode("3+4=7"), tok.eos_token_id]
     assert ex.loss_mask == [0, 0, 0, 0, 1, 1]
     batch = examples_batch([ex], [0], tok.pad_token_id)
     # Next-token targets: position t scores token t + 1, so the loss counts the targets "7" and EOS.
@@ -162,9 +162,9 @@ def test_each_epoch_takes_every_example_once_across_batch_boundaries():
 def test_an_sft_config_refuses_rl_sections_and_what_makes_no_sense():
     with pytest.raises(ConfigError, match="rollout: a kind=sft job has no rollout"):
         load_config(SFT, ["rollout.num_engines=4"], base_dir=REPO)
-    with pytest.raises(ConfigError, match="sft.data is required"):
+    with pytest.raises(ConfigError, match=r"sft\.data is required"):
         load_config(None, ["kind=sft"], base_dir=REPO)
-    with pytest.raises(ConfigError, match="trainer.backend=megatron is not supported yet"):
+    with pytest.raises(ConfigError, match=r"trainer\.backend=megatron is not supported yet"):
         load_config(SFT, ["trainer.backend=megatron"], base_dir=REPO)
     with pytest.raises(ConfigError, match="sft: a kind=rl job is not kind=sft"):
         load_config(None, ["sft.batch_size=8"], base_dir=REPO)

@@ -20,7 +20,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from relax_hpc.models.tiny import addition_problems
 
@@ -52,11 +52,11 @@ def measure(folder: Path, samples: int, seed: int) -> dict[str, float | str]:
     }
 
 
-def _answer(tok: AutoTokenizer, ids: list[int]) -> str | None:
+def _answer(tok: PreTrainedTokenizerBase, ids: list[int]) -> str | None:
     """The answer if the completion is in the format (digits, then EOS), else None."""
     if tok.eos_token_id not in ids:
         return None
-    text = tok.decode(ids[: ids.index(tok.eos_token_id)])
+    text = str(tok.decode(ids[: ids.index(tok.eos_token_id)]))
     return text if ANSWER.fullmatch(text) else None
 
 
