@@ -34,7 +34,7 @@ class Progress:
 
     def line(self, engines_up: int, engines_total: int) -> str:
         for record in self.train.new_records():
-            if "step" in record and "loss" in record:
+            if "step" in record and "samples" in record:  # a step of either kind (start and end have none)
                 self.last_step = record
                 if record["time"] >= self.since:  # rates from this start: a restart's gap is no step
                     self.recent.append((record["time"], record["samples"]))

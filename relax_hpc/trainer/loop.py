@@ -301,27 +301,12 @@ class Trainer:
         overlap bound (generate + train) / max(generate, train) is what asynchrony can gain at
         most with these phase times, overlap_gain what it did gain: (generate + train) / step."""
         phases = self.timer.take()
-        busy = sum(phases.values())
-        step_s = time.monotonic() - started
         if self.clock is not None:
-            self.clock.stepped(self.state.step, busy)
+            self.clock.stepped(self.state.step, sum(phases.values()))
         generate = record.pop("time_generate")
-        optimizer = record.pop("time_optimizer")
-        record.update(
-            {
-                "time_step": step_s,
-                "time_wait": max(0.0, step_s - busy),
-                "time_read": phases.get("read", 0.0),
-                "time_fwd_bwd": phases.get("train", 0.0) - optimizer,
-                "time_optimizer": optimizer,
-                "time_push": phases.get("push", 0.0),
-                "time_checkpoint": phases.get("checkpoint", 0.0),
-                **({"time_release": phases.get("release", 0.0)} if self.colocated is not None else {}),
-                "time_generate": generate,
-                "overlap_bound": (generate + busy) / max(generate, busy, 1e-9),
-                "overlap_gain": (generate + busy) / max(step_s, 1e-9),
-            }
-        )
+        record.update(step_times(phases, time.monotonic() - started, generate, record.pop("time_optimizer")))
+        if self.colocated is not None:
+            record["time_release"] = phases.get("release", 0.0)
         self.metrics.log(record)
         now = time.monotonic()
         if now - self.last_log_line >= self.cfg.metrics.progress_every_s or record["step"] in (1, self.total):
@@ -374,6 +359,24 @@ class Trainer:
 
 
 # -- what every trainer loop (RL here, SFT in sft_loop) does the same way ------------------------
+
+
+def step_times(phases: dict[str, float], step_s: float, generate: float, optimizer: float) -> dict[str, float]:
+    """A step record's time fields from the phases the step's timer measured (see finish_step);
+    a loop without rollout passes generate=0, and its overlap is 1x."""
+    busy = sum(phases.values())
+    return {
+        "time_step": step_s,
+        "time_wait": max(0.0, step_s - busy),
+        "time_read": phases.get("read", 0.0),
+        "time_fwd_bwd": phases.get("train", 0.0) - optimizer,
+        "time_optimizer": optimizer,
+        "time_push": phases.get("push", 0.0),
+        "time_checkpoint": phases.get("checkpoint", 0.0),
+        "time_generate": generate,
+        "overlap_bound": (generate + busy) / max(generate, busy, 1e-9),
+        "overlap_gain": (generate + busy) / max(step_s, 1e-9),
+    }
 
 
 def load_checkpoint(ckpt: Checkpointer, backend: Backend, model_path: str) -> dict[str, Any] | None:

@@ -35,6 +35,7 @@ from relax_hpc.trainer.loop import (
     log_start,
     reduce_stats,
     save_checkpoint,
+    step_times,
 )
 from relax_hpc.trainer.torch_backend import TorchBackend
 
@@ -120,19 +121,11 @@ class SftTrainer:
         }
 
     def finish_step(self, record: dict[str, Any], started: float) -> None:
-        """Rank 0: where the step's time went, the record, and (throttled) a log line."""
+        """Rank 0: where the step's time went (the RL step's fields: no rollout, nothing to push),
+        the record, and (throttled) a log line."""
         assert self.metrics is not None and self.clock is not None, "rank 0 writes the record"
         phases = self.timer.take()
-        optimizer = record.pop("time_optimizer")
-        record.update(
-            {
-                "time_step": time.monotonic() - started,
-                "time_read": phases.get("read", 0.0),
-                "time_fwd_bwd": phases.get("train", 0.0) - optimizer,
-                "time_optimizer": optimizer,
-                "time_checkpoint": phases.get("checkpoint", 0.0),
-            }
-        )
+        record.update(step_times(phases, time.monotonic() - started, 0.0, record.pop("time_optimizer")))
         self.clock.stepped(self.state.step, sum(phases.values()))
         self.metrics.log(record)
         now = time.monotonic()
