@@ -84,13 +84,10 @@ def sft_data_problems(cfg: JobConfig) -> list[str]:
     template), as the trainer will make it; the first bad row is named."""
     from transformers import AutoTokenizer
 
-    from relax_hpc.data.sft import load_examples
+    from relax_hpc.data.sft import configured_examples
 
-    s = cfg.sft
-    assert s.data is not None, "the config requires sft.data for kind=sft"
-    keys = {"prompt": s.prompt_key, "response": s.response_key, "messages": s.messages_key}
     try:
-        load_examples(s.data, s.format, keys, AutoTokenizer.from_pretrained(cfg.model.path), s.max_tokens)
+        configured_examples(cfg.sft, AutoTokenizer.from_pretrained(cfg.model.path))
     except DatasetError as e:
         return [f"sft.data: {e}"]
     return []

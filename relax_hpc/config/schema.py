@@ -711,6 +711,10 @@ class JobConfig(Section):
             "trainer.backend=megatron": ("is not supported yet: use trainer.backend=torch",
                                          self.trainer.backend == "megatron"),
             "launch.colocate": ("shares devices with rollout engines, which sft does not run", self.launch.colocate),
+            "launch.local_engine_gpus": ("places rollout engines, which sft does not run",
+                                         bool(self.launch.local_engine_gpus)),
+            "sft.batch_size": ("must be at least trainer.num_ranks (each rank trains a share of it)",
+                               self.sft.batch_size < self.trainer.num_ranks),
         }  # fmt: skip
         problems = [f"{key} {why}" for key, (why, bad) in refused.items() if bad]
         if problems:

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from relax_hpc.config.schema import SftConfig
 from relax_hpc.data.prompts import DatasetError
 
 
@@ -132,6 +133,13 @@ def load_examples(
     if not examples:
         raise DatasetError(f"{path}: no examples")
     return examples
+
+
+def configured_examples(sft: SftConfig, tok: Tokenizer) -> list[Example]:
+    """The examples of an sft job's config (what submit checks and every trainer rank trains on)."""
+    assert sft.data is not None, "the config requires sft.data for kind=sft"
+    keys = {"prompt": sft.prompt_key, "response": sft.response_key, "messages": sft.messages_key}
+    return load_examples(sft.data, sft.format, keys, tok, sft.max_tokens)
 
 
 def batch_indices(num_examples: int, batch_size: int, step: int, seed: int) -> list[int]:

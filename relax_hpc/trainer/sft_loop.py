@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 from relax_hpc.algos.stats import Stats
 from relax_hpc.ckpt.manager import Checkpointer
 from relax_hpc.config.schema import JobConfig
-from relax_hpc.data.sft import Example, batch_indices, load_examples
+from relax_hpc.data.sft import Example, batch_indices, configured_examples
 from relax_hpc.metrics.heartbeat import Heartbeat, StepClock
 from relax_hpc.metrics.jsonl import JsonlWriter
 from relax_hpc.metrics.timing import PhaseTimer
@@ -51,10 +51,8 @@ class SftState:
 
 
 def examples_batch(examples: list[Example], rows: list[int], pad_id: int) -> TrainBatch:
-    """Training tensors of the examples `rows` (loss on their response tokens), or, for a rank
-    without an example, one row without loss tokens: it must still join the step's collectives."""
-    if not rows:
-        return pad_samples([[pad_id, pad_id]], [[0, 0]], [[0.0, 0.0]], [0.0], [-1], pad_id).without_loss()
+    """Training tensors of the examples `rows`, the loss on their response tokens (every rank has
+    some: the config keeps sft.batch_size at least trainer.num_ranks)."""
     picked = [examples[i] for i in rows]
     return pad_samples(
         [e.ids for e in picked],
@@ -71,10 +69,7 @@ class SftTrainer:
         self.cfg, self.paths, self.sft = cfg, paths, cfg.sft
         self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         self.backend = TorchBackend(cfg, device)  # the config refuses megatron for sft
-        assert self.sft.data is not None, "the config requires sft.data for kind=sft"
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-        keys = {"prompt": self.sft.prompt_key, "response": self.sft.response_key, "messages": self.sft.messages_key}
-        self.examples = load_examples(self.sft.data, self.sft.format, keys, tokenizer, self.sft.max_tokens)
+        self.examples = configured_examples(self.sft, AutoTokenizer.from_pretrained(cfg.model.path))
         self.ckpt = Checkpointer(paths.ckpt, cfg.ckpt.keep)
         self.state = SftState()
         self.stop = StopRequest(paths.stop_request)
@@ -137,11 +132,15 @@ class SftTrainer:
                 record["epoch"], record["time_step"],
             )  # fmt: skip
 
+    def _go_on(self) -> bool:
+        """Rank 0 decides (a stop request) and tells every rank, so that all take the same steps."""
+        command = {"kind": "stop" if self.stop.requested() else "train"} if self.rank == 0 else None
+        return broadcast_command(command)["kind"] == "train"
+
     def run(self) -> None:
         while self.state.step < self.total:
             started = time.monotonic()
-            go_on = not self.stop.requested() if self.rank == 0 else None
-            if broadcast_command({"kind": "train" if go_on else "stop"} if self.rank == 0 else None)["kind"] == "stop":
+            if not self._go_on():
                 log.info("stop requested at step %d", self.state.step)
                 break
             record = self.train()

@@ -17,7 +17,7 @@ from relax_hpc.algos.aggregation import Normalizer
 from relax_hpc.algos.sft import sft_loss
 from relax_hpc.config.load import ConfigError, load_config, read_frozen, to_yaml
 from relax_hpc.data.prompts import DatasetError
-from relax_hpc.data.sft import Example, batch_indices, load_examples, messages_example, prompt_response_example
+from relax_hpc.data.sft import batch_indices, load_examples, messages_example, prompt_response_example
 from relax_hpc.models.tiny import build_char_tokenizer
 from relax_hpc.submit import check_inputs
 from relax_hpc.trainer.sft_loop import examples_batch
@@ -166,6 +166,8 @@ def test_an_sft_config_refuses_rl_sections_and_what_makes_no_sense():
         load_config(None, ["kind=sft"], base_dir=REPO)
     with pytest.raises(ConfigError, match=r"trainer\.backend=megatron is not supported yet"):
         load_config(SFT, ["trainer.backend=megatron"], base_dir=REPO)
+    with pytest.raises(ConfigError, match=r"sft\.batch_size must be at least trainer\.num_ranks"):
+        load_config(SFT, ["sft.batch_size=1"], base_dir=REPO)
     with pytest.raises(ConfigError, match="sft: a kind=rl job is not kind=sft"):
         load_config(None, ["sft.batch_size=8"], base_dir=REPO)
 
@@ -198,11 +200,6 @@ def test_a_model_path_naming_a_run_is_its_export(tmp_path):
     for f in (REPO / "assets" / "tiny-qwen3-addition").iterdir():
         (run / "hf" / f.name).write_bytes(f.read_bytes())
     check_inputs(load_config(None, [f"model.path={run}"], base_dir=REPO))
-
-
-def test_examples_batch_gives_a_rank_without_examples_a_row_without_loss(tok):
-    batch = examples_batch([Example([1, 2, 3], [0, 1, 1])], [], tok.pad_token_id)
-    assert batch.num_tokens == 0 and batch.input_ids.shape[0] == 1
 
 
 @pytest.fixture
