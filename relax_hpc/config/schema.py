@@ -659,9 +659,14 @@ class SftConfig(Section):
     """An example longer than this (prompt + response tokens) is refused at submit, naming its row."""
 
 
-# Sections an sft job does not read: setting them is refused, and they are left out of its frozen
-# config (an RL config's defaults would otherwise be checked and bound for nothing).
+# Sections an sft job does not read: a config file that sets them is refused, and they are left out
+# of its frozen config (an RL config's defaults would otherwise be checked and bound for nothing).
 RL_ONLY_SECTIONS = ("data", "rollout", "reward", "algo", "weights")
+
+
+def unused_sections(kind: str) -> set[str]:
+    """Top-level sections a job of this kind does not read."""
+    return set(RL_ONLY_SECTIONS) if kind == "sft" else {"sft"}
 
 
 class JobConfig(Section):
@@ -686,21 +691,7 @@ class JobConfig(Section):
 
     def unused_sections(self) -> set[str]:
         """Top-level sections this kind of job does not read."""
-        return set(RL_ONLY_SECTIONS) if self.kind == "sft" else {"sft"}
-
-    @model_validator(mode="before")
-    @classmethod
-    def _sft_sections(cls, tree: Any) -> Any:
-        """An sft job refuses the RL sections rather than ignore them (a setting that does nothing
-        is a mistake the user should hear of), and an RL job the sft section."""
-        if not isinstance(tree, dict):
-            return tree
-        sft = tree.get("kind") == "sft"
-        given = [name for name in (RL_ONLY_SECTIONS if sft else ("sft",)) if tree.get(name)]
-        if given:
-            why = "has no rollout, reward, algorithm or weight sync" if sft else "is not kind=sft"
-            raise ValueError(f"{', '.join(given)}: a kind={tree.get('kind', 'rl')} job {why}; remove these sections")
-        return tree
+        return unused_sections(self.kind)
 
     @model_validator(mode="after")
     def _sft(self) -> JobConfig:

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from relax_hpc.algos.aggregation import Normalizer
 from relax_hpc.algos.sft import sft_loss
-from relax_hpc.config.load import ConfigError, load_config, read_frozen, to_yaml
+from relax_hpc.config.load import ConfigError, load_config, read_frozen, to_yaml, validate
 from relax_hpc.data.prompts import DatasetError
 from relax_hpc.data.sft import batch_indices, load_examples, messages_example, prompt_response_example
 from relax_hpc.models.tiny import build_char_tokenizer
@@ -170,6 +170,14 @@ def test_an_sft_config_refuses_rl_sections_and_what_makes_no_sense():
         load_config(SFT, ["sft.batch_size=1"], base_dir=REPO)
     with pytest.raises(ConfigError, match="sft: a kind=rl job is not kind=sft"):
         load_config(None, ["sft.batch_size=8"], base_dir=REPO)
+
+
+def test_a_resolved_configs_full_dump_validates_again():
+    """Only what the user writes is checked for another kind's sections: a dump of a resolved
+    config holds every section (relax_hpc.scale re-validates the run's config that way)."""
+    for path in (SFT, REPO / "configs" / "tiny-grpo.yaml"):
+        cfg = load_config(path, base_dir=REPO)
+        assert validate(json.loads(cfg.model_dump_json())) == cfg
 
 
 def test_the_frozen_sft_config_holds_only_what_it_reads(tmp_path):
