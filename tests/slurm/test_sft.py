@@ -1,6 +1,6 @@
-"""kind=sft on a real Slurm cluster through submitit: the trainer is the job's only step (no
-engines, no driver), the run completes and exports the model an RL run then names, and the
-pre-timeout notice checkpoints, requeues and resumes it exactly."""
+"""kind=sft on a real Slurm cluster through submitit: the pre-timeout notice checkpoints,
+requeues and resumes the run exactly; the trainer is the job's only step (no engines, no driver),
+and the run exports the model an RL run then names."""
 
 from __future__ import annotations
 
@@ -38,20 +38,7 @@ def submit_sft(run_dir, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(argv, check=False, cwd=REPO, capture_output=True, text=True, timeout=600)
 
 
-def test_an_sft_run_is_one_trainer_step_and_exports_its_model(slurm_cluster, tmp_path):
-    run_dir = tmp_path / "sft"
-    out = submit_sft(run_dir, "trainer.total_steps=8", "--wait")
-    assert out.returncode == 0, out.stdout + out.stderr
-    job = job_id(run_dir)
-    assert job_state(job) == "COMPLETED", describe(run_dir, job)
-    steps = {r["JobName"] for r in sacct(job) if r["JobName"].startswith("relax_hpc:")}
-    assert steps == {"relax_hpc:trainer"}, steps
-    assert train_events(run_dir, "end")[-1]["completed"] is True
-    rl = load_config(REPO / "configs" / "tiny-grpo.yaml", [f"model.path={run_dir}"], base_dir=REPO)
-    assert rl.model.path == str(run_dir / "hf") and (run_dir / "hf" / "model.safetensors").is_file()
-
-
-def test_the_pre_timeout_notice_requeues_and_the_run_resumes_exactly(slurm_cluster, tmp_path):
+def test_an_sft_job_requeued_by_the_notice_resumes_exactly_and_exports_its_model(slurm_cluster, tmp_path):
     common = ("trainer.total_steps=60", "ckpt.every_steps=1000", "sft.batch_size=8")
     reference = tmp_path / "reference"  # uninterrupted, on this machine
     assert Job(reference, *common, config=CONFIG).run(timeout_s=300) == 0
@@ -68,6 +55,10 @@ def test_the_pre_timeout_notice_requeues_and_the_run_resumes_exactly(slurm_clust
     # Checkpointed at the notice (not at every_steps), resumed there: the data position came back.
     assert ends[0]["completed"] is False and 3 <= starts[1]["step"] == ends[0]["step"] < 60
     assert ends[-1]["completed"] is True
+    steps = {r["JobName"] for r in sacct(job) if r["JobName"].startswith("relax_hpc:")}
+    assert steps == {"relax_hpc:trainer"}, steps  # no engines, no driver
+    rl = load_config(REPO / "configs" / "tiny-grpo.yaml", [f"model.path={run_dir}"], base_dir=REPO)
+    assert rl.model.path == str(run_dir / "hf") and (run_dir / "hf" / "model.safetensors").is_file()
 
     def losses(d):
         return [(r["step"], r["loss"]) for r in read_jsonl(d / "metrics" / "train.jsonl") if "loss" in r]
