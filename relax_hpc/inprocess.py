@@ -192,6 +192,8 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args()
     cfg = load_config(args.config, args.overrides)
+    if cfg.kind != "rl":
+        parser.error(f"{args.config} is a kind={cfg.kind} config: run it with python -m relax_hpc.submit")
     torch.set_num_threads(cfg.launch.threads_per_process)
     writer = JsonlWriter(args.out)
 

@@ -50,6 +50,14 @@ def _mean_of(values: list[float], window: int) -> list[float]:
 
 
 def reward(ax: Axes, steps: list[Record], evals: list[Record]) -> None:
+    """Batch reward and greedy accuracy; an sft run's steps have neither: its loss instead."""
+    if not any("reward" in r for r in steps):
+        x, y = _series(steps, "loss")
+        ax.plot(x, y, color="tab:blue", alpha=0.3, linewidth=0.8, label="loss (response tokens)")
+        ax.plot(x, _mean_of(y, 10), color="tab:blue", linewidth=1.8, label="10-step mean")
+        ax.set(title="supervised loss", xlabel="step")
+        ax.legend(loc="upper right", fontsize=8)
+        return
     x, y = _series(steps, "reward")
     ax.plot(x, y, color="tab:blue", alpha=0.3, linewidth=0.8, label="batch reward")
     ax.plot(x, _mean_of(y, 10), color="tab:blue", linewidth=1.8, label="10-step mean")

@@ -117,9 +117,10 @@ def _rates(steps: list[dict[str, Any]], total: int) -> dict[str, Any]:
     start (a gap across a restart is no step time)."""
     recent = steps[-RECENT:]
     last = recent[-1]
+    score = "reward" if "reward" in last else "loss"  # an sft run's steps have a loss only
     out: dict[str, Any] = {
-        "reward": last["reward"],
-        "reward_mean10": statistics.fmean(r["reward"] for r in steps[-10:]),
+        score: last[score],
+        f"{score}_mean10": statistics.fmean(r[score] for r in steps[-10:]),
         "staleness_mean": last.get("staleness_mean", 0.0),
         "last_step_age_s": time.time() - last["time"],
     }
@@ -147,8 +148,11 @@ def render(facts: dict[str, Any]) -> str:
     if "eta_s" in facts and facts["state"] == "running":
         progress += f", ETA {_duration(facts['eta_s'])} at {facts['seconds_per_step']:.2f} s/step"
     lines.append(f"progress:    {progress}")
-    if "reward" in facts:
-        lines.append(f"reward:      {facts['reward']:.3f} (last step), {facts['reward_mean10']:.3f} (mean of 10)")
+    lines += [
+        f"{score + ':':<13}{facts[score]:.3f} (last step), {facts[f'{score}_mean10']:.3f} (mean of 10)"
+        for score in ("reward", "loss")  # an sft run has a loss, an RL run a reward
+        if score in facts
+    ]
     if "eval" in facts:
         lines.append(
             f"eval:        greedy accuracy {facts['eval']['greedy_accuracy']:.3f} at version {facts['eval']['version']}"

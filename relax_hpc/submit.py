@@ -46,7 +46,7 @@ def check_inputs(cfg: JobConfig, in_allocation: bool = False) -> None:
     the machines."""
     problems = path_problems(cfg)
     if not problems:
-        problems += dataset_problems(cfg)
+        problems += dataset_problems(cfg) if cfg.kind == "rl" else sft_data_problems(cfg)
         if cfg.trainer.backend == "megatron":
             problems += check_megatron_job(cfg.model.path, cfg.trainer.megatron)
             problems += megatron_gpu_problems(cfg, in_allocation)
@@ -76,6 +76,20 @@ def dataset_problems(cfg: JobConfig) -> list[str]:
         load_prompts(d.path, d.prompt_key, d.answer_key, d.media, sampling_rate(model), check_media=True)
     except DatasetError as e:
         return [str(e)]
+    return []
+
+
+def sft_data_problems(cfg: JobConfig) -> list[str]:
+    """kind=sft: every row tokenizes into an example, with the model's tokenizer (and chat
+    template), as the trainer will make it; the first bad row is named."""
+    from transformers import AutoTokenizer
+
+    from relax_hpc.data.sft import configured_examples
+
+    try:
+        configured_examples(cfg.sft, AutoTokenizer.from_pretrained(cfg.model.path))
+    except DatasetError as e:
+        return [f"sft.data: {e}"]
     return []
 
 

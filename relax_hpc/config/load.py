@@ -14,7 +14,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
 from relax_hpc.config.path_options import make_absolute
-from relax_hpc.config.schema import JobConfig
+from relax_hpc.config.schema import JobConfig, unused_sections
 
 
 class ConfigError(ValueError):
@@ -107,6 +107,17 @@ def _describe(error: ErrorDetails) -> str:
     return f"{key}: {error['msg']} (got {value!r}){allowed}"
 
 
+def _refuse_other_kinds_sections(tree: dict[str, Any]) -> None:
+    """A config that sets sections its kind does not read (rollout in an sft job, sft in an RL
+    one) is refused rather than silently ignored. Checked on what the user wrote (the file and
+    the overrides) only: a resolved config's dump holds every section."""
+    kind = tree.get("kind", "rl")
+    given = sorted(name for name in unused_sections(kind) if tree.get(name))
+    if given:
+        why = "has no rollout, reward, algorithm or weight sync" if kind == "sft" else "is not kind=sft"
+        raise ConfigError(f"invalid config:\n  {', '.join(given)}: a kind={kind} job {why}; remove these sections")
+
+
 def validate(tree: dict[str, Any]) -> JobConfig:
     try:
         return JobConfig.model_validate(_migrate(tree))
@@ -131,13 +142,15 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (), base_dir
             raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(tree).__name__}")
     for override in overrides:
         apply_override(tree, override)
+    _refuse_other_kinds_sections(tree)
     config = validate(tree)
     make_absolute(config, base_dir or Path.cwd())
     return config
 
 
 def to_yaml(config: JobConfig) -> str:
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+    """The resolved config as YAML, without the sections its kind does not read."""
+    return yaml.safe_dump(config.model_dump(mode="json", exclude=config.unused_sections()), sort_keys=False)
 
 
 def read_frozen(path: Path) -> JobConfig:

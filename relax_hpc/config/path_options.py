@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from relax_hpc.config.schema import PathOption
+from relax_hpc.config.schema import JobConfig, PathOption
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,8 +26,12 @@ class PathField:
 
 
 def path_fields(section: BaseModel, prefix: str = "") -> Iterator[PathField]:
-    """Every path option of `section` and its subsections, in schema order."""
+    """Every path option of `section` and its subsections, in schema order (of a job, only the
+    sections its kind reads)."""
+    unused = section.unused_sections() if isinstance(section, JobConfig) else set()
     for name, field in type(section).model_fields.items():
+        if name in unused:
+            continue
         value = getattr(section, name)
         if isinstance(value, BaseModel):
             yield from path_fields(value, f"{prefix}{name}.")
@@ -42,7 +46,16 @@ def make_absolute(config: BaseModel, base: Path) -> None:
     directory, reads the same files."""
     for f in path_fields(config):
         if f.value is not None:
-            setattr(f.owner, f.name, str((base / f.value).resolve()))
+            path = (base / f.value).resolve()
+            setattr(f.owner, f.name, str(_run_export(path) if f.option.kind == "hf_model" else path))
+
+
+def _run_export(path: Path) -> Path:
+    """A model option may name a run (a folder with RUN_DIR/config.yaml and no config.json of its
+    own, e.g. an sft run): it stands for the HF folder that run exported, RUN_DIR/hf."""
+    if (path / "config.yaml").is_file() and not (path / "config.json").is_file():
+        return path / "hf"
+    return path
 
 
 def path_problems(config: BaseModel) -> list[str]:
@@ -53,7 +66,14 @@ def path_problems(config: BaseModel) -> list[str]:
         if path is None or f.option.kind == "run_dir":
             continue
         hint = f"; {f.option.hint}" if f.option.hint else ""
-        if f.option.kind == "hf_model" and not (path / "config.json").is_file():
+        if f.option.kind == "hf_model" and path.name == "hf" and (path.parent / "config.yaml").is_file():
+            if not (path / "config.json").is_file():
+                problems.append(
+                    f"{f.key}: the run {path.parent} has exported no model yet ({path} is written when it "
+                    "completes, with ckpt.export_hf); finish that run, or export a checkpoint with "
+                    f"python tools/dcp_to_hf.py --run-dir {path.parent} --out {path}"
+                )
+        elif f.option.kind == "hf_model" and not (path / "config.json").is_file():
             problems.append(f"{f.key}: {path} is not an HF model folder (no config.json){hint}")
         elif f.option.kind == "file" and not path.is_file():
             problems.append(f"{f.key}: {path} does not exist or is not a file{hint}")

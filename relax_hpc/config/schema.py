@@ -664,9 +664,47 @@ class LaunchConfig(Section):
     """How the launcher tells a hung or dead role, and what it does then."""
 
 
+class SftConfig(Section):
+    data: Annotated[str | None, PathOption("file")] = None
+    """kind=sft: the JSONL training set, one example per line (required for sft)."""
+    format: Literal["prompt_response", "messages"] = "prompt_response"
+    """`prompt_response`: each row holds a prompt string and a response string, tokenized as they
+    are (no chat template) with EOS after the response. `messages`: each row holds a list of chat
+    messages (`{"role": ..., "content": ...}`) rendered with the model's chat template; every
+    assistant message is a response."""
+    prompt_key: str = "prompt"
+    """format=prompt_response: the row field holding the prompt."""
+    response_key: str = "response"
+    """format=prompt_response: the row field holding the response."""
+    messages_key: str = "messages"
+    """format=messages: the row field holding the chat messages."""
+    batch_size: int = Field(default=64, ge=1)
+    """Examples per optimizer step (the global batch, dealt over trainer.num_ranks); the number of
+    steps is trainer.total_steps, going through the data in epochs, each in a fresh order seeded
+    by run.seed and the epoch."""
+    aggregation: Aggregation = "token_mean"
+    """How the response tokens' negative log-likelihoods become the loss (relax_hpc/algos/
+    aggregation.py): `token_mean` (every response token of the batch weighs the same) or
+    `seq_mean_token_mean` (every example weighs the same), ...; prompt tokens never count."""
+    max_tokens: int = Field(default=4096, ge=2)
+    """An example longer than this (prompt + response tokens) is refused at submit, naming its row."""
+
+
+# Sections an sft job does not read: a config file that sets them is refused, and they are left out
+# of its frozen config (an RL config's defaults would otherwise be checked and bound for nothing).
+RL_ONLY_SECTIONS = ("data", "rollout", "reward", "algo", "weights")
+
+
+def unused_sections(kind: str) -> set[str]:
+    """Top-level sections a job of this kind does not read."""
+    return set(RL_ONLY_SECTIONS) if kind == "sft" else {"sft"}
+
+
 class JobConfig(Section):
-    kind: Literal["rl"] = "rl"
-    """What the file describes: an RL post-training job."""
+    kind: Literal["rl", "sft"] = "rl"
+    """What the file describes: `rl`, an RL post-training job (rollout engines, a driver, the
+    trainer); `sft`, supervised fine-tuning on a JSONL of examples (the trainer alone; see the
+    `sft` section), whose exported model an RL job can start from (`model.path: RUN_DIR`)."""
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
@@ -679,6 +717,33 @@ class JobConfig(Section):
     metrics: MetricsConfig = MetricsConfig()
     notify: NotifyConfig = NotifyConfig()
     launch: LaunchConfig = LaunchConfig()
+    sft: SftConfig = SftConfig()
+    """Supervised fine-tuning (kind=sft): the data, its format, the batch."""
+
+    def unused_sections(self) -> set[str]:
+        """Top-level sections this kind of job does not read."""
+        return unused_sections(self.kind)
+
+    @model_validator(mode="after")
+    def _sft(self) -> JobConfig:
+        if self.kind != "sft":
+            return self
+        refused = {
+            "sft.data": ("is required: the JSONL of examples", self.sft.data is None),
+            "trainer.backend=megatron": ("is not supported yet: use trainer.backend=torch",
+                                         self.trainer.backend == "megatron"),
+            "launch.colocate": ("shares devices with rollout engines, which sft does not run", self.launch.colocate),
+            "launch.local_engine_gpus": ("places rollout engines, which sft does not run",
+                                         bool(self.launch.local_engine_gpus)),
+            "sft.batch_size": ("must be at least trainer.num_ranks (each rank trains a share of it)",
+                               self.sft.batch_size < self.trainer.num_ranks),
+        }  # fmt: skip
+        problems = [f"{key} {why}" for key, (why, bad) in refused.items() if bad]
+        if problems:
+            raise ValueError("kind=sft: " + "; ".join(problems))
+        if self.launch.executor == "slurm" and self.launch.slurm.rollout.nodes:
+            raise ValueError("kind=sft runs no rollout engines: set launch.slurm.rollout.nodes=0")
+        return self
 
     @model_validator(mode="after")
     def _resolve(self) -> JobConfig:

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from relax_hpc.config.schema import JobConfig
-from relax_hpc.launch.gpus import NO_GPU
+from relax_hpc.launch.gpus import NO_GPU, engine_count
 
 
 class AllocationError(RuntimeError):
@@ -144,15 +144,6 @@ def _colocated_layout(cfg: JobConfig, group: int, trainer_nodes: list[str]) -> L
     visible = f"0-{gpus - 1}" if gpus else NO_GPU
     devices: list[str | None] = [f"cuda:{r % per_node}" if gpus else None for r in ranks]
     return Layout(group, trainer_nodes, visible, group, nodes, [visible] * len(nodes), devices)
-
-
-def engine_count(cfg: JobConfig) -> int:
-    """Engine processes of the run: the rollout engines, then the judge engines if any."""
-    return cfg.rollout.num_engines + judge_count(cfg)
-
-
-def judge_count(cfg: JobConfig) -> int:
-    return cfg.reward.judge.num_engines if cfg.reward.name == "judge" else 0
 
 
 def _gpu_slice(gpus_per_node: int, engines_on_node: int, index: int, offset: int, tp_size: int | None) -> str | None:

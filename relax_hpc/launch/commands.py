@@ -5,6 +5,8 @@
     judges    the same, on reward.judge.model, registered in RUN_DIR/registry/judge (reward.name=judge)
     driver    python -m relax_hpc.rollout.driver
     metrics   python -m relax_hpc.metrics.sinks              (only with metrics.tensorboard or metrics.clearml)
+
+A kind=sft job runs the trainer (and the metrics role) only: no engines, no driver.
     trainer   torchrun ... -m relax_hpc.trainer.main      (one torchrun per trainer node)
 
 Inside an allocation each role is `srun --overlap --nodelist=NODE ...` (steps share the nodes' CPUs,
@@ -83,7 +85,8 @@ def local_commands(cfg: JobConfig, paths: RunPaths, devices: LocalDevices | None
         engine_name(cfg, i)[0]: _on_gpus(gpus, [py, *engine_args(cfg, paths, i, cfg.rollout.host, device=device[i])])
         for i, gpus in enumerate(devices.engines)
     }
-    commands["driver"] = [py, *driver_args(paths)]
+    if cfg.kind == "rl":  # an sft job is the trainer alone
+        commands["driver"] = [py, *driver_args(paths)]
     if wants_sinks(cfg):
         commands["metrics"] = [py, *sinks_args(paths)]
     torchrun = ["--standalone", f"--nproc-per-node={cfg.trainer.num_ranks}"]
@@ -105,7 +108,7 @@ def step_commands(cfg: JobConfig, paths: RunPaths, alloc: Allocation) -> dict[st
         commands[name] = _srun(cfg, alloc, layout.engine_group, [node], name) + wrap_in_container(cfg, argv)
     first_trainer_node = layout.trainer_nodes[:1]
     for name, args in (("driver", driver_args(paths)), ("metrics", sinks_args(paths))):
-        if name == "metrics" and not wants_sinks(cfg):
+        if (name == "metrics" and not wants_sinks(cfg)) or (name == "driver" and cfg.kind == "sft"):
             continue
         step = _srun(cfg, alloc, layout.trainer_group, first_trainer_node, name)
         commands[name] = step + wrap_in_container(cfg, [py, *args])

@@ -60,6 +60,16 @@ class LocalDevices:
     engine_devices: list[str] | None = None  # each engine's --device (colocated: its rank's GPU)
 
 
+def engine_count(cfg: JobConfig) -> int:
+    """Engine processes of the run: the rollout engines, then the judge engines if any (an sft
+    job has none)."""
+    return 0 if cfg.kind == "sft" else cfg.rollout.num_engines + judge_count(cfg)
+
+
+def judge_count(cfg: JobConfig) -> int:
+    return cfg.reward.judge.num_engines if cfg.kind == "rl" and cfg.reward.name == "judge" else 0
+
+
 def place_local(cfg: JobConfig, visible: int) -> LocalDevices:
     """The roles take GPUs only when there are enough for all of them: one per trainer rank, then
     one per engine (an SGLang engine rollout.sglang.tp_size; judge engines after the rollout
@@ -67,7 +77,7 @@ def place_local(cfg: JobConfig, visible: int) -> LocalDevices:
     which an engine on the CPU cannot join).
     launch.local_trainer_gpus and launch.local_engine_gpus, when set, decide instead."""
     ranks = cfg.trainer.num_ranks
-    count = cfg.rollout.num_engines + (cfg.reward.judge.num_engines if cfg.reward.name == "judge" else 0)
+    count = engine_count(cfg)
     if cfg.launch.colocate:
         return _colocated(ranks, count, visible)
     per_engine = cfg.rollout.sglang.tp_size if cfg.rollout.engine == "sglang" else 1

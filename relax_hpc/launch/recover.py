@@ -35,7 +35,7 @@ class Recovery:
 def recover(paths: RunPaths) -> Recovery:
     state = read_trainer_state(paths.ckpt) or {"step": 0, "version": 0}
     spool = Spool(paths.spool)
-    step, version = state["step"], state["version"]
+    step, version = state["step"], state.get("version", 0)  # an sft run has no policy versions
     returned = spool.rollback_claims(from_step=step)
     orphaned = set(spool.orphan_newer_than(version))
     dropped = (

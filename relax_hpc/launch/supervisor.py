@@ -180,8 +180,12 @@ class Supervisor:
             + (f"slurm job {job}, restart count {restart_count}\n" if job else "")
             + (f"devices: {self.devices}\n" if self.devices else "")
             + f"{'resuming at step ' + str(recovery.step) if recovery.step else 'starting'}: "
-            f"{ro.num_engines} engine(s), {self.cfg.trainer.num_ranks} trainer rank(s), "
-            f"max_staleness {ro.max_staleness}\n"
+            + (
+                f"{ro.num_engines} engine(s), {self.cfg.trainer.num_ranks} trainer rank(s), "
+                f"max_staleness {ro.max_staleness}\n"
+                if self.cfg.kind == "rl"
+                else f"sft, {self.cfg.trainer.num_ranks} trainer rank(s)\n"
+            )
         )
         self.events.log(
             {"event": "start", "logs": logs.name, "step": recovery.step, "slurm_job_id": job,
@@ -190,7 +194,9 @@ class Supervisor:
         for role in roles.values():
             role.start(env)
         self.notifier.send("resumed" if recovery.step else "started", f"at step {recovery.step}; logs in {logs}")
-        monitor = HealthMonitor(self.paths, self.cfg.launch.health, lambda name: roles[name].started_at)
+        # A role the run does not have (an sft job's driver) started "in the future": never overdue.
+        started = lambda name: roles[name].started_at if name in roles else float("inf")  # noqa: E731
+        monitor = HealthMonitor(self.paths, self.cfg.launch.health, started)
         try:
             return self._supervise(roles, env, monitor)
         finally:
@@ -224,7 +230,7 @@ class Supervisor:
         )
         engines = [r for n, r in roles.items() if n.startswith("engine")]
         judges = [r for n, r in roles.items() if n.startswith("judge")]
-        trainer, driver = roles["trainer"], roles["driver"]
+        trainer, driver = roles["trainer"], roles.get("driver")  # an sft job has no driver
         helpers = [r for n, r in roles.items() if n == "metrics"]
         started = time.monotonic()
         trainer_done_at: float | None = None
@@ -241,7 +247,7 @@ class Supervisor:
             wall = self.cfg.launch.max_wall_s
             if wall and time.monotonic() - started > wall:
                 self.request_stop(f"launch.max_wall_s ({wall:.0f} s) reached")
-            for role in [*engines, *judges, driver, *helpers]:
+            for role in [*engines, *judges, *([driver] if driver else []), *helpers]:
                 if role.alive() or role.abandoned or trainer_done_at is not None or self.stop_requested:
                     continue
                 if role.not_before == 0.0:  # just found dead: the restart waits out the back-off
@@ -302,7 +308,7 @@ class Supervisor:
             trainer_done_at = trainer_done_at or time.monotonic()
             completed = self._training_completed()
             # Training is over: give the driver time for its final evaluation, then stop.
-            if not completed or not driver.alive() or time.monotonic() - trainer_done_at > 120:
+            if not completed or not (driver and driver.alive()) or time.monotonic() - trainer_done_at > 120:
                 progress.show(sum(r.alive() for r in engines), len(engines), force=True)
                 progress.finish()
                 return (EXIT_COMPLETED if completed else EXIT_STOPPED), False

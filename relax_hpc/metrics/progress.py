@@ -34,7 +34,7 @@ class Progress:
 
     def line(self, engines_up: int, engines_total: int) -> str:
         for record in self.train.new_records():
-            if "step" in record and "reward" in record:
+            if "step" in record and "samples" in record:  # a step of either kind (start and end have none)
                 self.last_step = record
                 if record["time"] >= self.since:  # rates from this start: a restart's gap is no step
                     self.recent.append((record["time"], record["samples"]))
@@ -50,12 +50,12 @@ class Progress:
         elapsed = int(time.monotonic() - self.started)
         parts = [
             f"step {s.get('step', 0)}/{self.total}",
-            f"reward {s['reward']:.3f}" if s else "reward -",
+            f"reward {s['reward']:.3f}" if "reward" in s else f"loss {s['loss']:.4f}" if s else "reward -",
             f"greedy {self.last_eval['greedy_accuracy']:.2f}@v{self.last_eval['version']}"
             if self.last_eval
             else "greedy -",
             f"{rate:.0f} samples/s",
-            f"staleness {s['staleness_mean']:.2f}" if s else "staleness -",
+            f"staleness {s['staleness_mean']:.2f}" if "staleness_mean" in s else "staleness -",
             f"engines {engines_up}/{engines_total}",
             f"{elapsed // 3600:d}:{elapsed // 60 % 60:02d}:{elapsed % 60:02d}",
         ]

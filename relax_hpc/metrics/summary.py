@@ -29,8 +29,9 @@ def run_summary(paths: RunPaths, total_steps: int) -> str:
     done = completed_steps(paths)
     lines = [f"{'training complete' if done >= total_steps else 'stopped'} at step {done}/{total_steps}"]
     if steps:
-        recent = [r["reward"] for r in steps[-10:]]
-        lines.append(f"reward {statistics.fmean(recent):.3f} (mean of the last {len(recent)} steps)")
+        name = "reward" if "reward" in steps[-1] else "loss"  # an sft run's steps have a loss only
+        recent = [r[name] for r in steps[-10:]]
+        lines.append(f"{name} {statistics.fmean(recent):.3f} (mean of the last {len(recent)} steps)")
     if evals:
         last = evals[-1]
         lines.append(f"greedy accuracy {last['greedy_accuracy']:.3f} at version {last['version']}")

@@ -55,30 +55,28 @@ def addition_problems() -> list[tuple[str, str]]:
     return [(f"{a}+{b}=", str(a + b)) for a in range(10) for b in range(10)]
 
 
-def format_warmup(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, steps: int, seed: int) -> float:
-    """Teach the answer *format* only: "a+b=" followed by a uniformly random number in 0..18 and
-    EOS. The model learns to emit one or two digits and stop, with answers independent of the
-    question, so it starts RL near chance (about 1/19) and with maximal answer entropy.
-    Returns the last batch's loss."""
-    return _supervised(model, tokenizer, steps, seed, correct=False)
+def format_warmup_rows(count: int, seed: int) -> list[dict[str, str]]:
+    """The format-only warm-up's examples (configs/tiny-sft-format.yaml): "a+b=" followed by a
+    uniformly random number in 0..18 (the response; EOS follows it). Trained on them, the model
+    learns to emit one or two digits and stop, with answers independent of the question, so it
+    starts RL near chance (about 1/19) and with maximal answer entropy."""
+    gen = torch.Generator().manual_seed(seed)
+    a, b, c = (torch.randint(0, hi, (count,), generator=gen) for hi in (10, 10, 19))
+    return [
+        {"prompt": f"{x}+{y}=", "response": str(z)} for x, y, z in zip(a.tolist(), b.tolist(), c.tolist(), strict=True)
+    ]
 
 
 def teach_addition(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, steps: int, seed: int) -> float:
     """Supervised training on the correct sums: turns the policy into the distillation teacher of
     the embedded default task. Returns the last batch's loss."""
-    return _supervised(model, tokenizer, steps, seed, correct=True)
-
-
-def _supervised(
-    model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, steps: int, seed: int, correct: bool
-) -> float:
     gen = torch.Generator().manual_seed(seed)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     loss = torch.tensor(0.0)
     for _ in range(steps):
-        a, b, c = (torch.randint(0, hi, (64,), generator=gen) for hi in (10, 10, 19))
-        answers = (a + b) if correct else c
-        texts = [(f"{x}+{y}=", str(z)) for x, y, z in zip(a.tolist(), b.tolist(), answers.tolist(), strict=True)]
+        # c is drawn as the format warm-up drew its random answers: the same stream of a and b.
+        a, b, _c = (torch.randint(0, hi, (64,), generator=gen) for hi in (10, 10, 19))
+        texts = [(f"{x}+{y}=", str(x + y)) for x, y in zip(a.tolist(), b.tolist(), strict=True)]
         rows = [tokenizer(p)["input_ids"] + tokenizer(ans)["input_ids"] + [tokenizer.eos_token_id] for p, ans in texts]
         width = max(map(len, rows))
         ids = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows])

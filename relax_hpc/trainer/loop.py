@@ -35,6 +35,7 @@ from relax_hpc.metrics.jsonl import JsonlWriter
 from relax_hpc.metrics.timing import PeakMemory, PhaseTimer
 from relax_hpc.paths import RunPaths, write_atomic
 from relax_hpc.protocol.registry import read_records
+from relax_hpc.trainer.backend import Backend
 from relax_hpc.trainer.batching import share_of
 from relax_hpc.trainer.build import build_backend
 from relax_hpc.trainer.claims import claim_next, read_claimed
@@ -174,29 +175,13 @@ class Trainer:
     # -- checkpoints ----------------------------------------------------------------------------
 
     def resume(self) -> None:
-        loaded = self.ckpt.load(self.backend.load_checkpoint)
-        if loaded is None:
-            log.info("no checkpoint: starting from %s", self.cfg.model.path)
-            return
-        rank_state, trainer_state = loaded
-        self.backend.scheduler.load_state_dict(rank_state["scheduler"])
-        torch.set_rng_state(rank_state["torch_rng"])
-        np.random.set_state(rank_state["numpy_rng"])
-        random.setstate(rank_state["python_rng"])
-        self.state = RunState(**trainer_state)
-        log.info("resumed from step %d (policy version %d)", self.state.step, self.state.version)
+        trainer_state = load_checkpoint(self.ckpt, self.backend, self.cfg.model.path)
+        if trainer_state is not None:
+            self.state = RunState(**trainer_state)
+            log.info("resumed from step %d (policy version %d)", self.state.step, self.state.version)
 
     def save(self) -> bool:
-        rank_state = {
-            "scheduler": self.backend.scheduler.state_dict(),
-            "torch_rng": torch.get_rng_state(),
-            "numpy_rng": np.random.get_state(),
-            "python_rng": random.getstate(),
-        }
-        ok = self.ckpt.save(self.state.step, self.backend.save_checkpoint, rank_state, asdict(self.state))
-        if self.rank == 0:
-            log.info("checkpoint step %d %s", self.state.step, "saved" if ok else "FAILED (previous kept)")
-        return ok
+        return save_checkpoint(self.ckpt, self.backend, self.state.step, asdict(self.state))
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -324,32 +309,15 @@ class Trainer:
         overlap bound (generate + train) / max(generate, train) is what asynchrony can gain at
         most with these phase times, overlap_gain what it did gain: (generate + train) / step."""
         phases = self.timer.take()
-        busy = sum(phases.values())
-        step_s = time.monotonic() - started
         if self.clock is not None:
-            self.clock.stepped(self.state.step, busy)
+            self.clock.stepped(self.state.step, sum(phases.values()))
         generate = record.pop("time_generate")
-        optimizer = record.pop("time_optimizer")
-        record.update(
-            {
-                "time_step": step_s,
-                "time_wait": max(0.0, step_s - busy),
-                "time_read": phases.get("read", 0.0),
-                "time_fwd_bwd": phases.get("train", 0.0) - optimizer,
-                "time_optimizer": optimizer,
-                "time_push": phases.get("push", 0.0),
-                "time_checkpoint": phases.get("checkpoint", 0.0),
-                **({"time_release": phases.get("release", 0.0)} if self.colocated is not None else {}),
-                **(
-                    {"time_offload": phases.get("offload", 0.0), "time_restore": phases.get("restore", 0.0)}
-                    if self.offload is not None
-                    else {}
-                ),
-                "time_generate": generate,
-                "overlap_bound": (generate + busy) / max(generate, busy, 1e-9),
-                "overlap_gain": (generate + busy) / max(step_s, 1e-9),
-            }
-        )
+        record.update(step_times(phases, time.monotonic() - started, generate, record.pop("time_optimizer")))
+        if self.colocated is not None:
+            record["time_release"] = phases.get("release", 0.0)
+        if self.offload is not None:
+            record["time_offload"] = phases.get("offload", 0.0)
+            record["time_restore"] = phases.get("restore", 0.0)
         self.metrics.log(record)
         now = time.monotonic()
         if now - self.last_log_line >= self.cfg.metrics.progress_every_s or record["step"] in (1, self.total):
@@ -380,17 +348,8 @@ class Trainer:
         return ok
 
     def log_start(self) -> None:
-        """One record per start: where the run resumed, and which Slurm job and restart this is."""
         if self.rank == 0:
-            self.metrics.log(
-                {
-                    "event": "start",
-                    "step": self.state.step,
-                    "world": self.world,
-                    "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-                    "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0")),
-                }
-            )
+            log_start(self.metrics, self.state.step, self.world)
 
     def run(self) -> None:
         total = self.total
@@ -421,17 +380,82 @@ class Trainer:
         self.save_and_prune()
         completed = self.state.step >= total
         if completed and self.cfg.ckpt.export_hf:
-            self.export()
+            export(self.paths, self.state.step)
         if self.rank == 0:
             self.metrics.log({"event": "end", "step": self.state.step, "completed": completed})
 
-    def export(self) -> None:
-        """The final weights as an HF folder in RUN_DIR/hf (rank 0 converts the checkpoint just
-        written; the others wait, so that no rank leaves before it is done)."""
-        if self.rank == 0:
-            from relax_hpc.ckpt.export import convert
 
-            started = time.monotonic()
-            convert(self.paths.root, self.paths.export)
-            log.info("exported step %d to %s in %.1f s", self.state.step, self.paths.export, time.monotonic() - started)
-        dist.barrier()
+# -- what every trainer loop (RL here, SFT in sft_loop) does the same way ------------------------
+
+
+def step_times(phases: dict[str, float], step_s: float, generate: float, optimizer: float) -> dict[str, float]:
+    """A step record's time fields from the phases the step's timer measured (see finish_step);
+    a loop without rollout passes generate=0, and its overlap is 1x."""
+    busy = sum(phases.values())
+    return {
+        "time_step": step_s,
+        "time_wait": max(0.0, step_s - busy),
+        "time_read": phases.get("read", 0.0),
+        "time_fwd_bwd": phases.get("train", 0.0) - optimizer,
+        "time_optimizer": optimizer,
+        "time_push": phases.get("push", 0.0),
+        "time_checkpoint": phases.get("checkpoint", 0.0),
+        "time_generate": generate,
+        "overlap_bound": (generate + busy) / max(generate, busy, 1e-9),
+        "overlap_gain": (generate + busy) / max(step_s, 1e-9),
+    }
+
+
+def load_checkpoint(ckpt: Checkpointer, backend: Backend, model_path: str) -> dict[str, Any] | None:
+    """Collective: restore the latest checkpoint's weights, optimizer, schedule and RNG states;
+    returns the loop's own state (trainer_state.json), or None when there is no checkpoint."""
+    loaded = ckpt.load(backend.load_checkpoint)
+    if loaded is None:
+        log.info("no checkpoint: starting from %s", model_path)
+        return None
+    rank_state, trainer_state = loaded
+    backend.scheduler.load_state_dict(rank_state["scheduler"])
+    torch.set_rng_state(rank_state["torch_rng"])
+    np.random.set_state(rank_state["numpy_rng"])
+    random.setstate(rank_state["python_rng"])
+    return trainer_state
+
+
+def save_checkpoint(ckpt: Checkpointer, backend: Backend, step: int, trainer_state: dict[str, Any]) -> bool:
+    """Collective: weights and optimizer (the backend's), this rank's schedule and RNG states, and
+    the loop's state; False when it failed (the previous checkpoint stays `latest`)."""
+    rank_state = {
+        "scheduler": backend.scheduler.state_dict(),
+        "torch_rng": torch.get_rng_state(),
+        "numpy_rng": np.random.get_state(),
+        "python_rng": random.getstate(),
+    }
+    ok = ckpt.save(step, backend.save_checkpoint, rank_state, trainer_state)
+    if dist.get_rank() == 0:
+        log.info("checkpoint step %d %s", step, "saved" if ok else "FAILED (previous kept)")
+    return ok
+
+
+def log_start(metrics: JsonlWriter, step: int, world: int) -> None:
+    """Rank 0: one record per start: where the run resumed, and which Slurm job and restart this is."""
+    metrics.log(
+        {
+            "event": "start",
+            "step": step,
+            "world": world,
+            "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0")),
+        }
+    )
+
+
+def export(paths: RunPaths, step: int) -> None:
+    """Collective: the final weights as an HF folder in RUN_DIR/hf (rank 0 converts the checkpoint
+    just written; the others wait, so that no rank leaves before it is done)."""
+    if dist.get_rank() == 0:
+        from relax_hpc.ckpt.export import convert
+
+        started = time.monotonic()
+        convert(paths.root, paths.export)
+        log.info("exported step %d to %s in %.1f s", step, paths.export, time.monotonic() - started)
+    dist.barrier()

@@ -2,7 +2,8 @@
 
     torchrun --nproc-per-node N -m relax_hpc.trainer.main --run-dir RUN_DIR
 
-It joins the process group, reads the frozen config and runs relax_hpc.trainer.loop.Trainer.
+It joins the process group, reads the frozen config and runs relax_hpc.trainer.loop.Trainer (an RL
+job) or relax_hpc.trainer.sft_loop.SftTrainer (kind=sft).
 """
 
 from __future__ import annotations
@@ -42,7 +43,12 @@ def main() -> None:
     rank = dist.get_rank()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s trainer[{rank}] %(name)s %(levelname)s %(message)s")
     torch.manual_seed(cfg.run.seed + rank)
-    trainer = Trainer(cfg, paths, device)
+    if cfg.kind == "sft":
+        from relax_hpc.trainer.sft_loop import SftTrainer
+
+        trainer: Trainer | SftTrainer = SftTrainer(cfg, paths, device)
+    else:
+        trainer = Trainer(cfg, paths, device)
     trainer.resume()
     trainer.log_start()
     trainer.run()

@@ -26,8 +26,9 @@ from transformers import AutoModelForTokenClassification
 
 from relax_hpc.algos.aggregation import Normalizer, local_counts
 from relax_hpc.algos.objective import Advantages, Objective
+from relax_hpc.algos.sft import sft_loss
 from relax_hpc.algos.stats import Stats
-from relax_hpc.config.schema import JobConfig
+from relax_hpc.config.schema import Aggregation, JobConfig
 from relax_hpc.metrics.timing import PhaseTimer
 from relax_hpc.models import lora
 from relax_hpc.models.hf import (
@@ -215,6 +216,21 @@ class TorchBackend:
                     self._optimizer_step(critic_loss, self.critic, self.critic_optimizer)
         optimizer_s = self.timer.take().get("optimizer", 0.0)
         return StepResult(stats, sum(losses) / len(losses), grad_norm, self.scheduler.get_last_lr()[0], optimizer_s)
+
+    def sft_step(self, batch: TrainBatch, step: int, aggregation: Aggregation) -> StepResult:
+        """Collective: one optimizer step on the response tokens' negative log-likelihood of this
+        rank's share of a supervised batch (kind=sft; relax_hpc/algos/sft.py)."""
+        self.model.train()
+        batch = batch.to(self.device)
+        norm = self._global_counts([batch])[0]
+        self.timer.take()
+        logprobs, _ = token_logprobs_and_entropy(self.model, batch)
+        loss, stats = sft_loss(logprobs, batch.loss_mask, aggregation, norm)
+        value = self._check_finite(loss, step)
+        grad_norm = self._optimizer_step(loss, self.model, self.optimizer)
+        self.scheduler.step()
+        optimizer_s = self.timer.take().get("optimizer", 0.0)
+        return StepResult(stats, value, grad_norm, self.scheduler.get_last_lr()[0], optimizer_s)
 
     def _advantages(
         self,

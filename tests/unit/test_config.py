@@ -16,9 +16,15 @@ from relax_hpc.submit import check_inputs, freeze
 REPO = Path(__file__).resolve().parents[2]
 
 
+# Configs whose inputs a tool writes before it runs them: they must validate, their inputs may be absent.
+TOOL_RUN = {"tiny-sft-format.yaml"}  # tools/make_tiny_policy.py: the initial model and the warm-up data
+
+
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_validates_and_its_inputs_exist(path):
     cfg = load_config(path, base_dir=REPO)
+    if path.name in TOOL_RUN:
+        return
     if cfg.model.path.startswith("/shared/"):
         # A GPU-cluster recipe: its model and data are placeholders the user edits.
         assert cfg.launch.executor == "slurm" and cfg.data.path.startswith("/shared/")
