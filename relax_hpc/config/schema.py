@@ -330,7 +330,13 @@ class TeacherConfig(Section):
     path: Annotated[
         str | None, PathOption("hf_model", "for the embedded default run `python tools/make_teacher.py`")
     ] = None
-    """distill: an HF folder of the teacher, loaded frozen in the trainer (same tokenizer as the policy)."""
+    """distill: an HF folder of the teacher (same tokenizer as the policy): loaded frozen in the
+    trainer, or served by teacher engines (num_engines)."""
+    num_engines: int = Field(default=0, ge=0)
+    """0: the trainer loads the teacher. N >= 1: N teacher engines (`teacher-N` roles of
+    rollout.engine's kind, registered in RUN_DIR/registry/teacher, never updated, placed like the
+    rollout engines) score every sampled sequence; the driver stores the teacher's per-token
+    log-probabilities in the spool and the trainer never loads the teacher."""
 
 
 class DynamicSamplingConfig(Section):
@@ -376,6 +382,8 @@ class AlgoConfig(Section):
         estimator, off = self.advantage.estimator, self.off_policy
         if estimator == "distill" and not self.teacher.path:
             raise ValueError("algo.advantage.estimator=distill needs algo.teacher.path (the teacher model)")
+        if self.teacher.num_engines and estimator != "distill":
+            raise ValueError("algo.teacher.num_engines serves the teacher of algo.advantage.estimator=distill only")
         if off.correction != "none" and off.old_logprobs == "rollout":
             raise ValueError(
                 f"algo.off_policy.correction={off.correction} weighs the recomputed ratio; "
@@ -649,6 +657,11 @@ class JobConfig(Section):
     notify: NotifyConfig = NotifyConfig()
     launch: LaunchConfig = LaunchConfig()
 
+    def served_model(self, pool: str) -> str:
+        """The HF folder an engine of `pool` serves: the policy, the judge or the teacher."""
+        models = {"policy": self.model.path, "judge": self.reward.judge.model, "teacher": self.algo.teacher.path}
+        return str(models[pool])
+
     @model_validator(mode="after")
     def _resolve(self) -> JobConfig:
         """Settings whose default depends on others become concrete values (once, at load)."""
@@ -675,6 +688,21 @@ class JobConfig(Section):
             raise ValueError(
                 "algo.policy_loss.kind=reinforce has no importance ratio, so samples from older policies "
                 "would train uncorrected: set rollout.max_staleness=0 or an algo.off_policy.correction"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _served_teacher(self) -> JobConfig:
+        if self.algo.teacher.num_engines and self.data.media:
+            raise ValueError(
+                "algo.teacher.num_engines: teacher engines score token ids only, not media (data.media); "
+                "set it to 0 to load the teacher in the trainer"
+            )
+        if self.algo.teacher.num_engines and self.rollout.temperature not in (0.0, 1.0):
+            raise ValueError(
+                "algo.teacher.num_engines: engines score at temperature 1 (SGLang's input log-probabilities), "
+                f"the trainer's teacher at rollout.temperature={self.rollout.temperature}: use 1, or set "
+                "algo.teacher.num_engines to 0"
             )
         return self
 

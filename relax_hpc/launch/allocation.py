@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from relax_hpc.config.schema import JobConfig
-from relax_hpc.launch.gpus import NO_GPU
+from relax_hpc.launch.gpus import NO_GPU, engine_pools
 
 
 class AllocationError(RuntimeError):
@@ -114,7 +114,7 @@ def plan_layout(cfg: JobConfig, alloc: Allocation) -> Layout:
     if cfg.launch.colocate:
         return _colocated_layout(cfg, groups[0], trainer_nodes)
     colocated = rollout_nodes == trainer_nodes
-    # Judge engines (reward.name=judge) come after the rollout engines, placed the same way.
+    # Judge and teacher engines come after the rollout engines, placed the same way.
     engine_nodes = [rollout_nodes[i % len(rollout_nodes)] for i in range(engine_count(cfg))]
     per_node = Counter(engine_nodes)
     seen: Counter[str] = Counter()
@@ -147,12 +147,8 @@ def _colocated_layout(cfg: JobConfig, group: int, trainer_nodes: list[str]) -> L
 
 
 def engine_count(cfg: JobConfig) -> int:
-    """Engine processes of the run: the rollout engines, then the judge engines if any."""
-    return cfg.rollout.num_engines + judge_count(cfg)
-
-
-def judge_count(cfg: JobConfig) -> int:
-    return cfg.reward.judge.num_engines if cfg.reward.name == "judge" else 0
+    """Engine processes of the run: the rollout engines, then the judge and teacher engines if any."""
+    return sum(n for _, _, n in engine_pools(cfg))
 
 
 def _gpu_slice(gpus_per_node: int, engines_on_node: int, index: int, offset: int, tp_size: int | None) -> str | None:

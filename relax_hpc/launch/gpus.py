@@ -60,14 +60,23 @@ class LocalDevices:
     engine_devices: list[str] | None = None  # each engine's --device (colocated: its rank's GPU)
 
 
+def engine_pools(cfg: JobConfig) -> list[tuple[str, str, int]]:
+    """(role prefix, registry pool, count) of the run's engine processes, in launch order: the
+    rollout engines, the judge engines (reward.name=judge), the teacher engines
+    (algo.teacher.num_engines)."""
+    judges = cfg.reward.judge.num_engines if cfg.reward.name == "judge" else 0
+    return [("engine", "policy", cfg.rollout.num_engines), ("judge", "judge", judges),
+            ("teacher", "teacher", cfg.algo.teacher.num_engines)]  # fmt: skip
+
+
 def place_local(cfg: JobConfig, visible: int) -> LocalDevices:
     """The roles take GPUs only when there are enough for all of them: one per trainer rank, then
-    one per engine (an SGLang engine rollout.sglang.tp_size; judge engines after the rollout
-    ones); otherwise everything runs on the CPU (a trainer on GPUs would push weights over NCCL,
+    one per engine (an SGLang engine rollout.sglang.tp_size; judge and teacher engines after the
+    rollout ones); otherwise everything runs on the CPU (a trainer on GPUs would push weights over NCCL,
     which an engine on the CPU cannot join).
     launch.local_trainer_gpus and launch.local_engine_gpus, when set, decide instead."""
     ranks = cfg.trainer.num_ranks
-    count = cfg.rollout.num_engines + (cfg.reward.judge.num_engines if cfg.reward.name == "judge" else 0)
+    count = sum(n for _, _, n in engine_pools(cfg))
     if cfg.launch.colocate:
         return _colocated(ranks, count, visible)
     per_engine = cfg.rollout.sglang.tp_size if cfg.rollout.engine == "sglang" else 1

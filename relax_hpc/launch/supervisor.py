@@ -169,7 +169,10 @@ class Supervisor:
             # A driver resumes from the spool, so restarting it is cheap; a few tries cover a crash
             # without hiding a driver that cannot run at all.
             name: Role(
-                name, argv, logs / f"{name}.log", ro.max_engine_restarts if name.startswith(("engine", "judge")) else 3
+                name,
+                argv,
+                logs / f"{name}.log",
+                ro.max_engine_restarts if name.startswith(("engine", "judge", "teacher")) else 3,
             )
             for name, argv in self.commands.items()
         }
@@ -223,7 +226,7 @@ class Supervisor:
             self.paths, self.cfg.trainer.total_steps, self.out, log_every_s=self.cfg.metrics.progress_every_s
         )
         engines = [r for n, r in roles.items() if n.startswith("engine")]
-        judges = [r for n, r in roles.items() if n.startswith("judge")]
+        judges = [r for n, r in roles.items() if n.startswith(("judge", "teacher"))]  # engines never pushed to
         trainer, driver = roles["trainer"], roles["driver"]
         helpers = [r for n, r in roles.items() if n == "metrics"]
         started = time.monotonic()
