@@ -12,6 +12,8 @@ from transformers import PreTrainedTokenizerFast
 
 from relax_hpc.exchange.spool import SampleBatch, Spool, read_batch
 from relax_hpc.models.hf import load_policy
+from relax_hpc.protocol import requests as P
+from relax_hpc.protocol.client import EngineClient, EngineRequestError
 from relax_hpc.protocol.registry import read_records
 from relax_hpc.rollout.teacher import TeacherScorer
 from relax_hpc.trainer.batching import share_of, token_logprobs_and_entropy
@@ -54,6 +56,11 @@ def test_a_teacher_engine_scores_as_the_trainers_teacher(tmp_path):
         tokenizer = PreTrainedTokenizerFast.from_pretrained(cfg.model.path)
         batch = addition_batch(tokenizer)
         asyncio.run(TeacherScorer(cfg, paths, wait_s=30).score(batch))
+        (record,) = read_records(paths.teacher_engines)
+        past = P.GenerateReqInput(input_ids=[5, 6], sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                                  logprob_start_len=3)  # fmt: skip
+        with pytest.raises(EngineRequestError, match="logprob_start_len 3 is past prompt 0's 2 tokens"):
+            EngineClient(record.url, paths.read_token(), 10).generate(past)
     finally:
         engines.stop()
     stored = read_batch(Spool(paths.spool).publish(batch, writer="test"))

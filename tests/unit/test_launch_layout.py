@@ -78,6 +78,42 @@ def test_heterogeneous_components():
     assert "--rdzv-endpoint=t1:20009" in commands["trainer"]  # 20000 + job id mod 20000
 
 
+TEACHER = ("algo.advantage.estimator=distill", "algo.teacher.path=/models/teacher", "algo.teacher.num_engines=2")
+
+
+def test_teacher_engines_are_job_steps_of_their_own_in_the_rollout_component(tmp_path):
+    """algo.teacher.num_engines: `teacher-N` steps after the rollout engines, on the rollout
+    component's nodes and GPUs, serving the teacher, registered in the teacher pool."""
+    cfg = cfg_with(
+        f"run.dir={tmp_path}", "launch.slurm.heterogeneous=true", "launch.slurm.rollout.nodes=1",
+        "launch.slurm.rollout.gpus_per_node=4", "rollout.num_engines=2", *TEACHER,
+    )  # fmt: skip
+    alloc = Allocation("9", [["t1"], ["r1"]], {"t1": 4, "r1": 8})
+    assert plan_layout(cfg, alloc).engine_gpus == ["0-0", "1-1", "2-2", "3-3"]
+    commands = step_commands(cfg, RunPaths(tmp_path), alloc)
+    assert [n for n in commands if n.startswith(("engine", "teacher"))] == [
+        "engine-0", "engine-1", "teacher-0", "teacher-1",
+    ]  # fmt: skip
+    teacher = commands["teacher-1"]
+    assert "--het-group=1" in teacher and "--nodelist=r1" in teacher and "--job-name=relax_hpc:teacher-1" in teacher
+    assert teacher[teacher.index("relax_hpc.launch.gpus") + 1] == "3-3"
+    assert teacher[teacher.index("--model-path") + 1] == "/models/teacher"
+    assert teacher[teacher.index("--pool") + 1] == "teacher"
+    assert commands["engine-1"][commands["engine-1"].index("--pool") + 1] == "policy"
+    local = local_commands(cfg, RunPaths(tmp_path))
+    assert local["teacher-0"][local["teacher-0"].index("--model-path") + 1] == "/models/teacher"
+
+
+def test_teacher_engines_serve_only_what_they_can_score():
+    with pytest.raises(ValueError, match=r"algo\.teacher\.num_engines serves the teacher of .*distill only"):
+        cfg_with("algo.teacher.num_engines=1")
+    with pytest.raises(ValueError, match=r"score token ids only, not media \(data.media\)"):
+        cfg_with(*TEACHER, "data.media={image: images}")
+    with pytest.raises(ValueError, match=r"rollout.temperature=0.7"):
+        cfg_with(*TEACHER, "rollout.temperature=0.7")
+    assert cfg_with(*TEACHER, "rollout.temperature=0").algo.teacher.num_engines == 2
+
+
 def test_allocation_that_does_not_match_the_config_is_refused():
     cfg = cfg_with("launch.slurm.rollout.nodes=1")
     with pytest.raises(AllocationError, match="has 1 node"):
