@@ -4,6 +4,8 @@ with SIGKILL reproduces the uninterrupted run bit for bit (the spool carries the
 a regenerated batch is scored alike)."""
 
 import asyncio
+import socket
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -14,7 +16,7 @@ from relax_hpc.exchange.spool import SampleBatch, Spool, read_batch
 from relax_hpc.models.hf import load_policy
 from relax_hpc.protocol import requests as P
 from relax_hpc.protocol.client import EngineClient, EngineRequestError
-from relax_hpc.protocol.registry import read_records
+from relax_hpc.protocol.registry import read_records, write_record
 from relax_hpc.rollout.teacher import TeacherScorer
 from relax_hpc.trainer.batching import share_of, token_logprobs_and_entropy
 from tests.integration.conftest import REPO, Engines, Job, make_run
@@ -44,6 +46,12 @@ def addition_batch(tokenizer: PreTrainedTokenizerFast) -> SampleBatch:
     )
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def test_a_teacher_engine_scores_as_the_trainers_teacher(tmp_path):
     """The driver's scoring requests on a real engine, through the spool and the trainer's
     batching: the advantages' teacher term equals the in-trainer teacher's on the same tokens."""
@@ -53,10 +61,12 @@ def test_a_teacher_engine_scores_as_the_trainers_teacher(tmp_path):
     try:
         assert [r.engine_id for r in engines.wait_registered(1, folder=paths.teacher_engines)] == ["teacher-0"]
         assert read_records(paths.engines) == []  # not a rollout engine: never pushed to
+        (record,) = read_records(paths.teacher_engines)
+        # A teacher engine that died and left its record: its requests go to the live one.
+        write_record(paths.teacher_engines, replace(record, engine_id="dead", port=free_port(), instance="gone"))
         tokenizer = PreTrainedTokenizerFast.from_pretrained(cfg.model.path)
         batch = addition_batch(tokenizer)
         asyncio.run(TeacherScorer(cfg, paths, wait_s=30).score(batch))
-        (record,) = read_records(paths.teacher_engines)
         past = P.GenerateReqInput(input_ids=[5, 6], sampling_params={"max_new_tokens": 0}, return_logprob=True,
                                   logprob_start_len=3)  # fmt: skip
         with pytest.raises(EngineRequestError, match="logprob_start_len 3 is past prompt 0's 2 tokens"):
