@@ -104,6 +104,11 @@ class RunPaths:
         """Exists while an elastic engine drains: the driver sends it nothing new."""
         return self.scale / "drain" / engine_id
 
+    @property
+    def registries(self) -> list[Path]:
+        """Every engine pool's registry: the rollout engines', the judge's, the teacher's."""
+        return [self.engines, self.judge_engines, self.teacher_engines]
+
     def registry(self, pool: str) -> Path:
         """The registry of an engine pool: `policy` (the rollout engines), `judge` or `teacher`."""
         return {"policy": self.engines, "judge": self.judge_engines, "teacher": self.teacher_engines}[pool]
@@ -173,16 +178,7 @@ class RunPaths:
         """Create RUN_DIR (0700: it holds the run's weight-sync token) and its subfolders."""
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.root, 0o700)
-        for d in (
-            self.engines,
-            self.judge_engines,
-            self.teacher_engines,
-            self.spool,
-            self.weights,
-            self.ckpt,
-            self.metrics,
-            self.control,
-        ):
+        for d in (*self.registries, self.spool, self.weights, self.ckpt, self.metrics, self.control):
             d.mkdir(parents=True, exist_ok=True)
         if not self.token.exists():
             write_atomic(self.token, secrets.token_hex(16).encode(), mode=0o600)

@@ -72,8 +72,8 @@ def engine_pools(cfg: JobConfig) -> list[tuple[str, str, int]]:
 def place_local(cfg: JobConfig, visible: int) -> LocalDevices:
     """The roles take GPUs only when there are enough for all of them: one per trainer rank, then
     one per engine (an SGLang engine rollout.sglang.tp_size; judge and teacher engines after the
-    rollout ones); otherwise everything runs on the CPU (a trainer on GPUs would push weights over NCCL,
-    which an engine on the CPU cannot join).
+    rollout ones); otherwise everything runs on the CPU (a trainer on GPUs would push weights over
+    NCCL, which an engine on the CPU cannot join).
     launch.local_trainer_gpus and launch.local_engine_gpus, when set, decide instead."""
     ranks = cfg.trainer.num_ranks
     count = sum(n for _, _, n in engine_pools(cfg))

@@ -63,8 +63,7 @@ class HealthMonitor:
 
     def _probe_engines(self) -> None:
         while not self._stop.wait(2.0):
-            pools = (self.paths.engines, self.paths.judge_engines, self.paths.teacher_engines)
-            for record in [r for folder in pools for r in read_records(folder)]:
+            for record in [r for folder in self.paths.registries for r in read_records(folder)]:
                 if self._gone.get(record.engine_id) == record.instance:
                     continue
                 if self._seen.get(record.engine_id) != record.instance:  # a new process: a new clock

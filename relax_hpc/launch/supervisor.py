@@ -226,7 +226,8 @@ class Supervisor:
             self.paths, self.cfg.trainer.total_steps, self.out, log_every_s=self.cfg.metrics.progress_every_s
         )
         engines = [r for n, r in roles.items() if n.startswith("engine")]
-        judges = [r for n, r in roles.items() if n.startswith(("judge", "teacher"))]  # engines never pushed to
+        # Judge and teacher engines: restarted like rollout engines, never pushed to.
+        side_engines = [r for n, r in roles.items() if n.startswith(("judge", "teacher"))]
         trainer, driver = roles["trainer"], roles["driver"]
         helpers = [r for n, r in roles.items() if n == "metrics"]
         started = time.monotonic()
@@ -244,7 +245,7 @@ class Supervisor:
             wall = self.cfg.launch.max_wall_s
             if wall and time.monotonic() - started > wall:
                 self.request_stop(f"launch.max_wall_s ({wall:.0f} s) reached")
-            for role in [*engines, *judges, driver, *helpers]:
+            for role in [*engines, *side_engines, driver, *helpers]:
                 if role.alive() or role.abandoned or trainer_done_at is not None or self.stop_requested:
                     continue
                 if role.not_before == 0.0:  # just found dead: the restart waits out the back-off
