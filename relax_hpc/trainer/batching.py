@@ -198,6 +198,8 @@ def share_of(
         # A rank without a group (fewer groups than ranks) trains a row without loss tokens: it
         # must still join every collective of the step.
         dummy = pad_samples([[pad_id, pad_id]], [[0, 0]], [[0.0, 0.0]], [0.0], [-1], pad_id)
+        if batch.teacher_logprobs is not None:  # the objective's distill advantage reads them
+            dummy.teacher_logprobs = torch.zeros_like(dummy.rollout_logprobs)
         return dummy.without_loss(), stats
     seqs = [batch.sample_tokens(i).tolist() for i in rows]
     loss_mask = batch.loss_mask
