@@ -52,10 +52,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_a_teacher_engine_scores_as_the_trainers_teacher(tmp_path):
+# The SGLang kind runs relax_hpc's SGLang wrapper around tests/integration/fake_sglang_server.py
+# (SGLang's own argument parser, the built-in engine's answers): SGLang cannot run here.
+KINDS = {"torch": (), "sglang": ("rollout.engine=sglang", "rollout.sglang.module=tests.integration.fake_sglang_server")}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_teacher_engine_scores_as_the_trainers_teacher(tmp_path, kind):
     """The driver's scoring requests on a real engine, through the spool and the trainer's
     batching: the advantages' teacher term equals the in-trainer teacher's on the same tokens."""
-    cfg, paths = make_run(tmp_path / "run", *SERVED)
+    cfg, paths = make_run(tmp_path / "run", *SERVED, *KINDS[kind])
     engines = Engines(cfg, paths)
     engines.start("teacher-0")
     try:
