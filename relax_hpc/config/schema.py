@@ -634,7 +634,8 @@ class LaunchConfig(Section):
     machine's visible GPUs, e.g. `0-0` (default: every visible GPU)."""
     local_engine_gpus: list[str] = []
     """With the local executor on a GPU machine: each engine's GPUs as FIRST-LAST, e.g. `["1-1"]`
-    (one entry per engine; default: every visible GPU)."""
+    (one entry per engine process: the rollout engines, then judge and teacher engines; default:
+    every visible GPU)."""
     slurm: SlurmConfig = SlurmConfig()
     """Slurm resources and behaviour (used when executor is `slurm`)."""
     health: HealthConfig = HealthConfig()
@@ -729,10 +730,12 @@ class JobConfig(Section):
     @model_validator(mode="after")
     def _local_gpus(self) -> JobConfig:
         engines = self.launch.local_engine_gpus
-        if engines and len(engines) != self.rollout.num_engines:
+        judges = self.reward.judge.num_engines if self.reward.name == "judge" else 0
+        counts = {"engine": self.rollout.num_engines, "judge": judges, "teacher": self.algo.teacher.num_engines}
+        if engines and len(engines) != sum(counts.values()):
             raise ValueError(
-                f"launch.local_engine_gpus has {len(engines)} entries "
-                f"for rollout.num_engines={self.rollout.num_engines}"
+                f"launch.local_engine_gpus has {len(engines)} entries for {sum(counts.values())} engine processes "
+                f"({', '.join(f'{n} {prefix}' for prefix, n in counts.items() if n)}: rollout, judge, teacher)"
             )
         if any(not re.fullmatch(r"\d+-\d+", e) for e in engines):
             raise ValueError(f"launch.local_engine_gpus entries are FIRST-LAST GPU indices, e.g. 1-1; got {engines}")

@@ -104,6 +104,18 @@ def test_teacher_engines_are_job_steps_of_their_own_in_the_rollout_component(tmp
     assert local["teacher-0"][local["teacher-0"].index("--model-path") + 1] == "/models/teacher"
 
 
+def test_local_engine_gpus_name_every_engine_process_the_teacher_too(tmp_path):
+    """One entry per engine process: with fewer, the teacher engine once went unstarted."""
+    with pytest.raises(ValueError, match=r"has 2 entries for 3 engine processes \(2 engine, 1 teacher"):
+        load_config(None, [*TEACHER[:2], "algo.teacher.num_engines=1", "launch.local_engine_gpus=[2-2, 3-3]"])
+    cfg = load_config(
+        None, [f"run.dir={tmp_path}", *TEACHER[:2], "algo.teacher.num_engines=1",
+               "launch.local_engine_gpus=[2-2, 3-3, 4-5]", "launch.local_trainer_gpus=0-1"],
+    )  # fmt: skip
+    teacher = local_commands(cfg, RunPaths(tmp_path))["teacher-0"]
+    assert teacher[teacher.index("relax_hpc.launch.gpus") + 1] == "4-5"
+
+
 def test_teacher_engines_serve_only_what_they_can_score():
     with pytest.raises(ValueError, match=r"algo\.teacher\.num_engines serves the teacher of .*distill only"):
         cfg_with("algo.teacher.num_engines=1")
