@@ -337,6 +337,9 @@ class TeacherConfig(Section):
     rollout.engine's kind, registered in RUN_DIR/registry/teacher, never updated, placed like the
     rollout engines) score every sampled sequence; the driver stores the teacher's per-token
     log-probabilities in the spool and the trainer never loads the teacher."""
+    tp_size: int | None = Field(default=None, ge=1)
+    """rollout.engine=sglang: the tensor-parallel size (GPUs) of each teacher engine, for a teacher
+    larger than the student; None: rollout.sglang.tp_size."""
 
 
 class DynamicSamplingConfig(Section):

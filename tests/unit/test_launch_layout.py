@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from relax_hpc.config import load_config
+from relax_hpc.engines.sglang_engine import server_args
 from relax_hpc.launch.allocation import Allocation, AllocationError, expand_counts, plan_layout
 from relax_hpc.launch.commands import local_commands, step_commands
 from relax_hpc.launch.container import wrap_in_container
@@ -102,6 +103,23 @@ def test_teacher_engines_are_job_steps_of_their_own_in_the_rollout_component(tmp
     assert commands["engine-1"][commands["engine-1"].index("--pool") + 1] == "policy"
     local = local_commands(cfg, RunPaths(tmp_path))
     assert local["teacher-0"][local["teacher-0"].index("--model-path") + 1] == "/models/teacher"
+
+
+def test_a_teacher_on_sglang_takes_its_own_tensor_parallel_size():
+    """algo.teacher.tp_size: a teacher larger than the student gets more GPUs than a rollout
+    engine, on Slurm and locally, and its server is started with that size."""
+    sglang = ("rollout.engine=sglang", *TEACHER[:2], "algo.teacher.num_engines=1", "algo.teacher.tp_size=4")
+    cfg = cfg_with(*sglang, "launch.slurm.rollout.nodes=1", "launch.slurm.rollout.gpus_per_node=8")
+    assert plan_layout(cfg, Allocation("7", [["a", "b"]], dict.fromkeys("ab", 8))).engine_gpus == ["0-0", "1-1", "2-5"]
+    assert place_local(cfg, 8).engines == ["2-2", "3-3", "4-7"]  # after the trainer's 2 ranks
+    assert place_local(cfg, 7).engines == [NO_GPU] * 3  # 2 + 1 + 1 + 4 GPUs or none
+    argv = server_args(cfg, "0.0.0.0", 30000, "token", pool="teacher")
+    assert argv[argv.index("--tp-size") + 1] == "4" and argv[argv.index("--model-path") + 1] == "/models/teacher"
+    assert server_args(cfg, "0.0.0.0", 30000, "token")[argv.index("--tp-size") + 1] == "1"
+    big = cfg_with(*sglang[:-1], "algo.teacher.tp_size=7", "launch.slurm.rollout.nodes=1",
+                   "launch.slurm.rollout.gpus_per_node=8")  # fmt: skip
+    with pytest.raises(AllocationError, match=re.escape("(teachers: algo.teacher.tp_size=7) GPUs each on a node")):
+        plan_layout(big, Allocation("7", [["a", "b"]], dict.fromkeys("ab", 8)))
 
 
 def test_local_engine_gpus_name_every_engine_process_the_teacher_too(tmp_path):
