@@ -18,6 +18,7 @@ from relax_hpc.protocol import requests as P
 from relax_hpc.protocol.client import EngineClient, EngineRequestError
 from relax_hpc.protocol.registry import read_records, write_record
 from relax_hpc.rollout.teacher import TeacherScorer
+from relax_hpc.status import engines as engines_status
 from relax_hpc.trainer.batching import share_of, token_logprobs_and_entropy
 from tests.integration.conftest import REPO, Engines, Job, make_run
 from tests.integration.test_agentic import trained_batches
@@ -68,6 +69,7 @@ def test_a_teacher_engine_scores_as_the_trainers_teacher(tmp_path, kind):
         assert [r.engine_id for r in engines.wait_registered(1, folder=paths.teacher_engines)] == ["teacher-0"]
         assert read_records(paths.engines) == []  # not a rollout engine: never pushed to
         (record,) = read_records(paths.teacher_engines)
+        assert [(e["id"], e["healthy"]) for e in engines_status(paths)] == [("teacher-0", True)]  # status lists it
         # A teacher engine that died and left its record: its requests go to the live one.
         write_record(paths.teacher_engines, replace(record, engine_id="dead", port=free_port(), instance="gone"))
         tokenizer = PreTrainedTokenizerFast.from_pretrained(cfg.model.path)
