@@ -7,6 +7,7 @@ import pytest
 
 from relax_hpc.config import load_config
 from relax_hpc.engines.sglang_engine import server_args
+from relax_hpc.inprocess import InProcessRun
 from relax_hpc.launch.allocation import Allocation, AllocationError, expand_counts, plan_layout
 from relax_hpc.launch.commands import local_commands, step_commands
 from relax_hpc.launch.container import wrap_in_container
@@ -142,6 +143,8 @@ def test_teacher_engines_serve_only_what_they_can_score():
     with pytest.raises(ValueError, match=r"rollout.temperature=0.7"):
         cfg_with(*TEACHER, "rollout.temperature=0.7")
     assert cfg_with(*TEACHER, "rollout.temperature=0").algo.teacher.num_engines == 2
+    with pytest.raises(ValueError, match="the single-process loop has no engines"):
+        InProcessRun(load_config(None, list(TEACHER)))
 
 
 def test_allocation_that_does_not_match_the_config_is_refused():
