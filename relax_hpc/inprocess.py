@@ -115,6 +115,8 @@ class InProcessRun:
     """The policy being trained (backend), a sampler holding an older version, and the rounds."""
 
     def __init__(self, cfg: JobConfig) -> None:
+        if cfg.algo.teacher.num_engines:
+            raise ValueError("the single-process loop has no engines: set algo.teacher.num_engines=0 (same teacher)")
         _single_process_group()
         torch.manual_seed(cfg.run.seed)
         self.cfg = cfg

@@ -4,6 +4,7 @@ RUN_DIR/
   config.yaml  token                    the frozen config; the run's API key (0600)
   registry/engines/ID.json              where each engine listens (relax_hpc.protocol.registry)
   registry/judge/ID.json                the judge engines (reward.name=judge)
+  registry/teacher/ID.json              the teacher engines (algo.teacher.num_engines)
   spool/ready|claimed|quarantine|orphaned   sample batches (SpoolDirs, relax_hpc.exchange.spool)
   weights/version                       the policy version the engines hold, and how many
   ckpt/step-N  ckpt/latest              checkpoints (CkptDirs, relax_hpc.ckpt)
@@ -85,6 +86,11 @@ class RunPaths:
         """The judge engines' registry (reward.name=judge): never part of weight sync."""
         return self.root / "registry" / "judge"
 
+    @property
+    def teacher_engines(self) -> Path:
+        """The teacher engines' registry (algo.teacher.num_engines): never part of weight sync."""
+        return self.root / "registry" / "teacher"
+
     def health(self, role: str) -> Path:
         """A role's heartbeat (relax_hpc.launch.health): what it is doing, since when."""
         return self.root / "health" / f"{role}.json"
@@ -98,9 +104,14 @@ class RunPaths:
         """Exists while an elastic engine drains: the driver sends it nothing new."""
         return self.scale / "drain" / engine_id
 
+    @property
+    def registries(self) -> list[Path]:
+        """Every engine pool's registry: the rollout engines', the judge's, the teacher's."""
+        return [self.engines, self.judge_engines, self.teacher_engines]
+
     def registry(self, pool: str) -> Path:
-        """The registry of an engine pool: `policy` (the rollout engines) or `judge`."""
-        return {"policy": self.engines, "judge": self.judge_engines}[pool]
+        """The registry of an engine pool: `policy` (the rollout engines), `judge` or `teacher`."""
+        return {"policy": self.engines, "judge": self.judge_engines, "teacher": self.teacher_engines}[pool]
 
     @property
     def events_metrics(self) -> Path:
@@ -167,7 +178,7 @@ class RunPaths:
         """Create RUN_DIR (0700: it holds the run's weight-sync token) and its subfolders."""
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.root, 0o700)
-        for d in (self.engines, self.judge_engines, self.spool, self.weights, self.ckpt, self.metrics, self.control):
+        for d in (*self.registries, self.spool, self.weights, self.ckpt, self.metrics, self.control):
             d.mkdir(parents=True, exist_ok=True)
         if not self.token.exists():
             write_atomic(self.token, secrets.token_hex(16).encode(), mode=0o600)

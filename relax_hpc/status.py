@@ -51,9 +51,10 @@ def slurm_state(job_id: str) -> str | None:
 
 
 def engines(paths: RunPaths) -> list[dict[str, Any]]:
-    """Each registered engine: where it listens, the weights it holds, whether it answers."""
+    """Each registered engine (rollout, then judge and teacher engines): where it listens, the
+    weights it holds, whether it answers."""
     out = []
-    for record in read_records(paths.engines):
+    for record in [r for folder in paths.registries for r in read_records(folder)]:
         client = EngineClient(record.url, api_key="", timeout_s=2.0)  # /health needs no key
         out.append(
             {"id": record.engine_id, "url": record.url, "weight_version": record.weight_version,

@@ -330,7 +330,16 @@ class TeacherConfig(Section):
     path: Annotated[
         str | None, PathOption("hf_model", "for the embedded default run `python tools/make_teacher.py`")
     ] = None
-    """distill: an HF folder of the teacher, loaded frozen in the trainer (same tokenizer as the policy)."""
+    """distill: an HF folder of the teacher (same tokenizer as the policy): loaded frozen in the
+    trainer, or served by teacher engines (num_engines)."""
+    num_engines: int = Field(default=0, ge=0)
+    """0: the trainer loads the teacher. N >= 1: N teacher engines (`teacher-N` roles of
+    rollout.engine's kind, registered in RUN_DIR/registry/teacher, never updated, placed like the
+    rollout engines) score every sampled sequence; the driver stores the teacher's per-token
+    log-probabilities in the spool and the trainer never loads the teacher."""
+    tp_size: int | None = Field(default=None, ge=1)
+    """rollout.engine=sglang: the tensor-parallel size (GPUs) of each teacher engine, for a teacher
+    larger than the student; None: rollout.sglang.tp_size."""
 
 
 class DynamicSamplingConfig(Section):
@@ -376,6 +385,8 @@ class AlgoConfig(Section):
         estimator, off = self.advantage.estimator, self.off_policy
         if estimator == "distill" and not self.teacher.path:
             raise ValueError("algo.advantage.estimator=distill needs algo.teacher.path (the teacher model)")
+        if self.teacher.num_engines and estimator != "distill":
+            raise ValueError("algo.teacher.num_engines serves the teacher of algo.advantage.estimator=distill only")
         if off.correction != "none" and off.old_logprobs == "rollout":
             raise ValueError(
                 f"algo.off_policy.correction={off.correction} weighs the recomputed ratio; "
@@ -657,7 +668,8 @@ class LaunchConfig(Section):
     machine's visible GPUs, e.g. `0-0` (default: every visible GPU)."""
     local_engine_gpus: list[str] = []
     """With the local executor on a GPU machine: each engine's GPUs as FIRST-LAST, e.g. `["1-1"]`
-    (one entry per engine; default: every visible GPU)."""
+    (one entry per engine process: the rollout engines, then judge and teacher engines; default:
+    every visible GPU)."""
     slurm: SlurmConfig = SlurmConfig()
     """Slurm resources and behaviour (used when executor is `slurm`)."""
     health: HealthConfig = HealthConfig()
@@ -745,6 +757,11 @@ class JobConfig(Section):
             raise ValueError("kind=sft runs no rollout engines: set launch.slurm.rollout.nodes=0")
         return self
 
+    def served_model(self, pool: str) -> str:
+        """The HF folder an engine of `pool` serves: the policy, the judge or the teacher."""
+        models = {"policy": self.model.path, "judge": self.reward.judge.model, "teacher": self.algo.teacher.path}
+        return str(models[pool])
+
     @model_validator(mode="after")
     def _resolve(self) -> JobConfig:
         """Settings whose default depends on others become concrete values (once, at load)."""
@@ -771,6 +788,21 @@ class JobConfig(Section):
             raise ValueError(
                 "algo.policy_loss.kind=reinforce has no importance ratio, so samples from older policies "
                 "would train uncorrected: set rollout.max_staleness=0 or an algo.off_policy.correction"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _served_teacher(self) -> JobConfig:
+        if self.algo.teacher.num_engines and self.data.media:
+            raise ValueError(
+                "algo.teacher.num_engines: teacher engines score token ids only, not media (data.media); "
+                "set it to 0 to load the teacher in the trainer"
+            )
+        if self.algo.teacher.num_engines and self.rollout.temperature not in (0.0, 1.0):
+            raise ValueError(
+                "algo.teacher.num_engines: engines score at temperature 1 (SGLang's input log-probabilities), "
+                f"the trainer's teacher at rollout.temperature={self.rollout.temperature}: use 1, or set "
+                "algo.teacher.num_engines to 0"
             )
         return self
 
@@ -805,10 +837,12 @@ class JobConfig(Section):
     @model_validator(mode="after")
     def _local_gpus(self) -> JobConfig:
         engines = self.launch.local_engine_gpus
-        if engines and len(engines) != self.rollout.num_engines:
+        judges = self.reward.judge.num_engines if self.reward.name == "judge" else 0
+        counts = {"engine": self.rollout.num_engines, "judge": judges, "teacher": self.algo.teacher.num_engines}
+        if engines and len(engines) != sum(counts.values()):
             raise ValueError(
-                f"launch.local_engine_gpus has {len(engines)} entries "
-                f"for rollout.num_engines={self.rollout.num_engines}"
+                f"launch.local_engine_gpus has {len(engines)} entries for {sum(counts.values())} engine processes "
+                f"({', '.join(f'{n} {prefix}' for prefix, n in counts.items() if n)}: rollout, judge, teacher)"
             )
         if any(not re.fullmatch(r"\d+-\d+", e) for e in engines):
             raise ValueError(f"launch.local_engine_gpus entries are FIRST-LAST GPU indices, e.g. 1-1; got {engines}")

@@ -158,10 +158,10 @@ def _sample(
     greedy = [s.temperature == 0.0 for s in specs]
     stops = [set(s.stop_token_ids) | ({eos_token_id} if not s.ignore_eos else set()) for s in specs]
     out = [Completion([], [], "length") for _ in range(n)]
-    alive = [True] * n
+    alive = [s.max_new_tokens > 0 for s in specs]  # max_new_tokens 0: scoring only, no token
     cache = DynamicCache()
     step_ids = ids
-    for step in range(max(s.max_new_tokens for s in specs)):
+    for step in range(max(s.max_new_tokens for s in specs) * any(alive)):
         if aborted is not None:
             for i in range(n):
                 if alive[i] and aborted(i):
@@ -208,4 +208,26 @@ def _sample(
             break
         step_ids = next_tokens.unsqueeze(-1).to(device)
         mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=device)], dim=-1)
+    return out
+
+
+@torch.no_grad()
+def input_logprobs(
+    model: PreTrainedModel, prompts: Sequence[Sequence[int]], starts: Sequence[int]
+) -> list[list[float | None]]:
+    """Each prompt's input log-probabilities from position starts[i] on, as SGLang 0.5.23 answers
+    logprob_start_len: entry k scores token starts[i] + k given the tokens before it, except entry
+    0, which is None. The model's own log-softmax: SGLang scores input tokens without the
+    request's temperature (its logprob processor normalises the raw logits)."""
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):  # right padding: positions count from 0 in every row
+        ids[i, : len(p)], mask[i, : len(p)] = torch.tensor(list(p)), 1
+    logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float().cpu()
+    scored = torch.log_softmax(logits, dim=-1)[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+    out: list[list[float | None]] = []
+    for i, (p, start) in enumerate(zip(prompts, starts, strict=True)):
+        out.append([None, *scored[i, start : len(p) - 1].tolist()] if start < len(p) else [])
     return out

@@ -64,13 +64,15 @@ def server_args(
     cfg: JobConfig, host: str, port: int, api_key: str, pool: str = "policy", device: str | None = None
 ) -> list[str]:
     """launch_server's command-line arguments for this run (rollout.sglang.extra_args last,
-    verbatim); a judge engine serves reward.judge.model; `device` cuda:K: a colocated engine on
-    GPU K of those it sees (its trainer rank's)."""
+    verbatim); a judge engine serves reward.judge.model, a teacher engine algo.teacher.path (on
+    algo.teacher.tp_size GPUs when set);
+    `device` cuda:K: a colocated engine on GPU K of those it sees (its trainer rank's)."""
     sg = cfg.rollout.sglang
-    model = cfg.reward.judge.model if pool == "judge" else cfg.model.path
+    model = cfg.served_model(pool)
+    tp_size = (cfg.algo.teacher.tp_size if pool == "teacher" else None) or sg.tp_size
     argv = [
         "--model-path", str(model), "--host", host, "--port", str(port),
-        "--tp-size", str(sg.tp_size), "--mem-fraction-static", str(sg.mem_fraction_static),
+        "--tp-size", str(tp_size), "--mem-fraction-static", str(sg.mem_fraction_static),
         "--dtype", cfg.model.dtype, "--random-seed", str(cfg.run.seed),
         "--weight-version", INITIAL_WEIGHT_VERSION, "--api-key", api_key,
     ]  # fmt: skip
@@ -257,7 +259,10 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0: a free port")
     parser.add_argument(
-        "--pool", choices=("policy", "judge"), default="policy", help="which registry in RUN_DIR it registers in"
+        "--pool",
+        choices=("policy", "judge", "teacher"),
+        default="policy",
+        help="which registry in RUN_DIR it registers in",
     )
     parser.add_argument("--device", default=None, help="cuda:K: the server's first GPU (colocated engines)")
     parser.add_argument(

@@ -36,7 +36,7 @@ from transformers import AutoTokenizer
 
 from relax_hpc.data.media import Kind, MediaError, MediaRef
 from relax_hpc.data.processor import Processed, ProcessorError, media_processor
-from relax_hpc.engines.sampling import Completion, SamplingSpec, sample
+from relax_hpc.engines.sampling import Completion, SamplingSpec, input_logprobs, sample
 from relax_hpc.models.hf import load_policy
 from relax_hpc.paths import RunPaths
 from relax_hpc.protocol import requests as P
@@ -65,6 +65,8 @@ class _Job:
     inputs: list[dict[str, torch.Tensor]]  # each prompt's processor tensors (empty without media)
     return_prompt_ids: bool = False
     routed_from: int | None = None  # return_routed_experts: from this position (routed_experts_start_len)
+    input_from: list[int] = field(default_factory=list)  # logprob_start_len per prompt, -1: none
+    inputs_scored: list[list[float | None]] = field(default_factory=list)  # input_token_logprobs per prompt
     done: threading.Event = field(default_factory=threading.Event)
     completions: list[Completion] | None = None
     version: str = ""  # weight_version that produced the completions
@@ -163,12 +165,27 @@ class TorchEngine:
         logprob = [bool(x) for x in per_item(req.return_logprob, False)]
         routed_from = req.routed_experts_start_len if req.return_routed_experts else None
         job = _Job(prompts, list(specs), list(seeds), rids, logprob, inputs, req.return_prompt_token_ids, routed_from)
+        job.input_from = self._input_from(job, per_item(req.logprob_start_len, -1))
         with self._cv:
             self._pending.append(job)
             self._cv.notify()
         job.done.wait()
         outputs = [self._output(job, i) for i in range(n)]
         return outputs if batched else outputs[0]
+
+    @staticmethod
+    def _input_from(job: _Job, starts: list[int | None]) -> list[int]:
+        """Each prompt's logprob_start_len, -1 where no input log-probabilities are asked (SGLang
+        ignores it without return_logprob and refuses one past the prompt)."""
+        out = []
+        for i, asked in enumerate(starts):
+            start = -1 if asked is None or not job.return_logprob[i] else int(asked)
+            if start > len(job.prompts[i]):
+                raise P.ProtocolError(f"logprob_start_len {start} is past prompt {i}'s {len(job.prompts[i])} tokens")
+            if start >= 0 and job.inputs[i]:
+                raise P.ProtocolError("logprob_start_len: the built-in engine scores text prompts only")
+            out.append(start)
+        return out
 
     def _expand(
         self, prompts: list[list[int]], media: list[list[tuple[Kind, bytes]]]
@@ -214,6 +231,9 @@ class TorchEngine:
         }
         if job.return_logprob[i]:
             meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(logprobs, ids, strict=True)]
+        if job.inputs_scored and job.input_from[i] >= 0:
+            tokens = job.prompts[i][job.input_from[i] :]
+            meta["input_token_logprobs"] = [[lp, t, None] for lp, t in zip(job.inputs_scored[i], tokens, strict=True)]
         chosen = job.completions[i].routed if job.completions is not None else None
         if job.routed_from is not None and chosen is not None:
             # As SGLang: base64 of the raw int32 [positions, layers, top_k], C order, no header.
@@ -245,6 +265,7 @@ class TorchEngine:
                     aborted=functools.partial(_row_aborted, flat),  # set by /abort_request, read per step
                     record_routing=any(j.routed_from is not None for j in jobs),
                 )
+                self._score_inputs(jobs)  # under the same lock: the same weights as the sampling
                 version = self.weight_version
             with self._cv:
                 self._running = []
@@ -254,6 +275,19 @@ class TorchEngine:
                 job.version = version
                 start += len(job.prompts)
                 job.done.set()
+
+    def _score_inputs(self, jobs: list[_Job]) -> None:
+        """The input log-probabilities of the prompts that asked for them (logprob_start_len),
+        one forward pass per request: its numbers do not depend on which requests came along,
+        so a request sent again (a batch regenerated after a restart) is scored bit for bit alike."""
+        for job in jobs:
+            rows = [i for i, start in enumerate(job.input_from) if start >= 0]
+            if not rows:
+                continue
+            scored = input_logprobs(self.model, [job.prompts[i] for i in rows], [job.input_from[i] for i in rows])
+            job.inputs_scored = [[] for _ in job.prompts]
+            for i, values in zip(rows, scored, strict=True):
+                job.inputs_scored[i] = values
 
     def abort(self, req: P.AbortReq) -> None:
         """Waiting requests are answered at once with no tokens; running ones stop at their next
@@ -571,7 +605,7 @@ def main() -> None:
     parser.add_argument("--weights-timeout-s", type=float, default=60.0)
     parser.add_argument(
         "--pool",
-        choices=("policy", "judge", "none"),
+        choices=("policy", "judge", "teacher", "none"),
         default="policy",
         help="which registry in RUN_DIR it registers in (none: a server that scale out --url adds)",
     )

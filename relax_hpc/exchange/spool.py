@@ -31,9 +31,10 @@ from relax_hpc.paths import SpoolDirs, fsync_dir, write_atomic
 
 # 2: media (once per prompt group); 3: per-token policy versions (multi-turn and partial rollout);
 # 4: the routers' choices per token, optional (MoE routing replay), and each sample's reward
-# baseline (ReMax's greedy reward; NaN: none). A reader refuses versions it does not know, naming both.
-SCHEMA_VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)
+# baseline (ReMax's greedy reward; NaN: none); 5: the teacher's log-probability per token, optional
+# (a teacher served by engines). A reader refuses versions it does not know, naming both.
+SCHEMA_VERSION = 5
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 BATCH_NAME = re.compile(r"^b(\d{9})\.h5$")
 _ARRAYS: dict[str, type[np.generic]] = {
     "tokens": np.int32,
@@ -64,10 +65,15 @@ ARRAYS_OF: dict[int, dict[str, type[np.generic]]] = {
     3: {**_ARRAYS, **_MEDIA, **_VERSIONS},
     4: {**_ARRAYS, **_MEDIA, **_VERSIONS, "reward_baseline": np.float32},
 }
+ARRAYS_OF[5] = ARRAYS_OF[4]
 # Schema 4, optional: `routed_experts` [T, layers * top_k], uint8 (uint16 for models of 255 or more
 # experts), the routers' choices for every input position, ROUTED_NONE where none was recorded (the
 # last token, environment tokens after the last call): the trainer's router decides there.
 ROUTED = "routed_experts"
+# Schema 5, optional: `teacher_logprobs` [T], float32, the teacher's log-probability of each
+# completion token given the tokens before it (aligned with rollout_logprobs; 0 for prompt tokens).
+TEACHER = "teacher_logprobs"
+_OPTIONAL = (ROUTED, TEACHER)
 _ALL = ARRAYS_OF[SCHEMA_VERSION]
 _KINDS: tuple[Kind, ...] = tuple(sorted(KIND_CODES, key=KIND_CODES.__getitem__))
 
@@ -105,6 +111,7 @@ class SampleBatch:
     newest_version: np.ndarray | None = None
     routed_experts: np.ndarray | None = None  # [T, layers * top_k], schema 4 (routing replay)
     reward_baseline: np.ndarray | None = None  # per sample, NaN where none (schema 4; older: all NaN)
+    teacher_logprobs: np.ndarray | None = None  # [T], schema 5 (a teacher served by engines)
 
     def __post_init__(self) -> None:
         if self.reward_baseline is None:
@@ -241,6 +248,7 @@ def _pack_media(media: Mapping[int, Sequence[tuple[Kind, bytes]]]) -> dict[str, 
 _PER_SAMPLE_V1 = ("offsets", "prompt_lens", "rewards", "group_ids", "policy_version", "prompt_index")
 _PER_SAMPLE_V3 = (*_PER_SAMPLE_V1, "newest_version")
 PER_SAMPLE_OF = {1: _PER_SAMPLE_V1, 2: _PER_SAMPLE_V1, 3: _PER_SAMPLE_V3, 4: (*_PER_SAMPLE_V3, "reward_baseline")}
+PER_SAMPLE_OF[5] = PER_SAMPLE_OF[4]
 
 
 def _checksum(arrays: dict[str, np.ndarray], names: Iterable[str] = _ARRAYS) -> int:
@@ -270,8 +278,9 @@ def write_batch(path: Path, batch: SampleBatch, writer: str) -> None:
     """Write `batch` to `path` directly (callers publish through Spool.publish)."""
     arrays = {name: np.asarray(getattr(batch, name), dtype=dtype) for name, dtype in _ALL.items()}
     summed = list(_ALL)
-    if batch.routed_experts is not None:
-        arrays[ROUTED], summed = batch.routed_experts, [*summed, ROUTED]
+    for name in _OPTIONAL:
+        if getattr(batch, name) is not None:
+            arrays[name], summed = getattr(batch, name), [*summed, name]
     with h5py.File(path, "w", locking=False) as f:
         for name, arr in arrays.items():
             f.create_dataset(name, data=arr)
@@ -312,8 +321,8 @@ def _read(path: Path, header: bool) -> tuple[dict, dict[str, np.ndarray], int]:
                 raise SpoolFormatError(f"missing datasets {missing}")
             names = PER_SAMPLE_OF[int(version)] if header else kinds
             arrays = {name: np.asarray(f[name][()], dtype=kinds[name]) for name in names}
-            if not header and ROUTED in f:
-                arrays[ROUTED] = f[ROUTED][()]
+            if not header:
+                arrays.update({name: f[name][()] for name in _OPTIONAL if name in f})
             num_tokens = int(f["tokens"].shape[0])
     except SpoolFormatError:
         raise
@@ -351,7 +360,7 @@ def read_header(path: Path) -> BatchHeader:
 def read_batch(path: Path) -> SampleBatch:
     """Read and validate a batch file; any defect raises SpoolFormatError with the reason."""
     attrs, arrays, num_tokens = _read(path, header=False)
-    summed = [*ARRAYS_OF[attrs["schema_version"]], *([ROUTED] if ROUTED in arrays else [])]
+    summed = [*ARRAYS_OF[attrs["schema_version"]], *(name for name in _OPTIONAL if name in arrays)]
     if int(attrs.get("checksum", -1)) != _checksum(arrays, summed):
         raise SpoolFormatError("checksum mismatch (the file was modified or damaged after it was written)")
     _check_structure(arrays, num_tokens)
@@ -365,8 +374,9 @@ def read_batch(path: Path) -> SampleBatch:
         raise SpoolFormatError("media offsets do not describe the media arrays")
     if "token_versions" in arrays and len(arrays["token_versions"]) != num_tokens:
         raise SpoolFormatError("token_versions does not have one entry per token")
-    if ROUTED in arrays and len(arrays[ROUTED]) != num_tokens:
-        raise SpoolFormatError("routed_experts does not have one row per token")
+    for name in _OPTIONAL:
+        if name in arrays and len(arrays[name]) != num_tokens:
+            raise SpoolFormatError(f"{name} does not have one row per token")
     meta = {k: (v.item() if hasattr(v, "item") else v) for k, v in attrs.items() if k not in ("seq",)}
     return SampleBatch(seq=int(attrs["seq"]), attrs=meta, **arrays)
 

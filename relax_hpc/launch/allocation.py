@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from relax_hpc.config.schema import JobConfig
-from relax_hpc.launch.gpus import NO_GPU, engine_count
+from relax_hpc.launch.gpus import NO_GPU, engine_count, sglang_sizes
 
 
 class AllocationError(RuntimeError):
@@ -114,17 +114,25 @@ def plan_layout(cfg: JobConfig, alloc: Allocation) -> Layout:
     if cfg.launch.colocate:
         return _colocated_layout(cfg, groups[0], trainer_nodes)
     colocated = rollout_nodes == trainer_nodes
-    # Judge engines (reward.name=judge) come after the rollout engines, placed the same way.
+    # Judge and teacher engines come after the rollout engines, placed the same way.
     engine_nodes = [rollout_nodes[i % len(rollout_nodes)] for i in range(engine_count(cfg))]
     per_node = Counter(engine_nodes)
-    seen: Counter[str] = Counter()
+    used: Counter[str] = Counter()  # GPUs of each node given to engines so far
     engine_gpus: list[str | None] = []
     # An SGLang engine takes its tensor-parallel size in GPUs; built-in engines split the node's.
-    tp_size = cfg.rollout.sglang.tp_size if cfg.rollout.engine == "sglang" else None
-    for node in engine_nodes:
-        offset = sl.trainer.gpus_per_node if colocated else 0
-        engine_gpus.append(_gpu_slice(sl.rollout.gpus_per_node, per_node[node], seen[node], offset, tp_size))
-        seen[node] += 1
+    fixed = sglang_sizes(cfg)
+    sizes: list[int | None] = list(fixed) if fixed else [None] * len(engine_nodes)
+    offset = sl.trainer.gpus_per_node if colocated else 0
+    for node, size in zip(engine_nodes, sizes, strict=True):
+        per_engine = _gpus_per_engine(sl.rollout.gpus_per_node, per_node[node], size)
+        if per_engine is None:
+            engine_gpus.append(NO_GPU)
+            continue
+        first = offset + used[node]
+        engine_gpus.append(f"{first}-{first + per_engine - 1}")
+        used[node] += per_engine
+    if fixed and max(used.values(), default=0) > sl.rollout.gpus_per_node:
+        raise AllocationError(_sglang_overflow(cfg, max(per_node.values())))
     trainer_gpus = f"0-{sl.trainer.gpus_per_node - 1}" if colocated and sl.trainer.gpus_per_node else None
     if sl.trainer.gpus_per_node == 0:
         trainer_gpus = NO_GPU  # a node's GPUs that the job did not ask for are not the trainer's
@@ -146,13 +154,6 @@ def _colocated_layout(cfg: JobConfig, group: int, trainer_nodes: list[str]) -> L
     return Layout(group, trainer_nodes, visible, group, nodes, [visible] * len(nodes), devices)
 
 
-def _gpu_slice(gpus_per_node: int, engines_on_node: int, index: int, offset: int, tp_size: int | None) -> str | None:
-    """The GPUs of the index-th of `engines_on_node` engines on `gpus_per_node` rollout GPUs."""
-    per_engine = _gpus_per_engine(gpus_per_node, engines_on_node, tp_size)
-    if per_engine is None:
-        return NO_GPU
-    first = offset + index * per_engine
-    return f"{first}-{first + per_engine - 1}"
 
 
 def _gpus_per_engine(gpus_per_node: int, engines_on_node: int, tp_size: int | None) -> int | None:
@@ -169,12 +170,18 @@ def _gpus_per_engine(gpus_per_node: int, engines_on_node: int, tp_size: int | No
             "rollout.engine=sglang needs GPUs: set launch.slurm.rollout.gpus_per_node "
             f"(each engine takes rollout.sglang.tp_size={tp_size})"
         )
-    if engines_on_node * tp_size > gpus_per_node:
-        raise AllocationError(
-            f"{engines_on_node} SGLang engines of rollout.sglang.tp_size={tp_size} GPUs each on a node with "
-            f"{gpus_per_node} rollout GPU(s): lower rollout.num_engines or tp_size, or add rollout nodes"
-        )
     return tp_size
+
+
+def _sglang_overflow(cfg: JobConfig, engines_on_node: int) -> str:
+    teacher = cfg.algo.teacher.tp_size if cfg.algo.teacher.num_engines else None
+    sizes = f"rollout.sglang.tp_size={cfg.rollout.sglang.tp_size}"
+    sizes += f" (teachers: algo.teacher.tp_size={teacher})" if teacher else ""
+    return (
+        f"{engines_on_node} SGLang engines of {sizes} GPUs each on a node with "
+        f"{cfg.launch.slurm.rollout.gpus_per_node} rollout GPU(s): lower rollout.num_engines or tp_size, "
+        "or add rollout nodes"
+    )
 
 
 def example_allocation(cfg: JobConfig) -> Allocation:

@@ -3,6 +3,8 @@
     engines   python -m relax_hpc.engines.torch_engine   (rollout.num_engines processes; with
               rollout.engine=sglang, python -m relax_hpc.engines.sglang_engine, which runs SGLang)
     judges    the same, on reward.judge.model, registered in RUN_DIR/registry/judge (reward.name=judge)
+    teachers  the same, on algo.teacher.path, registered in RUN_DIR/registry/teacher
+              (algo.teacher.num_engines)
     driver    python -m relax_hpc.rollout.driver
     metrics   python -m relax_hpc.metrics.sinks              (only with metrics.tensorboard or metrics.clearml)
 
@@ -21,14 +23,18 @@ import sys
 from relax_hpc.config.schema import JobConfig
 from relax_hpc.launch.allocation import Allocation, Layout, plan_layout
 from relax_hpc.launch.container import wrap_in_container
-from relax_hpc.launch.gpus import LocalDevices, place_local, visible_gpu_count
+from relax_hpc.launch.gpus import LocalDevices, engine_pools, place_local, visible_gpu_count
 from relax_hpc.paths import RunPaths
 
 
 def engine_name(cfg: JobConfig, index: int) -> tuple[str, str]:
-    """(role name, pool) of engine process `index`: rollout engines first, then judge engines."""
-    n = cfg.rollout.num_engines
-    return (f"engine-{index}", "policy") if index < n else (f"judge-{index - n}", "judge")
+    """(role name, pool) of engine process `index`: rollout engines first, then judge engines,
+    then teacher engines."""
+    for prefix, pool, count in engine_pools(cfg):
+        if index < count:
+            return f"{prefix}-{index}", pool
+        index -= count
+    raise IndexError("engine index past the run's engines")
 
 
 def engine_args(
@@ -44,7 +50,7 @@ def engine_args(
             "-m", "relax_hpc.engines.sglang_engine", "--run-dir", str(paths.root), "--engine-id", name,
             "--host", host, "--port", str(port), "--pool", pool, *(["--device", device] if device else []),
         ]  # fmt: skip
-    model = cfg.model.path if pool == "policy" else str(cfg.reward.judge.model)
+    model = cfg.served_model(pool)
     return [
         "-m", "relax_hpc.engines.torch_engine", "--run-dir", str(paths.root), "--engine-id", name,
         "--model-path", model, "--dtype", cfg.model.dtype, "--host", host,

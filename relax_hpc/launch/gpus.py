@@ -60,33 +60,50 @@ class LocalDevices:
     engine_devices: list[str] | None = None  # each engine's --device (colocated: its rank's GPU)
 
 
+def engine_pools(cfg: JobConfig) -> list[tuple[str, str, int]]:
+    """(role prefix, registry pool, count) of the run's engine processes, in launch order: the
+    rollout engines, the judge engines (reward.name=judge), the teacher engines
+    (algo.teacher.num_engines). An sft job has none."""
+    if cfg.kind == "sft":
+        return []
+    judges = cfg.reward.judge.num_engines if cfg.reward.name == "judge" else 0
+    return [("engine", "policy", cfg.rollout.num_engines), ("judge", "judge", judges),
+            ("teacher", "teacher", cfg.algo.teacher.num_engines)]  # fmt: skip
+
+
 def engine_count(cfg: JobConfig) -> int:
-    """Engine processes of the run: the rollout engines, then the judge engines if any (an sft
-    job has none)."""
-    return 0 if cfg.kind == "sft" else cfg.rollout.num_engines + judge_count(cfg)
+    """Engine processes of the run: the rollout engines, then the judge and teacher engines if any."""
+    return sum(n for _, _, n in engine_pools(cfg))
 
 
-def judge_count(cfg: JobConfig) -> int:
-    return cfg.reward.judge.num_engines if cfg.kind == "rl" and cfg.reward.name == "judge" else 0
+def sglang_sizes(cfg: JobConfig) -> list[int] | None:
+    """Per engine process (engine_pools' order), the GPUs an SGLang engine takes: its
+    tensor-parallel size, algo.teacher.tp_size for a teacher engine when set, else
+    rollout.sglang.tp_size. None for the built-in engine, which takes a share of what there is."""
+    if cfg.rollout.engine != "sglang":
+        return None
+    own = {"teacher": cfg.algo.teacher.tp_size}
+    return [own.get(pool) or cfg.rollout.sglang.tp_size for _, pool, n in engine_pools(cfg) for _ in range(n)]
 
 
 def place_local(cfg: JobConfig, visible: int) -> LocalDevices:
     """The roles take GPUs only when there are enough for all of them: one per trainer rank, then
-    one per engine (an SGLang engine rollout.sglang.tp_size; judge engines after the rollout
-    ones); otherwise everything runs on the CPU (a trainer on GPUs would push weights over NCCL,
-    which an engine on the CPU cannot join).
+    one per engine (an SGLang engine its tensor-parallel size: sglang_sizes; judge and teacher
+    engines after the rollout ones); otherwise everything runs on the CPU (a trainer on GPUs would push weights over
+    NCCL, which an engine on the CPU cannot join).
     launch.local_trainer_gpus and launch.local_engine_gpus, when set, decide instead."""
     ranks = cfg.trainer.num_ranks
     count = engine_count(cfg)
     if cfg.launch.colocate:
         return _colocated(ranks, count, visible)
-    per_engine = cfg.rollout.sglang.tp_size if cfg.rollout.engine == "sglang" else 1
-    enough = visible >= ranks + count * per_engine
+    sizes = sglang_sizes(cfg) or [1] * count
+    enough = visible >= ranks + sum(sizes)
     trainer = cfg.launch.local_trainer_gpus or (f"0-{ranks - 1}" if enough else NO_GPU)
     if cfg.launch.local_engine_gpus:
         engines: list[str | None] = list(cfg.launch.local_engine_gpus)
     elif enough:
-        engines = [f"{ranks + i * per_engine}-{ranks + (i + 1) * per_engine - 1}" for i in range(count)]
+        starts = [ranks + sum(sizes[:i]) for i in range(count)]
+        engines = [f"{first}-{first + size - 1}" for first, size in zip(starts, sizes, strict=True)]
     else:
         engines = [NO_GPU] * count
     return LocalDevices(trainer, engines, _describe(trainer, engines, visible, ranks))

@@ -63,7 +63,7 @@ class HealthMonitor:
 
     def _probe_engines(self) -> None:
         while not self._stop.wait(2.0):
-            for record in read_records(self.paths.engines) + read_records(self.paths.judge_engines):
+            for record in [r for folder in self.paths.registries for r in read_records(folder)]:
                 if self._gone.get(record.engine_id) == record.instance:
                     continue
                 if self._seen.get(record.engine_id) != record.instance:  # a new process: a new clock

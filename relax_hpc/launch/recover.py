@@ -48,9 +48,9 @@ def recover(paths: RunPaths) -> Recovery:
     # No engine of this run is alive before the launcher starts them (a previous allocation's are
     # gone with it): records left by killed engines would only cost the trainer a timeout.
     # Elastic engines (relax_hpc.launch.elastic) keep theirs: they outlive the main job's starts.
-    for pool in ("policy", "judge"):
-        for record in paths.registry(pool).glob("*.json"):
-            if record.stem.startswith(("engine-", "judge-")):
+    for folder in paths.registries:
+        for record in folder.glob("*.json"):
+            if record.stem.startswith(("engine-", "judge-", "teacher-")):
                 record.unlink()
     if result.step or result.returned or result.orphaned:
         log.info(

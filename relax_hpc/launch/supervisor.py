@@ -169,7 +169,10 @@ class Supervisor:
             # A driver resumes from the spool, so restarting it is cheap; a few tries cover a crash
             # without hiding a driver that cannot run at all.
             name: Role(
-                name, argv, logs / f"{name}.log", ro.max_engine_restarts if name.startswith(("engine", "judge")) else 3
+                name,
+                argv,
+                logs / f"{name}.log",
+                ro.max_engine_restarts if name.startswith(("engine", "judge", "teacher")) else 3,
             )
             for name, argv in self.commands.items()
         }
@@ -229,7 +232,8 @@ class Supervisor:
             self.paths, self.cfg.trainer.total_steps, self.out, log_every_s=self.cfg.metrics.progress_every_s
         )
         engines = [r for n, r in roles.items() if n.startswith("engine")]
-        judges = [r for n, r in roles.items() if n.startswith("judge")]
+        # Judge and teacher engines: restarted like rollout engines, never pushed to.
+        side_engines = [r for n, r in roles.items() if n.startswith(("judge", "teacher"))]
         trainer, driver = roles["trainer"], roles.get("driver")  # an sft job has no driver
         helpers = [r for n, r in roles.items() if n == "metrics"]
         started = time.monotonic()
@@ -247,7 +251,7 @@ class Supervisor:
             wall = self.cfg.launch.max_wall_s
             if wall and time.monotonic() - started > wall:
                 self.request_stop(f"launch.max_wall_s ({wall:.0f} s) reached")
-            for role in [*engines, *judges, *([driver] if driver else []), *helpers]:
+            for role in [*engines, *side_engines, *([driver] if driver else []), *helpers]:
                 if role.alive() or role.abandoned or trainer_done_at is not None or self.stop_requested:
                     continue
                 if role.not_before == 0.0:  # just found dead: the restart waits out the back-off

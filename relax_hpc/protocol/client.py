@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import itertools
 import json
 import socket
+import time
+from pathlib import Path
 from typing import IO, Any
 from urllib.parse import urlsplit
 
 from relax_hpc.protocol import requests as P
+from relax_hpc.protocol.registry import read_records
 
 
 class EngineUnavailable(RuntimeError):
@@ -168,3 +172,32 @@ class RequestPipeline:
 
     def close(self) -> None:
         self._connection.close()
+
+
+class PoolUnavailable(RuntimeError):
+    """No engine of a pool answered within the wait."""
+
+
+class PoolClient:
+    """/generate on any engine of a registry folder whose engines are never updated (the judge's,
+    the teacher's): round-robin, a request re-issued to the next engine while engines fail (the
+    launcher restarts them), waiting up to `wait_s` for one to register. Thread-safe."""
+
+    def __init__(self, folder: Path, api_key: str, timeout_s: float, wait_s: float) -> None:
+        self.folder, self.api_key, self.timeout_s, self.wait_s = folder, api_key, timeout_s, wait_s
+        self._next = itertools.count()
+
+    def generate(self, request: P.GenerateReqInput) -> list[dict]:
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            records = read_records(self.folder)
+            for _ in range(len(records)):
+                record = records[next(self._next) % len(records)]
+                try:
+                    answer: list[dict] = EngineClient(record.url, self.api_key, self.timeout_s).generate(request)
+                    return answer
+                except EngineUnavailable:
+                    continue
+            if time.monotonic() > deadline:
+                raise PoolUnavailable(f"no engine of {self.folder} answered within {self.wait_s:.0f}s")
+            time.sleep(1.0)

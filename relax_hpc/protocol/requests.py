@@ -39,6 +39,10 @@ class GenerateReqInput:
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     rid: str | list[str] | None = None
     return_logprob: bool | list[bool] | None = None
+    # With return_logprob: meta_info.input_token_logprobs for the input tokens from this position
+    # on, as [logprob, token, None]; the first entry's logprob is None (SGLang's rule: nothing
+    # scores a token from its own position). None (SGLang: -1): no input log-probabilities.
+    logprob_start_len: int | list[int] | None = None
     stream: bool = False
     image_data: MediaData | None = None
     audio_data: MediaData | None = None

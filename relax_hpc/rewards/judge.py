@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 from typing import Any
 
 from transformers import PreTrainedTokenizerFast
@@ -21,8 +20,7 @@ from transformers import PreTrainedTokenizerFast
 from relax_hpc.config.schema import JobConfig
 from relax_hpc.paths import RunPaths
 from relax_hpc.protocol import requests as P
-from relax_hpc.protocol.client import EngineClient, EngineUnavailable
-from relax_hpc.protocol.registry import read_records
+from relax_hpc.protocol.client import PoolClient, PoolUnavailable
 from relax_hpc.rewards.scoring import RewardError, RewardInput
 
 
@@ -49,9 +47,7 @@ class JudgeReward:
         self.tokenizer = PreTrainedTokenizerFast.from_pretrained(j.model)
         self.template, self.max_new_tokens = j.prompt_template, j.max_new_tokens
         self.pattern = re.compile(j.pattern)
-        self.folder, self.api_key = paths.judge_engines, paths.read_token()
-        self.timeout_s, self.wait_s = cfg.rollout.request_timeout_s, wait_s
-        self._next = 0
+        self.engines = PoolClient(paths.judge_engines, paths.read_token(), cfg.rollout.request_timeout_s, wait_s)
 
     def prompt(self, item: RewardInput) -> str:
         prompt = item.row.prompt if isinstance(item.row.prompt, str) else str(list(item.row.prompt))
@@ -72,22 +68,11 @@ class JudgeReward:
         return results
 
     def _generate(self, request: P.GenerateReqInput) -> list[dict]:
-        """One batch on a judge engine (round-robin), re-issued while judge engines fail; waits
-        up to wait_s for one to register."""
-        deadline = time.monotonic() + self.wait_s
-        while True:
-            records = read_records(self.folder)
-            for _ in range(len(records)):
-                record = records[self._next % len(records)]
-                self._next += 1
-                try:
-                    answer: list[dict] = EngineClient(record.url, self.api_key, self.timeout_s).generate(request)
-                    return answer
-                except EngineUnavailable:
-                    continue
-            if time.monotonic() > deadline:
-                raise RewardError(f"no judge engine answered within {self.wait_s:.0f}s ({self.folder})")
-            time.sleep(1.0)
+        """One batch on a judge engine, re-issued while judge engines fail."""
+        try:
+            return self.engines.generate(request)
+        except PoolUnavailable as e:
+            raise RewardError(f"judge: {e}") from None
 
 
 def judge_reward(cfg: JobConfig, paths: RunPaths) -> JudgeReward:

@@ -8,8 +8,9 @@ generated only by a policy version >= seq - max_staleness (0: strictly on-policy
 waits for the weights of step seq). The episodes' generate calls go to the engines in batches
 (relax_hpc.rollout.engine_policy: split across the engines that hold such a version, re-issued
 when an engine dies). The driver resumes from the spool (Spool.next_seq), so a restart neither
-skips nor repeats a batch. It also measures greedy accuracy over the whole dataset every
-`rollout.eval_every` versions and at the last one, then exits.
+skips nor repeats a batch. With teacher engines (algo.teacher.num_engines) the teacher scores every
+batch before it is published (relax_hpc.rollout.teacher). It also measures greedy accuracy over
+the whole dataset every `rollout.eval_every` versions and at the last one, then exits.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from relax_hpc.protocol.client import EngineRequestError, EngineUnavailable
 from relax_hpc.rewards import RewardError, make_scorer
 from relax_hpc.rewards.judge import judge_reward
 from relax_hpc.rollout.engine_policy import EnginePolicy, EnginePool, Stopping
+from relax_hpc.rollout.teacher import TeacherError, TeacherScorer
 
 log = logging.getLogger("relax_hpc.driver")
 
@@ -81,6 +83,7 @@ class Driver:
         self.failures = JsonlWriter(paths.reward_failures)
         judge = judge_reward(cfg, paths) if cfg.reward.name == "judge" else None
         scorer = make_scorer(cfg, judge)
+        self.teacher = TeacherScorer(cfg, paths) if cfg.algo.teacher.num_engines else None
         self.rounds = Rounds(cfg, self.rows, self.prompt_ids, self.tokenizer, self.policy, scorer, self.failures.log)
 
     async def _beat(self) -> None:
@@ -100,7 +103,12 @@ class Driver:
             "groups_topped_up": selection.topped_up,
             **self.rounds.take_stats(),
         }
-        return to_sample_batch(seq, selection.groups), stats
+        batch = to_sample_batch(seq, selection.groups)
+        if self.teacher is not None:  # the selected groups only: dropped ones are never trained
+            started = time.monotonic()
+            await self.teacher.score(batch)
+            stats["teacher_seconds"] = round(time.monotonic() - started, 4)
+        return batch, stats
 
     async def evaluate(self, version: int) -> int:
         """Greedy accuracy over the dataset on engines holding at least `version`; returns the
@@ -183,7 +191,7 @@ def main() -> None:
         asyncio.run(driver.run())
     except Stopping:
         pass
-    except RewardError as e:
+    except (RewardError, TeacherError) as e:
         log.error("%s", e)
         sys.exit(1)
     sys.exit(0)

@@ -48,10 +48,16 @@ class TrainBatch:
     baselines: torch.Tensor  # float [n]: each sample's reward baseline (ReMax), NaN where none
     media: tuple[dict[str, torch.Tensor], ...] = field(default=())
     routed: torch.Tensor | None = None  # long [n, T, layers * top_k], -1: the router decides (replay)
+    # float [n, T], aligned with targets: the teacher's log-probabilities from its engines (spool
+    # schema 5), None when the trainer scores with its own teacher or there is none.
+    teacher_logprobs: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> TrainBatch:
-        routed = self.routed.to(device) if self.routed is not None else None
-        return replace(self, routed=routed, **{f: getattr(self, f).to(device) for f in TENSORS})
+        routed = None if self.routed is None else self.routed.to(device)
+        teacher = None if self.teacher_logprobs is None else self.teacher_logprobs.to(device)
+        return replace(
+            self, routed=routed, teacher_logprobs=teacher, **{f: getattr(self, f).to(device) for f in TENSORS}
+        )
 
     def model_inputs(self, model: torch.nn.Module) -> dict[str, Any]:
         """Everything the model's forward takes besides input_ids and attention_mask: the rows'
@@ -76,8 +82,11 @@ class TrainBatch:
 
     def select(self, rows: torch.Tensor) -> TrainBatch:
         media = tuple(self.media[i] for i in rows.tolist()) if self.media else ()
-        routed = self.routed[rows] if self.routed is not None else None
-        return replace(self, media=media, routed=routed, **{f: getattr(self, f)[rows] for f in TENSORS})
+        routed = None if self.routed is None else self.routed[rows]
+        teacher = None if self.teacher_logprobs is None else self.teacher_logprobs[rows]
+        return replace(
+            self, media=media, routed=routed, teacher_logprobs=teacher, **{f: getattr(self, f)[rows] for f in TENSORS}
+        )
 
     def without_loss(self) -> TrainBatch:
         """The same rows contributing nothing: what a rank with no samples in a mini-batch runs, so
@@ -189,6 +198,8 @@ def share_of(
         # A rank without a group (fewer groups than ranks) trains a row without loss tokens: it
         # must still join every collective of the step.
         dummy = pad_samples([[pad_id, pad_id]], [[0, 0]], [[0.0, 0.0]], [0.0], [-1], pad_id)
+        if batch.teacher_logprobs is not None:  # the objective's distill advantage reads them
+            dummy.teacher_logprobs = torch.zeros_like(dummy.rollout_logprobs)
         return dummy.without_loss(), stats
     seqs = [batch.sample_tokens(i).tolist() for i in rows]
     loss_mask = batch.loss_mask
@@ -215,7 +226,19 @@ def share_of(
         for k, i in enumerate(rows):
             choices = torch.from_numpy(routing_of(batch, i))
             tb.routed[k, : len(choices)] = choices
+    if batch.teacher_logprobs is not None:
+        tb.teacher_logprobs = _per_target(batch.teacher_logprobs, batch.offsets, rows, tb.targets.shape)
     return tb, stats
+
+
+def _per_target(flat: np.ndarray, offsets: np.ndarray, rows: list[int], shape: torch.Size) -> torch.Tensor:
+    """A per-token array of the spool (a value per token of prompt + completion) as a padded
+    [n, T] tensor aligned with targets: position t holds the value of token t + 1."""
+    out = torch.zeros(shape, dtype=torch.float32)
+    for k, i in enumerate(rows):
+        values = torch.from_numpy(np.asarray(flat[offsets[i] + 1 : offsets[i + 1]], dtype=np.float32))
+        out[k, : len(values)] = values
+    return out
 
 
 def _group_inputs(

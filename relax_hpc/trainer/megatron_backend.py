@@ -109,7 +109,7 @@ class MegatronBackend:
         self.timer = PhaseTimer()
         self.reference = _build(job, self.hf_config, job.model.path, False) if self.objective.needs_reference else None
         self.teacher: torch.nn.Module | None = None
-        if self.objective.needs_teacher:
+        if self.objective.needs_teacher and not algo.teacher.num_engines:  # else: the spool has its scores
             assert algo.teacher.path is not None, "the config refuses distill without algo.teacher.path"
             self.teacher = _build(job, self.hf_config, algo.teacher.path, False)
         self.critic: DistributedDataParallel | None = None
@@ -270,7 +270,7 @@ class MegatronBackend:
         else:
             old = None  # the detached forward of the one optimizer step
         ref = self._frozen_logprobs(self.reference, batch)
-        teacher = self._frozen_logprobs(self.teacher, batch)
+        teacher = self._frozen_logprobs(self.teacher, batch) if self.teacher is not None else batch.teacher_logprobs
         old_values = self._frozen_values(batch)
         advantages = None
         if parallel_state.is_pipeline_last_stage():

@@ -100,7 +100,7 @@ class TorchBackend:
         self.timer = PhaseTimer()
         self.reference = _frozen(model_path, torch_dtype, device) if self.objective.needs_reference else None
         self.teacher: torch.nn.Module | None = None
-        if self.objective.needs_teacher:
+        if self.objective.needs_teacher and not algo.teacher.num_engines:  # else: the spool has its scores
             assert algo.teacher.path is not None, "the config refuses distill without algo.teacher.path"
             self.teacher = _frozen(algo.teacher.path, torch_dtype, device)
         self.critic: torch.nn.Module | None = None
@@ -176,7 +176,7 @@ class TorchBackend:
         else:
             old = self._frozen_logprobs(self.model, batch) if algo.epochs * algo.minibatches > 1 else None
         ref = self._frozen_logprobs(self.reference, batch)
-        teacher = self._frozen_logprobs(self.teacher, batch)
+        teacher = self._frozen_logprobs(self.teacher, batch) if self.teacher is not None else batch.teacher_logprobs
         old_values = self._frozen_values(batch)
         advantages = None if old is None else self._advantages(batch, old, ref, teacher, old_values)
         rows, parts = self._minibatches(batch)

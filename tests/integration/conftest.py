@@ -44,10 +44,11 @@ class Engines:
         log = (self.paths.root / f"{engine_id}.log").open("ab")
         self.procs[engine_id] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=child_env(self.cfg))
 
-    def wait_registered(self, count: int, timeout_s: float = 120.0) -> list:
+    def wait_registered(self, count: int, timeout_s: float = 120.0, folder: Path | None = None) -> list:
+        """The records of `count` engines in `folder` (default: the rollout engines' registry)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            records = read_records(self.paths.engines)
+            records = read_records(folder or self.paths.engines)
             if len(records) >= count:
                 return records
             dead = {k: p.returncode for k, p in self.procs.items() if p.poll() is not None}

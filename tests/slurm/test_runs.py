@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from relax_hpc.exchange.spool import read_batch
 from relax_hpc.launch.recover import recover
 from relax_hpc.metrics.jsonl import read_jsonl
 from relax_hpc.paths import RunPaths
@@ -92,10 +93,14 @@ def test_sbatch_recipe_requeues_itself_and_completes(slurm_cluster, tmp_path):
 
 
 def test_heterogeneous_job_runs_each_role_in_its_component(slurm_cluster, tmp_path):
+    """The trainer and driver in component 0, the engines in component 1: the rollout engines and
+    a distillation teacher's engine (algo.teacher.num_engines), each a job step of its own."""
     run_dir = tmp_path / "het"
+    teacher = REPO / "assets" / "tiny-qwen3-addition-teacher"
     out = submit(
         run_dir, "trainer.total_steps=4", "launch.slurm.heterogeneous=true",
-        "launch.slurm.rollout.partition=high", "--wait",
+        "launch.slurm.rollout.partition=high", "algo.advantage.estimator=distill", f"algo.teacher.path={teacher}",
+        "algo.teacher.num_engines=1", "ckpt.keep_trained_batches=true", "--wait",
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     job = job_id(run_dir)
@@ -106,7 +111,10 @@ def test_heterogeneous_job_runs_each_role_in_its_component(slurm_cluster, tmp_pa
     steps = {r["JobName"]: r["JobID"] for r in rows if r["JobName"].startswith("relax_hpc:")}
     assert steps["relax_hpc:trainer"].startswith(f"{job}+0.") and steps["relax_hpc:driver"].startswith(f"{job}+0.")
     assert steps["relax_hpc:engine-0"].startswith(f"{job}+1.") and steps["relax_hpc:engine-1"].startswith(f"{job}+1.")
+    assert steps["relax_hpc:teacher-0"].startswith(f"{job}+1.")
     assert train_events(run_dir, "end")[-1]["completed"] is True
+    trained = [read_batch(p) for p in (run_dir / "spool" / "claimed").glob("step-*/b*.h5")]
+    assert trained and all(b.teacher_logprobs is not None for b in trained)
 
 
 def test_time_limit_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):

@@ -6,6 +6,8 @@ from pathlib import Path
 import pytest
 
 from relax_hpc.config import load_config
+from relax_hpc.engines.sglang_engine import server_args
+from relax_hpc.inprocess import InProcessRun
 from relax_hpc.launch.allocation import Allocation, AllocationError, expand_counts, plan_layout
 from relax_hpc.launch.commands import local_commands, step_commands
 from relax_hpc.launch.container import wrap_in_container
@@ -80,6 +82,73 @@ def test_heterogeneous_components():
     assert "--het-group=1" in commands["engine-0"] and "--nodelist=r1" in commands["engine-0"]
     assert "--het-group=0" in commands["trainer"] and "--cpus-per-task=4" in commands["trainer"]
     assert "--rdzv-endpoint=t1:20009" in commands["trainer"]  # 20000 + job id mod 20000
+
+
+TEACHER = ("algo.advantage.estimator=distill", "algo.teacher.path=/models/teacher", "algo.teacher.num_engines=2")
+
+
+def test_teacher_engines_are_job_steps_of_their_own_in_the_rollout_component(tmp_path):
+    """algo.teacher.num_engines: `teacher-N` steps after the rollout engines, on the rollout
+    component's nodes and GPUs, serving the teacher, registered in the teacher pool."""
+    cfg = cfg_with(
+        f"run.dir={tmp_path}", "launch.slurm.heterogeneous=true", "launch.slurm.rollout.nodes=1",
+        "launch.slurm.rollout.gpus_per_node=4", "rollout.num_engines=2", *TEACHER,
+    )  # fmt: skip
+    alloc = Allocation("9", [["t1"], ["r1"]], {"t1": 4, "r1": 8})
+    assert plan_layout(cfg, alloc).engine_gpus == ["0-0", "1-1", "2-2", "3-3"]
+    commands = step_commands(cfg, RunPaths(tmp_path), alloc)
+    assert [n for n in commands if n.startswith(("engine", "teacher"))] == [
+        "engine-0", "engine-1", "teacher-0", "teacher-1",
+    ]  # fmt: skip
+    teacher = commands["teacher-1"]
+    assert "--het-group=1" in teacher and "--nodelist=r1" in teacher and "--job-name=relax_hpc:teacher-1" in teacher
+    assert teacher[teacher.index("relax_hpc.launch.gpus") + 1] == "3-3"
+    assert teacher[teacher.index("--model-path") + 1] == "/models/teacher"
+    assert teacher[teacher.index("--pool") + 1] == "teacher"
+    assert commands["engine-1"][commands["engine-1"].index("--pool") + 1] == "policy"
+    local = local_commands(cfg, RunPaths(tmp_path))
+    assert local["teacher-0"][local["teacher-0"].index("--model-path") + 1] == "/models/teacher"
+
+
+def test_a_teacher_on_sglang_takes_its_own_tensor_parallel_size():
+    """algo.teacher.tp_size: a teacher larger than the student gets more GPUs than a rollout
+    engine, on Slurm and locally, and its server is started with that size."""
+    sglang = ("rollout.engine=sglang", *TEACHER[:2], "algo.teacher.num_engines=1", "algo.teacher.tp_size=4")
+    cfg = cfg_with(*sglang, "launch.slurm.rollout.nodes=1", "launch.slurm.rollout.gpus_per_node=8")
+    assert plan_layout(cfg, Allocation("7", [["a", "b"]], dict.fromkeys("ab", 8))).engine_gpus == ["0-0", "1-1", "2-5"]
+    assert place_local(cfg, 8).engines == ["2-2", "3-3", "4-7"]  # after the trainer's 2 ranks
+    assert place_local(cfg, 7).engines == [NO_GPU] * 3  # 2 + 1 + 1 + 4 GPUs or none
+    argv = server_args(cfg, "0.0.0.0", 30000, "token", pool="teacher")
+    assert argv[argv.index("--tp-size") + 1] == "4" and argv[argv.index("--model-path") + 1] == "/models/teacher"
+    assert server_args(cfg, "0.0.0.0", 30000, "token")[argv.index("--tp-size") + 1] == "1"
+    big = cfg_with(*sglang[:-1], "algo.teacher.tp_size=7", "launch.slurm.rollout.nodes=1",
+                   "launch.slurm.rollout.gpus_per_node=8")  # fmt: skip
+    with pytest.raises(AllocationError, match=re.escape("(teachers: algo.teacher.tp_size=7) GPUs each on a node")):
+        plan_layout(big, Allocation("7", [["a", "b"]], dict.fromkeys("ab", 8)))
+
+
+def test_local_engine_gpus_name_every_engine_process_the_teacher_too(tmp_path):
+    """One entry per engine process: with fewer, the teacher engine once went unstarted."""
+    with pytest.raises(ValueError, match=r"has 2 entries for 3 engine processes \(2 engine, 1 teacher"):
+        load_config(None, [*TEACHER[:2], "algo.teacher.num_engines=1", "launch.local_engine_gpus=[2-2, 3-3]"])
+    cfg = load_config(
+        None, [f"run.dir={tmp_path}", *TEACHER[:2], "algo.teacher.num_engines=1",
+               "launch.local_engine_gpus=[2-2, 3-3, 4-5]", "launch.local_trainer_gpus=0-1"],
+    )  # fmt: skip
+    teacher = local_commands(cfg, RunPaths(tmp_path))["teacher-0"]
+    assert teacher[teacher.index("relax_hpc.launch.gpus") + 1] == "4-5"
+
+
+def test_teacher_engines_serve_only_what_they_can_score():
+    with pytest.raises(ValueError, match=r"algo\.teacher\.num_engines serves the teacher of .*distill only"):
+        cfg_with("algo.teacher.num_engines=1")
+    with pytest.raises(ValueError, match=r"score token ids only, not media \(data.media\)"):
+        cfg_with(*TEACHER, "data.media={image: images}")
+    with pytest.raises(ValueError, match=r"rollout.temperature=0.7"):
+        cfg_with(*TEACHER, "rollout.temperature=0.7")
+    assert cfg_with(*TEACHER, "rollout.temperature=0").algo.teacher.num_engines == 2
+    with pytest.raises(ValueError, match="the single-process loop has no engines"):
+        InProcessRun(load_config(None, list(TEACHER)))
 
 
 def test_allocation_that_does_not_match_the_config_is_refused():

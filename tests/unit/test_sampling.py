@@ -3,7 +3,7 @@
 import torch
 from transformers import Qwen3ForCausalLM
 
-from relax_hpc.engines.sampling import SamplingSpec, sample
+from relax_hpc.engines.sampling import SamplingSpec, input_logprobs, sample
 from relax_hpc.models.tiny import build_char_tokenizer, tiny_qwen3_config
 
 
@@ -32,3 +32,34 @@ def test_greedy_matches_argmax_of_a_full_forward():
     for _ in range(3):
         ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
     assert out.output_ids == ids[len(prompt) :] and out.finish_reason == "length"
+
+
+def test_input_logprobs_follow_sglangs_logprob_start_len():
+    """Entry 0 is None, entry k scores token start + k given the tokens before it, whatever the
+    other rows of the forward pass (right padding); a sampled completion's own log-probabilities
+    (temperature 1) are the same numbers."""
+    torch.manual_seed(2)
+    tok = build_char_tokenizer()
+    model = Qwen3ForCausalLM(tiny_qwen3_config(tok)).eval()
+    prompt = tok("3+4=")["input_ids"]
+    spec = SamplingSpec(max_new_tokens=4, temperature=1.0, ignore_eos=True)
+    out = sample(model, [prompt], [spec], [5], tok.eos_token_id, tok.pad_token_id)[0]
+    sequence = prompt + out.output_ids
+    start = len(prompt) - 1
+    alone = input_logprobs(model, [sequence], [start])[0]
+    longer = tok("12+34=567")["input_ids"]
+    padded = input_logprobs(model, [longer, sequence], [0, start])
+    assert alone[0] is None and padded[0][0] is None and len(alone) == len(out.output_ids) + 1
+    assert len(padded[0]) == len(longer)
+    torch.testing.assert_close(torch.tensor(alone[1:]), torch.tensor(out.logprobs), rtol=0, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(padded[1][1:]), torch.tensor(alone[1:]), rtol=0, atol=1e-5)
+    assert input_logprobs(model, [sequence], [len(sequence)]) == [[]]
+
+
+def test_no_new_token_is_sampled_for_max_new_tokens_0():
+    tok = build_char_tokenizer()
+    model = Qwen3ForCausalLM(tiny_qwen3_config(tok)).eval()
+    specs = [SamplingSpec(max_new_tokens=0), SamplingSpec(max_new_tokens=2, ignore_eos=True)]
+    prompts = [tok("3+4=")["input_ids"]] * 2
+    scoring, sampled = sample(model, prompts, specs, [1, 2], tok.eos_token_id, tok.pad_token_id)
+    assert (scoring.output_ids, scoring.finish_reason) == ([], "length") and len(sampled.output_ids) == 2

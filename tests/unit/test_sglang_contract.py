@@ -47,8 +47,10 @@ from relax_hpc.data.prompts import PromptRow, load_prompts
 from relax_hpc.engines.sglang_engine import server_args
 from relax_hpc.envs.context import GenerateCall
 from relax_hpc.envs.rounds import sampling_params
+from relax_hpc.exchange.spool import SampleBatch
 from relax_hpc.protocol import requests as P
 from relax_hpc.rollout.engine_policy import EnginePolicy
+from relax_hpc.rollout.teacher import scoring_request
 from relax_hpc.weights.buckets import BucketPlan, pack, unpack
 from relax_hpc.weights.tensors import deserialize, serialize
 from tests.sglang_import import import_sglang
@@ -136,6 +138,7 @@ def sent_requests(cfg) -> list[Any]:
         # a multi-turn environment's second turn: a stop token, fewer new tokens
         policy_request([GenerateCall([5, 6, 7, 9], {**sampling, "max_new_tokens": 2, "stop_token_ids": [9]})]),
         *media_requests(sampling),
+        teacher_request(),  # a teacher engine scores a group: no new token, input log-probabilities
         init,
         P.InitWeightsUpdateGroupReqInput(**{**P.to_json(init), "rank_offset": 1}),
         P.PauseGenerationReqInput(mode="in_place"),
@@ -168,6 +171,15 @@ def policy_request(calls: list[GenerateCall], routing: bool = False) -> P.Genera
     return EnginePolicy._request(SimpleNamespace(routing=routing), calls)  # type: ignore[arg-type]  # all it reads
 
 
+def teacher_request() -> P.GenerateReqInput:
+    """A prompt group's scoring request as the driver sends it to a teacher engine."""
+    batch = SampleBatch.from_samples(
+        seq=0, sequences=[[5, 6, 7, 8, 9], [5, 6, 7, 2]], prompt_lens=[3, 3], logprobs=[[-0.5, -0.5], [-0.5]],
+        rewards=[1.0, 0.0], group_ids=[4, 4], policy_version=[0, 0], prompt_index=[2, 2],
+    )  # fmt: skip
+    return scoring_request(batch, [0, 1])
+
+
 def media_requests(sampling: dict[str, Any]) -> list[P.GenerateReqInput]:
     """The driver's requests for rows with images, with audio, and for a batch mixing rows with
     and without media, built from the shipped datasets."""
@@ -194,6 +206,22 @@ def test_sglang_answers_the_expanded_prompt_at_the_top_level(sglang):
     assert re.search(r"\bout(?:_dict)?\[\"prompt_token_ids\"\]\s*=", source), (
         "SGLang no longer answers prompt_token_ids"
     )
+
+
+def test_sglang_scores_input_tokens_as_the_teacher_path_reads_them(sglang):
+    """The teacher's scoring request relies on three rules of SGLang's scheduler: max_new_tokens
+    0 is a prefill-only request; input_token_logprobs are given for origin_input_ids from
+    logprob_start_len on; their first value is None (the last is dropped: it scores the token
+    that would be sampled). relax_hpc.rollout.teacher asks from the last prompt token on and
+    reads entries 1.. as the completion's; the built-in engine answers by the same rules."""
+    root = Path(inspect.getfile(sglang.io)).parent
+    batch = (root / "schedule_batch.py").read_text()
+    assert re.search(r"return self\.sampling_params\.max_new_tokens == 0", batch), "prefill-only rule changed"
+    processor = (root / "scheduler_components" / "logprob_result_processor.py").read_text()
+    assert "input_token_logprobs_val = [None] + input_token_logprobs[:-1]" in processor, "first-token None changed"
+    assert "req.origin_input_ids[req.logprob_start_len :]" in processor, "input_token_logprobs' tokens changed"
+    request = teacher_request()
+    assert request.logprob_start_len == [2, 2] and request.sampling_params == {"max_new_tokens": 0}
 
 
 # -- matching JSON values against SGLang's type hints -------------------------------------------

@@ -193,15 +193,40 @@ def test_a_batch_of_schema_1_written_by_release_0_1_is_still_read(tmp_path):
     assert batch.seq == 3 and batch.sample_tokens(0).tolist() == [5, 6, 7, 8]
     assert batch.rollout_logprobs[batch.loss_mask == 1].tolist() == [-0.5, -0.25, -1.0]
     assert len(batch.media_kind) == 0 and batch.group_media(7) == []
+    assert batch.teacher_logprobs is None  # the trainer's own teacher scores such a batch
     assert read_header(DATA / "spool-v1.h5").seq == 3
+
+
+def test_teacher_logprobs_travel_per_token_and_are_checksummed(tmp_path):
+    """Schema 5: a batch scored by teacher engines carries the teacher's log-probability of
+    every token; a change to them after publishing is caught like any other array's."""
+    spool = Spool(tmp_path)
+    batch = make_batch(0)
+    batch.teacher_logprobs = np.where(batch.loss_mask == 1, -np.arange(len(batch.tokens)) / 8, 0).astype(np.float32)
+    path = spool.publish(batch, writer="t")
+    back = read_batch(path)
+    assert back.teacher_logprobs is not None and np.array_equal(back.teacher_logprobs, batch.teacher_logprobs)
+    assert read_batch(spool.publish(make_batch(1), writer="t")).teacher_logprobs is None
+    with h5py.File(path, "r+") as f:
+        f["teacher_logprobs"][0] = 1.0
+    with pytest.raises(SpoolFormatError, match="checksum mismatch"):
+        read_batch(path)
+
+
+def test_a_batch_of_schema_4_without_teacher_logprobs_is_still_read(tmp_path):
+    path = Spool(tmp_path).publish(make_batch(2), writer="t")
+    with h5py.File(path, "r+") as f:
+        f.attrs["schema_version"] = 4  # schema 5 added only the optional teacher array
+    batch = read_batch(path)
+    assert batch.seq == 2 and batch.teacher_logprobs is None and read_header(path).seq == 2
 
 
 def test_a_batch_of_an_unknown_schema_is_refused_naming_both_versions(tmp_path):
     spool = Spool(tmp_path)
     path = spool.publish(make_batch(0), writer="t")
     with h5py.File(path, "r+") as f:
-        f.attrs["schema_version"] = 5
-    with pytest.raises(SpoolFormatError, match=r"schema_version 5: this relax_hpc reads versions \[1, 2, 3, 4\]"):
+        f.attrs["schema_version"] = 6
+    with pytest.raises(SpoolFormatError, match=r"schema_version 6: this relax_hpc reads versions \[1, 2, 3, 4, 5\]"):
         read_batch(path)
 
 
