@@ -154,8 +154,6 @@ def _colocated_layout(cfg: JobConfig, group: int, trainer_nodes: list[str]) -> L
     return Layout(group, trainer_nodes, visible, group, nodes, [visible] * len(nodes), devices)
 
 
-
-
 def _gpus_per_engine(gpus_per_node: int, engines_on_node: int, tp_size: int | None) -> int | None:
     """`tp_size` for an SGLang engine; an even share of the node's rollout GPUs for the built-in
     engine (tp_size None); None where there are no GPUs to slice."""
