@@ -1,4 +1,5 @@
-"""Checks on a finished run's RUN_DIR, shared by the local and the Slurm resume tests."""
+"""Checks on a finished run's RUN_DIR, shared by the local and the Slurm resume tests, and a
+short checkpointed run for the export tests."""
 
 from __future__ import annotations
 
@@ -7,7 +8,12 @@ from pathlib import Path
 
 import numpy as np
 
+from relax_hpc.ckpt.manager import Checkpointer
+from relax_hpc.config.load import to_yaml
+from relax_hpc.config.schema import JobConfig
 from relax_hpc.exchange.spool import read_batch
+from relax_hpc.inprocess import InProcessRun
+from relax_hpc.paths import RunPaths
 
 
 def final_records(run_dir: Path) -> dict[int, list[dict]]:
@@ -79,3 +85,17 @@ def assert_nothing_lost_or_repeated(run_dir: Path, steps: int) -> None:
     assert all(np.isfinite(r[-1]["loss"]) for r in records.values())
     # Batches from a policy version a kill rolled back were generated again under their numbers.
     assert orphaned <= set(seen_files) | {s for s, _ in waiting}
+
+
+def train_and_checkpoint(cfg: JobConfig, steps: int = 3) -> tuple[InProcessRun, RunPaths]:
+    """`steps` GRPO steps of the single-process loop in cfg.run.dir, then a checkpoint at that
+    step (what the export tests convert)."""
+    paths = RunPaths(Path(cfg.run.dir))
+    paths.create()
+    paths.config.write_text(to_yaml(cfg))
+    run = InProcessRun(cfg)
+    for step in range(steps):
+        run.train(step, step)
+    state = {"step": steps, "version": steps}
+    assert Checkpointer(paths.ckpt, keep=2).save(steps, run.backend.save_checkpoint, {}, state)
+    return run, paths

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,6 +69,23 @@ class PromptRow:
         return [{"role": "user", "content": parts}]
 
 
+def jsonl_objects(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The JSON objects of a JSONL file, each with where it stands ("FILE:LINE", for errors);
+    blank lines are skipped, a line that is not a JSON object raises DatasetError."""
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_no}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DatasetError(f"{where}: not valid JSON ({e.msg})") from None
+            if not isinstance(record, dict):
+                raise DatasetError(f"{where}: a row must be a JSON object, got {type(record).__name__}")
+            yield where, record
+
+
 def load_prompts(
     path: str | Path,
     prompt_key: str,
@@ -85,25 +102,15 @@ def load_prompts(
     if not path.is_file():
         raise DatasetError(f"data.path: {path} does not exist or is not a file")
     rows: list[PromptRow] = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{line_no}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DatasetError(f"{where}: not valid JSON ({e.msg})") from None
-            if not isinstance(record, dict):
-                raise DatasetError(f"{where}: a row must be a JSON object, got {type(record).__name__}")
-            row = _row(record, len(rows), where, prompt_key, answer_key, media or {}, path.parent)
-            if check_media:
-                for ref in row.media:
-                    try:
-                        check(ref, sampling_rate)
-                    except MediaError as e:
-                        raise DatasetError(f"{where}: {ref.describe()}: {e}") from None
-            rows.append(row)
+    for where, record in jsonl_objects(path):
+        row = _row(record, len(rows), where, prompt_key, answer_key, media or {}, path.parent)
+        if check_media:
+            for ref in row.media:
+                try:
+                    check(ref, sampling_rate)
+                except MediaError as e:
+                    raise DatasetError(f"{where}: {ref.describe()}: {e}") from None
+        rows.append(row)
     if not rows:
         raise DatasetError(f"data.path: {path} holds no rows")
     return rows

@@ -21,7 +21,6 @@ exactly where the checkpoint left off.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -29,7 +28,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from relax_hpc.config.schema import SftConfig
-from relax_hpc.data.prompts import DatasetError
+from relax_hpc.data.prompts import DatasetError, jsonl_objects
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,24 +111,14 @@ def load_examples(
     if fmt == "messages" and not tok.chat_template:
         raise DatasetError("sft.format=messages renders rows with the model's chat template, and the model has none")
     examples = []
-    with Path(path).open() as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}: line {line_no}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DatasetError(f"{where}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise DatasetError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
-            if fmt == "messages":
-                example = messages_example(row, keys["messages"], tok, where)
-            else:
-                example = prompt_response_example(row, keys["prompt"], keys["response"], tok, where)
-            if len(example.ids) > max_tokens:
-                raise DatasetError(f"{where}: {len(example.ids)} tokens, more than sft.max_tokens={max_tokens}")
-            examples.append(example)
+    for where, row in jsonl_objects(Path(path)):
+        if fmt == "messages":
+            example = messages_example(row, keys["messages"], tok, where)
+        else:
+            example = prompt_response_example(row, keys["prompt"], keys["response"], tok, where)
+        if len(example.ids) > max_tokens:
+            raise DatasetError(f"{where}: {len(example.ids)} tokens, more than sft.max_tokens={max_tokens}")
+        examples.append(example)
     if not examples:
         raise DatasetError(f"{path}: no examples")
     return examples

@@ -24,6 +24,7 @@ from relax_hpc.models.hf import load_policy
 from relax_hpc.paths import RunPaths
 from relax_hpc.weights.layout import EngineLayout
 from tests.models.qwen3_family import build_qwen3_omni
+from tests.runs import train_and_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -42,13 +43,7 @@ def _greedy(model, run: InProcessRun) -> list[list[int]]:
 
 def test_checkpoint_converts_to_a_folder_that_generates_like_the_policy(tmp_path):
     cfg = load_config(REPO / "configs/tiny-grpo.yaml", [f"run.dir={tmp_path / 'run'}", "trainer.lr=0.003"])
-    paths = RunPaths(Path(cfg.run.dir))
-    paths.create()
-    paths.config.write_text(to_yaml(cfg))
-    run = InProcessRun(cfg)
-    for step in range(3):
-        run.train(step, step)
-    assert Checkpointer(paths.ckpt, keep=2).save(3, run.backend.save_checkpoint, {}, {"step": 3, "version": 3})
+    run, paths = train_and_checkpoint(cfg)
 
     out = tmp_path / "hf"
     umask = os.umask(0o022)

@@ -13,11 +13,11 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from relax_hpc.ckpt.export import convert
-from relax_hpc.ckpt.manager import Checkpointer
-from relax_hpc.config.load import load_config, to_yaml
+from relax_hpc.config.load import load_config
 from relax_hpc.inprocess import InProcessRun
 from relax_hpc.paths import RunPaths
 from relax_hpc.weights.lora import merge_all
+from tests.runs import train_and_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -30,14 +30,7 @@ def trained(tmp_path_factory) -> tuple[InProcessRun, RunPaths]:
     B = 0, where the policy is still the base), then a checkpoint."""
     run_dir = tmp_path_factory.mktemp("lora") / "run"
     cfg = load_config(REPO / "configs/tiny-grpo-lora.yaml", [f"run.dir={run_dir}", "trainer.lr=0.01"])
-    paths = RunPaths(run_dir)
-    paths.create()
-    paths.config.write_text(to_yaml(cfg))
-    run = InProcessRun(cfg)
-    for step in range(3):
-        run.train(step, step)
-    assert Checkpointer(paths.ckpt, keep=2).save(3, run.backend.save_checkpoint, {}, {"step": 3, "version": 3})
-    return run, paths
+    return train_and_checkpoint(cfg)
 
 
 @torch.no_grad()

@@ -4,7 +4,6 @@ from pathlib import Path
 
 import h5py
 import pytest
-import torch.distributed as dist
 
 from relax_hpc.exchange.spool import BatchHeader, SampleBatch, Spool, SpoolFormatError
 from relax_hpc.trainer.claims import claim_next, fresh_samples, read_claimed
@@ -44,18 +43,6 @@ def test_claim_skips_stale_and_corrupt_batches_and_records_them(tmp_path):
     assert claim.files[0]["stale"] == [0, 1, 2, 3] and claim.files[0]["trained"] == []
     assert (spool.claimed / "step-00000004" / "b000000000.h5.json").exists()
     assert claim_next(spool, step=5, version=5, max_staleness=1) is None
-
-
-@pytest.fixture
-def one_rank(tmp_path):
-    """A process group of this process alone (another test of the session may have made one)."""
-    if dist.is_initialized():
-        assert dist.get_world_size() == 1
-        yield
-        return
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_a_batch_damaged_after_its_claim_is_quarantined_not_trained(tmp_path, one_rank):

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import yaml
 from transformers import AutoModelForCausalLM
 
@@ -123,14 +122,14 @@ def _write(tmp_path: Path, rows: list) -> Path:
     ("rows", "fmt", "message"),
     [
         ([{"prompt": "1+1=", "response": "2"}, {"prompt": "1+2="}], "prompt_response",
-         r"line 2: no 'response' field \(fields: prompt\)"),
-        ([{"prompt": "1+1=", "response": 2}], "prompt_response", r"line 1: 'response' must be a non-empty string"),
-        (["{not json"], "prompt_response", "line 1: not valid JSON"),
-        (["[1, 2]"], "prompt_response", "line 1: a row must be a JSON object"),
-        ([{"prompt": "1+1=", "response": "2" * 30}], "prompt_response", r"line 1: 35 tokens, more than sft.max_tokens"),
-        ([{"messages": [{"role": "user", "content": "hi"}]}], "messages", "line 1: no assistant message"),
-        ([{"messages": [{"role": "user"}]}], "messages", r"line 1: message 0 must be"),
-        ([{"messages": "hi"}], "messages", "line 1: 'messages' must be a non-empty list"),
+         r":2: no 'response' field \(fields: prompt\)"),
+        ([{"prompt": "1+1=", "response": 2}], "prompt_response", r":1: 'response' must be a non-empty string"),
+        (["{not json"], "prompt_response", ":1: not valid JSON"),
+        (["[1, 2]"], "prompt_response", ":1: a row must be a JSON object"),
+        ([{"prompt": "1+1=", "response": "2" * 30}], "prompt_response", r":1: 35 tokens, more than sft.max_tokens"),
+        ([{"messages": [{"role": "user", "content": "hi"}]}], "messages", ":1: no assistant message"),
+        ([{"messages": [{"role": "user"}]}], "messages", r":1: message 0 must be"),
+        ([{"messages": "hi"}], "messages", ":1: 'messages' must be a non-empty list"),
     ],
 )  # fmt: skip
 def test_bad_rows_are_refused_naming_the_line(tmp_path, chat_tok, rows, fmt, message):
@@ -192,7 +191,7 @@ def test_the_frozen_sft_config_holds_only_what_it_reads(tmp_path):
 def test_submit_names_the_first_bad_row(tmp_path):
     data = _write(tmp_path, [{"prompt": "1+1=", "response": "2"}, {"question": "1+2=", "response": "3"}])
     cfg = load_config(SFT, [f"sft.data={data}"], base_dir=REPO)
-    with pytest.raises(ConfigError, match=r"sft.data: .*sft.jsonl: line 2: no 'prompt' field"):
+    with pytest.raises(ConfigError, match=r"sft.data: .*sft.jsonl:2: no 'prompt' field"):
         check_inputs(cfg)
 
 
@@ -208,18 +207,6 @@ def test_a_model_path_naming_a_run_is_its_export(tmp_path):
     for f in (REPO / "assets" / "tiny-qwen3-addition").iterdir():
         (run / "hf" / f.name).write_bytes(f.read_bytes())
     check_inputs(load_config(None, [f"model.path={run}"], base_dir=REPO))
-
-
-@pytest.fixture
-def one_rank(tmp_path):
-    """A process group of this process alone (another test of the session may have made one)."""
-    if dist.is_initialized():
-        assert dist.get_world_size() == 1
-        yield
-        return
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_the_backends_sft_step_is_transformers_cross_entropy_on_the_responses(one_rank, tok):
