@@ -163,8 +163,6 @@ def test_an_sft_config_refuses_rl_sections_and_what_makes_no_sense():
         load_config(SFT, ["rollout.num_engines=4"], base_dir=REPO)
     with pytest.raises(ConfigError, match=r"sft\.data is required"):
         load_config(None, ["kind=sft"], base_dir=REPO)
-    with pytest.raises(ConfigError, match=r"trainer\.backend=megatron is not supported yet"):
-        load_config(SFT, ["trainer.backend=megatron"], base_dir=REPO)
     with pytest.raises(ConfigError, match=r"sft\.batch_size must be at least trainer\.num_ranks"):
         load_config(SFT, ["sft.batch_size=1"], base_dir=REPO)
     with pytest.raises(ConfigError, match="sft: a kind=rl job is not kind=sft"):
