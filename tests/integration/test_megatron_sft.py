@@ -34,11 +34,14 @@ OVERRIDES = ["trainer.num_ranks=1", "model.dtype=float32"]
 def reference(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TorchBackend]:
     """The torch backend, built before megatron's CPU patches apply: a first transformers model
     loaded while torch.tensor is redirected keeps uninitialised RoPE frequencies."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    started = not dist.is_initialized()  # another test of the session may have made the one-rank world
+    if started:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     backend = TorchBackend(load_config(REPO / "configs/tiny-sft.yaml", OVERRIDES, base_dir=REPO), torch.device("cpu"))
     request.getfixturevalue("megatron_on_cpu")
     yield backend
-    dist.destroy_process_group()
+    if started:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
