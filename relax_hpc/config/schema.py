@@ -742,8 +742,6 @@ class JobConfig(Section):
             return self
         refused = {
             "sft.data": ("is required: the JSONL of examples", self.sft.data is None),
-            "trainer.backend=megatron": ("is not supported yet: use trainer.backend=torch",
-                                         self.trainer.backend == "megatron"),
             "launch.colocate": ("shares devices with rollout engines, which sft does not run", self.launch.colocate),
             "launch.local_engine_gpus": ("places rollout engines, which sft does not run",
                                          bool(self.launch.local_engine_gpus)),

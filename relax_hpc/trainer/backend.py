@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from relax_hpc.algos.stats import Stats
+from relax_hpc.config.schema import Aggregation
 from relax_hpc.trainer.batching import TrainBatch
 from relax_hpc.trainer.schedule import WarmupSchedule
 from relax_hpc.weights.layout import Convert
@@ -85,6 +86,11 @@ class Backend(Protocol):
     def train_step(self, batch: TrainBatch, step: int) -> StepResult:
         """Collective: advantages, then algo.epochs x algo.minibatches optimizer steps on this
         rank's share of a rollout batch."""
+        ...
+
+    def sft_step(self, batch: TrainBatch, step: int, aggregation: Aggregation) -> StepResult:
+        """Collective: one optimizer step on the response tokens' negative log-likelihood of this
+        rank's share of a supervised batch (kind=sft)."""
         ...
 
     def optimizers(self) -> list[torch.optim.Optimizer]:

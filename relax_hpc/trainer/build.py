@@ -10,6 +10,8 @@ from relax_hpc.trainer.backend import Backend
 
 def build_backend(job: JobConfig, device: torch.device) -> Backend:
     if job.trainer.backend == "megatron":
+        if device.type != "cuda":  # megatron's kernels and optimizer are GPU code (tests patch them onto the CPU)
+            raise RuntimeError("trainer.backend=megatron needs CUDA GPUs; use trainer.backend=torch on CPU")
         from relax_hpc.trainer.megatron_backend import MegatronBackend
 
         return MegatronBackend(job, device)

@@ -12,6 +12,8 @@ with the torch backend. What differs is how a rank's share of the batch is compu
   (calculate_per_token_loss: megatron sums instead of averaging) are the configured aggregation
   over the mini-batch, however sharded;
 - log-probabilities come from vocabulary-parallel logits (relax_hpc/trainer/vocab_parallel.py);
+- kind=sft's step (sft_step) is the same packed forward and backward with the SFT loss
+  (relax_hpc/algos/sft.py) in the objective's place, at temperature 1 (the data's distribution);
 - with algo.off_policy.routing_replay, every forward of an MoE model routes each token through the
   experts the engine chose for it (relax_hpc/models/megatron_routing.py);
 - gae's critic is the policy's GPTModel with a scalar head in place of its output layer
@@ -41,8 +43,9 @@ from transformers import AutoConfig, PretrainedConfig
 
 from relax_hpc.algos.aggregation import Normalizer, local_counts
 from relax_hpc.algos.objective import Advantages, Objective
+from relax_hpc.algos.sft import sft_loss
 from relax_hpc.algos.stats import Stats
-from relax_hpc.config.schema import JobConfig
+from relax_hpc.config.schema import Aggregation, JobConfig
 from relax_hpc.metrics.timing import PhaseTimer
 from relax_hpc.models.hf_mapping import export_hf, hf_specs, load_hf_weights
 from relax_hpc.models.megatron import as_value_model, build_model
@@ -54,6 +57,13 @@ from relax_hpc.trainer.schedule import WarmupSchedule
 from relax_hpc.trainer.vocab_parallel import logprobs_and_entropy
 
 CRITIC = "critic"  # the critic's checkpoint: a folder inside the policy's
+# What a micro-batch's loss function returns to megatron's schedule: the loss, a token count
+# (unused: the loss is already divided by the global batch's counts), and the loss to report.
+LossOutput = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
+
+
+def _loss_output(loss: torch.Tensor) -> LossOutput:
+    return loss, torch.ones((), dtype=torch.int, device=loss.device), {"loss": loss.detach()}
 
 
 def init_parallel(job: JobConfig) -> None:
@@ -87,8 +97,6 @@ def _build(job: JobConfig, hf_config: PretrainedConfig, path: str, trainable: bo
 
 class MegatronBackend:
     def __init__(self, job: JobConfig, device: torch.device) -> None:
-        if device.type != "cuda":
-            raise RuntimeError("trainer.backend=megatron needs CUDA GPUs; use trainer.backend=torch on CPU")
         if not parallel_state.model_parallel_is_initialized():
             init_parallel(job)
         megatron_state.use_torch_multi_tensor_ops()
@@ -169,7 +177,7 @@ class MegatronBackend:
             return model(mb.input_ids, mb.position_ids, None, packed_seq_params=params)
 
     def _token_logprobs(
-        self, logits: torch.Tensor, mb: packing.Microbatch, entropy_grad: bool
+        self, logits: torch.Tensor, mb: packing.Microbatch, entropy_grad: bool, temperature: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-row [k, width] log-probabilities and entropies of a micro-batch's targets."""
         logits = logits.reshape(mb.num_tokens, -1)
@@ -179,7 +187,7 @@ class MegatronBackend:
             vocab_start=parallel_state.get_tensor_model_parallel_rank() * logits.shape[-1],
             group=self.tp_group if self.tp_size > 1 else None,
             entropy_grad=entropy_grad,
-            temperature=self.temperature,
+            temperature=temperature,
             vocab_size=self.hf_config.vocab_size,  # columns padded for tensor parallelism are no token
         )
         return mb.unpack(lp), mb.unpack(ent)
@@ -213,7 +221,7 @@ class MegatronBackend:
         mbs = self._microbatches(batch)
 
         def keep(mb: packing.Microbatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            lp, _ = self._token_logprobs(logits, mb, entropy_grad=False)
+            lp, _ = self._token_logprobs(logits, mb, entropy_grad=False, temperature=self.temperature)
             return torch.zeros((), device=self.device), {"rows": mb.rows, "logprobs": lp}
 
         outputs = self._run(model, mbs, keep, forward_only=True)
@@ -223,6 +231,17 @@ class MegatronBackend:
         for o in outputs:
             out[o["rows"]] = o["logprobs"]
         return out
+
+    def _accumulate(
+        self, model: DistributedDataParallel, optimizer: MegatronOptimizer, part: TrainBatch,
+        loss_fn: Callable[[packing.Microbatch, torch.Tensor], LossOutput],
+    ) -> torch.Tensor:  # fmt: skip
+        """Forward and backward of `part` over its micro-batches, the gradients summed into fresh
+        buffers; returns the summed loss (on the last stage; 0 elsewhere)."""
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        outputs = self._run(model, self._microbatches(part), loss_fn, forward_only=False)
+        return sum((o["loss"] for o in outputs), torch.zeros((), device=self.device))
 
     @torch.no_grad()
     def _frozen_values(self, batch: TrainBatch) -> torch.Tensor | None:
@@ -302,6 +321,32 @@ class MegatronBackend:
             self.timer.take().get("optimizer", 0.0),
         )
 
+    def sft_step(self, batch: TrainBatch, step: int, aggregation: Aggregation) -> StepResult:
+        """Collective: one optimizer step on the response tokens' negative log-likelihood of this
+        rank's share of a supervised batch (kind=sft; relax_hpc/algos/sft.py)."""
+        self.model.train()
+        self.timer.take()
+        batch = batch.to(self.device)
+        norm = self._global_counts(batch, [torch.arange(len(batch.loss_mask))])[0]
+        stats = Stats()
+
+        def loss_fn(mb: packing.Microbatch, logits: torch.Tensor) -> LossOutput:
+            lp, _ = self._token_logprobs(logits, mb, entropy_grad=False, temperature=1.0)
+            loss, s = sft_loss(lp, batch.loss_mask[mb.rows], aggregation, norm)
+            stats.add(s)
+            return _loss_output(loss)
+
+        value = self._check_finite(self._accumulate(self.model, self.optimizer, batch, loss_fn), step)
+        grad_norm = self._optimizer_step(self.optimizer)
+        self.scheduler.step()
+        return StepResult(
+            stats if self.reports else Stats(),
+            value,
+            grad_norm,
+            self.scheduler.get_last_lr()[0],
+            self.timer.take().get("optimizer", 0.0),
+        )
+
     def _global_counts(self, batch: TrainBatch, rows: list[torch.Tensor]) -> list[Normalizer]:
         counts = torch.tensor(
             [local_counts(batch.loss_mask[r]) if len(r) else (0.0, 0.0) for r in rows], dtype=torch.float64
@@ -318,19 +363,16 @@ class MegatronBackend:
         ref: torch.Tensor | None,
         norm: Normalizer,
     ) -> tuple[torch.Tensor, Stats]:
-        """Forward and backward of one mini-batch over its micro-batches; returns the summed loss
-        (on the last stage; 0 elsewhere) and the objective's statistics."""
+        """Forward and backward of one mini-batch; its loss and the objective's statistics."""
         stats = Stats()
         entropy_grad = self.algo.policy_loss.entropy_coef > 0
 
         def pick(t: torch.Tensor, mb: packing.Microbatch) -> torch.Tensor:
             return t[index][mb.rows]
 
-        def loss_fn(
-            mb: packing.Microbatch, logits: torch.Tensor
-        ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        def loss_fn(mb: packing.Microbatch, logits: torch.Tensor) -> LossOutput:
             assert advantages is not None, "the loss runs on the last pipeline stage, which has the advantages"
-            lp, ent = self._token_logprobs(logits, mb, entropy_grad)
+            lp, ent = self._token_logprobs(logits, mb, entropy_grad, self.temperature)
             mask = part.loss_mask[mb.rows]
             loss, s = self.objective.policy_loss(
                 lp,
@@ -343,13 +385,9 @@ class MegatronBackend:
                 None if ref is None else pick(ref, mb),
             )
             stats.add(s)
-            return loss, torch.ones((), dtype=torch.int, device=self.device), {"loss": loss.detach()}
+            return _loss_output(loss)
 
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        outputs = self._run(self.model, self._microbatches(part), loss_fn, forward_only=False)
-        total = sum((o["loss"] for o in outputs), torch.zeros((), device=self.device))
-        return total, stats
+        return self._accumulate(self.model, self.optimizer, part, loss_fn), stats
 
     def _check_finite(self, loss: torch.Tensor, step: int) -> float:
         total = loss.detach().float() * float(self.reports)
@@ -371,9 +409,7 @@ class MegatronBackend:
         assert self.critic is not None and self.critic_optimizer is not None, "built with the critic"
         stats = Stats()
 
-        def loss_fn(
-            mb: packing.Microbatch, out: torch.Tensor
-        ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        def loss_fn(mb: packing.Microbatch, out: torch.Tensor) -> LossOutput:
             assert old_values is not None and advantages is not None, "the last pipeline stage has both"
             assert advantages.returns is not None, "gae: the critic's targets"
             rows = index[mb.rows]
@@ -381,11 +417,9 @@ class MegatronBackend:
                 self._token_values(out, mb), old_values[rows], advantages.returns[rows], part.loss_mask[mb.rows], norm
             )
             stats.add(s)
-            return loss, torch.ones((), dtype=torch.int, device=self.device), {"loss": loss.detach()}
+            return _loss_output(loss)
 
-        self.critic.zero_grad_buffer()
-        self.critic_optimizer.zero_grad()
-        self._run(self.critic, self._microbatches(part), loss_fn, forward_only=False)
+        self._accumulate(self.critic, self.critic_optimizer, part, loss_fn)
         self._optimizer_step(self.critic_optimizer)
         return stats
 

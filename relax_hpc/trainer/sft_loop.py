@@ -27,6 +27,7 @@ from relax_hpc.metrics.jsonl import JsonlWriter
 from relax_hpc.metrics.timing import PhaseTimer
 from relax_hpc.paths import RunPaths
 from relax_hpc.trainer.batching import TrainBatch, pad_samples
+from relax_hpc.trainer.build import build_backend
 from relax_hpc.trainer.loop import (
     StopRequest,
     broadcast_command,
@@ -37,7 +38,6 @@ from relax_hpc.trainer.loop import (
     save_checkpoint,
     step_times,
 )
-from relax_hpc.trainer.torch_backend import TorchBackend
 
 log = logging.getLogger("relax_hpc.trainer")
 
@@ -68,7 +68,7 @@ class SftTrainer:
     def __init__(self, cfg: JobConfig, paths: RunPaths, device: torch.device) -> None:
         self.cfg, self.paths, self.sft = cfg, paths, cfg.sft
         self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        self.backend = TorchBackend(cfg, device)  # the config refuses megatron for sft
+        self.backend = build_backend(cfg, device)
         self.examples = configured_examples(self.sft, AutoTokenizer.from_pretrained(cfg.model.path))
         self.ckpt = Checkpointer(paths.ckpt, cfg.ckpt.keep)
         self.state = SftState()

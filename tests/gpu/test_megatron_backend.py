@@ -2,6 +2,7 @@
 saved weights and takes the step the uninterrupted run took, and tools/dcp_to_hf.py turns the
 checkpoint into an HF folder that transformers loads with exactly those weights. bf16, so the
 training step runs the GPU kernels (packed flash attention, compiled norms, RoPE, log-probs).
+kind=sft: the megatron backend's sft_step takes the torch backend's step.
 Run on the GPU machine: `python -m pytest tests/gpu -m gpu`."""
 
 from pathlib import Path
@@ -170,3 +171,38 @@ def test_critic_learns_resumes_exactly_and_values_as_the_torch_critic(megatron_w
     assert values is not None
     real = on_gpu.attention_mask.bool()
     torch.testing.assert_close(values[real], expected[real], rtol=1e-4, atol=1e-4)
+
+
+def test_sft_step_is_the_torch_backends(megatron_world, tmp_path):
+    """kind=sft on a GPU: the megatron backend's sft_step, its examples packed into several
+    micro-batches, has the torch backend's loss, NLL and gradient norm on the same weights and
+    batch (float32, packed attention per document), step after step; and bf16 (the flash varlen
+    kernel, the compiled log-probabilities) learns the batch."""
+    from relax_hpc.config.load import load_config
+    from relax_hpc.data.sft import load_examples
+    from relax_hpc.models.tiny import build_char_tokenizer
+    from relax_hpc.trainer.megatron_backend import MegatronBackend
+    from relax_hpc.trainer.sft_loop import examples_batch
+    from relax_hpc.trainer.torch_backend import TorchBackend
+
+    sft, device = REPO / "configs/tiny-sft.yaml", torch.device("cuda", 0)
+    base = [f"run.dir={tmp_path / 'run'}", "trainer.num_ranks=1", "model.dtype=float32"]
+    megatron = [*base, "trainer.backend=megatron", "trainer.megatron.max_tokens_per_microbatch=96"]
+    tok = build_char_tokenizer()
+    keys = {"prompt": "prompt", "response": "response", "messages": "messages"}
+    examples = load_examples(REPO / "assets/addition-sft.jsonl", "prompt_response", keys, tok, 64)[::3]
+    batch = examples_batch(examples, list(range(len(examples))), tok.pad_token_id)
+    reference = TorchBackend(load_config(sft, base, base_dir=REPO), device)
+    backend = MegatronBackend(load_config(sft, megatron, base_dir=REPO), device)
+    assert len(backend._microbatches(batch.to(device))) > 2
+    for step in range(3):
+        expected, got = reference.sft_step(batch, step, "token_mean"), backend.sft_step(batch, step, "token_mean")
+        assert got.loss == pytest.approx(expected.loss, rel=1e-4)
+        assert got.stats.sums["nll"] == pytest.approx(expected.stats.sums["nll"], rel=1e-4)
+        assert got.grad_norm == pytest.approx(expected.grad_norm, rel=1e-3)
+
+    bf16 = MegatronBackend(
+        load_config(sft, [*megatron, "model.dtype=bfloat16", "trainer.lr=3e-3"], base_dir=REPO), device
+    )
+    losses = [bf16.sft_step(batch, step, "token_mean").loss for step in range(10)]
+    assert losses[-1] < 0.75 * losses[0], losses  # 1.28 -> 0.75 in bf16 on the CPU

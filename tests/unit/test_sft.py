@@ -19,6 +19,7 @@ from relax_hpc.data.prompts import DatasetError
 from relax_hpc.data.sft import batch_indices, load_examples, messages_example, prompt_response_example
 from relax_hpc.models.tiny import build_char_tokenizer
 from relax_hpc.submit import check_inputs
+from relax_hpc.trainer.build import build_backend
 from relax_hpc.trainer.sft_loop import examples_batch
 from relax_hpc.trainer.torch_backend import TorchBackend
 
@@ -163,12 +164,16 @@ def test_an_sft_config_refuses_rl_sections_and_what_makes_no_sense():
         load_config(SFT, ["rollout.num_engines=4"], base_dir=REPO)
     with pytest.raises(ConfigError, match=r"sft\.data is required"):
         load_config(None, ["kind=sft"], base_dir=REPO)
-    with pytest.raises(ConfigError, match=r"trainer\.backend=megatron is not supported yet"):
-        load_config(SFT, ["trainer.backend=megatron"], base_dir=REPO)
     with pytest.raises(ConfigError, match=r"sft\.batch_size must be at least trainer\.num_ranks"):
         load_config(SFT, ["sft.batch_size=1"], base_dir=REPO)
     with pytest.raises(ConfigError, match="sft: a kind=rl job is not kind=sft"):
         load_config(None, ["sft.batch_size=8"], base_dir=REPO)
+
+
+def test_sft_takes_the_megatron_backend_which_needs_cuda():
+    cfg = load_config(SFT, ["trainer.backend=megatron"], base_dir=REPO)
+    with pytest.raises(RuntimeError, match=r"trainer\.backend=megatron needs CUDA GPUs"):
+        build_backend(cfg, torch.device("cpu"))
 
 
 def test_a_resolved_configs_full_dump_validates_again():
