@@ -6,6 +6,12 @@ Requests queue up; a scheduler thread takes everything queued and samples it as 
 (relax_hpc.engines.sampling), so concurrent /generate calls share forward passes. Weight updates
 take the model lock, so they land between batches: every completion comes from one policy
 version, which its meta_info reports as `weight_version`.
+
+LoRA adapters (trainer.lora.sync adapter) as SGLang serves them: /load_lora_adapter reads a PEFT
+folder, a request's `lora_path` names the adapter it is sampled with, /unload_lora_adapter answers
+once no queued or running request names it, and a request naming an adapter unloaded since is
+served after loading it again from its folder. A batch holds requests of one adapter, which is
+merged onto the base weights (AdapterMerger.apply) before it is sampled.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from relax_hpc.data.media import Kind, MediaError, MediaRef
 from relax_hpc.data.processor import Processed, ProcessorError, media_processor
 from relax_hpc.engines.sampling import Completion, SamplingSpec, input_logprobs, sample
 from relax_hpc.models.hf import load_policy
+from relax_hpc.models.lora import read_adapter_folder
 from relax_hpc.paths import RunPaths
 from relax_hpc.protocol import requests as P
 from relax_hpc.protocol.registry import EngineRecord, remove_record, write_record
@@ -70,6 +77,7 @@ class _Job:
     done: threading.Event = field(default_factory=threading.Event)
     completions: list[Completion] | None = None
     version: str = ""  # weight_version that produced the completions
+    adapter: str | None = None  # lora_path: the adapter it is sampled with (None: the base)
     aborted: bool = False
 
 
@@ -131,6 +139,11 @@ class TorchEngine:
         # LoRA runs (trainer.lora) send adapters, received beside the parameters and then merged.
         self.lora = AdapterMerger(self.params, self.device)
         self.receiver = BucketReceiver(ChainMap(self.lora.adapter, self.params), self.device)
+        # Adapter sync: the folder of every adapter loaded so far (a request naming one unloaded
+        # since loads it again, SGLang's rule), the loaded ones, the one merged into the weights.
+        self.adapter_folders: dict[str, Path] = {}
+        self.adapters: dict[str, dict[str, torch.Tensor]] = {}
+        self.serving: str | None = None
         self._model_lock = threading.Lock()
         self._cv = threading.Condition()
         self._pending: list[_Job] = []
@@ -166,9 +179,12 @@ class TorchEngine:
         routed_from = req.routed_experts_start_len if req.return_routed_experts else None
         job = _Job(prompts, list(specs), list(seeds), rids, logprob, inputs, req.return_prompt_token_ids, routed_from)
         job.input_from = self._input_from(job, per_item(req.logprob_start_len, -1))
-        with self._cv:
+        job.adapter = req.lora_path
+        with self._cv:  # an unload waits on the same lock: the adapter stays while the job waits
+            if job.adapter is not None and job.adapter not in self.adapters:
+                self._reload(job.adapter)
             self._pending.append(job)
-            self._cv.notify()
+            self._cv.notify_all()  # the scheduler, not only an unload waiting here
         job.done.wait()
         outputs = [self._output(job, i) for i in range(n)]
         return outputs if batched else outputs[0]
@@ -249,9 +265,15 @@ class TorchEngine:
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._pending and not self._paused)
-                jobs, self._pending = self._pending, []
+                adapter = self._pending[0].adapter  # a batch is sampled with one adapter
+                jobs = [j for j in self._pending if j.adapter == adapter]
+                self._pending = [j for j in self._pending if j.adapter != adapter]
                 self._running = jobs
+                weights = None if adapter is None else self.adapters[adapter]
             with self._model_lock:
+                if adapter != self.serving:
+                    self.lora.apply(weights)
+                    self.serving = adapter
                 flat = [(j, i) for j in jobs for i in range(len(j.prompts))]
                 inputs = [j.inputs[i] for j, i in flat]
                 completions = sample(
@@ -269,6 +291,7 @@ class TorchEngine:
                 version = self.weight_version
             with self._cv:
                 self._running = []
+                self._cv.notify_all()  # an unload waiting for these jobs
             start = 0
             for job in jobs:
                 job.completions = completions[start : start + len(job.prompts)]
@@ -302,6 +325,7 @@ class TorchEngine:
                 else:
                     keep.append(job)
             self._pending = keep
+            self._cv.notify_all()  # an unload waiting for the jobs dropped
             for job in self._running:
                 if req.abort_all or any(r.startswith(req.rid or "\0") for r in job.rids):
                     job.aborted = True
@@ -318,7 +342,41 @@ class TorchEngine:
     def resume(self) -> None:
         with self._cv:
             self._paused = False
-            self._cv.notify()
+            self._cv.notify_all()
+
+    # -- LoRA adapters ----------------------------------------------------------------------------
+
+    def _reload(self, name: str) -> None:
+        """Under the queue's lock: load an adapter unloaded since from its folder."""
+        if name not in self.adapter_folders:
+            raise P.ProtocolError(f"LoRA adapter {name!r} has never been loaded; loaded: {sorted(self.adapters)}")
+        self.adapters[name] = read_adapter_folder(self.adapter_folders[name])
+
+    def load_adapter(self, req: P.LoadLoRAAdapterReqInput) -> None:
+        folder = Path(req.lora_path)
+        try:
+            adapter = read_adapter_folder(folder)
+        except (OSError, KeyError, ValueError) as e:
+            raise P.ProtocolError(f"LoRA adapter {req.lora_name!r}: cannot read {folder}: {e}") from None
+        with self._cv:
+            if req.lora_name in self.adapters:
+                raise P.ProtocolError(f"Failed to load LoRA adapter {req.lora_name} because it is already loaded")
+            self.adapters[req.lora_name], self.adapter_folders[req.lora_name] = adapter, folder
+
+    def unload_adapter(self, req: P.UnloadLoRAAdapterReqInput) -> None:
+        """Answered once no queued or running request names the adapter (new ones may not start)."""
+        with self._cv:
+            if req.lora_name not in self.adapters:
+                raise P.ProtocolError(f"LoRA with name {req.lora_name} does not exist; loaded: {sorted(self.adapters)}")
+            jobs = lambda: self._pending + self._running  # noqa: E731
+            self._cv.wait_for(lambda: all(j.adapter != req.lora_name for j in jobs()))
+            del self.adapters[req.lora_name]
+
+    def update_version(self, req: P.UpdateWeightVersionReqInput) -> None:
+        if req.abort_all_requests:
+            self.abort(P.AbortReq(abort_all=True))
+        with self._model_lock:  # between batches, as a pushed version
+            self.weight_version = req.new_version
 
     # -- weights --------------------------------------------------------------------------------
 
@@ -515,6 +573,16 @@ class _Handler(BaseHTTPRequestHandler):
             P.parse(P.EndWeightUpdateReqInput, body)
             e.end_update()
             self._reply(HTTPStatus.OK, {"success": True, "message": "Weight update ended."})
+        elif self.path == "/load_lora_adapter":
+            e.load_adapter(P.parse(P.LoadLoRAAdapterReqInput, body))
+            self._reply(HTTPStatus.OK, {"success": True, "error_message": None})
+        elif self.path == "/unload_lora_adapter":
+            e.unload_adapter(P.parse(P.UnloadLoRAAdapterReqInput, body))
+            self._reply(HTTPStatus.OK, {"success": True, "error_message": None})
+        elif self.path == "/update_weight_version":
+            e.update_version(P.parse(P.UpdateWeightVersionReqInput, body))
+            self.on_weights()  # the record carries the version
+            self._reply(HTTPStatus.OK, {"success": True, "new_version": e.weight_version})
         elif self.path == "/get_weights_by_name":
             self._reply(HTTPStatus.OK, e.weights_by_name(P.parse(P.GetWeightsByNameReqInput, body)))
         elif self.path == "/update_weights_from_tensor":
