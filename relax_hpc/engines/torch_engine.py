@@ -8,10 +8,10 @@ take the model lock, so they land between batches: every completion comes from o
 version, which its meta_info reports as `weight_version`.
 
 LoRA adapters (trainer.lora.sync adapter) as SGLang serves them: /load_lora_adapter reads a PEFT
-folder, a request's `lora_path` names the adapter it is sampled with, /unload_lora_adapter answers
-once no queued or running request names it, and a request naming an adapter unloaded since is
-served after loading it again from its folder. A batch holds requests of one adapter, which is
-merged onto the base weights (AdapterMerger.apply) before it is sampled.
+folder, a request's `lora_path` names the adapter it is sampled with (a request holds the adapter's
+tensors from its arrival, so /unload_lora_adapter never takes it from a queued request), and a
+request naming an adapter unloaded since loads it again from its folder. A batch holds requests
+of one adapter, which is merged onto the base weights (AdapterMerger.apply) before it is sampled.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class _Job:
     done: threading.Event = field(default_factory=threading.Event)
     completions: list[Completion] | None = None
     version: str = ""  # weight_version that produced the completions
-    adapter: str | None = None  # lora_path: the adapter it is sampled with (None: the base)
+    adapter: dict[str, torch.Tensor] | None = None  # the tensors of the lora_path it names (None: the base)
     aborted: bool = False
 
 
@@ -143,7 +143,7 @@ class TorchEngine:
         # since loads it again, SGLang's rule), the loaded ones, the one merged into the weights.
         self.adapter_folders: dict[str, Path] = {}
         self.adapters: dict[str, dict[str, torch.Tensor]] = {}
-        self.serving: str | None = None
+        self.serving: dict[str, torch.Tensor] | None = None
         self._model_lock = threading.Lock()
         self._cv = threading.Condition()
         self._pending: list[_Job] = []
@@ -179,12 +179,10 @@ class TorchEngine:
         routed_from = req.routed_experts_start_len if req.return_routed_experts else None
         job = _Job(prompts, list(specs), list(seeds), rids, logprob, inputs, req.return_prompt_token_ids, routed_from)
         job.input_from = self._input_from(job, per_item(req.logprob_start_len, -1))
-        job.adapter = req.lora_path
-        with self._cv:  # an unload waits on the same lock: the adapter stays while the job waits
-            if job.adapter is not None and job.adapter not in self.adapters:
-                self._reload(job.adapter)
+        with self._cv:
+            job.adapter = None if req.lora_path is None else self._adapter(req.lora_path)
             self._pending.append(job)
-            self._cv.notify_all()  # the scheduler, not only an unload waiting here
+            self._cv.notify()
         job.done.wait()
         outputs = [self._output(job, i) for i in range(n)]
         return outputs if batched else outputs[0]
@@ -266,13 +264,12 @@ class TorchEngine:
             with self._cv:
                 self._cv.wait_for(lambda: self._pending and not self._paused)
                 adapter = self._pending[0].adapter  # a batch is sampled with one adapter
-                jobs = [j for j in self._pending if j.adapter == adapter]
-                self._pending = [j for j in self._pending if j.adapter != adapter]
+                jobs = [j for j in self._pending if j.adapter is adapter]
+                self._pending = [j for j in self._pending if j.adapter is not adapter]
                 self._running = jobs
-                weights = None if adapter is None else self.adapters[adapter]
             with self._model_lock:
-                if adapter != self.serving:
-                    self.lora.apply(weights)
+                if adapter is not self.serving:
+                    self.lora.apply(adapter)
                     self.serving = adapter
                 flat = [(j, i) for j in jobs for i in range(len(j.prompts))]
                 inputs = [j.inputs[i] for j, i in flat]
@@ -291,7 +288,6 @@ class TorchEngine:
                 version = self.weight_version
             with self._cv:
                 self._running = []
-                self._cv.notify_all()  # an unload waiting for these jobs
             start = 0
             for job in jobs:
                 job.completions = completions[start : start + len(job.prompts)]
@@ -325,7 +321,6 @@ class TorchEngine:
                 else:
                     keep.append(job)
             self._pending = keep
-            self._cv.notify_all()  # an unload waiting for the jobs dropped
             for job in self._running:
                 if req.abort_all or any(r.startswith(req.rid or "\0") for r in job.rids):
                     job.aborted = True
@@ -342,15 +337,17 @@ class TorchEngine:
     def resume(self) -> None:
         with self._cv:
             self._paused = False
-            self._cv.notify_all()
+            self._cv.notify()
 
     # -- LoRA adapters ----------------------------------------------------------------------------
 
-    def _reload(self, name: str) -> None:
-        """Under the queue's lock: load an adapter unloaded since from its folder."""
-        if name not in self.adapter_folders:
-            raise P.ProtocolError(f"LoRA adapter {name!r} has never been loaded; loaded: {sorted(self.adapters)}")
-        self.adapters[name] = read_adapter_folder(self.adapter_folders[name])
+    def _adapter(self, name: str) -> dict[str, torch.Tensor]:
+        """Under the queue's lock: a request's adapter, loaded again from its folder if unloaded since."""
+        if name not in self.adapters:
+            if name not in self.adapter_folders:
+                raise P.ProtocolError(f"LoRA adapter {name!r} has never been loaded; loaded: {sorted(self.adapters)}")
+            self.adapters[name] = read_adapter_folder(self.adapter_folders[name])
+        return self.adapters[name]
 
     def load_adapter(self, req: P.LoadLoRAAdapterReqInput) -> None:
         folder = Path(req.lora_path)
@@ -364,13 +361,10 @@ class TorchEngine:
             self.adapters[req.lora_name], self.adapter_folders[req.lora_name] = adapter, folder
 
     def unload_adapter(self, req: P.UnloadLoRAAdapterReqInput) -> None:
-        """Answered once no queued or running request names the adapter (new ones may not start)."""
+        """At once: the requests queued with the adapter hold its tensors until they are sampled."""
         with self._cv:
-            if req.lora_name not in self.adapters:
+            if self.adapters.pop(req.lora_name, None) is None:
                 raise P.ProtocolError(f"LoRA with name {req.lora_name} does not exist; loaded: {sorted(self.adapters)}")
-            jobs = lambda: self._pending + self._running  # noqa: E731
-            self._cv.wait_for(lambda: all(j.adapter != req.lora_name for j in jobs()))
-            del self.adapters[req.lora_name]
 
     def update_version(self, req: P.UpdateWeightVersionReqInput) -> None:
         if req.abort_all_requests:
