@@ -9,7 +9,9 @@ pushes send the adapters of the attention and MLP projections plus their scaling
 engine merges onto its base weights before it reports the version (the merge is in the time).
 Adapter pushes (trainer.lora.sync adapter) write the version's PEFT folder and have both engines
 load it (/load_lora_adapter) and report the version; an engine merges an adapter at the first
-batch that names it, which is not in this time (`adapter_write_s_median`: the folder alone).
+batch that names it, which is not in that time: `adapter_merge_s_median` is that merge
+(AdapterMerger.apply onto the base weights, here in this process), `adapter_write_s_median` the
+folder's write alone.
 Prints one JSON object; `bytes_ratio` and `time_ratio` are full / LoRA.
 """
 
@@ -30,7 +32,7 @@ from relax_hpc.models import lora
 from relax_hpc.paths import RunPaths
 from relax_hpc.weights.adapters import AdapterPublisher, write_version
 from relax_hpc.weights.buckets import plan_buckets
-from relax_hpc.weights.lora import SCALING
+from relax_hpc.weights.lora import SCALING, AdapterMerger
 
 sys.path.insert(0, str(Path(__file__).parent))
 from weight_sync import random_qwen3, timed_pushes, two_engines  # the full-sync benchmark's model and engines
@@ -90,6 +92,7 @@ def main() -> None:
                 "time_ratio": round(full_med / lora_med, 1),
                 "adapter_push_s_median": round(statistics.median(adapter_s), 4),
                 "adapter_write_s_median": round(statistics.median(write_s), 4),
+                "adapter_merge_s_median": round(statistics.median(merges(full, dict(adapters), args.repeat)), 4),
             }
         )
     )
@@ -110,6 +113,18 @@ def adapter_pushes(
         assert publisher.publish(version, adapter) == 2
         pushes.append(time.perf_counter() - start)
     return pushes, writes
+
+
+def merges(full: list[tuple[str, torch.Tensor]], adapter: dict[str, torch.Tensor], repeat: int) -> list[float]:
+    """Seconds of the merge an engine does at the first batch naming a new adapter."""
+    params = {name: torch.nn.Parameter(t.clone()) for name, t in full}
+    merger = AdapterMerger(params, torch.device("cpu"))
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        merger.apply(adapter)
+        times.append(time.perf_counter() - start)
+    return times
 
 
 if __name__ == "__main__":
