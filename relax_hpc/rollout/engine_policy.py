@@ -6,6 +6,8 @@ or times out is re-issued to another one; an answer from an older version, or ab
 re-issued too, unless partial rollout is on: then an aborted answer (the engines abort what is in
 flight when new weights arrive) keeps the tokens it has and continues from them on an engine with
 the new weights, with the rest of its token budget; each token keeps the version that sampled it.
+With LoRA adapter sync (relax_hpc.weights.adapters) a request names the adapter of its engine's
+version (lora_path), and its answer counts as that version.
 """
 
 from __future__ import annotations
