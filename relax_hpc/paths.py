@@ -7,6 +7,7 @@ RUN_DIR/
   registry/teacher/ID.json              the teacher engines (algo.teacher.num_engines)
   spool/ready|claimed|quarantine|orphaned   sample batches (SpoolDirs, relax_hpc.exchange.spool)
   weights/version                       the policy version the engines hold, and how many
+  weights/lora/vN                       the last versions' PEFT adapter folders (trainer.lora.sync adapter)
   ckpt/step-N  ckpt/latest              checkpoints (CkptDirs, relax_hpc.ckpt)
   metrics/train|rollout|eval.jsonl      the record of the run (reward_failures.jsonl: failed rewards)
   logs/RESTART/ROLE.log                 one folder per start of the launcher
@@ -52,6 +53,11 @@ class RunPaths:
     def weights_version(self) -> Path:
         """`VERSION ENGINES`: the policy version the engines hold (a record for humans and tools)."""
         return self.weights / "version"
+
+    @property
+    def lora_adapters(self) -> Path:
+        """The PEFT adapter folders the engines load (trainer.lora.sync adapter), vN per version."""
+        return self.weights / "lora"
 
     @property
     def ckpt(self) -> Path:

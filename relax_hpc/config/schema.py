@@ -434,6 +434,13 @@ class LoraConfig(Section):
     target_modules: list[str] = Field(default=["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1)
     """Linear modules that get an adapter, by name suffix (PEFT's target_modules), e.g. q_proj,
     v_proj, gate_proj, up_proj, down_proj of Qwen/Llama-style decoders."""
+    sync: Literal["auto", "merge", "adapter"] = "auto"
+    """How the engines get each version. `merge`: the adapters travel through the weight-sync
+    group and the built-in engine merges them into its base weights. `adapter`: rank 0 writes the
+    version's PEFT adapter folder to RUN_DIR/weights/lora/vN (a shared filesystem) and every
+    engine loads it (/load_lora_adapter); each generate request names the adapter (lora_path) and
+    the engines keep their base weights (SGLang serves it with --enable-lora). `auto`: adapter
+    with rollout.engine=sglang (which cannot merge), merge with the built-in engine."""
 
 
 class TrainerConfig(Section):
@@ -467,8 +474,8 @@ class TrainerConfig(Section):
     lora: LoraConfig | None = None
     """Train LoRA adapters (PEFT) instead of the whole model: the base stays frozen, weight sync
     sends only the adapters (the built-in engine merges them into its base weights), checkpoints
-    hold the adapters and their optimizer state. Unset: full fine-tuning. torch backend with the
-    built-in engine only (not colocated)."""
+    hold the adapters and their optimizer state. Unset: full fine-tuning. torch backend only (not
+    colocated); SGLang engines load each version as an adapter (trainer.lora.sync)."""
 
 
 class WeightsConfig(Section):
@@ -755,6 +762,11 @@ class JobConfig(Section):
             raise ValueError("kind=sft runs no rollout engines: set launch.slurm.rollout.nodes=0")
         return self
 
+    @property
+    def lora_adapters(self) -> bool:
+        """The engines serve the trained LoRA adapters as adapters (trainer.lora.sync adapter)."""
+        return self.trainer.lora is not None and self.trainer.lora.sync == "adapter"
+
     def served_model(self, pool: str) -> str:
         """The HF folder an engine of `pool` serves: the policy, the judge or the teacher."""
         models = {"policy": self.model.path, "judge": self.reward.judge.model, "teacher": self.algo.teacher.path}
@@ -764,6 +776,8 @@ class JobConfig(Section):
     def _resolve(self) -> JobConfig:
         """Settings whose default depends on others become concrete values (once, at load)."""
         off, loss = self.algo.off_policy, self.algo.policy_loss
+        if self.trainer.lora is not None and self.trainer.lora.sync == "auto":
+            self.trainer.lora.sync = "adapter" if self.rollout.engine == "sglang" else "merge"
         if off.old_logprobs == "auto":
             stale = self.rollout.max_staleness > 0 and off.correction == "none"
             off.old_logprobs = "rollout" if stale else "recompute"
@@ -891,11 +905,10 @@ class JobConfig(Section):
             return self
         if self.trainer.backend == "megatron":
             raise ValueError("trainer.lora: the megatron backend trains full models only; use trainer.backend=torch")
-        if self.rollout.engine == "sglang":
+        if self.rollout.engine == "sglang" and self.trainer.lora.sync == "merge":
             raise ValueError(
-                "trainer.lora sends only the adapters, which the built-in engine merges into its weights; "
-                "driving SGLang's LoRA adapters (/load_lora_adapter, lora_path per request) is not built yet: "
-                "use rollout.engine=torch"
+                "trainer.lora.sync=merge with rollout.engine=sglang: SGLang's weight update takes only the "
+                "model's own weight names, not adapters to merge; use trainer.lora.sync=adapter (or auto)"
             )
         if self.launch.colocate:
             raise ValueError(

@@ -84,6 +84,11 @@ def server_args(
         argv.append("--enable-memory-saver")  # /release_memory_occupation frees nothing without it
     if cfg.algo.off_policy.routing_replay and pool == "policy":
         argv.append("--enable-return-routed-experts")  # without it the routing is silently absent
+    if cfg.lora_adapters and cfg.trainer.lora is not None and pool == "policy":
+        # The adapters come later (/load_lora_adapter, relax_hpc.weights.adapters): the server
+        # reserves their rank and modules now. None at start: version 0 is the base model.
+        lora = cfg.trainer.lora
+        argv += ["--enable-lora", "--max-lora-rank", str(lora.rank), "--lora-target-modules", *lora.target_modules]
     return argv + list(sg.extra_args)
 
 

@@ -6,6 +6,12 @@ Requests queue up; a scheduler thread takes everything queued and samples it as 
 (relax_hpc.engines.sampling), so concurrent /generate calls share forward passes. Weight updates
 take the model lock, so they land between batches: every completion comes from one policy
 version, which its meta_info reports as `weight_version`.
+
+LoRA adapters (trainer.lora.sync adapter) as SGLang serves them: /load_lora_adapter reads a PEFT
+folder, a request's `lora_path` names the adapter it is sampled with (a request holds the adapter's
+tensors from its arrival, so /unload_lora_adapter never takes it from a queued request), and a
+request naming an adapter unloaded since loads it again from its folder. A batch holds requests
+of one adapter, which is merged onto the base weights (AdapterMerger.apply) before it is sampled.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from relax_hpc.data.media import Kind, MediaError, MediaRef
 from relax_hpc.data.processor import Processed, ProcessorError, media_processor
 from relax_hpc.engines.sampling import Completion, SamplingSpec, input_logprobs, sample
 from relax_hpc.models.hf import load_policy
+from relax_hpc.models.lora import read_adapter_folder
 from relax_hpc.paths import RunPaths
 from relax_hpc.protocol import requests as P
 from relax_hpc.protocol.registry import EngineRecord, remove_record, write_record
@@ -70,6 +77,7 @@ class _Job:
     done: threading.Event = field(default_factory=threading.Event)
     completions: list[Completion] | None = None
     version: str = ""  # weight_version that produced the completions
+    adapter: dict[str, torch.Tensor] | None = None  # the tensors of the lora_path it names (None: the base)
     aborted: bool = False
 
 
@@ -131,6 +139,11 @@ class TorchEngine:
         # LoRA runs (trainer.lora) send adapters, received beside the parameters and then merged.
         self.lora = AdapterMerger(self.params, self.device)
         self.receiver = BucketReceiver(ChainMap(self.lora.adapter, self.params), self.device)
+        # Adapter sync: the folder of every adapter loaded so far (a request naming one unloaded
+        # since loads it again, SGLang's rule), the loaded ones, the one merged into the weights.
+        self.adapter_folders: dict[str, Path] = {}
+        self.adapters: dict[str, dict[str, torch.Tensor]] = {}
+        self.serving: dict[str, torch.Tensor] | None = None
         self._model_lock = threading.Lock()
         self._cv = threading.Condition()
         self._pending: list[_Job] = []
@@ -167,6 +180,7 @@ class TorchEngine:
         job = _Job(prompts, list(specs), list(seeds), rids, logprob, inputs, req.return_prompt_token_ids, routed_from)
         job.input_from = self._input_from(job, per_item(req.logprob_start_len, -1))
         with self._cv:
+            job.adapter = None if req.lora_path is None else self._adapter(req.lora_path)
             self._pending.append(job)
             self._cv.notify()
         job.done.wait()
@@ -249,9 +263,14 @@ class TorchEngine:
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._pending and not self._paused)
-                jobs, self._pending = self._pending, []
+                adapter = self._pending[0].adapter  # a batch is sampled with one adapter
+                jobs = [j for j in self._pending if j.adapter is adapter]
+                self._pending = [j for j in self._pending if j.adapter is not adapter]
                 self._running = jobs
             with self._model_lock:
+                if adapter is not self.serving:
+                    self.lora.apply(adapter)
+                    self.serving = adapter
                 flat = [(j, i) for j in jobs for i in range(len(j.prompts))]
                 inputs = [j.inputs[i] for j, i in flat]
                 completions = sample(
@@ -319,6 +338,39 @@ class TorchEngine:
         with self._cv:
             self._paused = False
             self._cv.notify()
+
+    # -- LoRA adapters ----------------------------------------------------------------------------
+
+    def _adapter(self, name: str) -> dict[str, torch.Tensor]:
+        """Under the queue's lock: a request's adapter, loaded again from its folder if unloaded since."""
+        if name not in self.adapters:
+            if name not in self.adapter_folders:
+                raise P.ProtocolError(f"LoRA adapter {name!r} has never been loaded; loaded: {sorted(self.adapters)}")
+            self.adapters[name] = read_adapter_folder(self.adapter_folders[name])
+        return self.adapters[name]
+
+    def load_adapter(self, req: P.LoadLoRAAdapterReqInput) -> None:
+        folder = Path(req.lora_path)
+        try:
+            adapter = read_adapter_folder(folder)
+        except (OSError, KeyError, ValueError) as e:
+            raise P.ProtocolError(f"LoRA adapter {req.lora_name!r}: cannot read {folder}: {e}") from None
+        with self._cv:
+            if req.lora_name in self.adapters:
+                raise P.ProtocolError(f"Failed to load LoRA adapter {req.lora_name} because it is already loaded")
+            self.adapters[req.lora_name], self.adapter_folders[req.lora_name] = adapter, folder
+
+    def unload_adapter(self, req: P.UnloadLoRAAdapterReqInput) -> None:
+        """At once: the requests queued with the adapter hold its tensors until they are sampled."""
+        with self._cv:
+            if self.adapters.pop(req.lora_name, None) is None:
+                raise P.ProtocolError(f"LoRA with name {req.lora_name} does not exist; loaded: {sorted(self.adapters)}")
+
+    def update_version(self, req: P.UpdateWeightVersionReqInput) -> None:
+        if req.abort_all_requests:
+            self.abort(P.AbortReq(abort_all=True))
+        with self._model_lock:  # between batches, as a pushed version
+            self.weight_version = req.new_version
 
     # -- weights --------------------------------------------------------------------------------
 
@@ -515,6 +567,16 @@ class _Handler(BaseHTTPRequestHandler):
             P.parse(P.EndWeightUpdateReqInput, body)
             e.end_update()
             self._reply(HTTPStatus.OK, {"success": True, "message": "Weight update ended."})
+        elif self.path == "/load_lora_adapter":
+            e.load_adapter(P.parse(P.LoadLoRAAdapterReqInput, body))
+            self._reply(HTTPStatus.OK, {"success": True, "error_message": None})
+        elif self.path == "/unload_lora_adapter":
+            e.unload_adapter(P.parse(P.UnloadLoRAAdapterReqInput, body))
+            self._reply(HTTPStatus.OK, {"success": True, "error_message": None})
+        elif self.path == "/update_weight_version":
+            e.update_version(P.parse(P.UpdateWeightVersionReqInput, body))
+            self.on_weights()  # the record carries the version
+            self._reply(HTTPStatus.OK, {"success": True, "new_version": e.weight_version})
         elif self.path == "/get_weights_by_name":
             self._reply(HTTPStatus.OK, e.weights_by_name(P.parse(P.GetWeightsByNameReqInput, body)))
         elif self.path == "/update_weights_from_tensor":

@@ -10,12 +10,13 @@ are also a PEFT adapter file's names without its `base_model.model.` prefix.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import inject_adapter_in_model
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from relax_hpc.config.schema import LoraConfig
 from relax_hpc.weights.lora import SCALING
@@ -69,3 +70,13 @@ def write_adapter_folder(out: Path, cfg: LoraConfig, base_path: str, adapter: di
     peft_config(cfg, base_path).save_pretrained(str(out))
     tensors = {PEFT_PREFIX + name: t.contiguous() for name, t in adapter.items() if name != SCALING}
     save_file(tensors, str(out / ADAPTER_FILE), metadata={"format": "pt"})
+
+
+def read_adapter_folder(folder: Path) -> dict[str, torch.Tensor]:
+    """The adapter of a folder write_adapter_folder wrote, under sync names with its SCALING, as
+    the engines merge it (relax_hpc.weights.lora.merge_all)."""
+    config = json.loads((folder / "adapter_config.json").read_text())
+    tensors = load_file(str(folder / ADAPTER_FILE))
+    adapter = {name.removeprefix(PEFT_PREFIX): t for name, t in tensors.items()}
+    adapter[SCALING] = torch.tensor([config["lora_alpha"] / config["r"]], dtype=torch.float32)
+    return adapter

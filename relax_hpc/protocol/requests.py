@@ -53,6 +53,9 @@ class GenerateReqInput:
     # [positions, layers, top_k], positions routed_experts_start_len .. prompt + output - 1).
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
+    # LoRA (trainer.lora.sync adapter): the name of a loaded adapter (/load_lora_adapter) the
+    # answer comes from, one for the whole request; None: the base model.
+    lora_path: str | None = None
 
 
 @dataclass
@@ -160,6 +163,33 @@ class ContinueGenerationReqInput:
     """POST /continue_generation."""
 
     torch_empty_cache: bool = True
+
+
+@dataclass
+class LoadLoRAAdapterReqInput:
+    """POST /load_lora_adapter: load the PEFT adapter folder `lora_path` (a path on the engine's
+    machine) under `lora_name`. A name already loaded is refused ("already loaded"); the old one
+    keeps serving meanwhile."""
+
+    lora_name: str
+    lora_path: str
+
+
+@dataclass
+class UnloadLoRAAdapterReqInput:
+    """POST /unload_lora_adapter: answered once no request in flight uses the adapter. A later
+    request naming it loads it again from its folder (SGLang's rule)."""
+
+    lora_name: str
+
+
+@dataclass
+class UpdateWeightVersionReqInput:
+    """POST /update_weight_version: the version GET /model_info reports from now on (after an
+    adapter load, which does not change it)."""
+
+    new_version: str
+    abort_all_requests: bool = True
 
 
 # Sampling parameters the built-in engine implements (names of SGLang's SamplingParams).

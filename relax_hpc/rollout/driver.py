@@ -77,6 +77,7 @@ class Driver:
             partial=self.ro.partial,
             stopping=lambda: self.stopping,
             routing=cfg.algo.off_policy.routing_replay,
+            adapters=cfg.lora_adapters,
         )
         self.metrics = JsonlWriter(paths.rollout_metrics)
         self.evals = JsonlWriter(paths.eval_metrics)

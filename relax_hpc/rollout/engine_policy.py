@@ -6,6 +6,8 @@ or times out is re-issued to another one; an answer from an older version, or ab
 re-issued too, unless partial rollout is on: then an aborted answer (the engines abort what is in
 flight when new weights arrive) keeps the tokens it has and continues from them on an engine with
 the new weights, with the rest of its token budget; each token keeps the version that sampled it.
+With LoRA adapter sync (relax_hpc.weights.adapters) a request names the adapter of its engine's
+version (lora_path), and its answer counts as that version.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from relax_hpc.paths import RunPaths, draining
 from relax_hpc.protocol import requests as P
 from relax_hpc.protocol.client import EngineClient, EngineRequestError, EngineUnavailable
 from relax_hpc.protocol.registry import EngineRecord, read_records
+from relax_hpc.weights.adapters import adapter_name
 
 log = logging.getLogger("relax_hpc.driver")
 
@@ -120,9 +123,11 @@ class EnginePolicy:
         partial: bool = False,
         stopping: Callable[[], bool] = lambda: False,
         routing: bool = False,
+        adapters: bool = False,
     ) -> None:
         self.pool, self.decode, self.media_token_ids = pool, decode, list(media_token_ids)
         self.partial, self.stopping, self.routing = partial, stopping, routing
+        self.adapters = adapters  # trainer.lora.sync adapter: each request names its engine's adapter
         self.min_version = 0  # set by the driver per batch
         self.reissued = 0
         self.continued = 0  # partial rollout: answers continued after an abort
@@ -193,6 +198,8 @@ class EnginePolicy:
         while True:
             engine = min(self._wait_for_engines(), key=lambda e: self._load.get(e.record.instance, 0))
             self._load[engine.record.instance] = self._load.get(engine.record.instance, 0) + 1
+            if self.adapters:
+                request.lora_path = adapter_name(engine.version)
             try:
                 outputs: list[dict] = engine.client.generate(request)
             except EngineUnavailable as e:
@@ -202,6 +209,9 @@ class EnginePolicy:
                 continue
             finally:
                 self._load[engine.record.instance] -= 1
+            if self.adapters:  # the answer is the named adapter's, whatever the engine loaded since
+                for o in outputs:
+                    o["meta_info"]["weight_version"] = str(engine.version)
             old = min(int(o["meta_info"]["weight_version"]) for o in outputs) < self.min_version
             aborted = any(o["meta_info"]["finish_reason"]["type"] == "abort" for o in outputs)
             if not old and (self.partial or not aborted):

@@ -33,6 +33,7 @@ from relax_hpc.exchange.spool import Spool
 from relax_hpc.metrics.heartbeat import Heartbeat, StepClock
 from relax_hpc.metrics.jsonl import JsonlWriter
 from relax_hpc.metrics.timing import PeakMemory, PhaseTimer
+from relax_hpc.models.lora import write_adapter_folder
 from relax_hpc.paths import RunPaths, write_atomic
 from relax_hpc.protocol.registry import read_records
 from relax_hpc.trainer.backend import Backend
@@ -40,6 +41,7 @@ from relax_hpc.trainer.batching import share_of
 from relax_hpc.trainer.build import build_backend
 from relax_hpc.trainer.claims import claim_next, read_claimed
 from relax_hpc.trainer.offload import OptimizerOffload
+from relax_hpc.weights.adapters import AdapterPublisher, push_adapter
 from relax_hpc.weights.buckets import plan_buckets
 from relax_hpc.weights.colocated import ColocatedSender
 from relax_hpc.weights.layout import EngineLayout
@@ -129,8 +131,10 @@ class Trainer:
         # Partial rollout with stale tokens masked: a sample's age is its newest token's.
         self.per_token = cfg.rollout.partial and cfg.rollout.mask_stale_tokens
         self.ckpt = Checkpointer(paths.ckpt, cfg.ckpt.keep)
-        # SGLang loads the HF checkpoint's layout; the built-in engine the trainer's own.
-        convert = self.backend.checkpoint_layout() if cfg.rollout.engine == "sglang" else None
+        # SGLang loads the HF checkpoint's layout; the built-in engine the trainer's own (adapter
+        # sync sends no buckets: its folders hold PEFT's names).
+        sglang = cfg.rollout.engine == "sglang" and not cfg.lora_adapters
+        convert = self.backend.checkpoint_layout() if sglang else None
         self.layout = EngineLayout(self.backend.parameter_specs(), convert)
         self.buckets = plan_buckets(self.layout.specs(), int(cfg.weights.bucket_mb * 2**20))
         self.state = RunState()
@@ -162,15 +166,24 @@ class Trainer:
             backend = cfg.weights.backend if cfg.weights.backend != "auto" else auto
             self.sender: WeightSender | None = (
                 None
-                if self.colocated
+                if self.colocated or cfg.lora_adapters
                 else WeightSender(
                     paths.engines, paths.read_token(), backend, cfg.weights.timeout_s, cfg.rollout.partial
                 )
             )
+            self.publisher = self._publisher() if cfg.lora_adapters else None
             self.spool = Spool(paths.spool)
             self.metrics = JsonlWriter(paths.train_metrics)
         else:
-            self.sender = None
+            self.sender, self.publisher = None, None
+
+    def _publisher(self) -> AdapterPublisher:
+        """trainer.lora.sync adapter: each version goes out as a PEFT folder the engines load."""
+        lora, base = self.cfg.trainer.lora, self.cfg.model.path
+        assert lora is not None, "adapter sync is a LoRA run's"
+        write = lambda out, adapter: write_adapter_folder(out, lora, base, adapter)  # noqa: E731
+        token = self.paths.read_token()
+        return AdapterPublisher(self.paths.engines, self.paths.lora_adapters, write, token, self.cfg.weights.timeout_s)
 
     # -- checkpoints ----------------------------------------------------------------------------
 
@@ -210,12 +223,16 @@ class Trainer:
     def _engines_changed(self) -> bool:
         if self.colocated is not None:  # an engine (re)started since the last push
             return any(int(r.weight_version) != self.delivered for r in read_records(self.paths.engines))
+        if self.publisher is not None:
+            return self.publisher.engine_set_changed()
         assert self.sender is not None, "rank 0 decides"
         return self.sender.engine_set_changed()
 
     def sync(self) -> None:
         params = lambda: self.layout.tensors(self.backend.full_parameters())  # noqa: E731  # a stream per push
-        if self.colocated is not None:
+        if self.cfg.lora_adapters:
+            engines = push_adapter(self.publisher, self.backend.full_parameters(), self.state.version)
+        elif self.colocated is not None:
             mine, self.resume_s, self.update_s = self.colocated.push(self.buckets, params(), self.state.version)
             everyone: list[int] = [0] * self.world
             dist.all_gather_object(everyone, mine)

@@ -71,3 +71,15 @@ class AdapterMerger:
                 weight = f"{name[: -len(_A)]}.weight"
                 self.base.setdefault(weight, self.params[weight].detach().clone())
         merge_all(self.base, self.adapter, out=self.params)
+
+    @torch.no_grad()
+    def apply(self, adapter: dict[str, torch.Tensor] | None) -> None:
+        """Adapter sync (relax_hpc.weights.adapters): the weights become `adapter` (sync names,
+        SCALING included) merged onto the base; None: the base itself."""
+        self.adapter.clear()
+        if adapter is None:
+            for name, base in self.base.items():
+                self.params[name].copy_(base)
+            return
+        self.adapter.update({name: t.to(self.device) for name, t in adapter.items()})
+        self.merge()

@@ -1,9 +1,11 @@
 """torchrun worker for test_weight_sync: perturb the sharded model, push it, record what to expect.
 
-argv: run dir, output file, version, and the path: "broadcast" (rank 0 broadcasts to every engine)
-or "colocated" (each rank releases its own engines' memory first, then hands them the weights by
-reference). With trainer.lora in the run's config only the adapters are perturbed and sent, and
-what to expect is the base with the adapters merged (relax_hpc.weights.lora)."""
+argv: run dir, output file, version, and the path: "broadcast" (rank 0 broadcasts to every engine),
+"colocated" (each rank releases its own engines' memory first, then hands them the weights by
+reference) or "adapter" (trainer.lora.sync adapter: rank 0 writes PEFT folders the engines load;
+two versions, the first one's greedy answers recorded too). With trainer.lora in the run's config
+only the adapters are perturbed and sent, and what to expect is the base with the adapters merged
+(relax_hpc.weights.lora)."""
 
 import json
 import sys
@@ -15,11 +17,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from relax_hpc.config.load import read_frozen
 from relax_hpc.engines.sampling import SamplingSpec, sample
+from relax_hpc.models.lora import write_adapter_folder
 from relax_hpc.models.tiny import addition_problems
 from relax_hpc.paths import RunPaths
 from relax_hpc.protocol.client import EngineClient, EngineUnavailable
 from relax_hpc.protocol.requests import GenerateReqInput
 from relax_hpc.trainer.torch_backend import TorchBackend
+from relax_hpc.weights.adapters import AdapterPublisher, push_adapter
 from relax_hpc.weights.buckets import plan_buckets
 from relax_hpc.weights.colocated import ColocatedSender
 from relax_hpc.weights.lora import merge_all
@@ -36,8 +40,18 @@ def main() -> None:
     backend = TorchBackend(cfg, torch.device("cpu"))
     perturb(backend.model)
     buckets = plan_buckets(backend.parameter_specs(), int(cfg.weights.bucket_mb * 2**20))
-    refused = None
-    if path == "colocated":
+    refused, previous = None, None
+    if path == "adapter":
+        lora, token = cfg.trainer.lora, paths.read_token()
+        assert lora is not None, "the adapter path is a LoRA run's"
+        write = lambda out, adapter: write_adapter_folder(out, lora, cfg.model.path, adapter)  # noqa: E731
+        publisher = AdapterPublisher(paths.engines, paths.lora_adapters, write, token, 30.0) if rank == 0 else None
+        # Two versions: a request naming the first is answered with it after the second's load.
+        push_adapter(publisher, backend.full_parameters(), version - 1)
+        previous = dict(backend.full_parameters())
+        perturb(backend.model)
+        engines = push_adapter(publisher, backend.full_parameters(), version)
+    elif path == "colocated":
         colocated = ColocatedSender(paths.engines, paths.read_token(), 30.0, rank, dist.get_world_size())
         # Two pushes of different weights: the engine holds the second exactly.
         for pushed in (version - 1, version):
@@ -53,21 +67,7 @@ def main() -> None:
         engines = push(sender, buckets, backend.full_parameters, version)
     full = dict(backend.full_parameters())
     if rank == 0:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-        reference = AutoModelForCausalLM.from_pretrained(cfg.model.path).eval()
-        if cfg.trainer.lora is not None:
-            full = merge_all(reference.state_dict(), full)
-        reference.load_state_dict(full, strict=False)
-        prompts = [tokenizer(p)["input_ids"] for p, _ in addition_problems()]
-        spec = SamplingSpec(max_new_tokens=4, temperature=0.0)
-        greedy = sample(
-            reference,
-            prompts,
-            [spec] * len(prompts),
-            [None] * len(prompts),
-            tokenizer.eos_token_id,
-            tokenizer.pad_token_id,
-        )
+        full, greedy = expected(cfg.model.path, cfg.trainer.lora is not None, full)
         out.write_text(
             json.dumps(
                 {
@@ -75,13 +75,28 @@ def main() -> None:
                     "refused_while_released": refused,
                     "buckets": len(buckets),
                     "bytes": sum(b.nbytes for b in buckets),
-                    "greedy": [c.output_ids for c in greedy],
+                    "greedy": greedy,
+                    "previous_greedy": None if previous is None else expected(cfg.model.path, True, previous)[1],
                     "weights": {name: t[:2].tolist() for name, t in full.items()},
                 }
             )
         )
     dist.barrier()
     dist.destroy_process_group()
+
+
+def expected(model_path: str, lora: bool, full: dict) -> tuple[dict, list[list[int]]]:
+    """The engine's weights (LoRA: the base with the adapters merged) and their greedy answers."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    reference = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    if lora:
+        full = merge_all(reference.state_dict(), full)
+    reference.load_state_dict(full, strict=False)
+    prompts = [tokenizer(p)["input_ids"] for p, _ in addition_problems()]
+    spec = SamplingSpec(max_new_tokens=4, temperature=0.0)
+    n = len(prompts)
+    greedy = sample(reference, prompts, [spec] * n, [None] * n, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    return full, [c.output_ids for c in greedy]
 
 
 def perturb(model: torch.nn.Module) -> None:

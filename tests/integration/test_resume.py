@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch.distributed.checkpoint as dcp
 
+from relax_hpc.paths import RunPaths
 from tests.integration.conftest import CONFIG, Job
 from tests.runs import assert_nothing_lost_or_repeated, assert_reproduces
 
@@ -52,20 +53,32 @@ def test_async_resume_loses_and_repeats_nothing(tmp_path):
     assert_nothing_lost_or_repeated(run_dir, STEPS)
 
 
-def test_lora_resume_reproduces_the_uninterrupted_run(tmp_path):
+LORA_STEPS = 8
+LORA = (
+    *COMMON, f"trainer.total_steps={LORA_STEPS}", "rollout.max_staleness=0", "trainer.lora.rank=4", "trainer.lr=5e-3",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def lora_reference(tmp_path_factory) -> Path:
+    """The uninterrupted LoRA run (trainer.lora.sync merge, the built-in engine's default)."""
+    reference = tmp_path_factory.mktemp("lora") / "reference"
+    assert Job(reference, *LORA).run(timeout_s=400) == 0
+    return reference
+
+
+@pytest.mark.parametrize("sync", ["merge", "adapter"])
+def test_lora_resume_reproduces_the_uninterrupted_run(tmp_path, lora_reference, sync):
     """trainer.lora: the checkpoint holds the adapters and their optimizer state, not the frozen
-    base; after kill -9 (engines included: they restart with the base and get the adapters
-    merged again at the next push) the run goes on exactly as the uninterrupted one. Shortened:
-    8 steps, one kill."""
-    steps, rng = 8, random.Random(7)
-    lora = (
-        *COMMON, f"trainer.total_steps={steps}", "rollout.max_staleness=0", "trainer.lora.rank=4", "trainer.lr=5e-3",
-    )  # fmt: skip
-    reference = tmp_path / "reference"
-    assert Job(reference, *lora).run(timeout_s=400) == 0
+    base; after kill -9 (engines included: they restart with the base and get the current adapter
+    at the next push) the run goes on exactly as the uninterrupted one. adapter: the engines load
+    each version's PEFT folder (rewritten from the checkpoint after the kill) and the requests name
+    it, which reproduces the reference's merged run exactly too. Shortened: 8 steps, one kill."""
     resumed = tmp_path / "resumed"
-    run_with_kills(resumed, 1, rng, *lora, steps=steps)
-    assert_reproduces(reference, resumed, steps)
+    run_with_kills(resumed, 1, random.Random(7), *LORA, f"trainer.lora.sync={sync}", steps=LORA_STEPS)
+    assert_reproduces(lora_reference, resumed, LORA_STEPS)
     tensors = dcp.FileSystemReader(str(resumed / "ckpt" / "latest")).read_metadata().state_dict_metadata
     model = [k for k in tensors if k.startswith("model.")]
     assert model and all(".lora_A." in k or ".lora_B." in k for k in model), model[:5]
+    if sync == "adapter":  # the last versions' folders only
+        assert sorted(p.name for p in RunPaths(resumed).lora_adapters.iterdir()) == ["v5", "v6", "v7", "v8"]

@@ -8,6 +8,7 @@ import pytest
 
 from relax_hpc.protocol import requests as P
 from relax_hpc.protocol.client import EngineClient
+from relax_hpc.weights.adapters import adapter_name
 from tests.integration.conftest import REPO, make_run
 
 pytestmark = pytest.mark.integration
@@ -18,15 +19,16 @@ LORA = ("trainer.lora.rank=4", "trainer.lora.target_modules=[q_proj,v_proj,down_
 
 @pytest.mark.parametrize(
     "path, overrides",
-    [("broadcast", ()), ("colocated", ()), ("broadcast", LORA)],
-    ids=["broadcast", "colocated", "lora"],
+    [("broadcast", ()), ("colocated", ()), ("broadcast", LORA), ("adapter", (*LORA, "trainer.lora.sync=adapter"))],
+    ids=["broadcast", "colocated", "lora", "lora-adapter"],
 )
 def test_engines_hold_the_trainer_weights_after_a_push(tmp_path, engines, path, overrides):
     """Broadcast: rank 0 sends every engine each bucket over a gloo group. Colocated: each rank
     releases its own engine's memory (the engine then refuses to generate), then hands it the
     buckets by reference (shared memory on the CPU, CUDA IPC on a GPU). LoRA: only the adapters
     travel, and each engine's weights are then bit for bit the base with the trainer's adapters
-    merged."""
+    merged. LoRA adapter sync: the engines load each version's PEFT folder and merge the adapter
+    a request names, the newest or the one before (still loaded)."""
     # 0.05 MiB buckets: the 1.2 MB model travels in many buckets, as a large model would.
     cfg, paths = make_run(tmp_path / "run", "weights.bucket_mb=0.05", *overrides)
     group = engines(cfg, paths, 2)
@@ -46,18 +48,23 @@ def test_engines_hold_the_trainer_weights_after_a_push(tmp_path, engines, path, 
     assert expected["buckets"] > 5 if not overrides else expected["bytes"] < 0.1 * 1.2e6
     assert expected["refused_while_released"] is (True if path == "colocated" else None)
     token = paths.read_token()
+    prompts = [[int(t) for t in row] for row in _prompts()]
+    greedy = {"max_new_tokens": 4, "temperature": 0.0}
     for record in group.wait_registered(2):
         client = EngineClient(record.url, token, 30)
         assert client.weight_version() == "7"
+        named = adapter_name(7) if path == "adapter" else None  # the engines merge what a request names
+        outputs = client.generate(P.GenerateReqInput(input_ids=prompts, sampling_params=greedy, lora_path=named))
+        assert [o["output_ids"] for o in outputs] == expected["greedy"]
+        assert all(o["meta_info"]["weight_version"] == "7" for o in outputs)
         for name, rows in expected["weights"].items():
             got = client.post("/get_weights_by_name", P.GetWeightsByNameReqInput(name=name, truncate_size=2))
             assert got == rows, name  # bit-exact: float32 -> JSON -> float32 round trip
-        prompts = [[int(t) for t in row] for row in _prompts()]
-        outputs = client.generate(
-            P.GenerateReqInput(input_ids=prompts, sampling_params={"max_new_tokens": 4, "temperature": 0.0})
-        )
-        assert [o["output_ids"] for o in outputs] == expected["greedy"]
-        assert all(o["meta_info"]["weight_version"] == "7" for o in outputs)
+        if path == "adapter":
+            older = client.generate(P.GenerateReqInput(input_ids=prompts, sampling_params=greedy, lora_path="v6"))
+            assert [o["output_ids"] for o in older] == expected["previous_greedy"] != expected["greedy"]
+    if path == "adapter":
+        assert sorted(p.name for p in paths.lora_adapters.iterdir()) == ["v6", "v7"]
 
 
 def _prompts():

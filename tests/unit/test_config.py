@@ -65,7 +65,7 @@ def test_every_shipped_config_validates_and_its_inputs_exist(path):
         ("launch.slurm.time_min=2", "launch.slurm.time_min=2 (120 s) leaves no time to work before the pre-timeout"),
         ("trainer.lora.rank=0", "trainer.lora.rank: Input should be greater than or equal to 1 (got 0)"),
         ("trainer.lora.rank=8 trainer.backend=megatron", "trainer.lora: the megatron backend trains full models"),
-        ("trainer.lora.rank=8 rollout.engine=sglang", "is not built yet: use rollout.engine=torch"),
+        ("trainer.lora.rank=8 rollout.engine=sglang trainer.lora.sync=merge", "use trainer.lora.sync=adapter"),
         ("trainer.lora.rank=8 launch.colocate=true rollout.max_staleness=0", "an adapter alone cannot restore"),
     ],
 )
@@ -140,6 +140,13 @@ def test_settings_that_depend_on_others_are_frozen_as_concrete_values(tmp_path):
     assert stale.algo.off_policy.old_logprobs == "rollout"
     corrected = load_config(None, ["rollout.max_staleness=2", "algo.off_policy.correction=tis"])
     assert corrected.algo.off_policy.old_logprobs == "recompute"
+    # trainer.lora.sync auto: SGLang cannot merge, so it serves adapters; the built-in engine merges
+    for engine, sync in (("sglang", "adapter"), ("torch", "merge")):
+        cfg = load_config(None, ["trainer.lora.rank=4", f"rollout.engine={engine}"])
+        assert (
+            cfg.trainer.lora is not None and cfg.trainer.lora.sync == sync and cfg.lora_adapters is (sync == "adapter")
+        )
+    assert load_config(None, ["trainer.lora.sync=adapter"]).lora_adapters  # the built-in engine serves adapters too
 
 
 def test_megatron_jobs_are_checked_at_submit_without_megatron_or_torch(tmp_path):

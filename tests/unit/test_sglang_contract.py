@@ -51,6 +51,7 @@ from relax_hpc.exchange.spool import SampleBatch
 from relax_hpc.protocol import requests as P
 from relax_hpc.rollout.engine_policy import EnginePolicy
 from relax_hpc.rollout.teacher import scoring_request
+from relax_hpc.weights.adapters import adapter_name
 from relax_hpc.weights.buckets import BucketPlan, pack, unpack
 from relax_hpc.weights.tensors import deserialize, serialize
 from tests.sglang_import import import_sglang
@@ -75,6 +76,9 @@ CLASSES = [
     P.ReleaseMemoryOccupationReqInput,
     P.ResumeMemoryOccupationReqInput,
     P.UpdateWeightsFromTensorReqInput,
+    P.LoadLoRAAdapterReqInput,
+    P.UnloadLoRAAdapterReqInput,
+    P.UpdateWeightVersionReqInput,
 ]
 ROUTES = [
     "/generate",
@@ -93,6 +97,9 @@ ROUTES = [
     "/release_memory_occupation",
     "/resume_memory_occupation",
     "/update_weights_from_tensor",
+    "/load_lora_adapter",
+    "/unload_lora_adapter",
+    "/update_weight_version",
 ]
 
 
@@ -156,6 +163,12 @@ def sent_requests(cfg) -> list[Any]:
         P.AbortReq(abort_all=True),
         P.AbortReq(rid="r-1"),
         P.GetWeightsByNameReqInput(name="lm_head.weight", truncate_size=2),
+        # LoRA adapter sync (relax_hpc/weights/adapters.py): a version's folder, the version, the
+        # adapter before last; the driver names an engine's adapter in each request
+        P.LoadLoRAAdapterReqInput(lora_name="v3", lora_path="/runs/r/weights/lora/v3"),
+        P.UpdateWeightVersionReqInput("3", abort_all_requests=False),
+        P.UnloadLoRAAdapterReqInput("v1"),
+        dataclasses.replace(policy_request([GenerateCall([5, 6, 7], sampling)]), lora_path=adapter_name(3)),
     ]
 
 
@@ -409,8 +422,9 @@ class _Parser(argparse.ArgumentParser):
         ["model.dtype=bfloat16", "rollout.sglang.tp_size=4", "rollout.sglang.context_length=8192",
          "rollout.sglang.extra_args=[--attention-backend, fa3, --cuda-graph-max-bs-decode, '256']"],
         ["launch.colocate=true", "rollout.max_staleness=0", "algo.off_policy.routing_replay=true"],
+        ["trainer.lora.rank=4", "trainer.lora.target_modules=[q_proj,v_proj,down_proj]"],
     ],
-    ids=["defaults", "everything", "colocated"],
+    ids=["defaults", "everything", "colocated", "lora"],
 )  # fmt: skip
 def test_launch_server_arguments_are_server_args(sglang, overrides):
     import msgspec
@@ -435,6 +449,22 @@ def test_launch_server_arguments_are_server_args(sglang, overrides):
     assert (parsed.dtype, parsed.random_seed, parsed.weight_version) == (cfg.model.dtype, 7, "0")
     assert parsed.enable_memory_saver is cfg.launch.colocate and parsed.base_gpu_id == (1 if device else 0)
     assert parsed.enable_return_routed_experts is cfg.algo.off_policy.routing_replay
+    lora = cfg.trainer.lora  # adapter sync: the server reserves the adapters' rank and modules
+    served = (True, lora.rank, lora.target_modules) if lora is not None else (None, None, None)
+    assert (parsed.enable_lora, parsed.max_lora_rank, parsed.lora_target_modules) == served
+
+
+def test_sglang_serves_adapters_as_adapter_sync_expects(sglang):
+    """relax_hpc.weights.adapters relies on three rules of SGLang's LoRA serving: an unload waits
+    until no request uses the adapter; a request naming an adapter loaded before and unloaded
+    since loads it again from its folder; loading a name already loaded fails, saying so."""
+    root = Path(inspect.getfile(sglang.io)).parent
+    control = (root / "tokenizer_control_mixin.py").read_text()
+    assert "await self.lora_registry.wait_for_unload(lora_id)" in control, "unload no longer waits for requests"
+    manager = (root / "tokenizer_manager.py").read_text()
+    assert "if lora_path not in self.lora_ref_cache:" in manager and "Reloading evicted adapter" in manager
+    lora_manager = (root.parent / "lora" / "lora_manager.py").read_text()
+    assert "because it is already loaded" in lora_manager, "the answer to a second load changed"
 
 
 def test_routes_exist_in_sglang(sglang):

@@ -7,6 +7,11 @@ A random Qwen3-architecture model (tools/bench/weight_sync.py builds it) serves 
 torch engines. Full pushes send every parameter (as a full fine-tuning run does each step); LoRA
 pushes send the adapters of the attention and MLP projections plus their scaling, which each
 engine merges onto its base weights before it reports the version (the merge is in the time).
+Adapter pushes (trainer.lora.sync adapter) write the version's PEFT folder and have both engines
+load it (/load_lora_adapter) and report the version; an engine merges an adapter at the first
+batch that names it, which is not in that time: `adapter_merge_s_median` is that merge
+(AdapterMerger.apply onto the base weights, here in this process), `adapter_write_s_median` the
+folder's write alone.
 Prints one JSON object; `bytes_ratio` and `time_ratio` are full / LoRA.
 """
 
@@ -17,6 +22,7 @@ import json
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -24,8 +30,9 @@ import torch
 from relax_hpc.config.schema import LoraConfig
 from relax_hpc.models import lora
 from relax_hpc.paths import RunPaths
+from relax_hpc.weights.adapters import AdapterPublisher, write_version
 from relax_hpc.weights.buckets import plan_buckets
-from relax_hpc.weights.lora import SCALING
+from relax_hpc.weights.lora import SCALING, AdapterMerger
 
 sys.path.insert(0, str(Path(__file__).parent))
 from weight_sync import random_qwen3, timed_pushes, two_engines  # the full-sync benchmark's model and engines
@@ -64,6 +71,9 @@ def main() -> None:
             timed_pushes(sender, full_buckets, lambda: iter(full), 1, 1)  # forms the group
             full_s = timed_pushes(sender, full_buckets, lambda: iter(full), 2, args.repeat)
             lora_s = timed_pushes(sender, lora_buckets, lambda: iter(adapters), 2 + args.repeat, args.repeat)
+            adapter_s, write_s = adapter_pushes(
+                paths, cfg, str(model_dir), dict(adapters), 2 + 2 * args.repeat, args.repeat
+            )
     full_bytes, lora_bytes = sum(b.nbytes for b in full_buckets), sum(b.nbytes for b in lora_buckets)
     full_med, lora_med = statistics.median(full_s), statistics.median(lora_s)
     print(
@@ -80,9 +90,41 @@ def main() -> None:
                 "full_push_s_median": round(full_med, 4),
                 "lora_push_s_median": round(lora_med, 4),
                 "time_ratio": round(full_med / lora_med, 1),
+                "adapter_push_s_median": round(statistics.median(adapter_s), 4),
+                "adapter_write_s_median": round(statistics.median(write_s), 4),
+                "adapter_merge_s_median": round(statistics.median(merges(full, dict(adapters), args.repeat)), 4),
             }
         )
     )
+
+
+def adapter_pushes(
+    paths: RunPaths, cfg: LoraConfig, base: str, adapter: dict[str, torch.Tensor], first: int, repeat: int
+) -> tuple[list[float], list[float]]:
+    """Seconds of `repeat` adapter pushes of versions first.., and of writing their folder alone."""
+    write = lambda out, a: lora.write_adapter_folder(out, cfg, base, a)  # noqa: E731
+    publisher = AdapterPublisher(paths.engines, paths.lora_adapters, write, paths.read_token(), 60.0)
+    pushes, writes = [], []
+    for version in range(first, first + repeat):
+        start = time.perf_counter()
+        write_version(paths.root / "write-only", version, lambda out: write(out, adapter))
+        writes.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        assert publisher.publish(version, adapter) == 2
+        pushes.append(time.perf_counter() - start)
+    return pushes, writes
+
+
+def merges(full: list[tuple[str, torch.Tensor]], adapter: dict[str, torch.Tensor], repeat: int) -> list[float]:
+    """Seconds of the merge an engine does at the first batch naming a new adapter."""
+    params = {name: torch.nn.Parameter(t.clone()) for name, t in full}
+    merger = AdapterMerger(params, torch.device("cpu"))
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        merger.apply(adapter)
+        times.append(time.perf_counter() - start)
+    return times
 
 
 if __name__ == "__main__":
