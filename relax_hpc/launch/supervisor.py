@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+import psutil
+
 from relax_hpc.config.schema import JobConfig
 from relax_hpc.launch.health import HealthMonitor
 from relax_hpc.launch.notify import Notifier
@@ -69,6 +71,19 @@ class Role:
         if self.proc is not None and self.alive():
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, sig)
+
+    def kill(self) -> None:
+        """SIGKILL to the role and every process below it. torchrun starts each rank in a session
+        of its own, so killing the role's process group would orphan the ranks: a hung (stopped,
+        deadlocked) rank would then live on and keep its GPU memory from the restarted run."""
+        if self.proc is None or not self.alive():
+            return
+        with contextlib.suppress(psutil.NoSuchProcess):
+            below = psutil.Process(self.proc.pid).children(recursive=True)
+        self.signal(signal.SIGKILL)
+        for process in below:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
 
     def log_tail(self, lines: int = 15) -> str:
         try:
@@ -224,7 +239,7 @@ class Supervisor:
             self.notifier.send(f"{role.name} hung", f"{finding.cause}; killed and restarted")
             self.events.log({"event": "role_hung", "role": role.name, "cause": finding.cause})
             role.hung = finding.cause
-            role.signal(signal.SIGKILL)
+            role.kill()
             monitor.forget(role.name)
 
     def _supervise(self, roles: dict[str, Role], env: dict[str, str], monitor: HealthMonitor) -> tuple[int, bool]:
@@ -333,5 +348,5 @@ class Supervisor:
             try:
                 role.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                role.signal(signal.SIGKILL)
+                role.kill()
                 role.proc.wait()

@@ -84,6 +84,7 @@ def test_a_killed_and_a_hung_trainer_rank_restart_the_run_from_its_checkpoint(tm
     for rank in ranks:  # hung: every rank stops where it is
         os.kill(rank, signal.SIGSTOP)
     assert job.wait(timeout_s=400) == 0, job.text()[-3000:]
+    assert not role_pids(pattern), "the hung ranks outlived their restart (torchrun gives each a session)"
     assert len(events(run_dir, "restart")) == 2
     # Stopped mid-step ("in its train phase for 9 s") or between steps ("waiting ... with batches ready").
     assert any(e["role"] == "trainer" and "(hung)" in e["cause"] for e in events(run_dir, "role_hung"))
