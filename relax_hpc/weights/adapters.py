@@ -29,6 +29,7 @@ import torch
 from relax_hpc.protocol import requests as P
 from relax_hpc.protocol.client import EngineClient, EngineRequestError, EngineUnavailable
 from relax_hpc.protocol.registry import EngineRecord, read_records
+from relax_hpc.weights.sender import answering, engine_key
 
 log = logging.getLogger("relax_hpc.weights")
 
@@ -91,14 +92,12 @@ class AdapterPublisher:
         return EngineClient(record.url, self.api_key, self.timeout_s)
 
     def _live(self) -> list[EngineRecord]:
-        records = read_records(self.registry)
-        alive = list(self._pool.map(lambda r: self._client(r).healthy(), records))
-        return [r for r, ok in zip(records, alive, strict=True) if ok]
+        return answering(read_records(self.registry), self._pool, self._client)
 
     def engine_set_changed(self) -> bool:
         """True when the engines that answer differ from those the last push served (a new or
         restarted engine serves the base model until it gets the current adapter)."""
-        return sorted((r.engine_id, r.instance) for r in self._live()) != self.members
+        return engine_key(self._live()) != self.members
 
     def publish(self, version: int, adapter: Adapter) -> int:
         """Write version's folder (none for version 0: the base) and have every live engine load
@@ -108,7 +107,7 @@ class AdapterPublisher:
             folder = write_version(self.folders, version, lambda out: self.write(out, adapter))
         engines = self._live()
         served = list(self._pool.map(lambda r: self._serve(r, version, folder), engines))
-        self.members = sorted((r.engine_id, r.instance) for r, ok in zip(engines, served, strict=True) if ok)
+        self.members = engine_key([r for r, ok in zip(engines, served, strict=True) if ok])
         return len(self.members)
 
     def _serve(self, record: EngineRecord, version: int, folder: Path | None) -> bool:

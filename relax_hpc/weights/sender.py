@@ -57,8 +57,17 @@ def _is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-def _engine_key(records: list[EngineRecord]) -> list[tuple[str, str]]:
+def engine_key(records: list[EngineRecord]) -> list[tuple[str, str]]:
+    """Which engine processes these are (a restarted engine is a new instance of its id)."""
     return sorted((r.engine_id, r.instance) for r in records)
+
+
+def answering(
+    records: list[EngineRecord], pool: ThreadPoolExecutor, client: Callable[[EngineRecord], EngineClient]
+) -> list[EngineRecord]:
+    """The engines of `records` that answer /health (asked all at once)."""
+    alive = list(pool.map(lambda r: client(r).healthy(), records))
+    return [r for r, ok in zip(records, alive, strict=True) if ok]
 
 
 class MemberWatch:
@@ -123,13 +132,11 @@ class WeightSender:
 
     def live_engines(self, records: list[EngineRecord] | None = None) -> list[EngineRecord]:
         """The engines of `records` (default: the registry's) that answer /health."""
-        records = read_records(self.registry) if records is None else records
-        alive = list(self._pool.map(lambda r: self._client(r).healthy(), records))
-        return [r for r, ok in zip(records, alive, strict=True) if ok]
+        return answering(read_records(self.registry) if records is None else records, self._pool, self._client)
 
     def engine_set_changed(self) -> bool:
         """True when the engines that answer differ from the current group's members."""
-        return _engine_key(self.live_engines()) != _engine_key(self.members)
+        return engine_key(self.live_engines()) != engine_key(self.members)
 
     def _client(self, record: EngineRecord) -> EngineClient:
         return EngineClient(record.url, self.api_key, self.timeout_s)
@@ -198,13 +205,13 @@ class WeightSender:
         pipeline, and the push fails before any broadcast.
         """
         records = read_records(self.registry)
-        if self.group is None or _engine_key(records) != self._trusted:
+        if self.group is None or engine_key(records) != self._trusted:
             engines = self.live_engines(records)
-            self._trusted = _engine_key(records) if len(engines) == len(records) else None
+            self._trusted = engine_key(records) if len(engines) == len(records) else None
             if not engines:
                 self.drop_group()
                 return 0
-            if self.group is None or _engine_key(engines) != _engine_key(self.members):
+            if self.group is None or engine_key(engines) != engine_key(self.members):
                 self._form_group(engines)
         self._pipelines = list(
             self._pool.map(lambda r: RequestPipeline(r.url, self.api_key, self.timeout_s), self.members)
