@@ -839,11 +839,6 @@ class JobConfig(Section):
             raise ValueError(
                 "launch.colocate puts the engines on the trainer's nodes: set launch.slurm.rollout.nodes=0"
             )
-        if self.trainer.backend == "megatron" and self.trainer.num_ranks > 1:
-            # Its full parameters are gathered on rank 0 alone; every colocated rank serves its own engines.
-            raise ValueError(
-                "launch.colocate with trainer.backend=megatron runs one trainer rank: set trainer.num_ranks=1"
-            )
         return self
 
     @model_validator(mode="after")

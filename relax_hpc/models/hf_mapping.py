@@ -454,18 +454,23 @@ class _Local:
     param: torch.Tensor
 
 
-def export_hf(model: torch.nn.Module, hf_config: Any) -> Iterator[tuple[str, torch.Tensor | None]]:
+def export_hf(
+    model: torch.nn.Module, hf_config: Any, every_rank: bool = False
+) -> Iterator[tuple[str, torch.Tensor | None]]:
     """The full HF tensors of the model, one at a time, in hf_specs order: a COLLECTIVE that every
     rank of the model's process groups must run to the end. Global rank 0 yields (name, tensor);
     every other rank yields (name, None) for the same names, after its part in that tensor's
-    gathers and sends, so all ranks can run the same loop.
+    gathers and sends, so all ranks can run the same loop. With every_rank, every rank yields
+    every tensor (colocated ranks each serve the engines on their own device).
 
     Per unit (the embedding, each layer, the final norm + lm_head) the owning stage gathers its
     TP-split tensors with one all_gather over the TP group (experts: one over the expert-TP group
-    and one over the EP group; only data-parallel replica 0 gathers), and a stage other than
-    rank 0's sends the unit's HF tensors to rank 0 in one message over the pipeline group. Yielded
-    tensors have the model's params_dtype, live on its device and may alias its parameters: copy,
-    never modify them."""
+    and one over the EP group). Without every_rank only data-parallel replica 0 gathers, and a
+    stage other than rank 0's sends the unit's HF tensors to rank 0 in one message over the
+    pipeline group. With every_rank every replica gathers (so each rank of the owning stage holds
+    the unit: with TP=PP=EP=1 nothing crosses a process), and the owning stage broadcasts it over
+    each pipeline group in one message. Yielded tensors have the model's params_dtype, live on its
+    device and may alias its parameters: copy, never modify them."""
     gpt = unwrap(model)
     arch = arch_of(hf_config)
     dtype = gpt.config.params_dtype
@@ -477,23 +482,29 @@ def export_hf(model: torch.nn.Module, hf_config: Any) -> Iterator[tuple[str, tor
     stage, rank = parallel_state.get_pipeline_model_parallel_rank(), dist.get_rank()
     for unit, unit_specs in itertools.groupby(hf_specs(hf_config, dtype), key=lambda spec: _unit_of_hf(spec[0])):
         specs = list(unit_specs)
+        src = pp_ranks[owners[unit]]  # the owning stage's rank in this rank's pipeline group
         if owners[unit] == stage:
-            tensors = _gather_unit(local.get(unit, []), arch)
-            if rank == 0:
+            tensors = _gather_unit(local.get(unit, []), arch, every_rank)
+            if rank == 0 or every_rank:
                 _check_names(unit, tensors, specs)
+                if every_rank and pp_group.size() > 1:
+                    dist.broadcast(_flat(tensors, specs, dtype), src, pp_group)
                 yield from ((name, tensors[name].to(dtype)) for name, _, _ in specs)
                 continue
             if 0 in pp_ranks:  # this stage's rank in rank 0's pipeline group
                 _check_names(unit, tensors, specs)
-                dist.send(
-                    torch.cat([tensors[name].to(dtype).reshape(-1) for name, _, _ in specs]), pp_ranks[0], pp_group
-                )
-        elif rank == 0:
+                dist.send(_flat(tensors, specs, dtype), pp_ranks[0], pp_group)
+        elif rank == 0 or every_rank:
             buffer = torch.empty(sum(shape.numel() for _, shape, _ in specs), dtype=dtype, device=device)
-            dist.recv(buffer, pp_ranks[owners[unit]], pp_group)
+            (dist.broadcast if every_rank else dist.recv)(buffer, src, pp_group)
             yield from _unpack(buffer, specs)
             continue
         yield from ((name, None) for name, _, _ in specs)
+
+
+def _flat(tensors: dict[str, torch.Tensor], specs: list, dtype: torch.dtype) -> torch.Tensor:
+    """A unit's HF tensors as one message: concatenated in spec order."""
+    return torch.cat([tensors[name].to(dtype).reshape(-1) for name, _, _ in specs])
 
 
 def _unit_of_hf(name: str) -> str | int:
@@ -545,18 +556,18 @@ def _unpack(buffer: torch.Tensor, specs: list) -> Iterator[tuple[str, torch.Tens
         offset += shape.numel()
 
 
-def _gather_unit(items: list[_Local], arch: Arch) -> dict[str, torch.Tensor]:
+def _gather_unit(items: list[_Local], arch: Arch, every_replica: bool) -> dict[str, torch.Tensor]:
     """A unit's HF tensors from its local shards; empty on ranks that do not take part."""
     exported = [it for it in items if it.entry.export]
     dense = [it for it in exported if not it.entry.expert]
     experts = [it for it in exported if it.entry.expert]
     out: dict[str, torch.Tensor] = {}
-    # Data-parallel replicas hold the same weights: replica 0 alone gathers.
-    if dense and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0:
+    # Data-parallel replicas hold the same weights: replica 0 alone gathers, unless each needs them.
+    if dense and (every_replica or parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0):
         group = parallel_state.get_tensor_model_parallel_group()
         for it, full in zip(dense, _gather_split(dense, group), strict=True):
             out.update(_to_hf(full, it.entry, arch, group.size()))
-    if experts and parallel_state.get_expert_data_parallel_rank() == 0:
+    if experts and (every_replica or parallel_state.get_expert_data_parallel_rank() == 0):
         out.update(_gather_experts(experts, arch))
     return out
 

@@ -103,7 +103,8 @@ class Backend(Protocol):
 
     def full_parameters(self) -> Iterable[tuple[str, torch.Tensor | None]]:
         """Collective: (HF name, full tensor) in parameter_specs() order; every rank iterates, only
-        rank 0's tensors are used (others may yield None)."""
+        rank 0's tensors are used (others may yield None), except with launch.colocate, where every
+        rank pushes its own to the engines on its device and must yield them all."""
         ...
 
     def checkpoint_layout(self) -> Convert | None:

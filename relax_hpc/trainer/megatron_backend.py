@@ -102,6 +102,7 @@ class MegatronBackend:
         megatron_state.use_torch_multi_tensor_ops()
         cfg, algo, ro, par = job.trainer, job.algo, job.rollout, job.trainer.megatron
         self.cfg, self.algo, self.par, self.device = cfg, algo, par, device
+        self.colocated = job.launch.colocate  # every rank serves its own engines the full weights
         self.temperature = ro.temperature
         self.hf_config = AutoConfig.from_pretrained(job.model.path)
         self.dtype = getattr(torch, job.model.dtype)
@@ -431,9 +432,10 @@ class MegatronBackend:
     # -- weights and checkpoints --------------------------------------------------------------------
 
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor | None]]:
-        """(HF name, full tensor) in parameter_specs() order on global rank 0 (None elsewhere);
-        a collective: every rank must iterate."""
-        return export_hf(self.model.module, self.hf_config)
+        """(HF name, full tensor) in parameter_specs() order: on every rank when the run is
+        colocated (each rank pushes to the engines on its own device), else on global rank 0 alone
+        (None elsewhere: rank 0 broadcasts to the engines). A collective: every rank must iterate."""
+        return export_hf(self.model.module, self.hf_config, every_rank=self.colocated)
 
     def checkpoint_layout(self) -> None:
         return None  # relax_hpc.models.hf_mapping names and shapes them as the HF checkpoint does

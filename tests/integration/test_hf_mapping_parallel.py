@@ -1,7 +1,8 @@
 """HF <-> megatron mapping across real process groups: two torchrun ranks on CPU (gloo; on a
-machine with two GPUs, NCCL) with TP=2, PP=2 or EP=2. Every rank loads an HF folder, holds
-exactly the block of every tensor that an independent, naive computation expects, and export_hf
-run on all ranks gives rank 0 the HF checkpoint bit for bit (the other rank gets the same names with None).
+machine with two GPUs, NCCL) with TP=2, PP=2, EP=2 or data parallel alone. Every rank loads an HF
+folder, holds exactly the block of every tensor that an independent, naive computation expects, and
+export_hf run on all ranks gives rank 0 the HF checkpoint bit for bit (the other rank gets the same
+names with None); with every_rank (colocated ranks) both ranks get it bit for bit.
 
 This file is also the torchrun worker: `python -m torch.distributed.run --nproc-per-node=2
 tests/integration/test_hf_mapping_parallel.py FOLDERS_JSON OUT_DIR` runs every layout in turn."""
@@ -24,6 +25,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {  # MegatronConfig's parallel sizes
     "tp2": {"tensor_parallel": 2},
     "pp2": {"pipeline_parallel": 2},
     "ep2": {"expert_parallel": 2},  # TP=1, so also 2 data-parallel replicas of the dense weights
+    "dp2": {},  # 2 data-parallel replicas: each holds every weight
 }
 # What each layout runs on, and how many layers the models have. A tied model under PP builds on
 # GPUs only (megatron moves the last stage's copy of the embedding to CUDA while building).
@@ -32,12 +34,14 @@ MODELS = {
     "tp2": (["qwen2", "qwen3-tied", "qwen3-moe"], 2),
     "pp2": (["qwen2", "qwen3", "qwen3-moe", *TIED_PP], 4),
     "ep2": (["qwen3-moe"], 2),
+    "dp2": (["qwen2"], 2),
 }
 # Global layers and experts each rank must hold (None: all of them).
 HOLDS: dict[str, dict[int, tuple[list[int] | None, list[int] | None]]] = {
     "tp2": {0: (None, None), 1: (None, None)},
     "pp2": {0: ([0, 1], None), 1: ([2, 3], None)},
     "ep2": {0: (None, [0, 1]), 1: (None, [2, 3])},
+    "dp2": {0: (None, None), 1: (None, None)},
 }
 
 
@@ -82,6 +86,7 @@ def test_two_ranks_hold_their_shards_and_export_the_checkpoint(layout, reports):
             assert facts["checked"] == facts["params"] > 0
             # rank 0 receives every tensor; the other rank iterates the same names with None
             assert facts["exported"] == facts["specs"] and facts["tensors"] == (facts["specs"] if rank == 0 else 0)
+            assert facts["every_rank"] == facts["specs"]  # every_rank: this rank got every tensor, checked
 
 
 # ---------------------------------------------------------------- the worker
@@ -186,6 +191,10 @@ def _run_model(folder: str, layout: str) -> dict:
         tensors = [(name, t) for name, t in exported if t is not None]
         for name, tensor in tensors:
             assert torch.equal(tensor.cpu(), hf[name]), name
+        everywhere = list(export_hf(model, config, every_rank=True))
+        assert [name for name, _ in everywhere] == specs
+        for name, full in everywhere:
+            assert full is not None and torch.equal(full.cpu(), hf[name]), name
         return {
             "layers": facts["layers"],
             "experts": facts["experts"],
@@ -194,6 +203,7 @@ def _run_model(folder: str, layout: str) -> dict:
             "specs": len(specs),
             "exported": len(exported),
             "tensors": len(tensors),
+            "every_rank": len(everywhere),
         }
     finally:
         ps.destroy_model_parallel()

@@ -62,6 +62,12 @@ def test_colocated_engines_sit_on_their_ranks_node_and_gpu(engine, tmp_path):
         cfg_with("launch.colocate_offload=optimizer")
     with pytest.raises(ValueError, match=r"needs trainer\.backend=megatron"):
         cfg_with("launch.colocate=true", "rollout.max_staleness=0", "launch.colocate_offload=optimizer")
+    # The megatron backend colocates on every rank too (export_hf every_rank: each rank holds every tensor).
+    megatron = cfg_with(
+        "launch.colocate=true", "rollout.max_staleness=0", "launch.slurm.rollout.nodes=0", "trainer.backend=megatron",
+        "trainer.num_ranks=4", "trainer.megatron.pipeline_parallel=2", "launch.colocate_offload=optimizer",
+    )  # fmt: skip
+    assert megatron.trainer.num_ranks == 4 and megatron.launch.colocate
 
 
 def test_rollout_nodes_of_their_own_and_round_robin_engines():
