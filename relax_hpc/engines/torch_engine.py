@@ -52,7 +52,7 @@ from relax_hpc.weights.buckets import BucketPlan
 from relax_hpc.weights.group import SideGroup
 from relax_hpc.weights.lora import AdapterMerger
 from relax_hpc.weights.receiver import BucketReceiver
-from relax_hpc.weights.tensors import PayloadError, deserialize
+from relax_hpc.weights.tensors import FLATTENED_BUCKET, PayloadError, deserialize
 
 log = logging.getLogger("relax_hpc.engine")
 MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")  # SGLang's (srt/constants.py)
@@ -404,10 +404,12 @@ class TorchEngine:
             raise P.ProtocolError(
                 "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
             )
-        if req.load_format not in (None, "direct"):
-            raise P.ProtocolError(f"load_format {req.load_format!r}: the torch engine takes None or direct")
+        if req.load_format not in (None, "direct", FLATTENED_BUCKET):
+            raise P.ProtocolError(
+                f"load_format {req.load_format!r}: the torch engine takes None, direct or {FLATTENED_BUCKET}"
+            )
         try:
-            named = deserialize(req.serialized_named_tensors[0])
+            named = deserialize(req.serialized_named_tensors[0], req.load_format)
         except PayloadError as e:
             raise P.ProtocolError(str(e)) from None
         unknown = [name for name, _ in named if name not in self.params]

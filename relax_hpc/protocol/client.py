@@ -160,15 +160,21 @@ class RequestPipeline:
         self.url = url.rstrip("/")
         self._connection = _Connection(url, api_key, timeout_s)
         self._routes: list[str] = []  # sent, answer not read yet
+        self.sent = 0  # requests sent on this connection
 
     def send(self, route: str, request: object) -> None:
         self._connection.send("POST", route, P.to_json(request))
         self._routes.append(route)
+        self.sent += 1
 
     def wait_answers(self, leave: int = 0) -> None:
         """Read pending answers in order until `leave` are left; raises on the first failed request."""
         while len(self._routes) > leave:
             self._connection.answer(self._routes.pop(0))
+
+    def wait_through(self, count: int) -> None:
+        """Read answers until the first `count` requests sent are answered."""
+        self.wait_answers(leave=max(0, self.sent - count))
 
     def close(self) -> None:
         self._connection.close()

@@ -10,38 +10,50 @@ ranks), so that a CUDA IPC handle names memory the engine can map. Around every 
             /update_weights_from_tensor per bucket, sent by reference (relax_hpc.weights.tensors),
             then continue generation
 
-A bucket is packed into one flat tensor first: one IPC handle per bucket on a GPU (measured
-faster than sharing each tensor where it lies, BENCHMARKS.md), and on the CPU the only memory
-another process can open (torch places it in shared memory).
+A bucket is packed into one flat buffer and sent as SGLang's "flattened_bucket": one shared
+tensor, so one IPC handle to open per bucket on a GPU (sharing each of a model's hundreds of
+tensors where it lies costs more than the extra copy, BENCHMARKS.md), and on the CPU the only
+memory another process can open (torch places it in shared memory).
 
-Every rank gathers the full parameters (FSDP's full_tensor, a collective), so every rank can
-serve its engines. A bucket's buffer stays alive until its engine has answered: the engine has
-copied the bytes by then. The version rides on the last bucket, as in the broadcast path.
+The requests to an engine go over one keep-alive connection without waiting for each answer
+(relax_hpc.protocol.client.RequestPipeline; an engine answers them in order): the next bucket is
+packed while the engine copies the last one. Two bucket buffers take turns; a buffer is packed
+again only once its engines have answered its update, which they do after their copy has
+finished. The version rides on the last bucket, as in the broadcast path.
+
+Every rank gathers the full parameters (a collective), so every rank can serve its engines.
 """
 
 from __future__ import annotations
 
-import logging
 import time
-from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 
 from relax_hpc.protocol import requests as P
-from relax_hpc.protocol.client import EngineClient
+from relax_hpc.protocol.client import EngineClient, RequestPipeline
 from relax_hpc.protocol.registry import EngineRecord, read_records
-from relax_hpc.weights.buckets import BucketPacker, BucketPlan, unpack
-from relax_hpc.weights.tensors import serialize
-
-log = logging.getLogger("relax_hpc.weights")
+from relax_hpc.weights.buckets import BucketPacker, BucketPlan
+from relax_hpc.weights.tensors import FLATTENED_BUCKET, serialize, serialize_bucket
 
 
 def served_by(engine_id: str, rank: int, world: int) -> bool:
     """Whether trainer rank `rank` serves this engine (engine-i: rank i modulo world)."""
     index = int(engine_id.rsplit("-", 1)[1]) if engine_id.startswith("engine-") else 0
     return index % world == rank
+
+
+class _Answered:
+    """A bucket buffer's fence: its engines have answered its update (their copy has finished)."""
+
+    def __init__(self, pipes: list[RequestPipeline]) -> None:
+        self._marks = [(pipe, pipe.sent) for pipe in pipes]
+
+    def wait(self) -> None:
+        for pipe, count in self._marks:
+            pipe.wait_through(count)
 
 
 class ColocatedSender:
@@ -60,25 +72,25 @@ class ColocatedSender:
         """`pack` False (GPU only, for tools/bench/colocated_update.py): share each tensor where it lies."""
         self.registry, self.api_key, self.timeout_s = registry, api_key, timeout_s
         self.rank, self.world, self.tp_size, self.pack = rank, world, tp_size, pack
-        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="colocated")
         self.released = False
-        self.requests_s = 0.0  # of the last push: inside the update requests (HTTP and the engine)
 
     def engines(self) -> list[EngineRecord]:
         mine = [r for r in read_records(self.registry) if served_by(r.engine_id, self.rank, self.world)]
         return [r for r in mine if EngineClient(r.url, self.api_key, 5.0).healthy(5.0)]
 
-    def _each(self, engines: list[EngineRecord], route: str, request: object) -> None:
-        clients = [EngineClient(r.url, self.api_key, self.timeout_s) for r in engines]
-        for future in [self._pool.submit(c.post, route, request) for c in clients]:
-            future.result()
+    def _open(self, engines: list[EngineRecord]) -> list[RequestPipeline]:
+        return [RequestPipeline(r.url, self.api_key, self.timeout_s) for r in engines]
 
     def release(self) -> float:
         """Before a step: the engines stop and free their memory. Returns the seconds it took."""
         started = time.monotonic()
-        engines = self.engines()
-        self._each(engines, "/pause_generation", P.PauseGenerationReqInput(mode="in_place"))
-        self._each(engines, "/release_memory_occupation", P.ReleaseMemoryOccupationReqInput())
+        pipes = self._open(self.engines())
+        try:
+            _send(pipes, "/pause_generation", P.PauseGenerationReqInput(mode="in_place"))
+            _send(pipes, "/release_memory_occupation", P.ReleaseMemoryOccupationReqInput())
+            _answered(pipes)
+        finally:
+            _close(pipes)
         self.released = True
         return time.monotonic() - started
 
@@ -89,40 +101,71 @@ class ColocatedSender:
         the ranks (params is every rank's full-parameter stream). Returns (engines updated,
         seconds of resume, seconds of the update)."""
         engines = self.engines()
-        started = time.monotonic()
-        self._each(engines, "/resume_memory_occupation", P.ResumeMemoryOccupationReqInput())
-        resumed = time.monotonic()
-        self._each(engines, "/begin_weight_update", P.BeginWeightUpdateReqInput())
-        it = iter(params)
+        pipes = self._open(engines)
+        try:
+            started = time.monotonic()
+            _send(pipes, "/resume_memory_occupation", P.ResumeMemoryOccupationReqInput())
+            _answered(pipes)
+            resumed = time.monotonic()
+            _send(pipes, "/begin_weight_update", P.BeginWeightUpdateReqInput())
+            self._updates(pipes, buckets, iter(params), version)
+            _send(pipes, "/end_weight_update", P.EndWeightUpdateReqInput())
+            _send(pipes, "/continue_generation", P.ContinueGenerationReqInput())
+            _answered(pipes)
+        finally:
+            _close(pipes)
+        self.released = False
+        return len(engines), resumed - started, time.monotonic() - resumed
+
+    def _updates(
+        self,
+        pipes: list[RequestPipeline],
+        buckets: list[BucketPlan],
+        params: Iterator[tuple[str, torch.Tensor | None]],
+        version: int,
+    ) -> None:
+        """One /update_weights_from_tensor per bucket, sent without waiting for the last answer."""
         packer: BucketPacker | None = None
-        self.requests_s = 0.0
         for i, plan in enumerate(buckets):
-            tensors = [_tensor(next(it)) for _ in plan.names]
+            tensors = [_tensor(next(params)) for _ in plan.names]
             device = tensors[0].device
             if self.pack or device.type == "cpu":
                 packer = packer or BucketPacker(device, max(b.nbytes for b in buckets))
-                named = unpack(packer.pack(tensors), plan)
-            else:
+                flat = packer.pack(tensors)  # waits until the buffer's previous bucket is answered
+                payloads, load_format = serialize_bucket(flat, plan, self.tp_size), FLATTENED_BUCKET
+            else:  # the trainer's own tensors: unchanged until the push ends
                 named = [(name, t.contiguous()) for name, t in zip(plan.names, tensors, strict=True)]
+                payloads, load_format = serialize(named, self.tp_size), None
             if device.type == "cuda":
                 torch.cuda.current_stream(device).synchronize()  # the bytes are there before the engine maps them
             last = i == len(buckets) - 1
             request = P.UpdateWeightsFromTensorReqInput(
-                serialized_named_tensors=serialize(named, self.tp_size),
+                serialized_named_tensors=payloads,
+                load_format=load_format,
                 flush_cache=last,
                 weight_version=str(version) if last else None,
             )
-            sent = time.monotonic()
-            self._each(engines, "/update_weights_from_tensor", request)
-            self.requests_s += time.monotonic() - sent
+            _send(pipes, "/update_weights_from_tensor", request)
             if packer is not None:
-                packer.consumed(None)  # answered: the engines have copied it
+                packer.consumed(_Answered(pipes))
         if packer is not None:
             packer.drain()
-        self._each(engines, "/end_weight_update", P.EndWeightUpdateReqInput())
-        self._each(engines, "/continue_generation", P.ContinueGenerationReqInput())
-        self.released = False
-        return len(engines), resumed - started, time.monotonic() - resumed
+
+
+def _send(pipes: list[RequestPipeline], route: str, request: object) -> None:
+    for pipe in pipes:
+        pipe.send(route, request)
+
+
+def _answered(pipes: list[RequestPipeline]) -> None:
+    """Every request sent so far is answered (raises the first failure)."""
+    for pipe in pipes:
+        pipe.wait_answers()
+
+
+def _close(pipes: list[RequestPipeline]) -> None:
+    for pipe in pipes:
+        pipe.close()
 
 
 def _tensor(param: tuple[str, torch.Tensor | None]) -> torch.Tensor:

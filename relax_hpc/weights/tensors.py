@@ -1,12 +1,22 @@
 """Weights by reference: tensors an engine on the same device maps from the trainer's memory
 (SGLang 0.5.23's /update_weights_from_tensor). Colocated training's weight path.
 
-The payload is a bucket's list of (name, tensor) pickled with torch's ForkingPickler and
-base64-encoded, one payload per tensor-parallel rank of the engine, load_format None (what SGLang
-hands to model.load_weights). Pickling shares a tensor's storage rather than its bytes: a CUDA
-IPC handle on a GPU (tensors of one allocation share a handle), a shared-memory file on the CPU
-(torch's file_system sharing strategy, which unrelated processes can open by name). The sender
-keeps the tensors alive and unchanged until the engine has answered.
+A payload is pickled with torch's ForkingPickler and base64-encoded, one payload per
+tensor-parallel rank of the engine, in one of SGLang's two load formats:
+
+- "flattened_bucket" (what the colocated sender sends): {"flattened_tensor": the bucket's uint8
+  buffer, "metadata": [one record per tensor: name, shape, dtype, start_idx, end_idx, numel]},
+  one shared tensor per bucket. Pickling a CUDA tensor costs an IPC event, a reference counter
+  and a handle in the sender and opening them in the engine, a few hundred microseconds; per
+  tensor (hundreds in a model) that was most of an update's time (BENCHMARKS.md). SGLang reads
+  the records by attribute; they travel as types.SimpleNamespace, a class SGLang's unpickler
+  admits, so a sender needs no SGLang installed.
+- None: a list of (name, tensor) pairs, each shared where it lies (what SGLang hands to
+  model.load_weights).
+
+Pickling shares a tensor's storage rather than its bytes: a CUDA IPC handle on a GPU, a
+shared-memory file on the CPU (torch's file_system sharing strategy, which unrelated processes
+can open by name). The sender keeps the tensors alive and unchanged until the engine has answered.
 """
 
 from __future__ import annotations
@@ -15,19 +25,23 @@ import base64
 import io
 import pickle
 from multiprocessing.reduction import ForkingPickler
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 import torch.multiprocessing.reductions  # registers the tensor and storage reductions with ForkingPickler
 
-from relax_hpc.weights.buckets import DTYPES
+from relax_hpc.weights.buckets import DTYPES, BucketPlan
+
+FLATTENED_BUCKET = "flattened_bucket"  # SGLang's load_format of a one-buffer bucket
 
 # The globals a payload may name, exactly (as SGLang's SafeUnpickler: a module prefix such as
 # torch.* would admit callables that run code): torch's rebuilds of shared tensors and storages.
 _REDUCTIONS = "torch.multiprocessing.reductions"
 ALLOWED_GLOBALS = frozenset(
     {("builtins", n) for n in ("list", "tuple", "dict", "slice")}
+    | {("types", "SimpleNamespace")}  # a flattened bucket's metadata records
     | {
         ("torch", n)
         for n in (
@@ -62,11 +76,31 @@ def share_cpu_memory_by_name() -> None:
 
 
 def serialize(named: list[tuple[str, torch.Tensor]], tp_size: int = 1) -> list[str]:
-    """The payloads of a bucket (one per tensor-parallel rank: the same for each)."""
-    if any(t.device.type == "cpu" for _, t in named):
+    """The payloads of a bucket in load_format None (one per tensor-parallel rank: the same for each)."""
+    return _payloads(named, any(t.device.type == "cpu" for _, t in named), tp_size)
+
+
+def serialize_bucket(flat: torch.Tensor, plan: BucketPlan, tp_size: int = 1) -> list[str]:
+    """The payloads of a packed bucket (relax_hpc.weights.buckets.pack) in load_format
+    "flattened_bucket": one shared tensor, the records say where each parameter lies in it."""
+    metadata, start = [], 0
+    for name, dtype_name, shape in zip(plan.names, plan.dtypes, plan.shapes, strict=True):
+        dtype, size = DTYPES[dtype_name], torch.Size(shape)
+        end = start + size.numel() * dtype.itemsize
+        metadata.append(
+            SimpleNamespace(name=name, shape=size, dtype=dtype, start_idx=start, end_idx=end, numel=end - start)
+        )
+        start = end
+    if start != flat.numel():
+        raise ValueError(f"the bucket buffer holds {flat.numel()} bytes, its plan {start}")
+    return _payloads({"flattened_tensor": flat, "metadata": metadata}, flat.device.type == "cpu", tp_size)
+
+
+def _payloads(obj: object, on_cpu: bool, tp_size: int) -> list[str]:
+    if on_cpu:
         share_cpu_memory_by_name()
     out = io.BytesIO()
-    ForkingPickler(out, pickle.HIGHEST_PROTOCOL).dump(named)
+    ForkingPickler(out, pickle.HIGHEST_PROTOCOL).dump(obj)
     payload = base64.b64encode(out.getvalue()).decode()
     return [payload] * tp_size
 
@@ -84,14 +118,45 @@ class _Unpickler(pickle.Unpickler):
         raise PayloadError(f"a weight payload may not name {module}.{name}")
 
 
-def deserialize(payload: str) -> list[tuple[str, torch.Tensor]]:
+def deserialize(payload: str, load_format: str | None = None) -> list[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs of a payload in load_format None or "flattened_bucket" (then views
+    of the one shared buffer)."""
     share_cpu_memory_by_name()
     try:
-        named = _Unpickler(io.BytesIO(base64.b64decode(payload))).load()
+        obj = _Unpickler(io.BytesIO(base64.b64decode(payload))).load()
     except (pickle.UnpicklingError, EOFError, ValueError) as e:
         raise PayloadError(f"the weight payload does not decode ({e})") from None
-    if not isinstance(named, list) or not all(
-        isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor) for item in named
+    if load_format == FLATTENED_BUCKET:
+        return _bucket_views(obj)
+    if not isinstance(obj, list) or not all(
+        isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor) for item in obj
     ):
         raise PayloadError("a weight payload holds a list of (name, tensor) pairs")
-    return named
+    return obj
+
+
+_RECORD = ("name", "shape", "dtype", "start_idx", "end_idx")
+
+
+def _bucket_views(obj: object) -> list[tuple[str, torch.Tensor]]:
+    """Each record's view of the flattened tensor, after checking that it lies inside and its
+    byte range fits its shape and dtype."""
+    flat = obj.get("flattened_tensor") if isinstance(obj, dict) else None
+    records = obj.get("metadata") if isinstance(obj, dict) else None
+    if not isinstance(flat, torch.Tensor) or flat.dtype != torch.uint8 or flat.dim() != 1:
+        raise PayloadError("a flattened bucket holds a 1-D uint8 'flattened_tensor'")
+    if not isinstance(records, list) or not all(all(hasattr(r, f) for f in _RECORD) for r in records):
+        raise PayloadError(f"a flattened bucket's 'metadata' lists records with {', '.join(_RECORD)}")
+    views = []
+    for r in records:
+        if not isinstance(r.dtype, torch.dtype) or not isinstance(r.shape, torch.Size | list | tuple):
+            raise PayloadError(f"{r.name}: a record's dtype is a torch.dtype and its shape a torch.Size")
+        nbytes = torch.Size(r.shape).numel() * r.dtype.itemsize
+        inside = 0 <= r.start_idx <= r.end_idx <= flat.numel() and r.start_idx % r.dtype.itemsize == 0
+        if not inside or r.end_idx - r.start_idx != nbytes:
+            raise PayloadError(
+                f"{r.name}: bytes {r.start_idx}..{r.end_idx} of a {flat.numel()}-byte bucket "
+                f"do not hold a {r.dtype} tensor of shape {list(r.shape)}"
+            )
+        views.append((r.name, flat[r.start_idx : r.end_idx].view(r.dtype).view(r.shape)))
+    return views

@@ -52,8 +52,8 @@ from relax_hpc.protocol import requests as P
 from relax_hpc.rollout.engine_policy import EnginePolicy
 from relax_hpc.rollout.teacher import scoring_request
 from relax_hpc.weights.adapters import adapter_name
-from relax_hpc.weights.buckets import BucketPlan, pack, unpack
-from relax_hpc.weights.tensors import deserialize, serialize
+from relax_hpc.weights.buckets import BucketPlan, pack
+from relax_hpc.weights.tensors import deserialize, serialize, serialize_bucket
 from tests.sglang_import import import_sglang
 
 REPO = Path(__file__).resolve().parents[2]
@@ -158,8 +158,13 @@ def sent_requests(cfg) -> list[Any]:
         # colocated (relax_hpc/weights/colocated.py): memory turns, weights by reference
         P.ReleaseMemoryOccupationReqInput(),
         P.ResumeMemoryOccupationReqInput(),
-        P.UpdateWeightsFromTensorReqInput(serialized_named_tensors=colocated_payload(2), flush_cache=False),
-        P.UpdateWeightsFromTensorReqInput(serialized_named_tensors=colocated_payload(1), weight_version="7"),
+        P.UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=colocated_payload(2), load_format="flattened_bucket", flush_cache=False
+        ),
+        P.UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=colocated_payload(1), load_format="flattened_bucket", weight_version="7"
+        ),
+        P.UpdateWeightsFromTensorReqInput(serialized_named_tensors=serialize(COLOCATED_NAMED)),  # in place (bench)
         P.AbortReq(abort_all=True),
         P.AbortReq(rid="r-1"),
         P.GetWeightsByNameReqInput(name="lm_head.weight", truncate_size=2),
@@ -172,11 +177,16 @@ def sent_requests(cfg) -> list[Any]:
     ]
 
 
+COLOCATED_NAMED = [
+    ("model.embed_tokens.weight", torch.arange(12, dtype=torch.float32).reshape(3, 4)),
+    ("model.norm.weight", torch.ones(5, dtype=torch.bfloat16)),
+]
+
+
 def colocated_payload(tp_size: int) -> list[str]:
     """A bucket of two parameters as a colocated trainer rank sends it (one payload per TP rank)."""
-    tensors = [torch.arange(12, dtype=torch.float32).reshape(3, 4), torch.ones(5, dtype=torch.bfloat16)]
-    plan = BucketPlan(["model.embed_tokens.weight", "model.norm.weight"], ["float32", "bfloat16"], [[3, 4], [5]])
-    return serialize(unpack(pack(tensors), plan), tp_size)
+    plan = BucketPlan([n for n, _ in COLOCATED_NAMED], ["float32", "bfloat16"], [[3, 4], [5]])
+    return serialize_bucket(pack([t for _, t in COLOCATED_NAMED]), plan, tp_size)
 
 
 def policy_request(calls: list[GenerateCall], routing: bool = False) -> P.GenerateReqInput:
@@ -351,18 +361,36 @@ def test_sent_requests_construct_sglangs_classes(sglang, request_):
             check_sampling_params(sglang, params)
 
 
-def test_sglang_deserializes_the_colocated_payload_to_the_same_tensors(sglang):
+def test_sglang_reads_the_colocated_bucket_as_the_senders_tensors(sglang):
     """SGLang's own MultiprocessingSerializer (its SafeUnpickler's exact list of globals) opens
-    what the colocated sender packs, to the tensors relax_hpc's engine reads."""
-    (common,) = import_sglang("sglang.srt.utils.common")
+    the flattened bucket the colocated sender packs, and its weight updater's steps (the records
+    into its FlattenedTensorMetadata, FlattenedTensorBucket.reconstruct_tensors) give the
+    sender's tensors, as relax_hpc's engine reads them."""
+    common, bucket = import_sglang("sglang.srt.utils.common", "sglang.srt.weight_sync.tensor_bucket")
     payload = colocated_payload(1)[0]
-    theirs, ours = common.MultiprocessingSerializer.deserialize(payload), deserialize(payload)
-    assert (
-        [name for name, _ in theirs] == [name for name, _ in ours] == ["model.embed_tokens.weight", "model.norm.weight"]
-    )
-    for (_, a), (_, b) in zip(theirs, ours, strict=True):
-        assert a.dtype == b.dtype and torch.equal(a, b)
-    assert torch.equal(ours[0][1], torch.arange(12, dtype=torch.float32).reshape(3, 4))
+    data = common.MultiprocessingSerializer.deserialize(payload)
+    records = [
+        bucket.FlattenedTensorMetadata(m.name, m.shape, m.dtype, m.start_idx, m.end_idx, m.numel)
+        for m in data["metadata"]
+    ]
+    theirs = bucket.FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=records)
+    ours = deserialize(payload, "flattened_bucket")
+    for named in (theirs.reconstruct_tensors(), ours):
+        assert_sent(named)
+
+
+def test_sglang_deserializes_tensors_shared_where_they_lie(sglang):
+    """load_format None (tools/bench/colocated_update.py's in-place variant): a list of pairs."""
+    (common,) = import_sglang("sglang.srt.utils.common")
+    payload = serialize(COLOCATED_NAMED)[0]
+    for named in (common.MultiprocessingSerializer.deserialize(payload), deserialize(payload)):
+        assert_sent(named)
+
+
+def assert_sent(named: list) -> None:
+    assert [n for n, _ in named] == [n for n, _ in COLOCATED_NAMED]
+    for (_, got), (_, sent) in zip(named, COLOCATED_NAMED, strict=True):
+        assert got.dtype == sent.dtype and torch.equal(got, sent)
 
 
 def test_every_request_class_is_sent_above():

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import base64
+import io
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
+from multiprocessing.reduction import ForkingPickler
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from relax_hpc.weights.buckets import BucketPlan, pack, unpack
-from relax_hpc.weights.tensors import PayloadError, deserialize, serialize
+from relax_hpc.weights.tensors import PayloadError, deserialize, serialize, serialize_bucket, share_cpu_memory_by_name
 
 PLAN = BucketPlan(["w", "b"], ["float32", "float32"], [[2, 3], [4]])
 
@@ -74,3 +78,58 @@ def test_the_payload_carries_one_copy_per_tensor_parallel_rank():
     assert len(payloads) == 4 and len(set(payloads)) == 1
     named = deserialize(payloads[2])
     assert [n for n, _ in named] == ["w", "b"] and named[0][1].shape == (2, 3)
+
+
+def test_a_flattened_bucket_is_one_shared_buffer_read_as_the_senders_tensors():
+    """load_format flattened_bucket: another process maps the one buffer (bytes written after
+    serializing are what it reads) and splits it by the records into the named tensors."""
+    plan = BucketPlan(["w", "h"], ["float32", "bfloat16"], [[2, 3], [4]])
+    flat = pack([torch.zeros(2, 3), torch.zeros(4, dtype=torch.bfloat16)])
+    (payload,) = serialize_bucket(flat, plan)
+    flat[:24].view(torch.float32).copy_(torch.arange(6, dtype=torch.float32))
+    flat[24:].view(torch.bfloat16).fill_(0.5)
+    reader = (
+        "import json, sys\n"
+        "from relax_hpc.weights.tensors import deserialize\n"
+        "named = deserialize(sys.stdin.read(), 'flattened_bucket')\n"
+        "print(json.dumps({n: [str(t.dtype), list(t.shape), t.float().flatten().tolist()] for n, t in named}))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", reader], check=False, input=payload, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {
+        "w": ["torch.float32", [2, 3], [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]],
+        "h": ["torch.bfloat16", [4], [0.5] * 4],
+    }
+
+
+def _shared(obj: object) -> str:
+    """Pickled as the sender does: tensors by shared memory."""
+    share_cpu_memory_by_name()
+    out = io.BytesIO()
+    ForkingPickler(out, pickle.HIGHEST_PROTOCOL).dump(obj)
+    return base64.b64encode(out.getvalue()).decode()
+
+
+def _bucket_payload(flat: object, **record: object) -> str:
+    base = {"name": "w", "shape": torch.Size([2, 3]), "dtype": torch.float32, "start_idx": 0, "end_idx": 24}
+    return _shared({"flattened_tensor": flat, "metadata": [SimpleNamespace(**{**base, **record})]})
+
+
+@pytest.mark.parametrize(
+    ("payload", "error"),
+    [
+        (_bucket_payload(torch.zeros(24, dtype=torch.uint8), end_idx=32), "bytes 0..32 of a 24-byte bucket"),
+        (_bucket_payload(torch.zeros(24, dtype=torch.uint8), shape=torch.Size([3, 3])), "shape [3, 3]"),
+        (_bucket_payload(torch.zeros(26, dtype=torch.uint8), start_idx=2, end_idx=26), "bytes 2..26"),
+        (_bucket_payload(torch.zeros(6)), "1-D uint8 'flattened_tensor'"),
+        (_bucket_payload(torch.zeros(24, dtype=torch.uint8), dtype="float32"), "a record's dtype is a torch.dtype"),
+        (_shared({"flattened_tensor": torch.zeros(4, dtype=torch.uint8), "metadata": [{"name": "w"}]}), "records"),
+        (_shared([("w", torch.zeros(2))]), "1-D uint8 'flattened_tensor'"),
+    ],
+    ids=["past the end", "wrong shape", "unaligned", "not bytes", "dtype a string", "a dict record", "a list"],
+)
+def test_a_flattened_bucket_whose_records_do_not_fit_its_buffer_is_refused(payload, error):
+    with pytest.raises(PayloadError, match=re.escape(error)):
+        deserialize(payload, "flattened_bucket")

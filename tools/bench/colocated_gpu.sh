@@ -25,7 +25,7 @@ for part in "${@:-tiny update 0.6b offload}"; do
         extra=(); [ "$p" = offload ] && extra=(launch.colocate_offload=optimizer)
         head -64 assets/addition.jsonl >/tmp/addition-64.jsonl && rm -rf /tmp/g06
         timeout 200 python3 -m relax_hpc.submit --config configs/gpu-tiny-colocated.yaml run.dir=/tmp/g06 \
-          model.path=$models/0.6b model.dtype=bfloat16 data.path=/tmp/addition-64.jsonl trainer.total_steps=6 \
+          model.path=$models/0.6b model.dtype=bfloat16 data.path=/tmp/addition-64.jsonl trainer.total_steps=5 \
           rollout.prompts_per_step=16 rollout.group_size=8 rollout.max_new_tokens=16 ckpt.every_steps=1000 \
           "${extra[@]}" >"$OUT/$p.log" 2>&1
         cp /tmp/g06/metrics/train.jsonl "$OUT/${p}_train.jsonl"; cp /tmp/g06/logs/0/trainer.log "$OUT/${p}_trainer.log" ;;

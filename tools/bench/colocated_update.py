@@ -9,12 +9,13 @@ For each size: a random Qwen3-shaped model (bf16, tools/bench/train_throughput.p
 character tokenizer) is saved to DIR/SIZE (kept, for a run to use), one built-in torch engine
 serves it on cuda:0, and this process holds the same parameters on cuda:0 as a trainer rank
 would. Each repetition is what a colocated step does around training: release the engine's
-memory, then resume it and update its weights (ColocatedSender), the buckets sent where they are
-("in place", the default on a GPU) and, for comparison, packed into one flat tensor first.
-`ratio` = the copy's time / the update's time (the update's bandwidth over the copy's).
-`requests_s`: of the update, the time inside the /update_weights_from_tensor requests (the
-engine's side: HTTP, unpickling, mapping the handle, the copy); the rest is packing and the fixed
-begin/end/continue requests.
+memory, then resume it and update its weights (ColocatedSender): packed into flat buckets and
+sent as SGLang's "flattened_bucket" (what a run does) and, for comparison, each tensor shared
+where it lies ("in place", load_format None). `ratio` = the copy's time / the update's time (the
+update's bandwidth over the copy's). What bounds it, measured in the same run: `pack_s`, packing
+the model into bucket buffers (a second device-to-device copy of the same bytes), and `rtt_s`,
+one request's round trip to the engine (answered at once) (an update is at least four: begin, the buckets, end,
+continue, pipelined over one connection).
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ import torch
 
 from relax_hpc.models.tiny import build_char_tokenizer
 from relax_hpc.paths import RunPaths
+from relax_hpc.protocol import requests as P
+from relax_hpc.protocol.client import RequestPipeline
 from relax_hpc.protocol.registry import read_records
-from relax_hpc.weights.buckets import plan_buckets
+from relax_hpc.weights.buckets import BucketPacker, plan_buckets
 from relax_hpc.weights.colocated import ColocatedSender
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -67,6 +70,37 @@ def copy_seconds(params: list[torch.Tensor], repeat: int) -> list[float]:
     return times[1:]  # the first one warms up
 
 
+def pack_seconds(params: list[torch.Tensor], buckets: list, repeat: int) -> float:
+    """Packing the model into two reused bucket buffers, as the sender does."""
+    packer, it = BucketPacker(params[0].device, max(b.nbytes for b in buckets)), iter(params)
+    groups = [[next(it) for _ in b.names] for b in buckets]
+    times = []
+    for _ in range(repeat + 1):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for group in groups:
+            packer.pack(group)
+            packer.consumed(None)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def round_trip_seconds(url: str, token: str, repeat: int = 20) -> float:
+    """One request answered at once (/continue_generation, the engine not paused) over a kept
+    connection: a request's fixed cost."""
+    pipe, times = RequestPipeline(url, token, 30), []
+    try:
+        for _ in range(repeat + 1):
+            start = time.perf_counter()
+            pipe.send("/continue_generation", P.ContinueGenerationReqInput())
+            pipe.wait_answers()
+            times.append(time.perf_counter() - start)
+    finally:
+        pipe.close()
+    return statistics.median(times[1:])
+
+
 def measure(size: str, models: Path, bucket_mb: float, repeat: int) -> dict:
     model = build(size, models / size)
     named = [(n, p.detach()) for n, p in model.named_parameters()]
@@ -84,21 +118,19 @@ def measure(size: str, models: Path, bucket_mb: float, repeat: int) -> dict:
             while not read_records(paths.engines):
                 assert engine.poll() is None, "the engine exited"
                 time.sleep(0.2)
-            out: dict = {}
-            for label, pack in (("in_place", False), ("packed", True)):
+            out: dict = {"rtt_s": round_trip_seconds(read_records(paths.engines)[0].url, paths.read_token())}
+            for label, pack in (("packed", True), ("in_place", False)):
                 sender = ColocatedSender(paths.engines, paths.read_token(), 300, 0, 1, pack=pack)
-                release, resume, update, requests = [], [], [], []
+                release, resume, update = [], [], []
                 for version in range(repeat + 1):
                     release.append(sender.release())
                     served, resume_s, update_s = sender.push(buckets, iter(named), version + 1)
                     assert served == 1
                     resume.append(resume_s)
                     update.append(update_s)
-                    requests.append(sender.requests_s)
                 out[label] = {
                     "update_s": statistics.median(update[1:]),  # the first maps the handles
                     "first_update_s": update[0],
-                    "requests_s": statistics.median(requests[1:]),
                     "release_s": statistics.median(release[1:]),
                     "resume_s": statistics.median(resume[1:]),
                 }
@@ -106,7 +138,8 @@ def measure(size: str, models: Path, bucket_mb: float, repeat: int) -> dict:
             engine.terminate()
             engine.wait()
     copy_s = statistics.median(copy_seconds([p for _, p in named], repeat))
-    for part in out.values():
+    out["pack_s"] = pack_seconds([p for _, p in named], buckets, repeat)
+    for part in (out["packed"], out["in_place"]):
         part["ratio"] = round(copy_s / part["update_s"], 3)
         part["update_gib_per_s"] = round(nbytes / 2**30 / part["update_s"], 1)
     return {
