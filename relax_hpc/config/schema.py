@@ -654,8 +654,8 @@ class LaunchConfig(Section):
     of a broadcast. Synchronous by construction: needs rollout.max_staleness 0, since an engine
     cannot generate while its memory is the trainer's."""
     colocate_offload: Literal["none", "optimizer"] = "none"
-    """With launch.colocate and the megatron backend: `optimizer` parks the optimizer state (Adam's
-    moments) in pinned host memory while the engines generate, after the weight push, and brings
+    """With launch.colocate: `optimizer` parks the optimizer state (Adam's moments; with the
+    torch backend, its FSDP2 shards) in pinned host memory while the engines generate, after the weight push, and brings
     it back before the next step trains: that much more device memory for the engines (8 bytes a
     trained parameter), for two host-device copies a step. `none`: the state stays."""
     threads_per_process: int = Field(default=1, ge=1)
@@ -827,9 +827,6 @@ class JobConfig(Section):
                     "it needs launch.colocate=true"
                 )
             return self
-        if self.launch.colocate_offload != "none" and self.trainer.backend != "megatron":
-            # The torch backend's FSDP2 state (DTensor shards) has not passed the round trip on a GPU yet.
-            raise ValueError("launch.colocate_offload needs trainer.backend=megatron")
         if self.rollout.max_staleness != 0 or self.rollout.partial:
             raise ValueError(
                 "launch.colocate: engines and trainer take turns on the same devices, so rollout cannot run "

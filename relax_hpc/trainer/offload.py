@@ -9,8 +9,7 @@ any checkpoint), brought back before the next step trains, after the engines hav
 The state tensors keep their identity (their `.data` moves; a DTensor's local shard), so the
 optimizer, its checkpoint code and megatron's wrappers see the same objects. The pinned buffers
 are allocated once and reused every step. On the CPU there is nothing to move and both calls are
-no-ops. The config admits the megatron backend only (tests/gpu/test_offload.py): the torch
-backend's FSDP2 state has not yet passed that test on a GPU.
+no-ops. tests/gpu/test_offload.py checks the round trip with both backends' optimizers.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """launch.colocate_offload on a GPU: the optimizer state parked in host memory while colocated
 engines generate comes back exactly, frees its device memory meanwhile, and the next step
-trains as it would have without the round trip (megatron's distributed optimizer over torch's
-fused Adam). Run on the GPU machine: `python -m pytest tests/gpu -m gpu`."""
+trains as it would have without the round trip, in both backends (megatron's distributed
+optimizer over torch's fused Adam; the torch backend's Adam over FSDP2's DTensor shards). Run
+on the GPU machine: `python -m pytest tests/gpu -m gpu`."""
 
 from pathlib import Path
 
@@ -14,13 +15,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_optimizer_state_round_trip_is_exact_and_frees_the_device(megatron_world, tmp_path):
+@pytest.mark.parametrize("backend", ["megatron", "torch"])
+def test_optimizer_state_round_trip_is_exact_and_frees_the_device(megatron_world, tmp_path, backend):
     from relax_hpc.config.load import load_config
     from relax_hpc.trainer.build import build_backend
     from relax_hpc.trainer.offload import OptimizerOffload
 
     cfg = load_config(REPO / "configs/gpu-tiny-megatron.yaml", [f"run.dir={tmp_path}", "trainer.lr=3e-3",
-                      "model.dtype=bfloat16"])  # fmt: skip
+                      "model.dtype=bfloat16", f"trainer.backend={backend}"])  # fmt: skip
     device = torch.device("cuda", 0)
     plain, parked = build_backend(cfg, device), build_backend(cfg, device)
     for b in (plain, parked):

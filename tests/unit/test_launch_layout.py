@@ -60,8 +60,9 @@ def test_colocated_engines_sit_on_their_ranks_node_and_gpu(engine, tmp_path):
         cfg_with("launch.colocate=true", "launch.slurm.rollout.nodes=0")
     with pytest.raises(ValueError, match=r"needs launch\.colocate=true"):
         cfg_with("launch.colocate_offload=optimizer")
-    with pytest.raises(ValueError, match=r"needs trainer\.backend=megatron"):
-        cfg_with("launch.colocate=true", "rollout.max_staleness=0", "launch.colocate_offload=optimizer")
+    # Both backends park their optimizer state (tests/gpu/test_offload.py).
+    torch_offload = cfg_with("launch.colocate=true", "rollout.max_staleness=0", "launch.colocate_offload=optimizer")
+    assert torch_offload.trainer.backend == "torch" and torch_offload.launch.colocate_offload == "optimizer"
     # The megatron backend colocates on every rank too (export_hf every_rank: each rank holds every tensor).
     megatron = cfg_with(
         "launch.colocate=true", "rollout.max_staleness=0", "launch.slurm.rollout.nodes=0", "trainer.backend=megatron",
