@@ -31,7 +31,7 @@ from relax_hpc.weights.tensors import FLATTENED_BUCKET, deserialize, serialize_b
 
 def engine_side(keep: bool) -> None:
     """The child: one payload a line on stdin, its timings a line on stdout."""
-    held: list[torch.Tensor] = []
+    held: list[torch.Tensor] = []  # kept: the last mapping, alive until the next one replaces it
     dst: torch.Tensor | None = None
     for line in sys.stdin:
         start = time.perf_counter()
@@ -41,7 +41,7 @@ def engine_side(keep: bool) -> None:
         dst.copy_(tensor)
         torch.cuda.synchronize()
         copied = time.perf_counter()
-        held = [tensor] if keep else []
+        held[:] = [tensor] if keep else []
         del tensor
         unmapped = time.perf_counter()
         times = {"map_s": mapped - start, "copy_s": copied - mapped, "unmap_s": unmapped - copied}
