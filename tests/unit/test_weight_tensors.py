@@ -30,16 +30,26 @@ def test_another_process_maps_the_senders_memory_not_a_copy_of_its_bytes():
     flat.view(torch.float32).copy_(torch.arange(10, dtype=torch.float32))  # written after serializing
     big = pack([torch.zeros(512, 512), torch.zeros(4)])
     assert len(serialize(unpack(big, BucketPlan(["w", "b"], ["float32"] * 2, [[512, 512], [4]])))[0]) < 2000
+    assert read_elsewhere(payload) == {
+        "w": ["torch.float32", [2, 3], [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]],
+        "b": ["torch.float32", [4], [6.0, 7.0, 8.0, 9.0]],
+    }
+
+
+def read_elsewhere(payload: str, load_format: str | None = None) -> dict:
+    """What another process reads from the payload: {name: [dtype, shape, values]}."""
     reader = (
         "import json, sys\n"
         "from relax_hpc.weights.tensors import deserialize\n"
-        "print(json.dumps({n: t.flatten().tolist() for n, t in deserialize(sys.stdin.read())}))\n"
+        f"named = deserialize(sys.stdin.read(), {load_format!r})\n"
+        "print(json.dumps({n: [str(t.dtype), list(t.shape), t.float().flatten().tolist()] for n, t in named}))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", reader], check=False, input=payload, capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout) == {"w": [0.0, 1.0, 2.0, 3.0, 4.0, 5.0], "b": [6.0, 7.0, 8.0, 9.0]}
+    result: dict = json.loads(out.stdout)
+    return result
 
 
 def _pickled(obj: object) -> str:
@@ -88,17 +98,7 @@ def test_a_flattened_bucket_is_one_shared_buffer_read_as_the_senders_tensors():
     (payload,) = serialize_bucket(flat, plan)
     flat[:24].view(torch.float32).copy_(torch.arange(6, dtype=torch.float32))
     flat[24:].view(torch.bfloat16).fill_(0.5)
-    reader = (
-        "import json, sys\n"
-        "from relax_hpc.weights.tensors import deserialize\n"
-        "named = deserialize(sys.stdin.read(), 'flattened_bucket')\n"
-        "print(json.dumps({n: [str(t.dtype), list(t.shape), t.float().flatten().tolist()] for n, t in named}))\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", reader], check=False, input=payload, capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout) == {
+    assert read_elsewhere(payload, "flattened_bucket") == {
         "w": ["torch.float32", [2, 3], [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]],
         "h": ["torch.bfloat16", [4], [0.5] * 4],
     }
