@@ -29,6 +29,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -36,7 +37,7 @@ from relax_hpc.protocol import requests as P
 from relax_hpc.protocol.client import EngineClient, RequestPipeline
 from relax_hpc.protocol.registry import EngineRecord, read_records
 from relax_hpc.weights.buckets import BucketPacker, BucketPlan
-from relax_hpc.weights.tensors import FLATTENED_BUCKET, serialize, serialize_bucket
+from relax_hpc.weights.tensors import FLATTENED_BUCKET, bucket_records, serialize, serialize_bucket
 
 
 def served_by(engine_id: str, rank: int, world: int) -> bool:
@@ -73,6 +74,7 @@ class ColocatedSender:
         self.registry, self.api_key, self.timeout_s = registry, api_key, timeout_s
         self.rank, self.world, self.tp_size, self.pack = rank, world, tp_size, pack
         self.released = False
+        self._records: tuple[list[BucketPlan], list[list[SimpleNamespace]]] | None = None  # per plan list
 
     def engines(self) -> list[EngineRecord]:
         mine = [r for r in read_records(self.registry) if served_by(r.engine_id, self.rank, self.world)]
@@ -126,13 +128,16 @@ class ColocatedSender:
     ) -> None:
         """One /update_weights_from_tensor per bucket, sent without waiting for the last answer."""
         packer: BucketPacker | None = None
+        if self._records is None or self._records[0] is not buckets:  # the same plans every push
+            self._records = (buckets, [bucket_records(plan) for plan in buckets])
         for i, plan in enumerate(buckets):
             tensors = [_tensor(next(params)) for _ in plan.names]
             device = tensors[0].device
             if self.pack or device.type == "cpu":
                 packer = packer or BucketPacker(device, max(b.nbytes for b in buckets))
                 flat = packer.pack(tensors)  # waits until the buffer's previous bucket is answered
-                payloads, load_format = serialize_bucket(flat, plan, self.tp_size), FLATTENED_BUCKET
+                payloads = serialize_bucket(flat, self._records[1][i], self.tp_size)
+                load_format = FLATTENED_BUCKET
             else:  # the trainer's own tensors: unchanged until the push ends
                 named = [(name, t.contiguous()) for name, t in zip(plan.names, tensors, strict=True)]
                 payloads, load_format = serialize(named, self.tp_size), None

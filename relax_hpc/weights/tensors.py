@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import base64
 import io
+import itertools
+import math
 import pickle
 from multiprocessing.reduction import ForkingPickler
 from types import SimpleNamespace
@@ -80,20 +82,27 @@ def serialize(named: list[tuple[str, torch.Tensor]], tp_size: int = 1) -> list[s
     return _payloads(named, any(t.device.type == "cpu" for _, t in named), tp_size)
 
 
-def serialize_bucket(flat: torch.Tensor, plan: BucketPlan, tp_size: int = 1) -> list[str]:
-    """The payloads of a packed bucket (relax_hpc.weights.buckets.pack) in load_format
-    "flattened_bucket": one shared tensor, the records say where each parameter lies in it."""
-    metadata, start = [], 0
+def bucket_records(plan: BucketPlan) -> list[SimpleNamespace]:
+    """A packed bucket's records in load_format "flattened_bucket": where each tensor lies in the
+    buffer (the same every push: a sender builds them once per plan)."""
+    records, start = [], 0
     for name, dtype_name, shape in zip(plan.names, plan.dtypes, plan.shapes, strict=True):
         dtype, size = DTYPES[dtype_name], torch.Size(shape)
         end = start + size.numel() * dtype.itemsize
-        metadata.append(
+        records.append(
             SimpleNamespace(name=name, shape=size, dtype=dtype, start_idx=start, end_idx=end, numel=end - start)
         )
         start = end
-    if start != flat.numel():
-        raise ValueError(f"the bucket buffer holds {flat.numel()} bytes, its plan {start}")
-    return _payloads({"flattened_tensor": flat, "metadata": metadata}, flat.device.type == "cpu", tp_size)
+    return records
+
+
+def serialize_bucket(flat: torch.Tensor, records: list[SimpleNamespace], tp_size: int = 1) -> list[str]:
+    """The payloads of a packed bucket (relax_hpc.weights.buckets.pack) in load_format
+    "flattened_bucket": one shared tensor, the records (bucket_records) say where each
+    parameter lies in it."""
+    if records and records[-1].end_idx != flat.numel():
+        raise ValueError(f"the bucket buffer holds {flat.numel()} bytes, its records {records[-1].end_idx}")
+    return _payloads({"flattened_tensor": flat, "metadata": records}, flat.device.type == "cpu", tp_size)
 
 
 def _payloads(obj: object, on_cpu: bool, tp_size: int) -> list[str]:
@@ -140,23 +149,34 @@ _RECORD = ("name", "shape", "dtype", "start_idx", "end_idx")
 
 def _bucket_views(obj: object) -> list[tuple[str, torch.Tensor]]:
     """Each record's view of the flattened tensor, after checking that it lies inside and its
-    byte range fits its shape and dtype."""
+    byte range fits its shape and dtype. Records of one dtype back to back (what relax_hpc's
+    sender packs) are split in one call: a bucket holds hundreds of tensors, and this runs on
+    the engine's critical path."""
     flat = obj.get("flattened_tensor") if isinstance(obj, dict) else None
     records = obj.get("metadata") if isinstance(obj, dict) else None
     if not isinstance(flat, torch.Tensor) or flat.dtype != torch.uint8 or flat.dim() != 1:
         raise PayloadError("a flattened bucket holds a 1-D uint8 'flattened_tensor'")
     if not isinstance(records, list) or not all(all(hasattr(r, f) for f in _RECORD) for r in records):
         raise PayloadError(f"a flattened bucket's 'metadata' lists records with {', '.join(_RECORD)}")
-    views = []
     for r in records:
-        if not isinstance(r.dtype, torch.dtype) or not isinstance(r.shape, torch.Size | list | tuple):
-            raise PayloadError(f"{r.name}: a record's dtype is a torch.dtype and its shape a torch.Size")
-        nbytes = torch.Size(r.shape).numel() * r.dtype.itemsize
-        inside = 0 <= r.start_idx <= r.end_idx <= flat.numel() and r.start_idx % r.dtype.itemsize == 0
-        if not inside or r.end_idx - r.start_idx != nbytes:
-            raise PayloadError(
-                f"{r.name}: bytes {r.start_idx}..{r.end_idx} of a {flat.numel()}-byte bucket "
-                f"do not hold a {r.dtype} tensor of shape {list(r.shape)}"
-            )
-        views.append((r.name, flat[r.start_idx : r.end_idx].view(r.dtype).view(r.shape)))
-    return views
+        _check_record(r, flat.numel())
+    if records and all(
+        b.dtype == records[0].dtype and b.start_idx == a.end_idx for a, b in itertools.pairwise(records)
+    ):
+        dtype = records[0].dtype
+        span = flat[records[0].start_idx : records[-1].end_idx].view(dtype)
+        parts = span.split([(r.end_idx - r.start_idx) // dtype.itemsize for r in records])
+        return [(r.name, part.view(r.shape)) for r, part in zip(records, parts, strict=True)]
+    return [(r.name, flat[r.start_idx : r.end_idx].view(r.dtype).view(r.shape)) for r in records]
+
+
+def _check_record(r: Any, nbytes: int) -> None:
+    if not isinstance(r.dtype, torch.dtype) or not isinstance(r.shape, torch.Size | list | tuple):
+        raise PayloadError(f"{r.name}: a record's dtype is a torch.dtype and its shape a torch.Size")
+    size = math.prod(r.shape) * r.dtype.itemsize
+    inside = 0 <= r.start_idx <= r.end_idx <= nbytes and r.start_idx % r.dtype.itemsize == 0
+    if not inside or r.end_idx - r.start_idx != size:
+        raise PayloadError(
+            f"{r.name}: bytes {r.start_idx}..{r.end_idx} of a {nbytes}-byte bucket "
+            f"do not hold a {r.dtype} tensor of shape {list(r.shape)}"
+        )

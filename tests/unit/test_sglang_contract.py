@@ -53,7 +53,7 @@ from relax_hpc.rollout.engine_policy import EnginePolicy
 from relax_hpc.rollout.teacher import scoring_request
 from relax_hpc.weights.adapters import adapter_name
 from relax_hpc.weights.buckets import BucketPlan, pack
-from relax_hpc.weights.tensors import deserialize, serialize, serialize_bucket
+from relax_hpc.weights.tensors import bucket_records, deserialize, serialize, serialize_bucket
 from tests.sglang_import import import_sglang
 
 REPO = Path(__file__).resolve().parents[2]
@@ -186,7 +186,7 @@ COLOCATED_NAMED = [
 def colocated_payload(tp_size: int) -> list[str]:
     """A bucket of two parameters as a colocated trainer rank sends it (one payload per TP rank)."""
     plan = BucketPlan([n for n, _ in COLOCATED_NAMED], ["float32", "bfloat16"], [[3, 4], [5]])
-    return serialize_bucket(pack([t for _, t in COLOCATED_NAMED]), plan, tp_size)
+    return serialize_bucket(pack([t for _, t in COLOCATED_NAMED]), bucket_records(plan), tp_size)
 
 
 def policy_request(calls: list[GenerateCall], routing: bool = False) -> P.GenerateReqInput:

@@ -17,7 +17,14 @@ import pytest
 import torch
 
 from relax_hpc.weights.buckets import BucketPlan, pack, unpack
-from relax_hpc.weights.tensors import PayloadError, deserialize, serialize, serialize_bucket, share_cpu_memory_by_name
+from relax_hpc.weights.tensors import (
+    PayloadError,
+    bucket_records,
+    deserialize,
+    serialize,
+    serialize_bucket,
+    share_cpu_memory_by_name,
+)
 
 PLAN = BucketPlan(["w", "b"], ["float32", "float32"], [[2, 3], [4]])
 
@@ -95,7 +102,7 @@ def test_a_flattened_bucket_is_one_shared_buffer_read_as_the_senders_tensors():
     serializing are what it reads) and splits it by the records into the named tensors."""
     plan = BucketPlan(["w", "h"], ["float32", "bfloat16"], [[2, 3], [4]])
     flat = pack([torch.zeros(2, 3), torch.zeros(4, dtype=torch.bfloat16)])
-    (payload,) = serialize_bucket(flat, plan)
+    (payload,) = serialize_bucket(flat, bucket_records(plan))
     flat[:24].view(torch.float32).copy_(torch.arange(6, dtype=torch.float32))
     flat[24:].view(torch.bfloat16).fill_(0.5)
     assert read_elsewhere(payload, "flattened_bucket") == {
@@ -133,3 +140,20 @@ def _bucket_payload(flat: object, **record: object) -> str:
 def test_a_flattened_bucket_whose_records_do_not_fit_its_buffer_is_refused(payload, error):
     with pytest.raises(PayloadError, match=re.escape(error)):
         deserialize(payload, "flattened_bucket")
+
+
+@pytest.mark.parametrize("gap", [0, 8], ids=["back to back (one split)", "with a gap (a view each)"])
+def test_each_record_reads_its_own_bytes(gap):
+    """Records as the sender packs them are split in one call; records another sender may write
+    (gaps between tensors) are viewed one by one: both give each tensor its own bytes."""
+    tensors = [torch.arange(6, dtype=torch.float32).reshape(2, 3), torch.arange(6, 10, dtype=torch.float32)]
+    flat = torch.zeros(24 + gap + 16, dtype=torch.uint8)
+    flat[:24].view(torch.float32).copy_(tensors[0].reshape(-1))
+    flat[24 + gap :].view(torch.float32).copy_(tensors[1])
+    records = bucket_records(BucketPlan(["w", "b"], ["float32"] * 2, [[2, 3], [4]]))
+    records[1].start_idx += gap
+    records[1].end_idx += gap
+    named = deserialize(_shared({"flattened_tensor": flat, "metadata": records}), "flattened_bucket")
+    assert [n for n, _ in named] == ["w", "b"]
+    for (_, got), sent in zip(named, tensors, strict=True):
+        assert torch.equal(got, sent)

@@ -26,7 +26,7 @@ import time
 import torch
 
 from relax_hpc.weights.buckets import BucketPlan
-from relax_hpc.weights.tensors import FLATTENED_BUCKET, deserialize, serialize_bucket
+from relax_hpc.weights.tensors import FLATTENED_BUCKET, bucket_records, deserialize, serialize_bucket
 
 
 def engine_side(keep: bool) -> None:
@@ -60,7 +60,7 @@ def trainer_side(mb: float, repeat: int, keep: bool) -> dict:
     rows = []
     for _ in range(repeat + 1):
         start = time.perf_counter()
-        (payload,) = serialize_bucket(flat, plan)
+        (payload,) = serialize_bucket(flat, bucket_records(plan))
         shared = time.perf_counter()
         child.stdin.write(payload + "\n")
         child.stdin.flush()
