@@ -655,9 +655,10 @@ class LaunchConfig(Section):
     cannot generate while its memory is the trainer's."""
     colocate_offload: Literal["none", "optimizer"] = "none"
     """With launch.colocate: `optimizer` parks the optimizer state (Adam's moments; with the
-    torch backend, its FSDP2 shards) in pinned host memory while the engines generate, after the weight push, and brings
-    it back before the next step trains: that much more device memory for the engines (8 bytes a
-    trained parameter), for two host-device copies a step. `none`: the state stays."""
+    torch backend, its FSDP2 shards) in pinned host memory while the engines generate, after the
+    weight push, and brings it back before the next step trains: that much more device memory for
+    the engines (8 bytes a trained parameter), for two host-device copies a step. `none`: the
+    state stays."""
     threads_per_process: int = Field(default=1, ge=1)
     """torch threads of each role process. On a small machine, more threads than free cores make
     these tiny models slower, not faster."""

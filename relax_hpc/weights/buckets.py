@@ -62,8 +62,9 @@ def _plan(entries: list[tuple[str, torch.Size, torch.dtype]]) -> BucketPlan:
 
 def _pack_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     """The tensors' bytes back to back into the uint8 buffer `flat` (exactly their size). A
-    bucket holds one dtype: the buffer is viewed as it, so each tensor costs one reshape (this
-    runs once per tensor on the sender's critical path, hundreds a push)."""
+    planned bucket holds one dtype (plan_buckets): the buffer is viewed as it, so each tensor
+    costs one reshape (this runs once per tensor on the sender's critical path, hundreds a push);
+    tensors of mixed dtypes are viewed as bytes one by one."""
     dtype = tensors[0].dtype
     if all(t.dtype == dtype for t in tensors):
         torch.cat([t.reshape(-1) for t in tensors], out=flat.view(dtype))
