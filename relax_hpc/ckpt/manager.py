@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from relax_hpc import fence
 from relax_hpc.ckpt.layout import STATE_FILE, latest_dir
 from relax_hpc.paths import CkptDirs, fsync_dir, write_atomic
 
@@ -50,6 +51,7 @@ class Checkpointer:
         too). Returns False (and keeps the previous checkpoint) if any rank failed."""
         tmp, final = self.dirs.partial(step), self.dirs.step(step)
         name = final.name
+        fence.check(f"checkpoint {name}")  # every rank: a superseded one must not write into tmp
         if self.rank == 0 and tmp.exists():
             shutil.rmtree(tmp)
         dist.barrier()
@@ -69,6 +71,7 @@ class Checkpointer:
             return False
         if self.rank == 0:
             try:
+                fence.check(f"checkpoint {name} commit", fresh=True)
                 write_atomic(tmp / STATE_FILE, json.dumps(trainer_state).encode())
                 if final.exists():
                     shutil.rmtree(final)

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from relax_hpc import fence
 from relax_hpc.config.load import read_frozen
 from relax_hpc.paths import RunPaths
 from relax_hpc.trainer.loop import Trainer
@@ -29,6 +30,7 @@ def main() -> None:
     parser.add_argument("--run-dir", required=True, type=Path)
     args = parser.parse_args()
     paths = RunPaths(args.run_dir)
+    fence.install(paths.root)
     cfg = read_frozen(paths.config)
     torch.set_num_threads(cfg.launch.threads_per_process)
     timeout = datetime.timedelta(hours=2)
