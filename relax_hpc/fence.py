@@ -24,6 +24,7 @@ exits (docs/DESIGN.md, "Fencing").
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -150,7 +151,7 @@ class Fence:
             os.write(fd, json.dumps(record).encode())
         finally:
             os.close(fd)
-        print(f"fenced: {record['what']} refused; {self.role} serial {self.serial} is superseded", file=sys.stderr)
+        _say(f"fenced: {what} refused; {self.role} serial {self.serial} is superseded")
 
 
 @dataclass
@@ -214,10 +215,18 @@ def _watch(fence: Fence) -> None:
 
 
 def _exit(why: str) -> None:
-    print(f"fenced: {why}; exiting without writing", file=sys.stderr, flush=True)
     if _process.before_exit is not None:
         _process.before_exit()
+    _say(f"fenced: {why}; exiting without writing")
     os._exit(EXIT_FENCED)
+
+
+def _say(line: str) -> None:
+    """To stderr, never blocking nor raising: a superseded process's reader may be gone (the srun
+    client of a job step that a restart replaced) and its pipe full or closed."""
+    with contextlib.suppress(OSError):
+        os.set_blocking(2, False)
+        os.write(2, f"{line}\n".encode())
 
 
 def _exit_on_fenced(previous: Any) -> Any:

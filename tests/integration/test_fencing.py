@@ -14,6 +14,7 @@ import pytest
 
 from relax_hpc.fence import read_lease, refused_writes
 from relax_hpc.metrics.jsonl import read_jsonl
+from relax_hpc.status import collect
 from tests.integration.conftest import Job, _descendants
 from tests.runs import assert_nothing_lost_or_repeated, final_records
 
@@ -78,6 +79,7 @@ def test_the_roles_of_a_superseded_generation_write_nothing_when_continued(tmp_p
     assert {r["pid"] for r in refused_writes(run_dir)} <= roles
     ends = [e for e in read_jsonl(run_dir / "metrics" / "events.jsonl") if e.get("event") == "end"]
     assert ends[-1]["refused_writes"] == len(refused_writes(run_dir))
+    assert collect(run_dir)["fencing"] == {"generation": 2, "refused_writes": len(refused_writes(run_dir))}
     # Every step once in the record that survived, nothing lost or repeated, the last checkpoint
     # the final one (an old commit would have moved `latest` back).
     assert sorted(final_records(run_dir)) == list(range(1, STEPS + 1))
