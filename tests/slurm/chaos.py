@@ -35,7 +35,7 @@ from relax_hpc.paths import RunPaths
 from tests.slurm.jobs import job_id, job_state, slurm, submit, wait_until
 
 HEALTH = (
-    "launch.health.engine_timeout_s=6", "launch.health.driver_timeout_s=12", "launch.health.step_timeout_s=10",
+    "launch.health.engine_timeout_s=6", "launch.health.driver_timeout_s=20", "launch.health.step_timeout_s=10",
     "launch.health.step_factor=3", "launch.health.restart_backoff_s=1", "launch.health.trainer_restarts=50",
     "rollout.max_engine_restarts=50", "launch.slurm.max_timeouts=1000",
 )  # fmt: skip
