@@ -16,15 +16,10 @@ from relax_hpc.fence import read_lease, refused_writes
 from relax_hpc.metrics.jsonl import read_jsonl
 from relax_hpc.status import collect
 from tests.integration.conftest import Job, _descendants
+from tests.integration.test_resume import COMMON, STEPS
 from tests.runs import assert_nothing_lost_or_repeated, final_records
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-STEPS = 16
-COMMON = (
-    f"trainer.total_steps={STEPS}", "rollout.prompts_per_step=8", "rollout.eval_every=0", "ckpt.every_steps=4",
-    "ckpt.keep_trained_batches=true",
-)  # fmt: skip
 
 
 def alive(pids: set[int]) -> set[int]:
