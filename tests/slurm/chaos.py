@@ -11,6 +11,7 @@ Every process of the run is found by its command line (the cluster's nodes are t
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -56,8 +57,8 @@ def role_pids(run_dir: Path, role: str) -> list[int]:
         line = " ".join(proc.info["cmdline"] or [])
         if proc.info["status"] == psutil.STATUS_ZOMBIE or f"--run-dir {run_dir}" not in line or mark not in line:
             continue
-        if role == "trainer" and "torch.distributed.run" in line:
-            continue
+        if role != "any" and ("torch.distributed.run" in line or Path(proc.info["cmdline"][0]).name == "srun"):
+            continue  # the role's own processes: not torchrun's agent, not the step's srun client
         out.append(proc.pid)
     return sorted(out)
 
@@ -70,6 +71,8 @@ class Chaos:
     job: str = ""
     faults: list[dict[str, Any]] = field(default_factory=list)
     latest_seen: list[int] = field(default_factory=list)  # the checkpoint `latest` named, in time
+    high: int = 0  # the highest step seen in the record (recovery may drop it later)
+    superseded_ended_s: list[float] = field(default_factory=list)  # SIGCONT -> the old process gone
 
     def steps(self) -> list[dict[str, Any]]:
         return [r for r in read_jsonl(RunPaths(self.run_dir).train_metrics) if "loss" in r]
@@ -77,7 +80,15 @@ class Chaos:
     def last_step(self) -> int:
         self._watch_checkpoint()
         steps = self.steps()
-        return steps[-1]["step"] if steps else 0
+        last = steps[-1]["step"] if steps else 0
+        self.high = max(self.high, last)
+        return last
+
+    def start_after(self, t: float) -> dict[str, Any] | None:
+        """The trainer's first start record after time `t`."""
+        self.last_step()
+        starts = [r for r in read_jsonl(RunPaths(self.run_dir).train_metrics) if r.get("event") == "start"]
+        return next((r for r in starts if r["time"] > t), None)
 
     def _watch_checkpoint(self) -> None:
         with contextlib.suppress(OSError, ValueError):  # `latest` moving at this moment
@@ -96,17 +107,22 @@ class Chaos:
         target = before + self.rng.randint(1, 3)
         wait_until(lambda: self.last_step() >= target, 300, f"step {target} before {kind}", every=0.1)
         at_step, injected = self.last_step(), time.time()
+        self.high = at_step
         FAULTS[kind](self)
-        wait_until(lambda: self.last_step() > at_step, 600, f"a step past {at_step} after {kind}", every=0.1)
-        after = [r for r in self.steps() if r["time"] > injected]
-        durations = [b["time"] - a["time"] for a, b in zip(self.steps(), self.steps()[1:], strict=False)]
-        median = statistics.median(durations) if durations else 0.0
-        first_new = next(r for r in after if r["step"] > at_step)
-        retrained = max(0, at_step - min(r["step"] for r in after) + 1)
+        since, retrained = injected, 0
+        if kind in RESTART_THE_RUN:  # recovered: a step trained after the next start
+            start = wait_until(lambda: self.start_after(injected), 600, f"the start after {kind}", every=0.1)
+            since, retrained = start["time"], max(0, self.high - start["step"])
+        new = lambda: next((r for r in self.steps() if r["time"] > since and r["step"] > at_step), None)  # noqa: E731
+        recovered = wait_until(new, 600, f"a step past {at_step} after {kind}", every=0.1)
+        steps = self.steps()
+        median = statistics.median(b["time"] - a["time"] for a, b in itertools.pairwise(steps))
+        # Lost: the fault's span, less the steps it still kept (trained in it, in the record now).
+        kept = len([r for r in steps if injected < r["time"] < recovered["time"]])
+        lost = recovered["time"] - injected - median * (kept + 1)
         self.faults.append(
-            {"kind": kind, "at_step": at_step, "retrained": retrained,
-             "time_lost_s": round(max(0.0, first_new["time"] - injected - median), 2)}
-        )  # fmt: skip
+            {"kind": kind, "at_step": at_step, "retrained": retrained, "time_lost_s": round(max(0.0, lost), 2)}
+        )
 
     def hang(self, role: str) -> None:
         """SIGSTOP, wait until the launcher calls it hung, let it restart, then SIGCONT the old one."""
@@ -121,25 +137,15 @@ class Chaos:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
         # Superseded, continued: it must end at once, without writing (not at the job's end).
+        continued = time.monotonic()
         gone = lambda: not set(pids) & set(role_pids(self.run_dir, role))  # noqa: E731
-        wait_until(gone, 30, f"the continued old {role} to end", every=0.2)
+        wait_until(gone, 30, f"the continued old {role} to end", every=0.1)
+        self.superseded_ended_s.append(round(time.monotonic() - continued, 2))
 
     def kill(self, role: str) -> None:
         pids = role_pids(self.run_dir, role)
         assert pids, f"no process of {role}"
         os.kill(max(pids), signal.SIGKILL)  # a trainer: one rank (torchrun ends the other)
-
-    def restarted_job(self, act: Callable[[], object]) -> None:
-        """A fault that ends the allocation: wait for the next allocation's trainer to start."""
-        starts = len([r for r in read_jsonl(RunPaths(self.run_dir).train_metrics) if r.get("event") == "start"])
-        act()
-        wait_until(
-            lambda: (
-                len([r for r in read_jsonl(RunPaths(self.run_dir).train_metrics) if r.get("event") == "start"]) > starts
-            ),
-            600,
-            "the next allocation's start",
-        )
 
 
 def _engine(chaos: Chaos) -> str:
@@ -156,18 +162,23 @@ def _node_crash(chaos: Chaos) -> None:
     slurm("scontrol", "requeue", chaos.job)
 
 
-FAULTS: dict[str, Callable[[Chaos], None]] = {
+FAULTS: dict[str, Callable[[Chaos], object]] = {
     "kill -9 trainer rank": lambda c: c.kill("trainer"),
     "kill -9 driver": lambda c: c.kill("driver"),
     "kill -9 engine": lambda c: c.kill(_engine(c)),
     "SIGSTOP/SIGCONT engine": lambda c: c.hang(_engine(c)),
     "SIGSTOP/SIGCONT driver": lambda c: c.hang("driver"),
     "SIGSTOP/SIGCONT trainer": lambda c: c.hang("trainer"),
-    "time limit notice (USR2)": lambda c: c.restarted_job(lambda: slurm("scancel", "--batch", "--signal=USR2", c.job)),
-    "scontrol requeue": lambda c: c.restarted_job(lambda: slurm("scontrol", "requeue", c.job)),
-    "partition preemption": lambda c: c.restarted_job(lambda: _preempt(c)),
-    "node crash (kill -9 all, requeue)": lambda c: c.restarted_job(lambda: _node_crash(c)),
+    "time limit notice (USR2)": lambda c: slurm("scancel", "--batch", "--signal=USR2", c.job),
+    "scontrol requeue": lambda c: slurm("scontrol", "requeue", c.job),
+    "partition preemption": _preempt,
+    "node crash (kill -9 all, requeue)": _node_crash,
 }
+# Faults after which the run starts again from its checkpoint (in the allocation or the next one).
+RESTART_THE_RUN = {
+    "kill -9 trainer rank", "SIGSTOP/SIGCONT trainer", "time limit notice (USR2)", "scontrol requeue",
+    "partition preemption", "node crash (kill -9 all, requeue)",
+}  # fmt: skip
 # A stopped trainer rank on Slurm needs its job step really ended and a fresh rendezvous port at
 # the restart (issue 23, branch `kill`); until then the restarted torchrun joins the old store.
 NEEDS_STEP_KILL = {"SIGSTOP/SIGCONT trainer"}
@@ -208,8 +219,7 @@ def verify(chaos: Chaos) -> dict[str, Any]:
     left = role_pids(run_dir, "any")
     assert not left, f"processes of the run alive after its end: {left}"
     refused = refused_writes(run_dir)
-    fenced = sum(log.read_text(errors="replace").count("fenced:") for log in paths.logs_root.glob("*/*.log"))
-    return {"steps": total, "refused_writes": len(refused), "fenced_lines": fenced}
+    return {"steps": total, "refused_writes": len(refused), "superseded_ended_s": chaos.superseded_ended_s}
 
 
 def _every_prompt_once(paths: RunPaths, cfg: Any) -> None:
