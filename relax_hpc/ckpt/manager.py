@@ -52,6 +52,11 @@ class Checkpointer:
         tmp, final = self.dirs.partial(step), self.dirs.step(step)
         name = final.name
         fence.check(f"checkpoint {name}")  # every rank: a superseded one must not write into tmp
+        if latest_dir(self.root) == final:
+            # This step is the latest checkpoint already (a stop right after a periodic save): the
+            # state is the same, and rewriting it would leave `latest` dangling meanwhile (a kill
+            # then would lose every checkpoint). Every rank reads the same answer.
+            return True
         if self.rank == 0 and tmp.exists():
             shutil.rmtree(tmp)
         dist.barrier()
