@@ -41,6 +41,7 @@ HEALTH = (
     "rollout.max_engine_restarts=50", "launch.slurm.max_timeouts=1000",
 )  # fmt: skip
 # Every trained batch kept (the prompt check reads them); dynamic sampling is off by default.
+RECOVERY_STEPS = 3
 RUN = ("ckpt.every_steps=2", "ckpt.keep_trained_batches=true", "rollout.prompts_per_step=8", "rollout.eval_every=0")
 
 
@@ -113,13 +114,14 @@ class Chaos:
         if kind in RESTART_THE_RUN:  # recovered: a step trained after the next start
             start = wait_until(lambda: self.start_after(injected), 600, f"the start after {kind}", every=0.1)
             since, retrained = start["time"], max(0, self.high - start["step"])
-        new = lambda: next((r for r in self.steps() if r["time"] > since and r["step"] > at_step), None)  # noqa: E731
-        recovered = wait_until(new, 600, f"a step past {at_step} after {kind}", every=0.1)
+        # Recovered: RECOVERY_STEPS steps past the fault (a hung driver shows only once the batches
+        # it had published are used up). Lost: that span less those steps at the median step time.
+        goal = at_step + RECOVERY_STEPS
+        new = lambda: next((r for r in self.steps() if r["time"] > since and r["step"] >= goal), None)  # noqa: E731
+        recovered = wait_until(new, 600, f"step {goal} after {kind}", every=0.1)
         steps = self.steps()
         median = statistics.median(b["time"] - a["time"] for a, b in itertools.pairwise(steps))
-        # Lost: the fault's span, less the steps it still kept (trained in it, in the record now).
-        kept = len([r for r in steps if injected < r["time"] < recovered["time"]])
-        lost = recovered["time"] - injected - median * (kept + 1)
+        lost = recovered["time"] - injected - median * RECOVERY_STEPS
         self.faults.append(
             {"kind": kind, "at_step": at_step, "retrained": retrained, "time_lost_s": round(max(0.0, lost), 2)}
         )
@@ -194,7 +196,7 @@ def schedule(seed: int, count: int, kinds: list[str]) -> list[str]:
 
 def run_schedule(run_dir: Path, seed: int, faults: list[str], nodes: int = 4) -> Chaos:
     """Submit the run, inject every fault, wait for the end; returns what happened."""
-    steps = 3 * len(faults) + 6
+    steps = (RECOVERY_STEPS + 3) * len(faults) + 4
     out = submit(run_dir, f"trainer.total_steps={steps}", *RUN, *HEALTH)
     assert out.returncode == 0, out.stdout + out.stderr
     chaos = Chaos(run_dir, random.Random(seed), nodes, job_id(run_dir))
