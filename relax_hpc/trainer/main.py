@@ -18,11 +18,13 @@ import torch
 import torch.distributed as dist
 
 from relax_hpc.config.load import read_frozen
+from relax_hpc.metrics.startup import StartupClock
 from relax_hpc.paths import RunPaths
 from relax_hpc.trainer.loop import Trainer
 
 
 def main() -> None:
+    startup = StartupClock()
     parser = argparse.ArgumentParser(
         prog="python -m relax_hpc.trainer.main", description="relax_hpc trainer rank (run under torchrun)"
     )
@@ -41,6 +43,7 @@ def main() -> None:
         device = torch.device("cpu")
         dist.init_process_group("gloo", timeout=timeout)
     rank = dist.get_rank()
+    startup.mark("process_group")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s trainer[{rank}] %(name)s %(levelname)s %(message)s")
     torch.manual_seed(cfg.run.seed + rank)
     if cfg.kind == "sft":
@@ -49,7 +52,10 @@ def main() -> None:
         trainer: Trainer | SftTrainer = SftTrainer(cfg, paths, device)
     else:
         trainer = Trainer(cfg, paths, device)
+        trainer.startup = startup  # finished at the first step
+    startup.mark("model")
     trainer.resume()
+    startup.mark("resume")
     trainer.log_start()
     trainer.run()
     # Leave together: a rank that tears gloo down while a peer still uses it can abort
