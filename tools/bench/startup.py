@@ -34,6 +34,8 @@ from typing import Any
 
 import psutil
 
+from relax_hpc.metrics.jsonl import read_jsonl
+
 REPO = Path(__file__).resolve().parents[2]
 BASELINE = "import torch, transformers"
 
@@ -95,12 +97,12 @@ def kill_tree(root: psutil.Process) -> None:
     psutil.wait_procs([root, *below], timeout=10)
 
 
-def one_run(config: str, overrides: list[str], timeout_s: float) -> dict[str, Any]:
+def one_run(repo: Path, config: str, overrides: list[str], timeout_s: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="startup-bench-") as tmp:
         run_dir = Path(tmp) / "run"
         argv = [sys.executable, "-m", "relax_hpc.submit", "--config", config, f"run.dir={run_dir}", *overrides]
         started = time.time()
-        proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(argv, cwd=repo, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         root = psutil.Process(proc.pid)
         try:
             deadline = time.monotonic() + timeout_s
@@ -113,7 +115,7 @@ def one_run(config: str, overrides: list[str], timeout_s: float) -> dict[str, An
         finally:
             kill_tree(root)
             proc.wait()
-        roles = [json.loads(line) for line in (run_dir / "metrics" / "startup.jsonl").read_text().splitlines()]
+        roles = read_jsonl(run_dir / "metrics" / "startup.jsonl")  # none from a release before the records
     return {
         "first_step_wall_s": round(record["time"] - started, 3),
         "cpu_s": round(sum(cpu.values()), 3),
@@ -134,17 +136,21 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--config", default="configs/tiny-grpo.yaml")
     parser.add_argument("--timeout-s", type=float, default=180.0)
+    parser.add_argument(
+        "--repo", type=Path, default=REPO, help="the checkout whose code runs the job (another: before/after)"
+    )
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args()
     runs = []
     for _ in range(args.runs):
         baseline = timed_child([sys.executable, "-c", BASELINE])
-        runs.append({"baseline": baseline, **one_run(args.config, args.overrides, args.timeout_s)})
+        runs.append({"baseline": baseline, **one_run(args.repo, args.config, args.overrides, args.timeout_s)})
     median = lambda key, sub=None: round(statistics.median(r[key][sub] if sub else r[key] for r in runs), 3)  # noqa: E731
     print(
         json.dumps(
             {
                 "command": f"python -m relax_hpc.submit --config {args.config} {' '.join(args.overrides)}".strip(),
+                "repo": str(args.repo.resolve()),
                 "machine": {"cpus": os.cpu_count(), "load_1min": round(os.getloadavg()[0], 2)},
                 "runs": runs,
                 "median": {
