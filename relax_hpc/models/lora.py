@@ -17,11 +17,12 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load_file, save_file
 
-from relax_hpc.config.schema import LoraConfig
 from relax_hpc.weights.lora import SCALING
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the engines read adapter folders without the config's schema (pydantic) or peft
     from peft import LoraConfig as PeftLoraConfig
+
+    from relax_hpc.config.schema import LoraConfig
 
 ADAPTER = "default"  # PEFT's name for a model's only adapter
 PEFT_PREFIX = "base_model.model."  # what PeftModel puts before the HF names in an adapter file
