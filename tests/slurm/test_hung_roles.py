@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from relax_hpc.launch.steps import JobStep
 from relax_hpc.metrics.jsonl import read_jsonl
 from relax_hpc.paths import RunPaths
 from relax_hpc.protocol.client import EngineClient
@@ -26,9 +27,9 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 STEPS = 60  # a step takes about a second: room for both faults, the second after the first is handled
 
 
-def step_ids(job: str, name: str) -> set[str]:
-    """`JOB.STEP` of the job's steps named `name` that Slurm lists."""
-    lines = slurm("squeue", "-h", "-s", "-j", job, "-o", "%i|%j").splitlines()
+def step_ids(job: str | None, name: str) -> set[str]:
+    """`JOB.STEP` of the steps named `name` that Slurm lists under job id `job` (None: any)."""
+    lines = slurm("squeue", "-h", "-s", *(["-j", job] if job else []), "-o", "%i|%j").splitlines()
     return {step for step, _, step_name in (line.partition("|") for line in lines) if step_name == name}
 
 
@@ -90,3 +91,26 @@ def test_a_hung_engine_and_a_hung_trainer_rank_end_with_their_job_steps(slurm_cl
     trained = [r["step"] for r in read_jsonl(run_dir / "metrics" / "train.jsonl") if "loss" in r]
     assert trained == list(range(1, STEPS + 1))
     assert_nothing_lost_or_repeated(run_dir, STEPS)
+
+
+def test_ending_a_step_in_a_heterogeneous_jobs_second_component(slurm_cluster, tmp_path):
+    """A step of component 1 is listed under that component's own job id: JobStep finds it by
+    name from the job's id and ends it, its stopped process with it."""
+    pid_file = tmp_path / "pid"
+    script = tmp_path / "het.sh"
+    script.write_text(
+        "#!/bin/bash\n#SBATCH -N1\n#SBATCH hetjob\n#SBATCH -N1\n"
+        f"srun --overlap --het-group=1 --job-name=t:engine-0 bash -c 'echo $$ > {pid_file}; exec sleep 600' &\n"
+        "sleep 600\n"
+    )
+    job = slurm("sbatch", "--parsable", "-o", "/dev/null", str(script)).strip()
+    try:
+        process = psutil.Process(int(wait_until(lambda: pid_file.is_file() and pid_file.read_text().strip(), 60,
+                                                "the step's task")))  # fmt: skip
+        process.suspend()
+        (listed,) = step_ids(None, "t:engine-0")
+        assert not listed.startswith(f"{job}.")  # under component 1's own id
+        assert JobStep(job, "t:engine-0").end() == []
+        assert step_ids(None, "t:engine-0") == set() and not process.is_running()
+    finally:
+        slurm("scancel", job)
