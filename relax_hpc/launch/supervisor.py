@@ -367,8 +367,9 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 self._kill(role)
         # An srun that exited has seen its step end, unless it was killed: end what is left of
-        # every role at once (one squeue), so that a restarted run starts alone.
-        if self.slurm_job:
+        # every role at once (one squeue, 0.2 s), so that a restarted run starts alone. After a
+        # stop the job ends or requeues now, and Slurm ends every step with it.
+        if self.slurm_job and not self.stop_requested:
             self._report_left("roles", end_steps(self.slurm_job, [r.step.name for r in roles if r.step]))
 
     def _kill(self, role: Role) -> None:
