@@ -10,6 +10,9 @@ nothing, so every role says what it is doing:
   synchronous code, or deadlocked, stops writing);
 - engines answer /health, which the monitor asks in a thread of its own.
 
+Until a role's current process has said so once (its first heartbeat, its registry record), it
+is starting: it gets launch.health.startup_timeout_s, and what its predecessor left says nothing.
+
 `HealthMonitor.findings()` turns these into causes (launch.health holds the limits); the
 supervisor acts on them: a hung engine or driver is killed and restarted like a dead one, a hung
 trainer is killed and the run restarted from its checkpoint.
