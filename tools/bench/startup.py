@@ -1,16 +1,18 @@
 """Start-up of the embedded default: command -> first trained step, per role, wall and CPU seconds.
 
-    python tools/bench/startup.py [--runs 3] [--config configs/tiny-grpo.yaml] [key=value ...]
+    python tools/bench/startup.py [--runs 3] [--config configs/tiny-grpo.yaml] [--repo DIR] [key=value ...]
 
 Each run starts `python -m relax_hpc.submit --config CONFIG` in a fresh RUN_DIR, waits for the
 trainer's first step record, adds up the CPU seconds of every process of the job at that moment
-(the launcher, torchrun, the trainer ranks, the engines, the driver: user + system, with
-their reaped children), then kills the job. Each role's own record (RUN_DIR/metrics/startup.jsonl,
-relax_hpc.metrics.startup) says where its part went: import (interpreter start and the role's
-imports), its initialisation phases (model, process_group, registered, weight_sync, ...) and
-its first piece of work. The baseline, a bare `python -c 'import torch, transformers'`, runs
-before each run of the job, in the same session: on a shared machine its figures tell how loaded
-the machine was.
+(the launcher, the trainer's ranks and their parent: torchrun, or the trainer that forked them;
+the engines, the driver: user + system, with their reaped children), then kills the job. Each
+role's own record (RUN_DIR/metrics/startup.jsonl, relax_hpc.metrics.startup) says where its part
+went: import (interpreter start and the role's imports), its initialisation phases (model,
+process_group, registered, weight_sync, ...) and its first piece of work. The baseline, a bare
+`python -c 'import torch, transformers'`, runs before each run of the job: on a shared machine
+its figures tell how loaded the machine was. `--repo` runs the job from another checkout, with
+its own code (the main branch, for a before/after pair; a release without the start-up records
+gives the totals alone).
 
 Prints one JSON object: per run the baseline, `first_step_wall_s` (command to the first step's
 record), `cpu_s` (summed over all processes), each process's CPU, and each role's phases; then
