@@ -9,7 +9,9 @@
     metrics   python -m relax_hpc.metrics.sinks              (only with metrics.tensorboard or metrics.clearml)
 
 A kind=sft job runs the trainer (and the metrics role) only: no engines, no driver.
-    trainer   torchrun ... -m relax_hpc.trainer.main      (one torchrun per trainer node)
+    trainer   torchrun ... -m relax_hpc.trainer.main      (one torchrun per trainer node; a trainer
+              on this machine's CPU: python -m relax_hpc.trainer.main --nproc-per-node N, which
+              forks its ranks after importing torch and transformers once: relax_hpc.trainer.ranks)
 
 Inside an allocation each role is `srun --overlap --nodelist=NODE ...` (steps share the nodes' CPUs,
 memory and GPUs instead of queueing for them; the placement below keeps them apart), optionally
@@ -25,7 +27,7 @@ import uuid
 from relax_hpc.config.schema import JobConfig
 from relax_hpc.launch.allocation import Allocation, Layout, plan_layout
 from relax_hpc.launch.container import wrap_in_container
-from relax_hpc.launch.gpus import LocalDevices, engine_pools, place_local, visible_gpu_count
+from relax_hpc.launch.gpus import NO_GPU, LocalDevices, engine_pools, place_local, visible_gpu_count
 from relax_hpc.paths import RunPaths
 
 
@@ -97,8 +99,12 @@ def local_commands(cfg: JobConfig, paths: RunPaths, devices: LocalDevices | None
         commands["driver"] = [py, *driver_args(paths)]
     if wants_sinks(cfg):
         commands["metrics"] = [py, *sinks_args(paths)]
-    torchrun = ["--standalone", f"--nproc-per-node={cfg.trainer.num_ranks}"]
-    commands["trainer"] = _on_gpus(devices.trainer, [py, *trainer_args(paths, torchrun)])
+    ranks = cfg.trainer.num_ranks
+    if devices.trainer == NO_GPU:  # ranks forked after one import (torchrun's ranks import everything again)
+        trainer = ["-m", "relax_hpc.trainer.main", "--run-dir", str(paths.root), "--nproc-per-node", str(ranks)]
+    else:
+        trainer = trainer_args(paths, ["--standalone", f"--nproc-per-node={ranks}"])
+    commands["trainer"] = _on_gpus(devices.trainer, [py, *trainer])
     return {name: wrap_in_container(cfg, argv) for name, argv in commands.items()}
 
 
