@@ -24,10 +24,9 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+from relax_hpc.protocol.vllm import TRANSFER_BACKEND as BACKEND
 from relax_hpc.weights.buckets import BucketPlan, unpack
 from relax_hpc.weights.group import SideGroup
-
-BACKEND = "relax_gloo"  # the name in --weight-transfer-config (vllm_channel.BACKEND says the same)
 
 
 def register() -> None:
