@@ -65,6 +65,7 @@ class GlooWeightTransferEngine(WeightTransferEngine):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.group: SideGroup | None = None
+        self._tied: list[list[tuple[torch.nn.Module, str]]] = []
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         if self.group is not None:  # a new trainer group (an engine restarted elsewhere): leave the old one
@@ -84,12 +85,14 @@ class GlooWeightTransferEngine(WeightTransferEngine):
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        self._tied = shared_parameters(self.model)
         initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
+        retie(self._tied)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class ends with torch.accelerator.synchronize(), which has no CPU accelerator
@@ -108,3 +111,29 @@ class GlooWeightTransferEngine(WeightTransferEngine):
         if self.group is not None:
             self.group.close()
             self.group = None
+
+
+def shared_parameters(model: torch.nn.Module) -> list[list[tuple[torch.nn.Module, str]]]:
+    """Every (module, name) pair that holds one Parameter together with others, the first the
+    owner in registration order: tied embeddings (a ParallelLMHead whose weight IS embed_tokens')."""
+    holders: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                holders.setdefault(id(param), []).append((module, name))
+    return [pairs for pairs in holders.values() if len(pairs) > 1]
+
+
+def retie(groups: list[list[tuple[torch.nn.Module, str]]]) -> None:
+    """vLLM's layerwise reload gives each reloaded layer new tensors, which unties what was tied:
+    the LM head kept the embedding it was built with, so a pushed embedding changed the input
+    side only (the log-probabilities showed it; vLLM's weight checker lists a shared tensor once).
+    Point every holder at its owner's new Parameter again, and let the holder's quant method
+    process it again (on CPU that rebuilds the prepacked GEMM handle from the new weight)."""
+    for (owner, owner_name), *others in groups:
+        param = getattr(owner, owner_name)
+        for module, name in others:
+            setattr(module, name, param)
+            method = getattr(module, "quant_method", None)
+            if method is not None:
+                method.process_weights_after_loading(module)
