@@ -117,7 +117,7 @@ VOCAB_PADDING = 64  # vLLM pads an embedding's rows to a multiple of this (vocab
 
 
 def _digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+    return hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def _as_vllm_holds(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
