@@ -19,7 +19,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,10 +29,10 @@ from transformers import AutoModelForCausalLM
 from relax_hpc.engines.vllm_engine import engine_python
 from relax_hpc.protocol import vllm as V
 from relax_hpc.protocol.client import EngineClient, EngineRequestError
-from relax_hpc.protocol.registry import EngineRecord, read_records
+from relax_hpc.protocol.registry import read_records
 from relax_hpc.weights.sender import free_port
 from relax_hpc.weights.vllm_channel import VllmGlooChannel
-from tests.integration.conftest import REPO, make_run
+from tests.integration.conftest import REPO, make_run, wait_wrapper_record
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -49,21 +48,11 @@ class Server:
         with self.log.open("ab") as out:
             env = {**os.environ, "PYTHONPATH": str(REPO)}
             self.proc = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
-        self.record = self._wait_registered()
+        self.record = wait_wrapper_record(self.paths.engines, self.proc, self.log, STARTUP_S)
         self.client = EngineClient(f"http://{self.record.host}:{self.record.port}", self.paths.read_token(), 120.0)
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
-
-    def _wait_registered(self) -> EngineRecord:
-        deadline = time.monotonic() + STARTUP_S
-        while time.monotonic() < deadline:
-            records = read_records(self.paths.engines)
-            if records:
-                return records[0]
-            assert self.proc.poll() is None, f"wrapper exited ({self.proc.returncode}):\n{self.text()[-4000:]}"
-            time.sleep(0.5)
-        raise AssertionError(f"no engine record within {STARTUP_S} s:\n{self.text()[-4000:]}")
 
     def generate(self, prompt: list[int], seed: int, max_tokens: int = 8) -> V.Completion:
         request = V.generate_request("r", prompt, {"max_new_tokens": max_tokens, "temperature": 1.0}, seed)
