@@ -25,16 +25,16 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from relax_hpc.config.load import load_config
 from relax_hpc.config.schema import JobConfig
-from relax_hpc.data.plan import to_sample_batch
 from relax_hpc.data.processor import MediaProcessor, media_processor, prompt_encoder, up_to_media_token
 from relax_hpc.data.prompts import load_prompts
 from relax_hpc.engines.sampling import SamplingSpec, sample
 from relax_hpc.envs.base import Sampled
 from relax_hpc.envs.context import GenerateCall
-from relax_hpc.envs.rounds import Rounds
 from relax_hpc.metrics.jsonl import JsonlWriter
 from relax_hpc.models.hf import load_policy
 from relax_hpc.rewards import make_scorer
+from relax_hpc.rollout.plan import to_sample_batch
+from relax_hpc.rollout.rounds import Rounds
 from relax_hpc.trainer.batching import share_of
 from relax_hpc.trainer.loop import reduce_stats
 from relax_hpc.trainer.torch_backend import TorchBackend

@@ -29,17 +29,13 @@ import torch
 from relax_hpc.protocol import requests as P
 from relax_hpc.protocol.client import EngineClient, EngineRequestError, EngineUnavailable
 from relax_hpc.protocol.registry import EngineRecord, read_records
+from relax_hpc.protocol.requests import adapter_name
 from relax_hpc.weights.sender import answering, engine_key
 
 log = logging.getLogger("relax_hpc.weights")
 
 KEEP_FOLDERS = 4
 Adapter = dict[str, torch.Tensor]  # sync names (relax_hpc.weights.lora), SCALING included
-
-
-def adapter_name(version: int) -> str | None:
-    """The adapter an engine serves version `version` with (None: the base model, version 0)."""
-    return f"v{version}" if version > 0 else None
 
 
 def push_adapter(

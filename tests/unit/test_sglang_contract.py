@@ -46,12 +46,12 @@ from relax_hpc.config import load_config
 from relax_hpc.data.prompts import PromptRow, load_prompts
 from relax_hpc.engines.sglang_engine import server_args
 from relax_hpc.envs.context import GenerateCall
-from relax_hpc.envs.rounds import sampling_params
 from relax_hpc.exchange.spool import SampleBatch
 from relax_hpc.protocol import requests as P
+from relax_hpc.protocol.requests import adapter_name
 from relax_hpc.rollout.engine_policy import EnginePolicy
+from relax_hpc.rollout.rounds import sampling_params
 from relax_hpc.rollout.teacher import scoring_request
-from relax_hpc.weights.adapters import adapter_name
 from relax_hpc.weights.buckets import BucketPlan, pack
 from relax_hpc.weights.tensors import bucket_records, deserialize, serialize, serialize_bucket
 from tests.sglang_import import import_sglang
