@@ -31,7 +31,7 @@ from relax_hpc.engines.sampling import SamplingSpec, sample
 from relax_hpc.envs.base import Sampled
 from relax_hpc.envs.context import GenerateCall
 from relax_hpc.metrics.jsonl import JsonlWriter
-from relax_hpc.models.hf import load_policy
+from relax_hpc.models.hf import load_policy, torch_dtype
 from relax_hpc.rewards import make_scorer
 from relax_hpc.rollout.plan import to_sample_batch
 from relax_hpc.rollout.rounds import Rounds
@@ -126,7 +126,7 @@ class InProcessRun:
         self.rows = load_prompts(d.path, d.prompt_key, d.answer_key, d.media)
         encode = prompt_encoder(cfg.model.path, self.processor)
         self.backend = TorchBackend(cfg, torch.device("cpu"))
-        self.sampler = load_policy(cfg.model.path, getattr(torch, cfg.model.dtype)).eval()
+        self.sampler = load_policy(cfg.model.path, torch_dtype(cfg.model.dtype)).eval()
         synced = {name for name, _, _ in self.backend.parameter_specs()}
         # What weight sync would update (tied weights appear once; a frozen encoder not at all).
         self.params = {n: p for n, p in self.sampler.named_parameters() if n in synced}

@@ -44,7 +44,7 @@ from transformers import AutoTokenizer
 from relax_hpc.data.media import Kind, MediaError, MediaRef
 from relax_hpc.data.processor import Processed, ProcessorError, media_processor
 from relax_hpc.engines.sampling import Completion, SamplingSpec, input_logprobs, sample
-from relax_hpc.models.hf import load_policy
+from relax_hpc.models.hf import load_policy, torch_dtype
 from relax_hpc.models.lora import read_adapter_folder
 from relax_hpc.paths import RunPaths
 from relax_hpc.protocol import requests as P
@@ -128,7 +128,7 @@ class TorchEngine:
     def __init__(self, model_path: str, dtype: str, device: str = "cpu", weights_timeout_s: float = 60.0) -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.device = torch.device(device)
-        model = load_policy(model_path, getattr(torch, dtype))
+        model = load_policy(model_path, torch_dtype(dtype))
         self.model = model.to(self.device).eval()  # type: ignore[arg-type]  # transformers types .to() as taking a model
         # The model folder's processor expands media placeholders, as SGLang's does.
         self.processor = media_processor(model_path)
