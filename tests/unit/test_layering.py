@@ -95,9 +95,23 @@ def test_the_driver_imports_no_torch():
     assert out.stdout.strip() == "[]"
 
 
+def test_no_runtime_module_imports_the_test_models():
+    """models/tiny*.py build the shipped test models (tools/make_tiny_*.py) and serve the tests:
+    no part of a run may come to depend on them."""
+    offences = [
+        f"{path.relative_to(PACKAGE)} imports {module}"
+        for path, _ in _files()
+        if not path.stem.startswith("tiny")
+        for module in _imports(path)
+        if module.startswith("relax_hpc.models.tiny")
+    ]
+    assert offences == []
+
+
 def test_the_rule_is_not_vacuous():
     """The walk sees the package's real imports (a broken walk would pass the test above)."""
     imports = _imports(PACKAGE / "trainer" / "loop.py")
     assert "relax_hpc.weights.sender" in imports and "relax_hpc.trainer.build" in imports
     assert _top("relax_hpc.engines.torch_engine") == "engines"
     assert "relax_hpc.ckpt.layout" in _imports(PACKAGE / "metrics" / "summary.py")
+    assert "relax_hpc.models.tiny" in _imports(PACKAGE / "models" / "tiny_multimodal.py")
