@@ -43,30 +43,5 @@ LOAD_LORA_ADAPTER = Route("POST", "/load_lora_adapter", P.LoadLoRAAdapterReqInpu
 UNLOAD_LORA_ADAPTER = Route("POST", "/unload_lora_adapter", P.UnloadLoRAAdapterReqInput)
 UPDATE_WEIGHT_VERSION = Route("POST", "/update_weight_version", P.UpdateWeightVersionReqInput)
 
-# Every route of the protocol, by (method, path): what the built-in engine serves.
-ROUTES: dict[tuple[str, str], Route] = {
-    (r.method, r.path): r
-    for r in (
-        GENERATE,
-        HEALTH,
-        HEALTH_GENERATE,
-        MODEL_INFO,
-        GET_MODEL_INFO,
-        FLUSH_CACHE,
-        ABORT_REQUEST,
-        PAUSE_GENERATION,
-        CONTINUE_GENERATION,
-        INIT_WEIGHTS_UPDATE_GROUP,
-        DESTROY_WEIGHTS_UPDATE_GROUP,
-        BEGIN_WEIGHT_UPDATE,
-        END_WEIGHT_UPDATE,
-        UPDATE_WEIGHTS_FROM_DISTRIBUTED,
-        UPDATE_WEIGHTS_FROM_TENSOR,
-        GET_WEIGHTS_BY_NAME,
-        RELEASE_MEMORY_OCCUPATION,
-        RESUME_MEMORY_OCCUPATION,
-        LOAD_LORA_ADAPTER,
-        UNLOAD_LORA_ADAPTER,
-        UPDATE_WEIGHT_VERSION,
-    )
-}
+# Every route of the protocol (each constant above), by (method, path): what the built-in engine serves.
+ROUTES: dict[tuple[str, str], Route] = {(r.method, r.path): r for r in list(globals().values()) if isinstance(r, Route)}
