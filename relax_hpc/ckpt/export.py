@@ -61,7 +61,7 @@ def torch_backend_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 def megatron_backend_tensors(folder: Path, hf_config: Any) -> dict[str, torch.Tensor]:
     """HF-named tensors of a megatron distributed checkpoint (its model part only)."""
-    from relax_hpc.models.hf_mapping import megatron_checkpoint_to_hf  # needs megatron-core
+    from relax_hpc.models.hf_checkpoint import megatron_checkpoint_to_hf  # needs megatron-core
 
     return megatron_checkpoint_to_hf(folder, hf_config)
 

@@ -48,7 +48,9 @@ from relax_hpc.algos.stats import Stats
 from relax_hpc.config.schema import Aggregation, JobConfig
 from relax_hpc.metrics.timing import PhaseTimer
 from relax_hpc.models.hf import torch_dtype
-from relax_hpc.models.hf_mapping import export_hf, hf_specs, load_hf_weights
+from relax_hpc.models.hf_export import export_hf
+from relax_hpc.models.hf_loading import load_hf_weights
+from relax_hpc.models.hf_mapping import hf_specs
 from relax_hpc.models.megatron import as_value_model, build_model
 from relax_hpc.models.megatron_routing import replaying
 from relax_hpc.trainer import megatron_state, packing
