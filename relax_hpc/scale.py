@@ -44,6 +44,7 @@ from relax_hpc.launch.elastic import (
 from relax_hpc.launch.follow import queue_state
 from relax_hpc.paths import RunPaths
 from relax_hpc.protocol import requests as P
+from relax_hpc.protocol import routes as R
 from relax_hpc.protocol.client import EngineClient, EngineRequestError, EngineUnavailable
 from relax_hpc.protocol.registry import read_records, remove_record
 
@@ -214,7 +215,7 @@ def drain(paths: RunPaths, engines: list[str], timeout_s: float) -> None:
     for record in read_records(paths.engines):
         if record.engine_id in engines and _in_flight(paths).get(record.engine_id, 0):
             with contextlib.suppress(EngineUnavailable, EngineRequestError):  # gone already: its work is re-issued
-                EngineClient(record.url, token, 10.0).post("/abort_request", P.AbortReq(abort_all=True))
+                EngineClient(record.url, token, 10.0).post(R.ABORT_REQUEST.path, P.AbortReq(abort_all=True))
     for engine_id in engines:
         paths.drain_marker(engine_id).write_text("done\n")
 

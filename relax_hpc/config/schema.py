@@ -63,6 +63,12 @@ class ModelConfig(Section):
     """Parameter dtype of the trainer and engines (float32 on CPU)."""
 
 
+# The kinds of media a row may hold (data.media's keys); the data layer reads them, the spool stores
+# them: both import them from here, the layer below both.
+MediaKind = Literal["image", "audio"]
+MEDIA_KINDS: tuple[MediaKind, ...] = ("image", "audio")
+
+
 class DataConfig(Section):
     path: Annotated[str, PathOption("file")] = "assets/addition.jsonl"
     """JSONL prompt dataset, one object per line."""
@@ -71,7 +77,7 @@ class DataConfig(Section):
     (`{"role": ..., "content": ...}`, content a string or a list of parts)."""
     answer_key: str = "answer"
     """Field of each row that holds the reference answer the reward compares against."""
-    media: dict[Literal["image", "audio"], str] = Field(default={})
+    media: dict[MediaKind, str] = Field(default={})
     """Which row fields hold media, e.g. `{image: images}` or `{audio: audios}`: a field holds one
     item or a list, each a file path (relative to the dataset file, or absolute) or a `data:`
     URI. A string prompt marks where each item goes with `<image>` / `<audio>` (without markers,

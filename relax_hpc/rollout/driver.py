@@ -28,10 +28,8 @@ from transformers import PreTrainedTokenizerFast
 from relax_hpc.ckpt.layout import read_trainer_state
 from relax_hpc.config.load import read_frozen
 from relax_hpc.config.schema import JobConfig
-from relax_hpc.data.plan import to_sample_batch
 from relax_hpc.data.processor import media_processor, prompt_encoder
 from relax_hpc.data.prompts import load_prompts
-from relax_hpc.envs.rounds import Rounds
 from relax_hpc.exchange.spool import SampleBatch, Spool
 from relax_hpc.metrics.heartbeat import Heartbeat
 from relax_hpc.metrics.jsonl import JsonlWriter, read_jsonl
@@ -41,6 +39,8 @@ from relax_hpc.protocol.client import EngineRequestError, EngineUnavailable
 from relax_hpc.rewards import RewardError, make_scorer
 from relax_hpc.rewards.judge import judge_reward
 from relax_hpc.rollout.engine_policy import EnginePolicy, EnginePool, Stopping
+from relax_hpc.rollout.plan import to_sample_batch
+from relax_hpc.rollout.rounds import Rounds
 from relax_hpc.rollout.teacher import TeacherError, TeacherScorer
 
 log = logging.getLogger("relax_hpc.driver")

@@ -25,13 +25,13 @@ from transformers import (
 
 from relax_hpc.config.schema import MegatronConfig
 from relax_hpc.models.arch import arch_of
+from relax_hpc.models.hf_export import export_hf
+from relax_hpc.models.hf_loading import load_hf_weights
 from relax_hpc.models.hf_mapping import (
     canonical_name,
     entry,
-    export_hf,
     hf_specs,
     hf_to_mcore,
-    load_hf_weights,
     mcore_names,
     mcore_to_hf,
     rank_experts,
@@ -423,7 +423,7 @@ def test_megatron_checkpoint_reads_back_as_the_hf_checkpoint(kind, mp, tmp_path,
     stacked, TE names, SwiGLU halves saved as separate shards) gives back the HF tensors."""
     from megatron.core import dist_checkpointing
 
-    from relax_hpc.models.hf_mapping import megatron_checkpoint_to_hf
+    from relax_hpc.models.hf_checkpoint import megatron_checkpoint_to_hf
 
     if not torch.cuda.is_available():  # megatron's save syncs CUDA and reduces a flag there: on the CPU
         monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
