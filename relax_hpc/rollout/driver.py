@@ -35,6 +35,7 @@ from relax_hpc.envs.rounds import Rounds
 from relax_hpc.exchange.spool import SampleBatch, Spool
 from relax_hpc.metrics.heartbeat import Heartbeat
 from relax_hpc.metrics.jsonl import JsonlWriter, read_jsonl
+from relax_hpc.metrics.poll import Poll
 from relax_hpc.paths import RunPaths
 from relax_hpc.protocol.client import EngineRequestError, EngineUnavailable
 from relax_hpc.rewards import RewardError, make_scorer
@@ -133,9 +134,9 @@ class Driver:
         log.info("driver starts at batch %d", seq)
         self.position = seq
         self._heartbeat = asyncio.get_running_loop().create_task(self._beat())  # held: tasks are weakly referenced
-        wait = 0.05
+        poll = Poll()
         while not self.stopping:
-            self.pool.refresh()
+            self.pool.refresh(every=poll.cap)
             newest = max((e.version for e in self.pool.engines), default=-1)
             if newest >= next_eval:
                 try:
@@ -169,11 +170,11 @@ class Driver:
                         **stats,
                     }
                 )
-                seq, wait = seq + 1, 0.05
+                seq = seq + 1
                 self.position = seq
+                poll.progressed()
                 continue
-            await asyncio.sleep(wait)
-            wait = min(wait * 1.5, 0.5)
+            await asyncio.sleep(poll.interval())
 
 
 def main() -> None:

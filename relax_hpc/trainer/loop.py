@@ -32,6 +32,7 @@ from relax_hpc.data.processor import media_processor
 from relax_hpc.exchange.spool import Spool
 from relax_hpc.metrics.heartbeat import Heartbeat, StepClock
 from relax_hpc.metrics.jsonl import JsonlWriter
+from relax_hpc.metrics.poll import Poll
 from relax_hpc.metrics.timing import PeakMemory, PhaseTimer
 from relax_hpc.models.lora import write_adapter_folder
 from relax_hpc.paths import RunPaths, write_atomic
@@ -370,7 +371,7 @@ class Trainer:
 
     def run(self) -> None:
         total = self.total
-        wait_s = 0.05
+        poll = Poll()
         step_started = time.monotonic()
         while self.state.step < total:
             command = broadcast_command(self.decide() if self.rank == 0 else None)
@@ -382,8 +383,7 @@ class Trainer:
                 with self.timer.phase("push"):
                     self.sync()
             elif kind == "wait":
-                time.sleep(wait_s)
-                wait_s = min(wait_s * 1.5, 0.5)  # back off: the spool may live on NFS
+                time.sleep(poll.interval())
             elif kind == "train":
                 record = self.train(command)
                 if record is None:
@@ -393,7 +393,8 @@ class Trainer:
                 self.park(record)
                 if self.rank == 0:
                     self.finish_step(record, step_started)
-                step_started, wait_s = time.monotonic(), 0.05
+                step_started = time.monotonic()
+                poll.progressed()
         self.save_and_prune()
         completed = self.state.step >= total
         if completed and self.cfg.ckpt.export_hf:
