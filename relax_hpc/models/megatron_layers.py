@@ -223,9 +223,10 @@ class SDPAttention(MegatronModule):
         for index in gather:  # [docs, longest]: packed positions, padding repeats the last token
             # [docs, heads, longest, d]: torch's flash and memory-efficient kernels take only 4-D
             # inputs (a 3-D call ran the math kernel: S x S scores per layer, 113 GiB at 8192 tokens).
-            q, k, v = (t[index].transpose(1, 2) for t in (query, key, value))
-            parts.append(self._sdpa(q, k, v).transpose(1, 2).flatten(0, 1))
-        return torch.cat(parts)[scatter].reshape(query.shape[0], -1)
+            # index_select, not t[index]: its backward adds (index_add_), without the sort of index_put_.
+            q, k, v = (t.index_select(0, index.flatten()).unflatten(0, index.shape) for t in (query, key, value))
+            parts.append(self._sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2))
+        return torch.cat([p.flatten(0, 1) for p in parts]).index_select(0, scatter).reshape(query.shape[0], -1)
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k, v = self._repeat_kv(k, v, dim=-3)

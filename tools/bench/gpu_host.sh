@@ -5,7 +5,7 @@
 # host: tools/bench/train_host.py on the embedded task's tiny model, 1,024 samples of 10 tokens
 #       (the config's batch), with a CPU + CUDA timeline of one step
 # big:  tools/bench/train_host.py at a Qwen3-0.6B shape, 8,192 samples of 512 tokens, one step
-#       timed and one profiled (CUDA kernels only)
+#       timed and one profiled (CUDA kernels only): 3-4 minutes per tree
 # With BEFORE, each part runs against that checkout's relax_hpc first (the same scripts), so a
 # before/after pair comes from one machine in one call. Results: $OUT/results.jsonl, one line each.
 set -uo pipefail
@@ -42,7 +42,7 @@ for part in ${*:-tiny host big}; do
           --samples 1024 --prompt 6 --completion 4 --steps 20 --out "$OUT/host-$name" --trace \
           | sed "s/^{/{\"tree\": \"$name\", /" | tee -a "$OUT/results.jsonl" ;;
       big)
-        timeout 330 python3 tools/bench/train_host.py --size 0.6b --samples 8192 --prompt 256 --completion 256 \
+        timeout 400 python3 tools/bench/train_host.py --size 0.6b --samples 8192 --prompt 256 --completion 256 \
           --steps 1 --out "$OUT/big-$name" | sed "s/^{/{\"tree\": \"$name\", /" | tee -a "$OUT/results.jsonl" ;;
     esac
   done

@@ -10,10 +10,15 @@ advantages, the objective, the optimizer) with the default objective (GRPO, PPO 
 bonus); no generation. A first step on an eighth of the batch warms up (kernels compile, the
 allocator grows). Then each step's wall time (share_of + train_step, the GPU synchronised) and one
 more step under torch.profiler (CUDA kernels only, so that the profiler adds little to the host):
-`host_fraction` = 1 - GPU busy / wall, the share of the step the GPU waited for the host. With
+`host_fraction` = 1 - GPU busy / wall, the share of the step the GPU waited for the host (a
+second JSON line, after the first with the timings alone). With
 --out, the profiled step's kernel table (and with --trace its timeline, CPU and CUDA, for small
 batches) goes there. `--size` makes a random Qwen3-shaped model (train_throughput.py's shapes);
 `--model` takes a folder (the embedded task's tiny model: assets/tiny-qwen3-addition).
+
+At the 0.6B shape with the defaults (8,192 x 512 tokens: 256 micro-batches of 16,384) a step is
+estimated at about a minute on an H200 (one micro-batch of 16,384 took 0.26 s, BENCHMARKS.md), so a
+run takes several minutes: 160 s was not enough for one (2026-12-02).
 """
 
 from __future__ import annotations
@@ -121,11 +126,11 @@ def main() -> None:
         "first_step_s": round(first, 3),
         "step_s": round(statistics.median(walls), 4),
         "steps_s": [round(w, 4) for w in walls],
-        **profiled_step(backend, batch, pad, args.out, args.trace),
         "gpu": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
     }
-    print(json.dumps(result), flush=True)
+    print(json.dumps(result), flush=True)  # the timings first: a run cut short by a time limit keeps them
+    print(json.dumps(result | profiled_step(backend, batch, pad, args.out, args.trace)), flush=True)
     dist.destroy_process_group()
 
 
