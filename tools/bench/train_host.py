@@ -15,6 +15,7 @@ second JSON line, after the first with the timings alone). With
 --out, the profiled step's kernel table (and with --trace its timeline, CPU and CUDA, for small
 batches) goes there. `--size` makes a random Qwen3-shaped model (train_throughput.py's shapes);
 `--model` takes a folder (the embedded task's tiny model: assets/tiny-qwen3-addition).
+`--host-only` times share_of and packing alone on the CPU, no GPU needed.
 
 At the 0.6B shape with the defaults (8,192 x 512 tokens: 256 micro-batches of 16,384) a step is
 estimated at about a minute on an H200 (one micro-batch of 16,384 took 0.26 s, BENCHMARKS.md), so a
@@ -84,6 +85,32 @@ def profiled_step(backend: Backend, batch: SampleBatch, pad: int, out: Path | No
     return {"profiled_wall_s": round(wall, 4), "gpu_busy_s": round(busy, 4), "host_fraction": round(1 - busy / wall, 3)}
 
 
+def host_paths(args: argparse.Namespace) -> None:
+    """--host-only: share_of, then plan + pack + unpack of its micro-batches, on the CPU (where the
+    device's work is host work too), CPU seconds, median of 3. Runs against an older checkout's
+    relax_hpc as well (one pack() per bin where it has no pack_all)."""
+    from relax_hpc.trainer import packing
+
+    batch = spool_batch(args.samples, args.prompt, args.completion, args.group, 151936)
+    times = []
+    for _ in range(3):
+        start = time.process_time()
+        share, _ = share_of(batch, list(range(batch.num_samples)), 0, 1, 0)
+        padded = time.process_time()
+        lengths = share.attention_mask.sum(1)
+        bins = packing.plan(lengths.tolist(), 16384)
+        if hasattr(packing, "pack_all"):
+            mbs = packing.pack_all(share, bins, lengths.numpy(), 0)
+        else:
+            mbs = [packing.pack(share, rows, 0) for rows in bins]
+        for mb in mbs:
+            mb.unpack(torch.zeros(mb.num_tokens))
+        times.append((padded - start, time.process_time() - padded))
+    share_s, pack_s = (statistics.median(t[i] for t in times) for i in (0, 1))
+    print(json.dumps({"benchmark": "host_paths", "samples": args.samples, "share_of_cpu_s": round(share_s, 3),
+                      "pack_cpu_s": round(pack_s, 3)}))  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="0.6b")
@@ -96,7 +123,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--out", type=Path, help="write the profiled step's kernel table (and trace) here")
     parser.add_argument("--trace", action="store_true", help="profile the host too and write a timeline")
+    parser.add_argument("--host-only", action="store_true", help="time share_of and packing alone, on the CPU")
     args = parser.parse_args()
+    if args.host_only:
+        return host_paths(args)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
     torch.cuda.set_device(0)
