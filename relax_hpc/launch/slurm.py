@@ -67,7 +67,7 @@ def requeue(job_id: str) -> None:
 def _supervisor(cfg: JobConfig, paths: RunPaths) -> Supervisor:
     alloc = Allocation.from_env()
     check_shared_run_dir(paths, alloc)
-    return Supervisor(cfg, paths, step_commands(cfg, paths, alloc))
+    return Supervisor(cfg, paths, lambda: step_commands(cfg, paths, alloc), slurm_job=alloc.job_id)
 
 
 def run_in_allocation(cfg: JobConfig, paths: RunPaths) -> int:

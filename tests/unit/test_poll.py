@@ -23,3 +23,11 @@ def test_a_short_cycle_caps_the_waits_at_a_tenth_of_it():
     assert 0.02 <= poll.cap < 0.05 and max(waits) == poll.cap and waits[0] <= poll.cap
     poll.progressed()  # a cycle of almost nothing: the floor, 10 ms
     assert poll.cap == 0.01 and poll.interval() == 0.01
+
+
+def test_a_lower_ceiling_holds_before_and_after_cycles():
+    poll = Poll(highest=0.2)  # the driver's: a run's first batch waits for the engines to register
+    assert max(poll.interval() for _ in range(10)) == 0.2
+    time.sleep(0.05)
+    poll.progressed()
+    assert 0.01 <= poll.cap < 0.02  # a tenth of ~50 ms is under the 10 ms floor
