@@ -33,6 +33,7 @@ from relax_hpc.data.prompts import load_prompts
 from relax_hpc.exchange.spool import SampleBatch, Spool
 from relax_hpc.metrics.heartbeat import Heartbeat
 from relax_hpc.metrics.jsonl import JsonlWriter, read_jsonl
+from relax_hpc.metrics.poll import Poll
 from relax_hpc.metrics.startup import StartupClock
 from relax_hpc.paths import RunPaths
 from relax_hpc.protocol.client import EngineRequestError, EngineUnavailable
@@ -135,9 +136,11 @@ class Driver:
         log.info("driver starts at batch %d", seq)
         self.position = seq
         self._heartbeat = asyncio.get_running_loop().create_task(self._beat())  # held: tasks are weakly referenced
-        wait = 0.05
+        # At most 0.2 s: a run's first batch waits here for the engines to register, the next ones
+        # for a version (a listing of RUN_DIR/registry, 5 times a second at most).
+        poll = Poll(highest=0.2)
         while not self.stopping:
-            self.pool.refresh()
+            self.pool.refresh(every=poll.cap)
             newest = max((e.version for e in self.pool.engines), default=-1)
             if self.startup and newest >= 0:
                 self.startup.mark("engines")
@@ -175,13 +178,11 @@ class Driver:
                         **stats,
                     }
                 )
-                seq, wait = seq + 1, 0.05
+                seq = seq + 1
                 self.position = seq
+                poll.progressed()
                 continue
-            await asyncio.sleep(wait)
-            # At most 0.2 s: a run's first batch waits here for the engines to register, the
-            # next ones for a version (a listing of RUN_DIR/registry, 5 times a second at most).
-            wait = min(wait * 1.5, 0.2)
+            await asyncio.sleep(poll.interval())
 
 
 def main() -> None:

@@ -50,7 +50,8 @@ class Engine:
 
 
 class EnginePool:
-    """The engines that answer, with the policy version each holds (re-read at most every 0.5 s)."""
+    """The engines that answer, with the policy version each holds (re-read at most every
+    `every` seconds of refresh, 0.5 by default)."""
 
     def __init__(self, paths: RunPaths, timeout_s: float) -> None:
         self.paths = paths
@@ -59,8 +60,8 @@ class EnginePool:
         self.engines: list[Engine] = []
         self._last = 0.0
 
-    def refresh(self, force: bool = False) -> None:
-        if not force and time.monotonic() - self._last < 0.5:
+    def refresh(self, force: bool = False, every: float = 0.5) -> None:
+        if not force and time.monotonic() - self._last < every:
             return
         self._last = time.monotonic()
         engines = []

@@ -33,6 +33,7 @@ from relax_hpc.data.processor import media_processor
 from relax_hpc.exchange.spool import Spool
 from relax_hpc.metrics.heartbeat import Heartbeat, StepClock
 from relax_hpc.metrics.jsonl import JsonlWriter
+from relax_hpc.metrics.poll import Poll
 from relax_hpc.metrics.startup import StartupClock
 from relax_hpc.metrics.timing import PeakMemory, PhaseTimer
 from relax_hpc.paths import RunPaths, write_atomic
@@ -310,7 +311,7 @@ class Trainer:
 
     def run(self) -> None:
         total = self.total
-        wait_s = 0.05
+        poll = Poll()
         step_started = time.monotonic()
         while self.state.step < total:
             command = broadcast_command(self.decide() if self.rank == 0 else None)
@@ -323,8 +324,7 @@ class Trainer:
                 if self.startup and self.rank == 0 and self.delivered == self.state.version:
                     self.startup.mark("weight_sync")  # the group formed and the engines hold the weights
             elif command.do is Do.WAIT:
-                time.sleep(wait_s)
-                wait_s = min(wait_s * 1.5, 0.5)  # back off: the spool may live on NFS
+                time.sleep(poll.interval())
             elif command.do is Do.TRAIN:
                 if self.startup:
                     self.startup.mark("first_batch")
@@ -338,7 +338,8 @@ class Trainer:
                 record.update(self.offload.after_step(self.timer))  # parked until the next step
                 if self.rank == 0:
                     self.finish_step(record, step_started)
-                step_started, wait_s = time.monotonic(), 0.05
+                step_started = time.monotonic()
+                poll.progressed()
         self.save_and_prune()
         completed = self.state.step >= total
         if completed and self.cfg.ckpt.export_hf:

@@ -162,13 +162,13 @@ class MegatronBackend:
     def _microbatches(self, batch: TrainBatch) -> list[packing.Microbatch]:
         """This rank's rows packed by token budget; every data-parallel rank runs the same number
         of micro-batches (some padding only), so per-micro-batch collectives stay matched."""
-        lengths = batch.attention_mask.sum(1).tolist()
-        bins = packing.plan(lengths, self.par.max_tokens_per_microbatch)
+        lengths = batch.attention_mask.sum(1).cpu().numpy()  # the step's one host sync for packing
+        bins = packing.plan(lengths.tolist(), self.par.max_tokens_per_microbatch)
         count = torch.tensor([len(bins)], device=self.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.dp_group)
         bins += [[] for _ in range(int(count) - len(bins))]
         multiple = self.tp_size * (2 * self.par.context_parallel if self.par.context_parallel > 1 else 1)
-        return [packing.pack(batch, rows, self.pad_token_id, multiple) for rows in bins]
+        return packing.pack_all(batch, bins, lengths, self.pad_token_id, multiple)
 
     def _forward(self, model: torch.nn.Module, mb: packing.Microbatch) -> torch.Tensor:
         """The model's output on a packed micro-batch; through the engine's experts where the
