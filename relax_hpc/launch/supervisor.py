@@ -313,6 +313,13 @@ class Supervisor:
                 return EXIT_STOPPED, False
             if trainer.alive():
                 continue
+            if trainer.returncode != 0 and progress.trainer_end is None and self.stop_requested:
+                # Slurm's SIGTERM (a requeue, a cancel) reaches the job steps as well as the
+                # launcher: a trainer that died of it before its stop record (in its start-up)
+                # was stopped, not failed; the next start resumes from the last checkpoint.
+                progress.finish()
+                self.say(f"\ntrainer ended (exit {trainer.returncode}) before its checkpoint; stopping\n")
+                return EXIT_STOPPED, False
             if trainer.returncode != 0 and progress.trainer_end is None:
                 progress.finish()
                 cause = f"hung: {trainer.hung}" if trainer.hung else f"exit {trainer.returncode}"
