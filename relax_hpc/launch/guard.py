@@ -100,7 +100,7 @@ def stop_requeueing(cfg: JobConfig, paths: RunPaths, job_id: str | None) -> str 
     if not limit or idle < limit:
         return None
     return (
-        f"not requeued: {idle} allocations in a row ended without a new step (launch.slurm.max_idle_allocations="
+        f"not requeued: {idle} allocation(s) in a row ended without a new step (launch.slurm.max_idle_allocations="
         f"{limit}); the run stays at step {completed_steps(paths)}. Give each allocation more time "
         "(launch.slurm.time_min) or a shorter start-up, then submit again to resume"
     )

@@ -35,6 +35,7 @@ from relax_hpc.metrics.summary import completed_steps, run_summary
 from relax_hpc.paths import RunPaths, write_atomic
 
 EXIT_COMPLETED, EXIT_FAILED, EXIT_STOPPED = 0, 1, 75
+TRAINER_EXIT_GRACE_S = 5.0  # after its stop record, for the trainer's own exit
 
 
 @dataclass
@@ -84,6 +85,11 @@ class Role:
         for process in below:
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.kill()
+
+    def note(self, line: str) -> None:
+        """A line of the launcher's own at the end of the role's log."""
+        with self.log_path.open("a") as out:
+            out.write(line + "\n")
 
     def log_tail(self, lines: int = 15) -> str:
         try:
@@ -251,6 +257,7 @@ class Supervisor:
         side_engines = [r for n, r in roles.items() if n.startswith(("judge", "teacher"))]
         trainer, driver = roles["trainer"], roles.get("driver")  # an sft job has no driver
         helpers = [r for n, r in roles.items() if n == "metrics"]
+        others = [*engines, *side_engines, *([driver] if driver else []), *helpers]  # all but the trainer
         started = time.monotonic()
         trainer_done_at: float | None = None
         health_checked = 0.0
@@ -266,7 +273,7 @@ class Supervisor:
             wall = self.cfg.launch.max_wall_s
             if wall and time.monotonic() - started > wall:
                 self.request_stop(f"launch.max_wall_s ({wall:.0f} s) reached")
-            for role in [*engines, *side_engines, *([driver] if driver else []), *helpers]:
+            for role in others:
                 if role.alive() or role.abandoned or trainer_done_at is not None or self.stop_requested:
                     continue
                 if role.not_before == 0.0:  # just found dead: the restart waits out the back-off
@@ -306,10 +313,28 @@ class Supervisor:
                 role.start(env)
             progress.show(sum(r.alive() for r in engines), len(engines))
             end = progress.trainer_end
-            if self.stop_requested and end is not None and not end["completed"]:
-                # The checkpoint is complete once the trainer writes its stop record: end now
-                # rather than wait for its teardown (seconds that a preempted job may not have).
+            if self.stop_requested and end is None and not progress.steps_this_start:
+                # Nothing trained since this start: the checkpoint it resumed from is what a stop
+                # would write, so stop now instead of waiting out the trainer's start-up.
                 progress.finish()
+                self.say("no step trained since this start: stopping now; the next start resumes where this one did\n")
+                self._stop_all([trainer])
+                trainer.note(
+                    "launcher: the run was asked to stop before this start trained a step, so the trainer was ended "
+                    "(SIGTERM) with nothing to checkpoint; a SignalException above is torchrun's word for that stop"
+                )
+                return EXIT_STOPPED, False
+            if self.stop_requested and end is not None and not end["completed"]:
+                # The checkpoint is complete once the trainer writes its stop record: end soon
+                # rather than wait for all of its teardown (seconds that a preempted job may not
+                # have), but give torchrun a moment to leave by itself: one ended by SIGTERM
+                # leaves a traceback in trainer.log that reads like a crash.
+                progress.finish()
+                for role in others:  # their teardown overlaps the trainer's
+                    role.signal(signal.SIGTERM)
+                if trainer.proc is not None:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        trainer.proc.wait(timeout=TRAINER_EXIT_GRACE_S)
                 return EXIT_STOPPED, False
             if trainer.alive():
                 continue

@@ -87,12 +87,12 @@ def test_the_no_progress_guard_s_reason_ends_the_wait_message(tmp_path, monkeypa
     events = JsonlWriter(paths.events_metrics)
     events.log({"event": "start", "step": 0})
     events.log({"event": "end", "exit": 75, "step": 0})
-    events.log({"event": "no_progress", "why": "not requeued: 3 allocations in a row ended without a new step"})
+    events.log({"event": "no_progress", "why": "not requeued: 3 allocation(s) in a row ended without a new step"})
     result = follow("5", paths, poll_s=0.5, sleep=lambda s: None)
     assert result.message == (
         "job 5 did not complete (failed: Slurm says FAILED): the run started 1 time(s) and trained no step; "
         "the launcher stopped with a checkpoint (exit 75); "
-        "not requeued: 3 allocations in a row ended without a new step"
+        "not requeued: 3 allocation(s) in a row ended without a new step"
     )
 
 

@@ -74,7 +74,7 @@ def test_requeueing_stops_after_the_configured_allocations_without_a_new_step(tm
     assert idle_allocations(paths, "11") == 2 and stop_requeueing(cfg, paths, "11") is None
     events.log({"event": "start", "step": 4, "slurm_job_id": "11", "slurm_restart_count": 3})
     why = stop_requeueing(cfg, paths, "11")
-    assert why is not None and why.startswith("not requeued: 3 allocations in a row ended without a new step")
+    assert why is not None and why.startswith("not requeued: 3 allocation(s) in a row ended without a new step")
     assert "stays at step 4" in why
     assert idle_allocations(paths, "12") == 0  # a new submission starts counting afresh
     assert stop_requeueing(slurm_config(tmp_path, "launch.slurm.max_idle_allocations=0"), paths, "11") is None
