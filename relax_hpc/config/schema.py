@@ -608,8 +608,9 @@ class SlurmConfig(Section):
     setup: list[str] = []
     """Shell lines run in the job before the launcher, e.g. `module load cuda/12.8`."""
     rdzv_port: int = Field(default=0, ge=0, le=65535)
-    """Port of the trainer's torchrun rendezvous on the first trainer node; 0 derives it from
-    the job id (20000 + id mod 20000)."""
+    """Port of the trainer's torchrun rendezvous on the first trainer node; 0 takes a port free
+    at each start of the trainer (a restart never meets its predecessor's store). A fixed port
+    is reused by every start, once the predecessor's job step is gone."""
 
 
 class NotifyConfig(Section):
@@ -643,6 +644,13 @@ class HealthConfig(Section):
     trainer is killed and the run restarted from its checkpoint (trainer_restarts)."""
     step_factor: float = Field(default=20.0, gt=1)
     """See step_timeout_s."""
+    startup_timeout_s: float = Field(default=1800.0, gt=0)
+    """A role that has not said it runs this long after its start is hung in its start-up, and
+    is killed and restarted like any hung role: a trainer without its first heartbeat (written
+    once its ranks have met, built the model and loaded the checkpoint), a driver without its
+    first, an engine that has not registered (its model is loaded and it serves). Raise it for a
+    model that takes longer to load (an SGLang engine gets rollout.sglang.startup_timeout_s
+    for its server)."""
 
 
 class LaunchConfig(Section):

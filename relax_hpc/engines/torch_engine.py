@@ -29,6 +29,7 @@ import sys
 import threading
 import uuid
 from collections import ChainMap
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -43,6 +44,7 @@ from transformers import AutoTokenizer
 from relax_hpc.data.media import Kind, MediaError, MediaRef
 from relax_hpc.data.processor import Processed, ProcessorError, media_processor
 from relax_hpc.engines.sampling import Completion, SamplingSpec, input_logprobs, sample
+from relax_hpc.metrics.startup import StartupClock
 from relax_hpc.models.hf import load_policy
 from relax_hpc.models.lora import read_adapter_folder
 from relax_hpc.paths import RunPaths
@@ -149,6 +151,7 @@ class TorchEngine:
         self._pending: list[_Job] = []
         self._paused = False
         self._running: list[_Job] = []  # the batch being sampled (an abort stops it mid-way)
+        self.sampled: Callable[[], None] = lambda: None  # after each batch (serve: the start-up record)
         threading.Thread(target=self._schedule_loop, name="scheduler", daemon=True).start()
 
     # -- generation -----------------------------------------------------------------------------
@@ -294,6 +297,7 @@ class TorchEngine:
                 job.version = version
                 start += len(job.prompts)
                 job.done.set()
+            self.sampled()
 
     def _score_inputs(self, jobs: list[_Job]) -> None:
         """The input log-probabilities of the prompts that asked for them (logprob_start_len),
@@ -599,11 +603,13 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(HTTPStatus.NOT_FOUND, {"error": f"no route {self.path}"})
 
 
-def serve(args: argparse.Namespace) -> None:
+def serve(args: argparse.Namespace, startup: StartupClock) -> None:
     torch.set_num_threads(args.threads)
     paths = RunPaths(Path(args.run_dir))
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     engine = TorchEngine(args.model_path, args.dtype, device)
+    startup.mark("model")
+    engine.sampled = lambda: startup.finish(paths.metrics, args.engine_id, "first_batch")
     try:
         server = ThreadingHTTPServer((args.host, args.port), _Handler)
     except OSError as e:
@@ -634,6 +640,7 @@ def serve(args: argparse.Namespace) -> None:
     server.RequestHandlerClass = handler
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
     announce()
+    startup.mark("registered")
     log.info(
         "engine %s serving %s on %s:%d (python %s)",
         args.engine_id,
@@ -652,6 +659,7 @@ def serve(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    startup = StartupClock()
     parser = argparse.ArgumentParser(
         prog="python -m relax_hpc.engines.torch_engine",
         description="relax_hpc's built-in torch rollout engine (SGLang protocol)",
@@ -675,7 +683,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    serve(args)
+    serve(args, startup)
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ def may_requeue(cfg: JobConfig, paths: RunPaths, supervisor: Supervisor) -> bool
 def _supervisor(cfg: JobConfig, paths: RunPaths) -> Supervisor:
     alloc = Allocation.from_env()
     check_shared_run_dir(paths, alloc)
-    return Supervisor(cfg, paths, step_commands(cfg, paths, alloc))
+    return Supervisor(cfg, paths, lambda: step_commands(cfg, paths, alloc), slurm_job=alloc.job_id)
 
 
 def run_in_allocation(cfg: JobConfig, paths: RunPaths) -> int:

@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -26,9 +26,11 @@ from typing import TextIO
 import psutil
 
 from relax_hpc.config.schema import JobConfig
+from relax_hpc.launch.commands import step_name
 from relax_hpc.launch.health import HealthMonitor
 from relax_hpc.launch.notify import Notifier
 from relax_hpc.launch.recover import recover
+from relax_hpc.launch.steps import JobStep, end_steps
 from relax_hpc.metrics.jsonl import JsonlWriter, read_jsonl
 from relax_hpc.metrics.progress import Progress
 from relax_hpc.metrics.summary import completed_steps, run_summary
@@ -36,6 +38,7 @@ from relax_hpc.paths import RunPaths, write_atomic
 
 EXIT_COMPLETED, EXIT_FAILED, EXIT_STOPPED = 0, 1, 75
 TRAINER_EXIT_GRACE_S = 5.0  # after its stop record, for the trainer's own exit
+ENGINE_ROLES = ("engine", "judge", "teacher")  # prefixes of the engine roles' names
 
 
 @dataclass
@@ -50,6 +53,7 @@ class Role:
     started_at: float = 0.0  # wall time of the current process's start
     hung: str | None = None  # why the health monitor killed it, until its restart
     not_before: float = 0.0  # a restart waits until then (monotonic; the back-off)
+    step: JobStep | None = None  # on Slurm: the role's job steps (ended with the role)
 
     def start(self, env: dict[str, str]) -> None:
         self.started_at = time.time()
@@ -73,18 +77,24 @@ class Role:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, sig)
 
-    def kill(self) -> None:
-        """SIGKILL to the role and every process below it. torchrun starts each rank in a session
-        of its own, so killing the role's process group would orphan the ranks: a hung (stopped,
-        deadlocked) rank would then live on and keep its GPU memory from the restarted run."""
-        if self.proc is None or not self.alive():
-            return
-        with contextlib.suppress(psutil.NoSuchProcess):
-            below = psutil.Process(self.proc.pid).children(recursive=True)
-        self.signal(signal.SIGKILL)
-        for process in below:
+    def kill(self) -> list[str]:
+        """End the role's processes: SIGKILL to its process and every process below it, and on
+        Slurm its job step. torchrun starts each rank in a session of its own, so killing the
+        role's process group would orphan the ranks: a hung (stopped, deadlocked) rank would then
+        live on and keep its GPU memory from the restarted run. On Slurm the role's process is
+        the `srun` client, and the step outlives it (steps.py). Returns the ids of the role's
+        steps that Slurm still lists after the bound (empty: everything ended)."""
+        if self.proc is not None and self.alive():
             with contextlib.suppress(psutil.NoSuchProcess):
-                process.kill()
+                below = psutil.Process(self.proc.pid).children(recursive=True)
+                self.signal(signal.SIGKILL)
+                for process in below:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        process.kill()
+                psutil.wait_procs(below, timeout=10)
+            with contextlib.suppress(subprocess.TimeoutExpired):  # a process in D state: the bound
+                self.proc.wait(timeout=10)
+        return self.step.end() if self.step is not None else []
 
     def note(self, line: str) -> None:
         """A line of the launcher's own at the end of the role's log."""
@@ -120,12 +130,17 @@ class Supervisor:
         self,
         cfg: JobConfig,
         paths: RunPaths,
-        commands: dict[str, list[str]],
+        commands: Callable[[], dict[str, list[str]]],
         out: TextIO = sys.stdout,
         devices: str | None = None,
+        slurm_job: str | None = None,
     ) -> None:
+        """`commands`: every role's command line, asked anew at each start of the run (a
+        restarted trainer gets a fresh rendezvous endpoint); `slurm_job`: the job whose steps
+        the roles are, which ending a role cancels."""
         self.cfg, self.paths, self.commands, self.out = cfg, paths, commands, out
         self.devices = devices  # where the roles run, said once in the header
+        self.slurm_job = slurm_job
         self.stop_requested = False
         self.kill_requested = False
         self.events = JsonlWriter(paths.events_metrics)
@@ -193,9 +208,10 @@ class Supervisor:
                 name,
                 argv,
                 logs / f"{name}.log",
-                ro.max_engine_restarts if name.startswith(("engine", "judge", "teacher")) else 3,
+                ro.max_engine_restarts if name.startswith(ENGINE_ROLES) else 3,
+                step=JobStep(self.slurm_job, step_name(self.cfg, name)) if self.slurm_job else None,
             )
-            for name, argv in self.commands.items()
+            for name, argv in self.commands().items()
         }
         job = os.environ.get("SLURM_JOB_ID")
         restart_count = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
@@ -220,7 +236,8 @@ class Supervisor:
         self.notifier.send("resumed" if recovery.step else "started", f"at step {recovery.step}; logs in {logs}")
         # A role the run does not have (an sft job's driver) started "in the future": never overdue.
         started = lambda name: roles[name].started_at if name in roles else float("inf")  # noqa: E731
-        monitor = HealthMonitor(self.paths, self.cfg.launch.health, started)
+        engines = [name for name in roles if name.startswith(ENGINE_ROLES)]
+        monitor = HealthMonitor(self.paths, self.cfg.launch.health, started, engines)
         try:
             return self._supervise(roles, env, monitor)
         finally:
@@ -245,8 +262,7 @@ class Supervisor:
             self.notifier.send(f"{role.name} hung", f"{finding.cause}; killed and restarted")
             self.events.log({"event": "role_hung", "role": role.name, "cause": finding.cause})
             role.hung = finding.cause
-            role.kill()
-            monitor.forget(role.name)
+            self._kill(role)
 
     def _supervise(self, roles: dict[str, Role], env: dict[str, str], monitor: HealthMonitor) -> tuple[int, bool]:
         progress = Progress(
@@ -310,6 +326,7 @@ class Supervisor:
                 role.restarts += 1
                 self.say(f"\n{role.name} ended ({cause}); restarting ({role.restarts}/{role.max_restarts})\n")
                 role.hung, role.not_before = None, 0.0
+                self._kill(role)  # what its process left behind: a Slurm step outlives its srun
                 role.start(env)
             progress.show(sum(r.alive() for r in engines), len(engines))
             end = progress.trainer_end
@@ -380,5 +397,18 @@ class Supervisor:
             try:
                 role.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                role.kill()
-                role.proc.wait()
+                self._kill(role)
+        # An srun that exited has seen its step end, unless it was killed: end what is left of
+        # every role at once (one squeue, 0.2 s), so that a restarted run starts alone. After a
+        # stop the job ends or requeues now, and Slurm ends every step with it.
+        if self.slurm_job and not self.stop_requested:
+            self._report_left("roles", end_steps(self.slurm_job, [r.step.name for r in roles if r.step]))
+
+    def _kill(self, role: Role) -> None:
+        """End the role's processes (Role.kill); say so when Slurm still lists a step of it."""
+        self._report_left(role.name, role.kill())
+
+    def _report_left(self, whose: str, steps: list[str]) -> None:
+        if steps:
+            self.say(f"\n{whose}: Slurm still lists step(s) {', '.join(steps)} after scancel and SIGKILL\n")
+            self.events.log({"event": "step_not_ended", "role": whose, "steps": steps})

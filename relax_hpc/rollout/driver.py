@@ -35,6 +35,7 @@ from relax_hpc.envs.rounds import Rounds
 from relax_hpc.exchange.spool import SampleBatch, Spool
 from relax_hpc.metrics.heartbeat import Heartbeat
 from relax_hpc.metrics.jsonl import JsonlWriter, read_jsonl
+from relax_hpc.metrics.startup import StartupClock
 from relax_hpc.paths import RunPaths
 from relax_hpc.protocol.client import EngineRequestError, EngineUnavailable
 from relax_hpc.rewards import RewardError, make_scorer
@@ -69,6 +70,7 @@ class Driver:
         self.spool = Spool(paths.spool)
         self.pool = EnginePool(paths, self.ro.request_timeout_s)
         self.stopping = False
+        self.startup: StartupClock | None = None  # main's, until the first published batch
         self.position = 0  # the next batch to generate (for the heartbeat)
         self.policy = EnginePolicy(
             self.pool,
@@ -137,6 +139,8 @@ class Driver:
         while not self.stopping:
             self.pool.refresh()
             newest = max((e.version for e in self.pool.engines), default=-1)
+            if self.startup and newest >= 0:
+                self.startup.mark("engines")
             if newest >= next_eval:
                 try:
                     evaluated = await self.evaluate(newest)
@@ -154,6 +158,8 @@ class Driver:
                 seconds = time.monotonic() - started
                 batch.attrs["generate_seconds"] = seconds  # the trainer's time breakdown reports it
                 self.spool.publish(batch, writer="driver")
+                if self.startup:
+                    self.startup.finish(self.paths.metrics, "driver", "first_batch")
                 self.metrics.log(
                     {
                         "batch": seq,
@@ -173,16 +179,21 @@ class Driver:
                 self.position = seq
                 continue
             await asyncio.sleep(wait)
-            wait = min(wait * 1.5, 0.5)
+            # At most 0.2 s: a run's first batch waits here for the engines to register, the
+            # next ones for a version (a listing of RUN_DIR/registry, 5 times a second at most).
+            wait = min(wait * 1.5, 0.2)
 
 
 def main() -> None:
+    startup = StartupClock()
     parser = argparse.ArgumentParser(prog="python -m relax_hpc.rollout.driver", description="relax_hpc rollout driver")
     parser.add_argument("--run-dir", required=True, type=Path)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s driver %(name)s %(levelname)s %(message)s")
     paths = RunPaths(args.run_dir)
     driver = Driver(read_frozen(paths.config), paths)
+    startup.mark("init")
+    driver.startup = startup
 
     def stop(*_: object) -> None:
         driver.stopping = True

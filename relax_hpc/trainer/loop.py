@@ -32,6 +32,7 @@ from relax_hpc.data.processor import media_processor
 from relax_hpc.exchange.spool import Spool
 from relax_hpc.metrics.heartbeat import Heartbeat, StepClock
 from relax_hpc.metrics.jsonl import JsonlWriter
+from relax_hpc.metrics.startup import StartupClock
 from relax_hpc.metrics.timing import PeakMemory, PhaseTimer
 from relax_hpc.models.lora import write_adapter_folder
 from relax_hpc.paths import RunPaths, write_atomic
@@ -139,6 +140,7 @@ class Trainer:
         self.buckets = plan_buckets(self.layout.specs(), int(cfg.weights.bucket_mb * 2**20))
         self.state = RunState()
         self.stop = StopRequest(paths.stop_request)
+        self.startup: StartupClock | None = None  # main's, until the first step (metrics/startup.jsonl)
         self.delivered = -1  # policy version the engines hold (rank 0's knowledge)
         self.last_engine_check = 0.0
         self.total = cfg.trainer.total_steps
@@ -381,11 +383,17 @@ class Trainer:
             if kind == "sync":
                 with self.timer.phase("push"):
                     self.sync()
+                if self.startup and self.rank == 0 and self.delivered == self.state.version:
+                    self.startup.mark("weight_sync")  # the group formed and the engines hold the weights
             elif kind == "wait":
                 time.sleep(wait_s)
                 wait_s = min(wait_s * 1.5, 0.5)  # back off: the spool may live on NFS
             elif kind == "train":
+                if self.startup:
+                    self.startup.mark("first_batch")
                 record = self.train(command)
+                if self.startup:
+                    self.startup.finish(self.paths.metrics, f"trainer-{self.rank}", "first_step")
                 if record is None:
                     continue
                 if self.state.step % self.cfg.ckpt.every_steps == 0 and self.state.step < total:
