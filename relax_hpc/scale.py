@@ -246,7 +246,9 @@ def main() -> None:
         prog="python -m relax_hpc.scale", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("run_dir", type=Path)
-    sub = parser.add_subparsers(dest="command", required=True)
+    # `serve` (how the local executor starts elastic engines) is left out of the help: a parser
+    # added without help= is not listed, and the metavar names only the user's commands.
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{out,in,list}")
     out = sub.add_parser("out", help="add engines")
     what = out.add_mutually_exclusive_group(required=True)
     what.add_argument("--engines", type=int, help="engines of a new elastic job")
@@ -263,7 +265,7 @@ def main() -> None:
     leave.add_argument("--drain-timeout-s", type=float, default=60.0)
     show = sub.add_parser("list", help="every scale operation and its state")
     show.add_argument("--json", action="store_true")
-    serving = sub.add_parser("serve", help=argparse.SUPPRESS)  # the local executor's elastic engines
+    serving = sub.add_parser("serve")
     serving.add_argument("op_id")
     args = parser.parse_args()
     paths = RunPaths(args.run_dir)

@@ -54,9 +54,7 @@ class RunConfig(Section):
 
 
 class ModelConfig(Section):
-    path: Annotated[
-        str, PathOption("hf_model", "for the embedded default run `python tools/make_tiny_policy.py --out assets`")
-    ] = "assets/tiny-qwen3-addition"
+    path: Annotated[str, PathOption("hf_model")] = "assets/tiny-qwen3-addition"
     """An HF model folder (config.json, safetensors, tokenizer files) that both the trainer and
     the engines load."""
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -171,7 +169,7 @@ class RolloutConfig(Section):
     budget (each token keeps the version that sampled it). Keeps slow completions from holding
     a step back. Staleness then counts per token (see mask_stale_tokens)."""
     mask_stale_tokens: bool = False
-    """With partial rollout: tokens sampled by a policy more than max_staleness versions old are
+    """Needs rollout.partial. With partial rollout: tokens sampled by a policy more than max_staleness versions old are
     left out of the loss (and counted) instead of setting their whole group aside."""
     max_staleness: int = Field(default=1, ge=0)
     """How many policy versions rollout may run ahead of training. 0 = strictly on-policy (rollout
@@ -523,7 +521,8 @@ class CheckpointConfig(Section):
     keep_trained_batches: bool = Field(default=False)
     """Keep the sample batches of trained steps in spool/claimed/ for good. Off: once a checkpoint
     covers a step (a resume can no longer need its batches), their HDF5 files are deleted; the
-    small manifests saying what each step trained stay."""
+    small manifests saying what each step trained stay (they number the batches; about 5 KB of
+    JSON per step for the tiny default, a folder each)."""
     export_hf: bool = Field(default=True)
     """When training completes, write the final weights as an HF folder to RUN_DIR/hf (what
     tools/dcp_to_hf.py writes; ClearML registers it as an artifact)."""
@@ -610,6 +609,11 @@ class SlurmConfig(Section):
     max_timeouts: int = Field(default=1000, ge=0)
     """Times the job may hit its time limit and requeue itself before giving up. Preemptions
     do not count."""
+    max_idle_allocations: int = Field(default=3, ge=0)
+    """The job stops requeueing itself after this many allocations in a row that ended without a
+    new checkpointed step (a time limit too short for a start-up and a step, a start that always
+    fails): it ends with that reason in events.jsonl, its output and `submit --wait`'s message.
+    Submitting again resumes. 0 = requeue regardless."""
     job_name: str = "relax_hpc"
     """`--job-name`."""
 
@@ -837,6 +841,16 @@ class JobConfig(Section):
             raise ValueError(
                 "algo.policy_loss.kind=reinforce has no importance ratio, so samples from older policies "
                 "would train uncorrected: set rollout.max_staleness=0 or an algo.off_policy.correction"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _stale_tokens(self) -> JobConfig:
+        if self.rollout.mask_stale_tokens and not self.rollout.partial:
+            raise ValueError(
+                "rollout.mask_stale_tokens masks the old tokens of a completion that partial rollout continued "
+                "with newer weights; without rollout.partial every token of a sample has one version, so it "
+                "would change nothing: set rollout.partial=true, or leave mask_stale_tokens off"
             )
         return self
 

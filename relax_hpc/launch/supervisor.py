@@ -37,6 +37,7 @@ from relax_hpc.metrics.summary import completed_steps, run_summary
 from relax_hpc.paths import RunPaths, write_atomic
 
 EXIT_COMPLETED, EXIT_FAILED, EXIT_STOPPED = 0, 1, 75
+TRAINER_EXIT_GRACE_S = 5.0  # after its stop record, for the trainer's own exit
 ENGINE_ROLES = ("engine", "judge", "teacher")  # prefixes of the engine roles' names
 
 
@@ -94,6 +95,11 @@ class Role:
             with contextlib.suppress(subprocess.TimeoutExpired):  # a process in D state: the bound
                 self.proc.wait(timeout=10)
         return self.step.end() if self.step is not None else []
+
+    def note(self, line: str) -> None:
+        """A line of the launcher's own at the end of the role's log."""
+        with self.log_path.open("a") as out:
+            out.write(line + "\n")
 
     def log_tail(self, lines: int = 15) -> str:
         try:
@@ -267,6 +273,7 @@ class Supervisor:
         side_engines = [r for n, r in roles.items() if n.startswith(("judge", "teacher"))]
         trainer, driver = roles["trainer"], roles.get("driver")  # an sft job has no driver
         helpers = [r for n, r in roles.items() if n == "metrics"]
+        others = [*engines, *side_engines, *([driver] if driver else []), *helpers]  # all but the trainer
         started = time.monotonic()
         trainer_done_at: float | None = None
         health_checked = 0.0
@@ -282,7 +289,7 @@ class Supervisor:
             wall = self.cfg.launch.max_wall_s
             if wall and time.monotonic() - started > wall:
                 self.request_stop(f"launch.max_wall_s ({wall:.0f} s) reached")
-            for role in [*engines, *side_engines, *([driver] if driver else []), *helpers]:
+            for role in others:
                 if role.alive() or role.abandoned or trainer_done_at is not None or self.stop_requested:
                     continue
                 if role.not_before == 0.0:  # just found dead: the restart waits out the back-off
@@ -323,13 +330,38 @@ class Supervisor:
                 role.start(env)
             progress.show(sum(r.alive() for r in engines), len(engines))
             end = progress.trainer_end
-            if self.stop_requested and end is not None and not end["completed"]:
-                # The checkpoint is complete once the trainer writes its stop record: end now
-                # rather than wait for its teardown (seconds that a preempted job may not have).
+            if self.stop_requested and end is None and not progress.steps_this_start:
+                # Nothing trained since this start: the checkpoint it resumed from is what a stop
+                # would write, so stop now instead of waiting out the trainer's start-up.
                 progress.finish()
+                self.say("no step trained since this start: stopping now; the next start resumes where this one did\n")
+                self._stop_all([trainer])
+                trainer.note(
+                    "launcher: the run was asked to stop before this start trained a step, so the trainer was ended "
+                    "(SIGTERM) with nothing to checkpoint; a SignalException above is torchrun's word for that stop"
+                )
+                return EXIT_STOPPED, False
+            if self.stop_requested and end is not None and not end["completed"]:
+                # The checkpoint is complete once the trainer writes its stop record: end soon
+                # rather than wait for all of its teardown (seconds that a preempted job may not
+                # have), but give torchrun a moment to leave by itself: one ended by SIGTERM
+                # leaves a traceback in trainer.log that reads like a crash.
+                progress.finish()
+                for role in others:  # their teardown overlaps the trainer's
+                    role.signal(signal.SIGTERM)
+                if trainer.proc is not None:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        trainer.proc.wait(timeout=TRAINER_EXIT_GRACE_S)
                 return EXIT_STOPPED, False
             if trainer.alive():
                 continue
+            if trainer.returncode != 0 and progress.trainer_end is None and self.stop_requested:
+                # Slurm's SIGTERM (a requeue, a cancel) reaches the job steps as well as the
+                # launcher: a trainer that died of it before its stop record (in its start-up)
+                # was stopped, not failed; the next start resumes from the last checkpoint.
+                progress.finish()
+                self.say(f"\ntrainer ended (exit {trainer.returncode}) before its checkpoint; stopping\n")
+                return EXIT_STOPPED, False
             if trainer.returncode != 0 and progress.trainer_end is None:
                 progress.finish()
                 cause = f"hung: {trainer.hung}" if trainer.hung else f"exit {trainer.returncode}"

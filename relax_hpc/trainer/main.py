@@ -92,6 +92,13 @@ def run_rank(paths: RunPaths, startup: StartupClock) -> None:
     # ("terminate called without an active exception").
     dist.barrier()
     dist.destroy_process_group()
+    # Everything is written (records flush per line, the checkpoint is committed): leave now.
+    # The interpreter's own teardown of torch can take seconds, past the launcher's patience
+    # at a stop (it then ends torchrun, whose SignalException traceback reads like a crash).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
