@@ -301,14 +301,25 @@ class PolicyLossConfig(Section):
 class KLConfig(Section):
     coef: float = Field(default=0.0, ge=0)
     """Weight of the KL to the reference policy (a frozen copy of model.path in the trainer); 0 = off."""
-    estimator: Literal["k1", "k2", "k3", "k3_grad_k2", "k3_grad_k1"] = "k3"
-    """k1 = log ratio, k2 = half its square, k3 = exp(-log ratio) - 1 + log ratio; straight-through:
-    `k3_grad_k2` (k3's value, k2's gradient: the unbiased KL gradient in the loss, verl's `k3+`)
-    and `k3_grad_k1` (k3's value, k1's gradient)."""
+    estimator: Literal["k1", "abs", "k2", "k3", "k3_grad_k2", "k1_grad_k2"] = "k3"
+    """k1 = log ratio x, abs = abs(x), k2 = x^2 / 2, k3 = exp(-x) - 1 + x capped at 10 (no gradient
+    beyond the cap; inside it at most 12.61 per token); straight-through: `k3_grad_k2` (k3's value,
+    k2's gradient: the unbiased KL gradient in the loss, verl's `k3+`) and `k1_grad_k2` (k1's value,
+    k2's gradient, verl's `k1+`)."""
     placement: Literal["loss", "reward"] = "loss"
     """`loss`: coef * KL added to the loss (GRPO). `reward`: -coef * KL added to every token's reward
     before the advantages (REINFORCE++, PPO-RLHF), measured with the ratio's denominator
     (algo.off_policy.old_logprobs) against the reference."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_estimator(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("estimator") == "k3_grad_k1":
+            raise ValueError(
+                "algo.kl.estimator=k3_grad_k1 was removed: its gradient, grad log pi, has zero expectation "
+                "(it regularises nothing in the loss) and in the reward it equals k3; use k3_grad_k2 or k3"
+            )
+        return data
 
 
 class OffPolicyConfig(Section):
@@ -332,6 +343,12 @@ class OffPolicyConfig(Section):
     """icepop, mis, seq_mis: lower end of the kept band of w."""
     icepop_high: float = Field(default=2.0, gt=0)
     """icepop, mis, seq_mis: upper end of the kept band of w."""
+    mis_rejects: Literal["policy_term", "token"] = "policy_term"
+    """mis, seq_mis: what a token outside the band loses. `policy_term`: its policy term (weight 0,
+    like every correction's weight); it keeps its entropy and KL terms and its place in the loss's
+    denominators. `token`: the whole token, as if it had not been sampled: the policy, entropy and
+    KL terms, GSPO's and GMPO's sequence means, and the aggregation's token and sequence counts
+    (verl's rejection sampling, which edits the response mask); torch backend only."""
     routing_replay: bool = False
     """MoE models: the engines return the experts their routers chose for every token (SGLang:
     start it with --enable-return-routed-experts), the spool keeps them, and the trainer's forward
@@ -917,6 +934,12 @@ class JobConfig(Section):
             )
         if self.algo.off_policy.routing_replay:
             self._megatron_routing_replay(par)
+        if self.algo.off_policy.mis_rejects == "token" and self.algo.off_policy.correction in ("mis", "seq_mis"):
+            # The rejected tokens leave the denominators, summed over ranks in each loss call; megatron
+            # calls the loss once per packed micro-batch, with the counts of the whole mini-batch.
+            raise ValueError(
+                "algo.off_policy.mis_rejects=token needs trainer.backend=torch (megatron: set policy_term)"
+            )
         model_parallel = par.tensor_parallel * par.pipeline_parallel * par.context_parallel
         if self.trainer.num_ranks % model_parallel:
             raise ValueError(

@@ -58,6 +58,11 @@ def test_every_shipped_config_validates_and_its_inputs_exist(path):
         ),
         ("algo.policy_loss.kind=reinforce rollout.max_staleness=1", "set rollout.max_staleness=0 or an"),
         ("algo.off_policy.correction=tis algo.off_policy.old_logprobs=rollout", "set algo.off_policy.old_logprobs"),
+        ("algo.kl.estimator=k3_grad_k1", "algo.kl.estimator=k3_grad_k1 was removed"),
+        (
+            "trainer.backend=megatron algo.off_policy.correction=mis algo.off_policy.mis_rejects=token",
+            "algo.off_policy.mis_rejects=token needs trainer.backend=torch",
+        ),
         ("rollout.num_engines=two", "rollout.num_engines: Input should be a valid integer"),
         ("trainer.lr.x=1", "trainer.lr is not a section"),
         ("trainer.lr", "expected key=value"),
