@@ -25,16 +25,16 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from relax_hpc.config.load import load_config
 from relax_hpc.config.schema import JobConfig
-from relax_hpc.data.plan import to_sample_batch
 from relax_hpc.data.processor import MediaProcessor, media_processor, prompt_encoder, up_to_media_token
 from relax_hpc.data.prompts import load_prompts
 from relax_hpc.engines.sampling import SamplingSpec, sample
 from relax_hpc.envs.base import Sampled
 from relax_hpc.envs.context import GenerateCall
-from relax_hpc.envs.rounds import Rounds
 from relax_hpc.metrics.jsonl import JsonlWriter
-from relax_hpc.models.hf import load_policy
+from relax_hpc.models.hf import load_policy, torch_dtype
 from relax_hpc.rewards import make_scorer
+from relax_hpc.rollout.plan import to_sample_batch
+from relax_hpc.rollout.rounds import Rounds
 from relax_hpc.trainer.batching import share_of
 from relax_hpc.trainer.loop import reduce_stats
 from relax_hpc.trainer.torch_backend import TorchBackend
@@ -126,7 +126,7 @@ class InProcessRun:
         self.rows = load_prompts(d.path, d.prompt_key, d.answer_key, d.media)
         encode = prompt_encoder(cfg.model.path, self.processor)
         self.backend = TorchBackend(cfg, torch.device("cpu"))
-        self.sampler = load_policy(cfg.model.path, getattr(torch, cfg.model.dtype)).eval()
+        self.sampler = load_policy(cfg.model.path, torch_dtype(cfg.model.dtype)).eval()
         synced = {name for name, _, _ in self.backend.parameter_specs()}
         # What weight sync would update (tied weights appear once; a frozen encoder not at all).
         self.params = {n: p for n, p in self.sampler.named_parameters() if n in synced}

@@ -9,7 +9,8 @@ RUN_DIR/
   weights/version                       the policy version the engines hold, and how many
   weights/lora/vN                       the last versions' PEFT adapter folders (trainer.lora.sync adapter)
   ckpt/step-N  ckpt/latest              checkpoints (CkptDirs, relax_hpc.ckpt)
-  metrics/train|rollout|eval.jsonl      the record of the run (reward_failures.jsonl: failed rewards)
+  metrics/train|rollout|eval.jsonl      the record of the run (reward_failures.jsonl: failed rewards;
+                                        startup.jsonl: each process's start-up, metrics/startup.py)
   logs/RESTART/ROLE.log                 one folder per start of the launcher
   slurm/                                submitit's folder (submission file, job output), job_id
   control/stop                          asks the trainer to checkpoint and stop

@@ -11,6 +11,8 @@ Writes PNG files:
 - staleness.png   mean and max staleness of the trained samples, samples set aside as stale
 - overview.png    the four above, one panel each
 
+Every figure marks the steps where the run stopped early and where it resumed (dotted lines).
+
 With --trace it also writes trace.json, a Chrome-trace timeline (chrome://tracing, Perfetto):
 the driver's generation of each batch and the phases of each trainer step, from the times the
 records hold.
@@ -55,7 +57,7 @@ def reward(ax: Axes, steps: list[Record], evals: list[Record]) -> None:
         x, y = _series(steps, "loss")
         ax.plot(x, y, color="tab:blue", alpha=0.3, linewidth=0.8, label="loss (response tokens)")
         ax.plot(x, _mean_of(y, 10), color="tab:blue", linewidth=1.8, label="10-step mean")
-        ax.set(title="supervised loss", xlabel="step")
+        ax.set(title="supervised loss", xlabel="step", ylabel="loss")
         ax.legend(loc="upper right", fontsize=8)
         return
     x, y = _series(steps, "reward")
@@ -64,7 +66,8 @@ def reward(ax: Axes, steps: list[Record], evals: list[Record]) -> None:
     if evals:
         ax.plot([r["version"] for r in evals], [r["greedy_accuracy"] for r in evals], "o-", color="tab:orange",
                 label="greedy accuracy (at policy version)")  # fmt: skip
-    ax.set(title="reward and evaluation", xlabel="step / policy version", ylim=(-0.02, 1.02))
+    ax.set(title="reward and evaluation", xlabel="step / policy version", ylabel="reward, greedy accuracy",
+           ylim=(-0.02, 1.02))  # fmt: skip
     ax.legend(loc="lower right", fontsize=8)
 
 
@@ -119,6 +122,26 @@ def staleness(ax: Axes, steps: list[Record], _: list[Record]) -> None:
     ax.legend(loc="upper left", fontsize=8)
 
 
+def stops_and_resumes(paths: RunPaths) -> dict[int, str]:
+    """Steps where the trainer stopped early (its end records) or resumed (its starts after the
+    first), from train.jsonl: what each figure marks, e.g. {40: "stop, resume"}."""
+    marks: dict[int, list[str]] = {}
+    for r in read_jsonl(paths.train_metrics):
+        if r.get("event") == "end" and not r.get("completed"):
+            marks.setdefault(int(r["step"]), []).append("stop")
+        elif r.get("event") == "start" and r.get("step"):
+            marks.setdefault(int(r["step"]), []).append("resume")
+    return {step: ", ".join(dict.fromkeys(words)) for step, words in marks.items()}
+
+
+def mark(ax: Axes, marks: dict[int, str]) -> None:
+    """A thin vertical line at each stop or resume, named at the top of the panel."""
+    for step, words in marks.items():
+        ax.axvline(step, color="tab:gray", linestyle=":", linewidth=0.9)
+        ax.text(step, 0.98, f" {words}", transform=ax.get_xaxis_transform(), rotation=90, va="top", fontsize=6,
+                color="tab:gray")  # fmt: skip
+
+
 FIGURES: dict[str, Callable[[Axes, list[Record], list[Record]], None]] = {
     "reward": reward,
     "kl_entropy": kl_entropy,
@@ -134,15 +157,18 @@ def plot(run_dir: Path, out: Path) -> list[Path]:
     if not steps:
         raise SystemExit(f"{paths.train_metrics}: no trained step yet, nothing to plot")
     evals = [r for r in read_jsonl(paths.eval_metrics) if "greedy_accuracy" in r]
+    marks = stops_and_resumes(paths)
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for name, draw in FIGURES.items():
         fig, ax = plt.subplots(figsize=(7, 4), layout="constrained")
         draw(ax, steps, evals)
+        mark(ax, marks)
         written.append(_save(fig, out / f"{name}.png"))
     fig, axes = plt.subplots(2, 2, figsize=(13, 8), layout="constrained")
     for ax, draw in zip(axes.flat, FIGURES.values(), strict=True):
         draw(ax, steps, evals)
+        mark(ax, marks)
     fig.suptitle(f"{paths.root.name}: step {steps[-1]['step']}")
     written.append(_save(fig, out / "overview.png"))
     return written

@@ -44,6 +44,7 @@ from relax_hpc.launch.elastic import (
 from relax_hpc.launch.follow import queue_state
 from relax_hpc.paths import RunPaths
 from relax_hpc.protocol import requests as P
+from relax_hpc.protocol import routes as R
 from relax_hpc.protocol.client import EngineClient, EngineRequestError, EngineUnavailable
 from relax_hpc.protocol.registry import read_records, remove_record
 
@@ -214,7 +215,7 @@ def drain(paths: RunPaths, engines: list[str], timeout_s: float) -> None:
     for record in read_records(paths.engines):
         if record.engine_id in engines and _in_flight(paths).get(record.engine_id, 0):
             with contextlib.suppress(EngineUnavailable, EngineRequestError):  # gone already: its work is re-issued
-                EngineClient(record.url, token, 10.0).post("/abort_request", P.AbortReq(abort_all=True))
+                EngineClient(record.url, token, 10.0).post(R.ABORT_REQUEST.path, P.AbortReq(abort_all=True))
     for engine_id in engines:
         paths.drain_marker(engine_id).write_text("done\n")
 
@@ -245,7 +246,9 @@ def main() -> None:
         prog="python -m relax_hpc.scale", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("run_dir", type=Path)
-    sub = parser.add_subparsers(dest="command", required=True)
+    # `serve` (how the local executor starts elastic engines) is left out of the help: a parser
+    # added without help= is not listed, and the metavar names only the user's commands.
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{out,in,list}")
     out = sub.add_parser("out", help="add engines")
     what = out.add_mutually_exclusive_group(required=True)
     what.add_argument("--engines", type=int, help="engines of a new elastic job")
@@ -262,7 +265,7 @@ def main() -> None:
     leave.add_argument("--drain-timeout-s", type=float, default=60.0)
     show = sub.add_parser("list", help="every scale operation and its state")
     show.add_argument("--json", action="store_true")
-    serving = sub.add_parser("serve", help=argparse.SUPPRESS)  # the local executor's elastic engines
+    serving = sub.add_parser("serve")
     serving.add_argument("op_id")
     args = parser.parse_args()
     paths = RunPaths(args.run_dir)

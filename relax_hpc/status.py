@@ -7,17 +7,15 @@
 It works on a live run, a finished or stopped one, and one whose Slurm job is still pending: step
 and total, reward, the last evaluation, samples/s, staleness, where the time of a step goes, each
 engine's health, the launcher's starts and the roles' restarts with their causes, the Slurm job's
-state (squeue, then sacct), the last checkpoint, and an ETA. It reads files and asks engines'
-/health; it changes nothing.
+state (squeue; once ended, sacct or the controller's record), the last checkpoint, and an ETA.
+It reads files and asks engines' /health; it changes nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,8 +24,10 @@ from typing import Any
 from relax_hpc.ckpt.layout import latest_dir
 from relax_hpc.config.load import read_frozen
 from relax_hpc.fence import Lease, refused_writes
+from relax_hpc.launch.follow import ACTIVE, ENDED, queue_state
+from relax_hpc.launch.follow import slurm_state as ended_state
 from relax_hpc.metrics.jsonl import read_jsonl
-from relax_hpc.metrics.summary import completed_steps, step_records
+from relax_hpc.metrics.summary import completed_steps, guard_reason, step_records
 from relax_hpc.paths import RunPaths
 from relax_hpc.protocol.client import EngineClient
 from relax_hpc.protocol.registry import read_records
@@ -37,18 +37,12 @@ TIME_PHASES = ("wait", "read", "fwd_bwd", "optimizer", "push", "checkpoint")
 
 
 def slurm_state(job_id: str) -> str | None:
-    """The job's state from squeue (pending or running), else sacct (ended); None without Slurm."""
-    for argv in (["squeue", "-h", "-j", job_id, "-o", "%T %R"], ["sacct", "-n", "-X", "-j", job_id, "-o", "State"]):
-        if shutil.which(argv[0]) is None:
-            continue
-        try:
-            out = subprocess.run(argv, capture_output=True, text=True, timeout=20, check=False)
-        except subprocess.TimeoutExpired:
-            continue
-        text = " ".join(out.stdout.split())
-        if out.returncode == 0 and text:
-            return text
-    return None
+    """The job's state: squeue while it is queued or running, then Slurm's record of its end
+    (accounting, else the controller's); None where Slurm knows nothing of it."""
+    active = queue_state(job_id)
+    if active and active != "UNKNOWN":
+        return active
+    return ended_state(job_id)
 
 
 def engines(paths: RunPaths) -> list[dict[str, Any]]:
@@ -71,8 +65,10 @@ def _state(paths: RunPaths, total: int, events: list[dict[str, Any]], slurm: str
     ends = [e for e in events if e.get("event") == "end"]
     if slurm and slurm.startswith(("PENDING", "CONFIGURING", "REQUEUED")):
         return "pending (Slurm)"
+    ended = slurm is not None and slurm.split()[0] not in ACTIVE
     if starts and (not ends or ends[-1]["time"] < starts[-1]["time"]):
-        return "running"
+        # A launcher killed with its job wrote no end: Slurm's word then says how it ended.
+        return f"{ENDED.get(slurm.split()[0], slurm)} (Slurm: {slurm})" if ended and slurm else "running"
     if ends:
         return {0: "complete", 75: "stopped (resumable)"}.get(ends[-1]["exit"], "failed")
     return "not started"
@@ -103,6 +99,7 @@ def collect(run_dir: Path) -> dict[str, Any]:
         "stops": [e["why"] for e in events if e.get("event") == "stop_requested"],
         # Writes refused by superseded processes (relax_hpc/fence.py): they ended without writing.
         "fencing": {"generation": Lease(paths.root).generation, "refused_writes": len(refused_writes(paths.root))},
+        "guard": guard_reason(paths),
     }
     checkpoint = latest_dir(paths.ckpt)
     if checkpoint is not None:
@@ -191,7 +188,10 @@ def render(facts: dict[str, Any]) -> str:
         f"{fencing['refused_writes']} write(s) refused to superseded processes"
     )
     if facts["slurm_job"]:
-        lines.append(f"slurm:       job {facts['slurm_job']}: {facts['slurm_state'] or 'unknown to squeue and sacct'}")
+        known = facts["slurm_state"] or "unknown to Slurm (squeue, sacct, scontrol)"
+        lines.append(f"slurm:       job {facts['slurm_job']}: {known}")
+    if facts["guard"]:
+        lines.append(f"guard:       {facts['guard']}")
     return "\n".join(lines)
 
 

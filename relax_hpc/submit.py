@@ -25,6 +25,7 @@ from relax_hpc.data.processor import media_kinds, sampling_rate
 from relax_hpc.data.prompts import DatasetError, load_prompts
 from relax_hpc.launch.allocation import AllocationError
 from relax_hpc.launch.gpus import NO_GPU, place_local, span, visible_gpu_count
+from relax_hpc.metrics.startup import StartupClock
 from relax_hpc.metrics.summary import completed_steps, run_summary
 from relax_hpc.models.arch import check_megatron_job
 from relax_hpc.paths import RunPaths, write_atomic
@@ -169,6 +170,7 @@ def freeze(cfg: JobConfig, paths: RunPaths) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    startup = StartupClock()
     parser = argparse.ArgumentParser(
         prog="python -m relax_hpc.submit", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -213,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from relax_hpc.launch.local import run_local  # heavy imports after validation
 
+    startup.finish(paths.metrics, "launcher", "checks")  # config, inputs and RUN_DIR; then the roles start
     return run_local(cfg, paths)
 
 

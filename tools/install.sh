@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
 # Create .venv and install relax_hpc with the exact versions in constraints.txt.
 #   bash tools/install.sh          # the package, megatron-core, the metric sinks, the test, lint and type-check tools
+#   bash tools/install.sh --vllm   # and .venv-vllm, vLLM's CPU build as a rollout engine (tools/install_vllm.sh)
 # torch is pinned to a CPU build (2.13.0); an unpinned torch would pull a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+case "${1:-}" in
+  --vllm) WITH_VLLM=1 ;;
+  "") WITH_VLLM=0 ;;
+  *) echo "usage: bash tools/install.sh [--vllm]" >&2; exit 2 ;;
+esac
 PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
@@ -18,3 +24,6 @@ export PIP_CONSTRAINT="$PWD/constraints.txt" PIP_DISABLE_PIP_VERSION_CHECK=1
 SGLANG_PKGS=$(sed -n '/^# >>> sglang/,/^# <<< sglang/p' constraints.txt | grep -v '^#' | sed 's/==.*//')
 .venv/bin/python -m pip install --quiet --no-deps --no-warn-conflicts $SGLANG_PKGS
 .venv/bin/python -c "import relax_hpc, torch, transformers, h5py; print(f'relax_hpc {relax_hpc.__version__} ready (torch {torch.__version__}, transformers {transformers.__version__}, h5py {h5py.__version__})')"
+if [ "$WITH_VLLM" = 1 ]; then
+  bash tools/install_vllm.sh
+fi

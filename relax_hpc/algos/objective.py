@@ -62,15 +62,18 @@ class Objective:
             clamp = self.cfg.policy_loss.log_ratio_clamp
             assert ref_logprobs is not None, "kl.coef > 0 needs the reference's log-probabilities"
             penalty = -kl.coef * kl_estimate(old_logprobs, ref_logprobs, kl.estimator, clamp=clamp) * mask
-        if a.estimator in ("grpo", "rloo", "remax"):
+        if a.estimator == "remax":
+            assert baselines is not None, "remax needs the greedy baselines"
+            # Each token gets its reward-to-go: the outcome plus the KL penalty of this and the later
+            # tokens (an earlier token's penalty does not depend on this token's choice), as in verl.
+            per_sample = adv_lib.remax(rewards, baselines, group_ids)
+            return Advantages(adv_lib.per_token(per_sample, mask) + adv_lib.discounted_returns(penalty, mask, 1.0))
+        if a.estimator in ("grpo", "rloo"):
             rewards = rewards + penalty.sum(-1)
             if a.estimator == "grpo":
                 per_sample = adv_lib.grpo(rewards, group_ids, normalize_std=a.normalize_std, eps=a.std_eps)
-            elif a.estimator == "rloo":
-                per_sample = adv_lib.rloo(rewards, group_ids)
             else:
-                assert baselines is not None, "remax needs the greedy baselines"
-                per_sample = adv_lib.remax(rewards, baselines, group_ids)
+                per_sample = adv_lib.rloo(rewards, group_ids)
             return Advantages(adv_lib.per_token(per_sample, mask))
         if a.estimator == "distill":
             assert teacher_logprobs is not None, "the distill estimator needs the teacher's log-probabilities"
@@ -136,7 +139,6 @@ class Objective:
     ) -> tuple[torch.Tensor, Stats]:
         """This rank's share of the mini-batch loss (summing it over ranks gives the loss)."""
         p, kl, off = self.cfg.policy_loss, self.cfg.kl, self.cfg.off_policy
-        terms = self._policy_terms(logprobs, old_logprobs, advantages, mask)
         weight, mismatch = behaviour_weights(
             old_logprobs,
             rollout_logprobs,
@@ -147,6 +149,8 @@ class Objective:
             log_ratio_clamp=p.log_ratio_clamp,
             mask=mask,
         )
+        loss_mask, norm = self._rejected_removed(mask, weight, norm)
+        terms = self._policy_terms(logprobs, old_logprobs, advantages, loss_mask)
         per_token = terms.loss * weight - p.entropy_coef * entropy
         stats = Stats()
         if self.needs_reference:
@@ -156,12 +160,15 @@ class Objective:
                 per_token = per_token + kl.coef * divergence
             stats.mean_of("kl_ref", divergence, mask)
             stats.mean_of("kl_ref_k1", (logprobs - ref_logprobs).detach(), mask)
-        loss = aggregate(per_token, mask, p.aggregation, Normalizer(norm.tokens, norm.sequences, self.agg_constant))
+        loss = aggregate(
+            per_token, loss_mask, p.aggregation, Normalizer(norm.tokens, norm.sequences, self.agg_constant)
+        )
         log_ratio = (logprobs - old_logprobs).detach().clamp(-p.log_ratio_clamp, p.log_ratio_clamp)
         stats.sums["tokens"] = float(mask.sum())
         stats.mean_of("pg_loss", terms.loss * weight, mask)
         stats.mean_of("entropy", entropy, mask)
-        stats.mean_of("clip_fraction", terms.clipped.to(mask.dtype), mask)
+        # A token with a zero advantage has no policy gradient to clip: every loss counts the others only.
+        stats.mean_of("clip_fraction", (terms.clipped & (advantages != 0)).to(mask.dtype), mask)
         # k3 estimate of KL(pi_old || pi) on tokens sampled from pi_old: (r - 1) - log r
         stats.mean_of("approx_kl", torch.exp(log_ratio) - 1 - log_ratio, mask)
         stats.mean_of("kl_k1", -log_ratio, mask)  # the plain estimate, log pi_old - log pi
@@ -180,6 +187,20 @@ class Objective:
             stats.mean_of("is_weight_mean", weight, mask)
             stats.mean_of("is_dropped_fraction", (weight == 0).to(mask.dtype), mask)
         return loss, stats
+
+    def _rejected_removed(
+        self, mask: torch.Tensor, weight: torch.Tensor, norm: Normalizer
+    ) -> tuple[torch.Tensor, Normalizer]:
+        """(mask, counts) of the loss: with mis_rejects=token, without the tokens mis or seq_mis
+        rejected (their counts summed over ranks: one all-reduce per call)."""
+        off = self.cfg.off_policy
+        if off.mis_rejects != "token" or off.correction not in ("mis", "seq_mis"):
+            return mask, norm
+        kept = mask * (weight > 0).to(mask.dtype)
+        lost_tokens = (mask - kept).sum()
+        lost_sequences = ((mask.sum(-1) > 0) & (kept.sum(-1) == 0)).sum().to(mask.dtype)
+        lost = self.comm.all_sum(torch.stack([lost_tokens, lost_sequences]).double())
+        return kept, Normalizer(norm.tokens - float(lost[0]), norm.sequences - float(lost[1]), norm.constant)
 
     def critic_loss(
         self,

@@ -1,7 +1,8 @@
 """Policy losses. Each returns a PolicyTerms: the per-token loss [n, T] (to be minimised; the
-aggregation and the mask are applied by the caller), the importance ratio it used and which
-tokens it clipped: gave no gradient (PPO, GSPO; M2PO's masked tokens), less than half the
-unclipped gradient (SAPO), or a clipped weight (CISPO, whose tokens all keep a gradient).
+aggregation and the mask are applied by the caller), the importance ratio it clips (before the
+clip) and which tokens it clipped: gave no gradient (PPO, GSPO, GMPO; M2PO's masked tokens), less
+than half the unclipped gradient (SAPO), or a clipped weight (CISPO, whose tokens all keep a
+gradient). The clip_fraction metric counts the clipped tokens with a non-zero advantage.
 
 With r = pi_theta / pi_old per token (log-ratio clamped to +-log_ratio_clamp) and advantage A:
 
@@ -24,7 +25,8 @@ With r = pi_theta / pi_old per token (log-ratio clamped to +-log_ratio_clamp) an
   [-eps_low, eps_high] on the pessimistic side (sign(A) min(sign(A) log r, sign(A) clip(log r))):
   R_i = exp(mean_t m_it), loss -A R_i on every token of the sequence (with seq_mean_token_mean,
   exactly the paper's objective). One extreme token moves a geometric mean less than an
-  arithmetic one; the paper's bounds are 0.4.
+  arithmetic one; the paper's bounds are 0.4. Its ratio is reported unclipped, exp(mean_t log r_it);
+  its clipped tokens are those outside the bounds on the pessimistic side (no gradient through them).
 - reinforce: -A r with r = exp(log pi - sg(log pi)) = 1; its gradient is the plain policy
   gradient -A grad log pi (Williams 1992; RLOO's loss). pi_old is ignored.
 """
@@ -41,7 +43,7 @@ from relax_hpc.algos.comm import LOCAL, Comm
 @dataclass(slots=True)
 class PolicyTerms:
     loss: torch.Tensor  # [n, T] per token
-    ratio: torch.Tensor  # [n, T] the importance ratio the loss used (detached)
+    ratio: torch.Tensor  # [n, T] the importance ratio the loss clips, before the clip (detached)
     clipped: torch.Tensor  # [n, T] bool: see the module docstring
 
 
@@ -113,7 +115,9 @@ def gmpo(
     sign = torch.where(adv < 0, -1.0, 1.0).to(log_ratio.dtype)
     pessimistic = sign * torch.minimum(sign * log_ratio, sign * log_ratio.clamp(*log_bounds))
     ratio = torch.exp(_sequence_mean(pessimistic, mask)).expand_as(log_ratio)
-    return PolicyTerms(-adv * ratio, ratio.detach(), pessimistic.detach() != log_ratio.detach())
+    # Reported like PPO's r and GSPO's s_i: the ratio before the clip, whatever the advantage.
+    unclipped = torch.exp(_sequence_mean(log_ratio.detach(), mask)).expand_as(log_ratio)
+    return PolicyTerms(-adv * ratio, unclipped, pessimistic.detach() != log_ratio.detach())
 
 
 def sapo(

@@ -29,7 +29,7 @@ from transformers import AutoConfig
 from relax_hpc.ckpt.layout import latest_dir
 from relax_hpc.config.load import read_frozen
 from relax_hpc.models import lora
-from relax_hpc.models.hf import empty_policy, is_omni, load_policy
+from relax_hpc.models.hf import empty_policy, is_omni, load_policy, torch_dtype
 from relax_hpc.paths import CkptDirs, RunPaths
 from relax_hpc.weights.lora import SCALING, merge_all
 
@@ -61,7 +61,7 @@ def torch_backend_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 def megatron_backend_tensors(folder: Path, hf_config: Any) -> dict[str, torch.Tensor]:
     """HF-named tensors of a megatron distributed checkpoint (its model part only)."""
-    from relax_hpc.models.hf_mapping import megatron_checkpoint_to_hf  # needs megatron-core
+    from relax_hpc.models.hf_checkpoint import megatron_checkpoint_to_hf  # needs megatron-core
 
     return megatron_checkpoint_to_hf(folder, hf_config)
 
@@ -86,9 +86,9 @@ def convert(
             _copy_companions(Path(cfg.model.path), out)
             _readable_like_other_output(out)
             return folder
-        base = load_policy(cfg.model.path, getattr(torch, cfg.model.dtype)).state_dict()
+        base = load_policy(cfg.model.path, torch_dtype(cfg.model.dtype)).state_dict()
         tensors = base | merge_all(base, adapter)  # what the engines hold: relax_hpc.weights.lora
-    model = empty_policy(cfg.model.path, getattr(torch, cfg.model.dtype))
+    model = empty_policy(cfg.model.path, torch_dtype(cfg.model.dtype))
     missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     tied = any(getattr(c, "tie_word_embeddings", False) for c in (model.config, model.config.get_text_config()))
     missing = [k for k in missing if not (k == "lm_head.weight" and tied)]

@@ -3,6 +3,8 @@ from the mark: absolute paths at load, existence checks before a job starts, con
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,6 +12,11 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from relax_hpc.config.schema import JobConfig, PathOption
+
+# The tiny policies tools/make_tiny_policy.py builds (folder name: its --task), and where the
+# repository ships them.
+TINY_POLICIES = {"tiny-qwen3-addition": "addition", "tiny-qwen3-calculator": "calculator"}
+SHIPPED_ASSETS = Path(__file__).resolve().parents[2] / "assets"
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +70,10 @@ def path_problems(config: BaseModel) -> list[str]:
     problems = []
     for f in path_fields(config):
         path = None if f.value is None else Path(f.value)
-        if path is None or f.option.kind == "run_dir":
+        if path is None:
+            continue
+        if f.option.kind == "run_dir":
+            problems += [f"{f.key}: {why}"] if (why := run_dir_problem(path)) else []
             continue
         hint = f"; {f.option.hint}" if f.option.hint else ""
         if f.option.kind == "hf_model" and path.name == "hf" and (path.parent / "config.yaml").is_file():
@@ -74,12 +84,47 @@ def path_problems(config: BaseModel) -> list[str]:
                     f"python tools/dcp_to_hf.py --run-dir {path.parent} --out {path}"
                 )
         elif f.option.kind == "hf_model" and not (path / "config.json").is_file():
-            problems.append(f"{f.key}: {path} is not an HF model folder (no config.json){hint}")
+            problems.append(
+                f"{f.key}: {path} is not an HF model folder (no config.json){hint}{tiny_policy_hint(f.key, path)}"
+            )
         elif f.option.kind == "file" and not path.is_file():
             problems.append(f"{f.key}: {path} does not exist or is not a file{hint}")
         elif f.option.kind == "image" and not path.exists():
             problems.append(f"{f.key}: {path} does not exist{hint}")
     return problems
+
+
+def tiny_policy_hint(key: str, path: Path) -> str:
+    """How to get a missing tiny policy back, for the folder names tools/make_tiny_policy.py
+    writes only, and never by a command that would overwrite the shipped assets."""
+    task = TINY_POLICIES.get(path.name)
+    if task is None:
+        return ""
+    build = f"python tools/make_tiny_policy.py --task {task} --out"
+    if path.parent == SHIPPED_ASSETS:
+        return (
+            f"; it ships with relax_hpc: restore it with `git checkout -- {path}`, or build one in a folder of "
+            f"your own with `{build} FOLDER` and set {key}=FOLDER/{path.name}"
+        )
+    return f"; build it with `{build} {path.parent}`"
+
+
+def run_dir_problem(path: Path) -> str | None:
+    """Why RUN_DIR cannot be created or written (None: it can), found without leaving anything
+    behind: a folder made and removed again where it would go (its nearest existing parent)."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        where = "is" if existing == path else f"would be below {existing}, which is"
+        return f"{path} {where} a file, not a folder; pick another run.dir"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".relax-probe-", dir=existing))
+    except OSError as e:
+        return (
+            f"{path} cannot be created or written: {existing} refuses a new folder ({e.strerror}); pick another run.dir"
+        )
+    return None
 
 
 def bind_sources(config: BaseModel) -> list[str]:

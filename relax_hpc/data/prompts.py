@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from relax_hpc.data.media import KINDS, Kind, MediaError, MediaRef, check, resolve
+from relax_hpc.config.schema import MEDIA_KINDS as KINDS
+from relax_hpc.data.media import Kind, MediaError, MediaRef, check, resolve
 
 
 class DatasetError(ValueError):

@@ -122,11 +122,12 @@ def _die_with_parent() -> None:
         _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def start_server(cfg: JobConfig, argv: list[str]) -> subprocess.Popen:
+def start_server(command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
     # Its own session: the supervisor's signals to this process's group do not reach the server
-    # directly, so this process decides how it stops, and can kill every SGLang subprocess at once.
+    # directly, so this process decides how it stops, and can kill every server subprocess at once.
     return subprocess.Popen(
-        [sys.executable, "-m", cfg.rollout.sglang.module, *argv],
+        command,
+        env=env,
         start_new_session=True,
         preexec_fn=_die_with_parent,  # noqa: PLW1509  # only prctl(PR_SET_PDEATHSIG), which must run in the child
     )
@@ -140,6 +141,10 @@ def kill_group(proc: subprocess.Popen) -> None:
 
 
 class Wrapper:
+    """Supervises one SGLang server; VllmWrapper (relax_hpc.engines.vllm_engine) a vLLM one."""
+
+    KIND = "SGLang"
+
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.paths = RunPaths(Path(args.run_dir))
@@ -155,7 +160,7 @@ class Wrapper:
 
     def on_signal(self, signum: int, _frame: object) -> None:
         name = signal.Signals(signum).name
-        log.info("%s: %s received; passing it on to the SGLang server", self.args.engine_id, name)
+        log.info("%s: %s received; passing it on to the %s server", self.args.engine_id, name, self.KIND)
         self.signum = signum
         self.stopping.set()
         self._forward()
@@ -165,16 +170,32 @@ class Wrapper:
             with contextlib.suppress(ProcessLookupError):  # it exited a moment ago
                 os.killpg(self.proc.pid, self.signum)
 
-    def run(self) -> int:
+    def command(self) -> list[str]:
+        """The server's command line (the run token in it as the API key)."""
         argv = server_args(self.cfg, self.args.host, self.port, self.api_key, self.args.pool, self.args.device)
-        module = self.cfg.rollout.sglang.module
-        log.info("%s: starting python -m %s %s", self.args.engine_id, module, redact(argv, self.api_key))
-        self.proc = start_server(self.cfg, argv)
-        log.info("%s: SGLang server pid %d", self.args.engine_id, self.proc.pid)
+        return [sys.executable, "-m", self.cfg.rollout.sglang.module, *argv]
+
+    def environment(self) -> dict[str, str] | None:
+        """The server's environment; None: this process's."""
+        return None
+
+    @property
+    def startup_timeout_s(self) -> float:
+        return self.cfg.rollout.sglang.startup_timeout_s
+
+    def prepare(self) -> None:
+        """Once the server answers /health, before it is registered."""
+
+    def run(self) -> int:
+        command = self.command()
+        log.info("%s: starting %s", self.args.engine_id, redact(command, self.api_key))
+        self.proc = start_server(command, self.environment())
+        log.info("%s: %s server pid %d", self.args.engine_id, self.KIND, self.proc.pid)
         if self.stopping.is_set():  # the signal came while the server was being started
             self._forward()
         try:
             if self.wait_healthy():
+                self.prepare()
                 self.register()
                 self.watch()
             return self.stop()
@@ -182,14 +203,14 @@ class Wrapper:
             log.error("%s: %s", self.args.engine_id, e)
             return 1
         finally:
-            # Whatever ended it: no record without a server, and no SGLang process left behind
-            # (its scheduler and detokenizer may outlive the server process itself).
+            # Whatever ended it: no record without a server, and no server process left behind
+            # (SGLang's scheduler and detokenizer, vLLM's engine core and workers, may outlive it).
             remove_record(self.paths.registry(self.args.pool), self.args.engine_id, self.instance)
             kill_group(self.proc)
 
     def wait_healthy(self) -> bool:
         """True once /health answers 200; False when a signal came first."""
-        timeout_s = self.cfg.rollout.sglang.startup_timeout_s
+        timeout_s = self.startup_timeout_s
         deadline = time.monotonic() + timeout_s
         while not self.stopping.is_set():
             self._check_alive("before it answered /health")
@@ -197,8 +218,8 @@ class Wrapper:
                 return True
             if time.monotonic() > deadline:
                 raise EngineFailed(
-                    f"the SGLang server did not answer /health within {timeout_s:.0f} s of its start "
-                    "(rollout.sglang.startup_timeout_s); its output is above in this log"
+                    f"the {self.KIND} server did not answer /health within {timeout_s:.0f} s of its start "
+                    f"(rollout.{self.KIND.lower()}.startup_timeout_s); its output is above in this log"
                 )
             self.stopping.wait(POLL_S)
         return False
@@ -208,7 +229,9 @@ class Wrapper:
         version = self._weight_version() or INITIAL_WEIGHT_VERSION
         self.record = EngineRecord(self.args.engine_id, host, self.port, os.getpid(), self.instance, version)
         write_record(self.paths.registry(self.args.pool), self.record)
-        log.info("%s: SGLang server ready on %s:%d (weight version %s)", self.args.engine_id, host, self.port, version)
+        log.info(
+            "%s: %s server ready on %s:%d (weight version %s)", self.args.engine_id, self.KIND, host, self.port, version
+        )
 
     def watch(self) -> None:
         """Until a signal: keep the record's weight version current; raise when the server is gone."""
@@ -224,7 +247,7 @@ class Wrapper:
                 self._refresh_version()
             elif time.monotonic() - answered > limit:
                 raise EngineFailed(
-                    f"the SGLang server has not answered /health for {limit:.0f} s (--unhealthy-after-s)"
+                    f"the {self.KIND} server has not answered /health for {limit:.0f} s (--unhealthy-after-s)"
                 )
 
     def stop(self) -> int:
@@ -232,9 +255,11 @@ class Wrapper:
         assert self.proc is not None, "run() starts the server first"
         try:
             self.proc.wait(timeout=STOP_GRACE_S)
-            log.info("%s: the SGLang server exited with code %s", self.args.engine_id, self.proc.returncode)
+            log.info("%s: the %s server exited with code %s", self.args.engine_id, self.KIND, self.proc.returncode)
         except subprocess.TimeoutExpired:
-            log.warning("%s: the SGLang server did not exit in %.0f s; killing it", self.args.engine_id, STOP_GRACE_S)
+            log.warning(
+                "%s: the %s server did not exit in %.0f s; killing it", self.args.engine_id, self.KIND, STOP_GRACE_S
+            )
         return 0
 
     def kill_server(self) -> None:
@@ -245,7 +270,7 @@ class Wrapper:
         assert self.proc is not None, "run() starts the server first"
         code = self.proc.poll()
         if code is not None and not self.stopping.is_set():
-            raise EngineFailed(f"the SGLang server exited with code {code} {when}")
+            raise EngineFailed(f"the {self.KIND} server exited with code {code} {when}")
 
     def _weight_version(self) -> str | None:
         try:
@@ -261,10 +286,11 @@ class Wrapper:
             write_record(self.paths.registry(self.args.pool), self.record)
 
 
-def main() -> None:
+def main(wrapper_class: type[Wrapper] = Wrapper) -> None:
+    kind = wrapper_class.KIND
     parser = argparse.ArgumentParser(
-        prog="python -m relax_hpc.engines.sglang_engine",
-        description="relax_hpc's supervisor of one SGLang server (rollout.engine=sglang)",
+        prog=f"python -m relax_hpc.engines.{kind.lower()}_engine",
+        description=f"relax_hpc's supervisor of one {kind} server (rollout.engine={kind.lower()})",
     )
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--engine-id", required=True)
@@ -285,7 +311,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    wrapper = Wrapper(args)
+    wrapper = wrapper_class(args)
     fence.install(wrapper.paths.root, before_exit=wrapper.kill_server)
     for sig in FORWARDED:
         signal.signal(sig, wrapper.on_signal)

@@ -29,6 +29,7 @@ import sys
 import threading
 import uuid
 from collections import ChainMap
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -44,10 +45,12 @@ from relax_hpc import fence
 from relax_hpc.data.media import Kind, MediaError, MediaRef
 from relax_hpc.data.processor import Processed, ProcessorError, media_processor
 from relax_hpc.engines.sampling import Completion, SamplingSpec, input_logprobs, sample
-from relax_hpc.models.hf import load_policy
+from relax_hpc.metrics.startup import StartupClock
+from relax_hpc.models.hf import load_policy, torch_dtype
 from relax_hpc.models.lora import read_adapter_folder
 from relax_hpc.paths import RunPaths
 from relax_hpc.protocol import requests as P
+from relax_hpc.protocol import routes as R
 from relax_hpc.protocol.registry import EngineRecord, remove_record, write_record
 from relax_hpc.weights.buckets import BucketPlan
 from relax_hpc.weights.group import SideGroup
@@ -124,10 +127,10 @@ def _media_of(req: P.GenerateReqInput, batched: bool, n: int) -> list[list[tuple
 
 
 class TorchEngine:
-    def __init__(self, model_path: str, dtype: str, device: str = "cpu") -> None:
+    def __init__(self, model_path: str, dtype: str, device: str = "cpu", weights_timeout_s: float = 60.0) -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.device = torch.device(device)
-        model = load_policy(model_path, getattr(torch, dtype))
+        model = load_policy(model_path, torch_dtype(dtype))
         self.model = model.to(self.device).eval()  # type: ignore[arg-type]  # transformers types .to() as taking a model
         # The model folder's processor expands media placeholders, as SGLang's does.
         self.processor = media_processor(model_path)
@@ -137,6 +140,9 @@ class TorchEngine:
         self.updating = False  # between /begin_weight_update and /end_weight_update
         self.released: dict[str, tuple[torch.Size, torch.dtype]] = {}  # weights freed for the trainer
         self.groups: dict[str, SideGroup] = {}
+        self.weights_timeout_s = weights_timeout_s  # of a weight-update group's collectives
+        # Called once the weight version changed (serve() rewrites the engine's registry record).
+        self.on_weights: Callable[[], object] = lambda: None
         # LoRA runs (trainer.lora) send adapters, received beside the parameters and then merged.
         self.lora = AdapterMerger(self.params, self.device)
         self.receiver = BucketReceiver(ChainMap(self.lora.adapter, self.params), self.device)
@@ -150,6 +156,7 @@ class TorchEngine:
         self._pending: list[_Job] = []
         self._paused = False
         self._running: list[_Job] = []  # the batch being sampled (an abort stops it mid-way)
+        self.sampled: Callable[[], None] = lambda: None  # after each batch (serve: the start-up record)
         threading.Thread(target=self._schedule_loop, name="scheduler", daemon=True).start()
 
     # -- generation -----------------------------------------------------------------------------
@@ -295,6 +302,7 @@ class TorchEngine:
                 job.version = version
                 start += len(job.prompts)
                 job.done.set()
+            self.sampled()
 
     def _score_inputs(self, jobs: list[_Job]) -> None:
         """The input log-probabilities of the prompts that asked for them (logprob_start_len),
@@ -367,20 +375,32 @@ class TorchEngine:
             if self.adapters.pop(req.lora_name, None) is None:
                 raise P.ProtocolError(f"LoRA with name {req.lora_name} does not exist; loaded: {sorted(self.adapters)}")
 
-    def update_version(self, req: P.UpdateWeightVersionReqInput) -> None:
+    def update_version(self, req: P.UpdateWeightVersionReqInput) -> bool:
+        """Report `new_version` from now on. Returns True: it changed the weight version."""
         if req.abort_all_requests:
             self.abort(P.AbortReq(abort_all=True))
         with self._model_lock:  # between batches, as a pushed version
             self.weight_version = req.new_version
+        return True
 
     # -- weights --------------------------------------------------------------------------------
 
-    def init_group(self, req: P.InitWeightsUpdateGroupReqInput, timeout_s: float) -> None:
+    def model_info(self) -> dict[str, Any]:
+        info = {"model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True}
+        return {**info, "weight_version": self.weight_version}
+
+    def init_group(self, req: P.InitWeightsUpdateGroupReqInput) -> None:
         old = self.groups.pop(req.group_name, None)
         if old is not None:
             old.close()
         self.groups[req.group_name] = SideGroup(
-            req.master_address, req.master_port, req.rank_offset, req.world_size, req.group_name, req.backend, timeout_s
+            req.master_address,
+            req.master_port,
+            req.rank_offset,
+            req.world_size,
+            req.group_name,
+            req.backend,
+            self.weights_timeout_s,
         )
 
     def destroy_group(self, req: P.DestroyWeightsUpdateGroupReqInput) -> None:
@@ -490,8 +510,6 @@ class TorchEngine:
 class _Handler(BaseHTTPRequestHandler):
     engine: TorchEngine
     api_key: str
-    timeout_s: float
-    on_weights: Any
     # Keep-alive, so that the weight sender can pipeline a push's requests over one connection
     # (answered in order); no Nagle delay on the small answers.
     protocol_version = "HTTP/1.1"
@@ -527,14 +545,11 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self._superseded():
             return
-        if self.path in ("/health", "/health_generate"):
-            self._reply(HTTPStatus.OK, {})
-        elif self.path in ("/model_info", "/get_model_info"):
-            e = self.engine
-            info = {"model_path": e.model_path, "tokenizer_path": e.model_path, "is_generation": True}
-            self._reply(HTTPStatus.OK, {**info, "weight_version": e.weight_version})
-        else:
+        route = R.ROUTES.get(("GET", self.path))
+        if route is None:
             self._reply(HTTPStatus.NOT_FOUND, {"error": f"no route {self.path}"})
+            return
+        self._reply(HTTPStatus.OK, _ACTIONS[route].answered(self.engine, None))
 
     def do_POST(self) -> None:
         if self._superseded() or not self._authorized():
@@ -542,7 +557,12 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             length = int(self.headers.get("Content-Length") or 0)
             body = json.loads(self.rfile.read(length) or b"{}")
-            self._route(body)
+            route = R.ROUTES.get(("POST", self.path))
+            if route is None:
+                self._reply(HTTPStatus.NOT_FOUND, {"error": f"no route {self.path}"})
+                return
+            request = None if route.request is None else P.parse(route.request, body)
+            self._reply(HTTPStatus.OK, _ACTIONS[route].answered(self.engine, request))
         except (P.ProtocolError, json.JSONDecodeError) as e:
             self._reply(HTTPStatus.BAD_REQUEST, {"success": False, "message": str(e)})
         except EngineBusy as e:  # answered 503: a client tries again later, or elsewhere
@@ -551,71 +571,78 @@ class _Handler(BaseHTTPRequestHandler):
             log.exception("request %s failed", self.path)
             self._reply(HTTPStatus.INTERNAL_SERVER_ERROR, {"success": False, "message": f"{type(e).__name__}: {e}"})
 
-    def _route(self, body: Any) -> None:
-        e = self.engine
-        if self.path == "/generate":
-            self._reply(HTTPStatus.OK, e.generate(P.parse(P.GenerateReqInput, body)))
-        elif self.path == "/flush_cache":
-            self._reply(HTTPStatus.OK, {"success": True, "message": "Cache flushed."})
-        elif self.path == "/abort_request":
-            e.abort(P.parse(P.AbortReq, body))
-            self._reply(HTTPStatus.OK, {})
-        elif self.path == "/pause_generation":
-            e.pause(P.parse(P.PauseGenerationReqInput, body))
-            self._reply(HTTPStatus.OK, {"message": "Generation paused successfully.", "status": "ok"})
-        elif self.path == "/continue_generation":
-            P.parse(P.ContinueGenerationReqInput, body)
-            e.resume()
-            self._reply(HTTPStatus.OK, {"message": "Generation continued successfully.", "status": "ok"})
-        elif self.path == "/init_weights_update_group":
-            e.init_group(P.parse(P.InitWeightsUpdateGroupReqInput, body), self.timeout_s)
-            self._reply(HTTPStatus.OK, {"success": True, "message": "Succeeded to initialize custom process group."})
-        elif self.path == "/destroy_weights_update_group":
-            e.destroy_group(P.parse(P.DestroyWeightsUpdateGroupReqInput, body))
-            self._reply(HTTPStatus.OK, {"success": True, "message": "Succeeded to destroy custom process group."})
-        elif self.path == "/begin_weight_update":
-            e.begin_update(P.parse(P.BeginWeightUpdateReqInput, body))
-            self._reply(HTTPStatus.OK, {"success": True, "message": "Weight update begun."})
-        elif self.path == "/end_weight_update":
-            P.parse(P.EndWeightUpdateReqInput, body)
-            e.end_update()
-            self._reply(HTTPStatus.OK, {"success": True, "message": "Weight update ended."})
-        elif self.path == "/load_lora_adapter":
-            e.load_adapter(P.parse(P.LoadLoRAAdapterReqInput, body))
-            self._reply(HTTPStatus.OK, {"success": True, "error_message": None})
-        elif self.path == "/unload_lora_adapter":
-            e.unload_adapter(P.parse(P.UnloadLoRAAdapterReqInput, body))
-            self._reply(HTTPStatus.OK, {"success": True, "error_message": None})
-        elif self.path == "/update_weight_version":
-            e.update_version(P.parse(P.UpdateWeightVersionReqInput, body))
-            self.on_weights()  # the record carries the version
-            self._reply(HTTPStatus.OK, {"success": True, "new_version": e.weight_version})
-        elif self.path == "/get_weights_by_name":
-            self._reply(HTTPStatus.OK, e.weights_by_name(P.parse(P.GetWeightsByNameReqInput, body)))
-        elif self.path == "/update_weights_from_tensor":
-            if e.update_from_tensor(P.parse(P.UpdateWeightsFromTensorReqInput, body)):
-                self.on_weights()
-            self._reply(HTTPStatus.OK, {"success": True, "message": "Succeeded to update parameter online."})
-        elif self.path == "/release_memory_occupation":
-            e.release_memory(P.parse(P.ReleaseMemoryOccupationReqInput, body))
-            self._reply(HTTPStatus.OK, None)
-        elif self.path == "/resume_memory_occupation":
-            e.resume_memory(P.parse(P.ResumeMemoryOccupationReqInput, body))
-            self._reply(HTTPStatus.OK, None)
-        elif self.path == "/update_weights_from_distributed":
-            if e.update_from_distributed(P.parse(P.UpdateWeightsFromDistributedReqInput, body)):
-                self.on_weights()
-            self._reply(HTTPStatus.OK, {"success": True, "message": "Succeeded to update parameter online."})
-        else:
-            self._reply(HTTPStatus.NOT_FOUND, {"error": f"no route {self.path}"})
+
+@dataclass(frozen=True, slots=True)
+class _Action:
+    """What the engine does on a route: `run(engine, request)`, answered with `answer(engine)`
+    (SGLang's body for that route) or, without one, with what `run` returned. A run that returns
+    True changed the weight version: the engine's record is written again before the answer."""
+
+    run: Callable[[TorchEngine, Any], Any]
+    answer: Callable[[TorchEngine], Any] | None = None
+
+    def answered(self, engine: TorchEngine, request: Any) -> Any:
+        result = self.run(engine, request)
+        if self.answer is None:
+            return result
+        if result is True:
+            engine.on_weights()
+        return self.answer(engine)
 
 
-def serve(args: argparse.Namespace) -> None:
+def _message(body: dict[str, Any] | None) -> Callable[[TorchEngine], Any]:
+    return lambda _engine: body
+
+
+_UPDATED = _message({"success": True, "message": "Succeeded to update parameter online."})
+_ADAPTER = _message({"success": True, "error_message": None})
+_PAUSED = {"message": "Generation paused successfully.", "status": "ok"}
+_CONTINUED = {"message": "Generation continued successfully.", "status": "ok"}
+
+# The built-in engine's action on every route of the protocol's table (relax_hpc.protocol.routes).
+_ACTIONS: dict[R.Route, _Action] = {
+    R.HEALTH: _Action(lambda e, _: {}),
+    R.HEALTH_GENERATE: _Action(lambda e, _: {}),
+    R.MODEL_INFO: _Action(lambda e, _: e.model_info()),
+    R.GET_MODEL_INFO: _Action(lambda e, _: e.model_info()),
+    R.GENERATE: _Action(TorchEngine.generate),
+    R.FLUSH_CACHE: _Action(lambda e, _: None, _message({"success": True, "message": "Cache flushed."})),
+    R.ABORT_REQUEST: _Action(TorchEngine.abort, _message({})),
+    R.PAUSE_GENERATION: _Action(TorchEngine.pause, _message(_PAUSED)),
+    R.CONTINUE_GENERATION: _Action(lambda e, _: e.resume(), _message(_CONTINUED)),
+    R.INIT_WEIGHTS_UPDATE_GROUP: _Action(
+        TorchEngine.init_group, _message({"success": True, "message": "Succeeded to initialize custom process group."})
+    ),
+    R.DESTROY_WEIGHTS_UPDATE_GROUP: _Action(
+        TorchEngine.destroy_group, _message({"success": True, "message": "Succeeded to destroy custom process group."})
+    ),
+    R.BEGIN_WEIGHT_UPDATE: _Action(
+        TorchEngine.begin_update, _message({"success": True, "message": "Weight update begun."})
+    ),
+    R.END_WEIGHT_UPDATE: _Action(
+        lambda e, _: e.end_update(), _message({"success": True, "message": "Weight update ended."})
+    ),
+    R.LOAD_LORA_ADAPTER: _Action(TorchEngine.load_adapter, _ADAPTER),
+    R.UNLOAD_LORA_ADAPTER: _Action(TorchEngine.unload_adapter, _ADAPTER),
+    R.UPDATE_WEIGHT_VERSION: _Action(
+        TorchEngine.update_version, lambda e: {"success": True, "new_version": e.weight_version}
+    ),
+    R.GET_WEIGHTS_BY_NAME: _Action(TorchEngine.weights_by_name),
+    R.UPDATE_WEIGHTS_FROM_TENSOR: _Action(TorchEngine.update_from_tensor, _UPDATED),
+    R.RELEASE_MEMORY_OCCUPATION: _Action(TorchEngine.release_memory, _message(None)),
+    R.RESUME_MEMORY_OCCUPATION: _Action(TorchEngine.resume_memory, _message(None)),
+    R.UPDATE_WEIGHTS_FROM_DISTRIBUTED: _Action(TorchEngine.update_from_distributed, _UPDATED),
+}
+
+
+def serve(args: argparse.Namespace, startup: StartupClock) -> None:
     torch.set_num_threads(args.threads)
     paths = RunPaths(Path(args.run_dir))
     fence.install(paths.root)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    engine = TorchEngine(args.model_path, args.dtype, device)
+    engine = TorchEngine(args.model_path, args.dtype, device, args.weights_timeout_s)
+    startup.mark("model")
+    engine.sampled = lambda: startup.finish(paths.metrics, args.engine_id, "first_batch")
     try:
         server = ThreadingHTTPServer((args.host, args.port), _Handler)
     except OSError as e:
@@ -640,12 +667,12 @@ def serve(args: argparse.Namespace) -> None:
 
     # A record write fsyncs (milliseconds): off the answer's path, in order.
     announcer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="announce")
-    on_weights = staticmethod(lambda: announcer.submit(announce))
-    settings = {"api_key": paths.read_token(), "timeout_s": args.weights_timeout_s, "on_weights": on_weights}
-    handler = type("Handler", (_Handler,), {"engine": engine, **settings})
+    engine.on_weights = lambda: announcer.submit(announce)
+    handler = type("Handler", (_Handler,), {"engine": engine, "api_key": paths.read_token()})
     server.RequestHandlerClass = handler
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
     announce()
+    startup.mark("registered")
     log.info(
         "engine %s serving %s on %s:%d (python %s)",
         args.engine_id,
@@ -664,6 +691,7 @@ def serve(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    startup = StartupClock()
     parser = argparse.ArgumentParser(
         prog="python -m relax_hpc.engines.torch_engine",
         description="relax_hpc's built-in torch rollout engine (SGLang protocol)",
@@ -687,7 +715,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    serve(args)
+    serve(args, startup)
 
 
 if __name__ == "__main__":

@@ -8,11 +8,11 @@ is that function.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from relax_hpc.config.references import BadReference, resolve_reference
 from relax_hpc.envs.base import EnvError, EnvFn
 from relax_hpc.envs.calculator import Calculator
 from relax_hpc.envs.long_tail import LongTail
@@ -23,19 +23,10 @@ BUILTIN: dict[str, Any] = {"single_turn": single_turn, "calculator": Calculator,
 
 def resolve(name: str) -> Any:
     """The object `name` designates: a built-in, or `module:attribute` (imported)."""
-    if name in BUILTIN:
-        return BUILTIN[name]
-    module_name, sep, attribute = name.partition(":")
-    if not sep or not module_name or not attribute:
-        raise EnvError(f"rollout.env.name {name!r}: a built-in ({', '.join(BUILTIN)}) or module:attribute")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise EnvError(f"rollout.env.name {name!r}: cannot import {module_name} ({e})") from None
-    target = getattr(module, attribute, None)
-    if target is None:
-        raise EnvError(f"rollout.env.name {name!r}: {module_name} has no attribute {attribute!r}")
-    return target
+        return resolve_reference(name, BUILTIN)
+    except BadReference as e:
+        raise EnvError(f"rollout.env.name {name!r}: {e}") from None
 
 
 def load_env(name: str, settings: Mapping[str, Any]) -> EnvFn:

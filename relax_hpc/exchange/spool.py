@@ -27,7 +27,7 @@ import h5py
 import numpy as np
 
 from relax_hpc import fence
-from relax_hpc.data.media import KIND_CODES, Kind
+from relax_hpc.config.schema import MediaKind
 from relax_hpc.paths import SpoolDirs, fsync_dir, write_atomic
 
 # 2: media (once per prompt group); 3: per-token policy versions (multi-turn and partial rollout);
@@ -50,7 +50,7 @@ _ARRAYS: dict[str, type[np.generic]] = {
 }
 # Media of the batch's prompt groups, each item once however many samples share it: item j's
 # encoded bytes are media_bytes[media_offsets[j]:media_offsets[j+1]], its kind media_kind[j]
-# (relax_hpc.data.media.KIND_CODES), its group media_group[j]; a group's items in prompt order.
+# (KIND_CODES), its group media_group[j]; a group's items in prompt order.
 _MEDIA: dict[str, type[np.generic]] = {
     "media_bytes": np.uint8,
     "media_offsets": np.int64,
@@ -76,7 +76,8 @@ ROUTED = "routed_experts"
 TEACHER = "teacher_logprobs"
 _OPTIONAL = (ROUTED, TEACHER)
 _ALL = ARRAYS_OF[SCHEMA_VERSION]
-_KINDS: tuple[Kind, ...] = tuple(sorted(KIND_CODES, key=KIND_CODES.__getitem__))
+KIND_CODES: dict[MediaKind, int] = {"image": 0, "audio": 1}  # how media_kind stores a kind: never renumber
+_KINDS: tuple[MediaKind, ...] = tuple(sorted(KIND_CODES, key=KIND_CODES.__getitem__))
 
 
 class SpoolFormatError(ValueError):
@@ -130,7 +131,7 @@ class SampleBatch:
     def sample_tokens(self, i: int) -> np.ndarray:
         return self.tokens[self.offsets[i] : self.offsets[i + 1]]
 
-    def group_media(self, group_id: int) -> list[tuple[Kind, bytes]]:
+    def group_media(self, group_id: int) -> list[tuple[MediaKind, bytes]]:
         """The media items of a prompt group, in prompt order: (kind, encoded bytes)."""
         return [
             (
@@ -151,7 +152,7 @@ class SampleBatch:
         group_ids: list[int],
         policy_version: list[int],
         prompt_index: list[int],
-        media: Mapping[int, Sequence[tuple[Kind, bytes]]] | None = None,
+        media: Mapping[int, Sequence[tuple[MediaKind, bytes]]] | None = None,
         loss_masks: list[list[int]] | None = None,
         token_versions: list[list[int]] | None = None,
         routed: list[np.ndarray | None] | None = None,
@@ -231,7 +232,7 @@ def routing_of(batch: SampleBatch, i: int) -> np.ndarray | None:
     return rows
 
 
-def _pack_media(media: Mapping[int, Sequence[tuple[Kind, bytes]]]) -> dict[str, np.ndarray]:
+def _pack_media(media: Mapping[int, Sequence[tuple[MediaKind, bytes]]]) -> dict[str, np.ndarray]:
     items = [(group, kind, data) for group, group_items in media.items() for kind, data in group_items]
     if not items:
         return _no_media()

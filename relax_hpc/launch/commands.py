@@ -9,7 +9,9 @@
     metrics   python -m relax_hpc.metrics.sinks              (only with metrics.tensorboard or metrics.clearml)
 
 A kind=sft job runs the trainer (and the metrics role) only: no engines, no driver.
-    trainer   torchrun ... -m relax_hpc.trainer.main      (one torchrun per trainer node)
+    trainer   torchrun ... -m relax_hpc.trainer.main      (one torchrun per trainer node; a trainer
+              on this machine's CPU: python -m relax_hpc.trainer.main --nproc-per-node N, which
+              forks its ranks after importing torch and transformers once: relax_hpc.trainer.ranks)
 
 Inside an allocation each role is `srun --overlap --nodelist=NODE ...` (steps share the nodes' CPUs,
 memory and GPUs instead of queueing for them; the placement below keeps them apart), optionally
@@ -18,12 +20,14 @@ through a container runtime, optionally limited to a slice of the node's GPUs.
 
 from __future__ import annotations
 
+import socket
 import sys
+import uuid
 
 from relax_hpc.config.schema import JobConfig
 from relax_hpc.launch.allocation import Allocation, Layout, plan_layout
 from relax_hpc.launch.container import wrap_in_container
-from relax_hpc.launch.gpus import LocalDevices, engine_pools, place_local, visible_gpu_count
+from relax_hpc.launch.gpus import NO_GPU, LocalDevices, engine_pools, place_local, visible_gpu_count
 from relax_hpc.paths import RunPaths
 
 
@@ -95,8 +99,12 @@ def local_commands(cfg: JobConfig, paths: RunPaths, devices: LocalDevices | None
         commands["driver"] = [py, *driver_args(paths)]
     if wants_sinks(cfg):
         commands["metrics"] = [py, *sinks_args(paths)]
-    torchrun = ["--standalone", f"--nproc-per-node={cfg.trainer.num_ranks}"]
-    commands["trainer"] = _on_gpus(devices.trainer, [py, *trainer_args(paths, torchrun)])
+    ranks = cfg.trainer.num_ranks
+    if devices.trainer == NO_GPU:  # ranks forked after one import (torchrun's ranks import everything again)
+        trainer = ["-m", "relax_hpc.trainer.main", "--run-dir", str(paths.root), "--nproc-per-node", str(ranks)]
+    else:
+        trainer = trainer_args(paths, ["--standalone", f"--nproc-per-node={ranks}"])
+    commands["trainer"] = _on_gpus(devices.trainer, [py, *trainer])
     return {name: wrap_in_container(cfg, argv) for name, argv in commands.items()}
 
 
@@ -125,19 +133,36 @@ def step_commands(cfg: JobConfig, paths: RunPaths, alloc: Allocation) -> dict[st
 
 
 def _torchrun_args(cfg: JobConfig, alloc: Allocation, layout: Layout) -> list[str]:
+    """A fresh rendezvous at every start: a port free now and an id of its own. A restarted
+    torchrun that found its predecessor's store on the same port would join it and wait there
+    silently; the c10d store's port is bound on the first trainer node, where the launcher (the
+    batch shell) runs."""
     nodes = len(layout.trainer_nodes)
-    port = cfg.launch.slurm.rdzv_port or (20000 + int(alloc.job_id) % 20000 if alloc.job_id.isdigit() else 29500)
+    port = cfg.launch.slurm.rdzv_port or free_port()
     return [
         f"--nnodes={nodes}", f"--nproc-per-node={cfg.trainer.num_ranks // nodes}", "--rdzv-backend=c10d",
-        f"--rdzv-endpoint={alloc.address(layout.trainer_nodes[0])}:{port}", f"--rdzv-id={alloc.job_id}",
+        f"--rdzv-endpoint={alloc.address(layout.trainer_nodes[0])}:{port}",
+        f"--rdzv-id={alloc.job_id}-{uuid.uuid4().hex[:8]}",
     ]  # fmt: skip
+
+
+def free_port() -> int:
+    """A TCP port that no process on this host listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
+
+
+def step_name(cfg: JobConfig, role: str) -> str:
+    """The job step name of a role (`--job-name`): how the launcher finds its steps to end them."""
+    return f"{cfg.launch.slurm.job_name}:{role}"
 
 
 def _srun(cfg: JobConfig, alloc: Allocation, group: int, nodes: list[str], name: str) -> list[str]:
     argv = [
         "srun", "--overlap", f"--nodes={len(nodes)}", f"--ntasks={len(nodes)}", "--ntasks-per-node=1",
         f"--nodelist={','.join(nodes)}", f"--cpus-per-task={min(alloc.cpus[n] for n in nodes)}",
-        f"--job-name={cfg.launch.slurm.job_name}:{name}", "--kill-on-bad-exit=1", "--unbuffered",
+        f"--job-name={step_name(cfg, name)}", "--kill-on-bad-exit=1", "--unbuffered",
     ]  # fmt: skip
     if alloc.heterogeneous:
         argv.append(f"--het-group={group}")

@@ -15,8 +15,10 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from relax_hpc.config.schema import JobConfig
+if TYPE_CHECKING:  # `python -m relax_hpc.launch.gpus` starts every role on a GPU slice: it stays light
+    from relax_hpc.config.schema import JobConfig
 
 NO_GPU = "none"  # a role that must not use any GPU
 

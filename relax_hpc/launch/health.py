@@ -10,6 +10,9 @@ nothing, so every role says what it is doing:
   synchronous code, or deadlocked, stops writing);
 - engines answer /health, which the monitor asks in a thread of its own.
 
+Until a role's current process has said so once (its first heartbeat, its registry record), it
+is starting: it gets launch.health.startup_timeout_s, and what its predecessor left says nothing.
+
 `HealthMonitor.findings()` turns these into causes (launch.health holds the limits); the
 supervisor acts on them: a hung engine or driver is killed and restarted like a dead one, a hung
 trainer is killed and the run restarted from its checkpoint.
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from relax_hpc.config.schema import HealthConfig
@@ -40,14 +43,17 @@ class Finding:
 class HealthMonitor:
     """What the heartbeats and the engines' /health say about each role (findings())."""
 
-    def __init__(self, paths: RunPaths, cfg: HealthConfig, started: Callable[[str], float]) -> None:
-        """`started(role)`: when the role's current process started (a heartbeat older than
-        that is its predecessor's)."""
-        self.paths, self.cfg, self.started = paths, cfg, started
+    def __init__(
+        self, paths: RunPaths, cfg: HealthConfig, started: Callable[[str], float], engines: Iterable[str] = ()
+    ) -> None:
+        """`started(role)`: when the role's current process started (a heartbeat or an engine
+        record older than that is its predecessor's); `engines`: the engine roles to watch."""
+        self.paths, self.cfg, self.started, self.engines = paths, cfg, started, list(engines)
         self.api_key = paths.read_token()
-        self._answered: dict[str, float] = {}  # engine id -> when /health last answered
-        self._seen: dict[str, str] = {}  # engine id -> the instance the times above are for
-        self._gone: dict[str, str] = {}  # engine id -> the instance of a killed process (its record stays)
+        # engine id -> (its latest instance, when it was first seen): a record written before the
+        # role's current start is its predecessor's, which a new process replaces once it serves.
+        self._registered: dict[str, tuple[str, float]] = {}
+        self._answered: dict[str, float] = {}  # engine id -> when /health last answered (monotonic)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._probe_engines, name="health", daemon=True)
         self._thread.start()
@@ -55,46 +61,65 @@ class HealthMonitor:
     def close(self) -> None:
         self._stop.set()
 
-    def forget(self, engine_id: str) -> None:
-        """The engine's process was killed: its record is stale until its successor registers."""
-        if engine_id in self._seen:
-            self._gone[engine_id] = self._seen.pop(engine_id)
-        self._answered.pop(engine_id, None)
-
     def _probe_engines(self) -> None:
         while not self._stop.wait(2.0):
-            for record in [r for folder in self.paths.registries for r in read_records(folder)]:
-                if self._gone.get(record.engine_id) == record.instance:
-                    continue
-                if self._seen.get(record.engine_id) != record.instance:  # a new process: a new clock
-                    self._seen[record.engine_id] = record.instance
-                    self._answered[record.engine_id] = time.monotonic()
-                if EngineClient(record.url, self.api_key, 2.0).healthy(2.0):
-                    self._answered[record.engine_id] = time.monotonic()
+            self.probe_once()
+
+    def probe_once(self) -> None:
+        """Read the registry and ask each of the run's engines' /health once."""
+        for record in [r for folder in self.paths.registries for r in read_records(folder)]:
+            if record.engine_id not in self.engines:
+                continue  # an elastic engine: its own job's, not this launcher's
+            if self._registered.get(record.engine_id, ("", 0.0))[0] != record.instance:  # a new process: a new clock
+                self._registered[record.engine_id] = (record.instance, time.time())
+                self._answered[record.engine_id] = time.monotonic()
+            if EngineClient(record.url, self.api_key, 2.0).healthy(2.0):
+                self._answered[record.engine_id] = time.monotonic()
 
     def findings(self, now: float | None = None) -> list[Finding]:
         now = time.time() if now is None else now
-        out = []
-        limit = self.cfg.engine_timeout_s
-        for engine_id, answered in list(self._answered.items()):
-            silent = time.monotonic() - answered
-            if silent > limit and engine_id in self._seen:
-                out.append(Finding(engine_id, f"its /health has not answered for {silent:.0f} s (hung)"))
-        driver = read_heartbeat(self.paths.health("driver"))
-        driver_since = max(driver["time"] if driver else 0.0, self.started("driver"))
-        if now - driver_since > self.cfg.driver_timeout_s:
-            out.append(Finding("driver", f"no heartbeat for {now - driver_since:.0f} s (hung)"))
+        out = [*self._engine_findings(now), *self._driver_findings(now)]
         trainer = read_heartbeat(self.paths.health("trainer"))
-        if trainer and trainer["time"] >= self.started("trainer"):
-            lasted = now - float(trainer["since"])
-            median = trainer.get("median_step_s")
-            limit = max(self.cfg.step_timeout_s, self.cfg.step_factor * median if median else 0.0)
-            phase = trainer.get("phase")
-            if phase in BUSY_PHASES and lasted > limit:
-                out.append(Finding("trainer", f"in its {phase} phase for {lasted:.0f} s (hung)"))
-            elif phase == "wait" and now - self._oldest_ready(now) > limit and lasted > limit:
-                out.append(Finding("trainer", f"waiting for {lasted:.0f} s with batches ready (hung)"))
+        if trainer is None or trainer["time"] < self.started("trainer"):
+            out += self._never_started("trainer", now)
+            return out
+        lasted = now - float(trainer["since"])
+        median = trainer.get("median_step_s")
+        limit = max(self.cfg.step_timeout_s, self.cfg.step_factor * median if median else 0.0)
+        phase = trainer.get("phase")
+        if phase in BUSY_PHASES and lasted > limit:
+            out.append(Finding("trainer", f"in its {phase} phase for {lasted:.0f} s (hung)"))
+        elif phase == "wait" and now - self._oldest_ready(now) > limit and lasted > limit:
+            out.append(Finding("trainer", f"waiting for {lasted:.0f} s with batches ready (hung)"))
         return out
+
+    def _never_started(self, role: str, now: float) -> list[Finding]:
+        """A role whose current process has not said it runs (no heartbeat, no engine record)
+        within launch.health.startup_timeout_s of its start is hung like any other."""
+        waited = now - self.started(role)
+        if waited <= self.cfg.startup_timeout_s:
+            return []
+        return [Finding(role, f"not up {waited:.0f} s after its start (hung in its start-up)")]
+
+    def _engine_findings(self, now: float) -> list[Finding]:
+        out = []
+        for engine_id in self.engines:
+            registered = self._registered.get(engine_id)
+            if registered is None or registered[1] < self.started(engine_id):
+                out += self._never_started(engine_id, now)
+                continue
+            silent = time.monotonic() - self._answered[engine_id]
+            if silent > self.cfg.engine_timeout_s:
+                out.append(Finding(engine_id, f"its /health has not answered for {silent:.0f} s (hung)"))
+        return out
+
+    def _driver_findings(self, now: float) -> list[Finding]:
+        driver = read_heartbeat(self.paths.health("driver"))
+        if driver is None or driver["time"] < self.started("driver"):
+            return self._never_started("driver", now)
+        if now - driver["time"] > self.cfg.driver_timeout_s:
+            return [Finding("driver", f"no heartbeat for {now - driver['time']:.0f} s (hung)")]
+        return []
 
     def _oldest_ready(self, now: float) -> float:
         """When the oldest batch waiting in the spool was published (now: none waits)."""

@@ -17,7 +17,8 @@ from relax_hpc.paths import RunPaths
 
 def run_local(cfg: JobConfig, paths: RunPaths) -> int:
     devices = place_local(cfg, visible_gpu_count())
-    supervisor = Supervisor(cfg, paths, local_commands(cfg, paths, devices), devices=devices.summary)
+    # torchrun --standalone picks a free port and a new rendezvous id at every start.
+    supervisor = Supervisor(cfg, paths, lambda: local_commands(cfg, paths, devices), devices=devices.summary)
     interrupts = 0
 
     def on_signal(signum: int, _frame: object) -> None:

@@ -28,6 +28,7 @@ from relax_hpc.config.load import read_frozen
 from relax_hpc.config.schema import JobConfig
 from relax_hpc.launch.allocation import Allocation, AllocationError
 from relax_hpc.launch.commands import step_commands
+from relax_hpc.launch.guard import stop_requeueing
 from relax_hpc.launch.supervisor import EXIT_COMPLETED, EXIT_STOPPED, Supervisor
 from relax_hpc.paths import RunPaths
 
@@ -64,10 +65,21 @@ def requeue(job_id: str) -> None:
     print(f"requeued job {job_id}: the next start resumes from the checkpoint", flush=True)
 
 
+def may_requeue(cfg: JobConfig, paths: RunPaths, supervisor: Supervisor) -> bool:
+    """False (with the reason in events.jsonl and the job's output) once the no-progress guard
+    says this job has spent enough allocations without a step."""
+    why = stop_requeueing(cfg, paths, os.environ.get("SLURM_JOB_ID"))
+    if why is None:
+        return True
+    supervisor.events.log({"event": "no_progress", "why": why})
+    supervisor.say(f"{why}\n")
+    return False
+
+
 def _supervisor(cfg: JobConfig, paths: RunPaths) -> Supervisor:
     alloc = Allocation.from_env()
     check_shared_run_dir(paths, alloc)
-    return Supervisor(cfg, paths, step_commands(cfg, paths, alloc))
+    return Supervisor(cfg, paths, lambda: step_commands(cfg, paths, alloc), slurm_job=alloc.job_id)
 
 
 def run_in_allocation(cfg: JobConfig, paths: RunPaths) -> int:
@@ -83,7 +95,7 @@ def run_in_allocation(cfg: JobConfig, paths: RunPaths) -> int:
         signal.signal(sig, on_notice)
     signal.signal(signal.SIGTERM, lambda *_: supervisor.request_stop("SIGTERM (Slurm is ending the job)"))
     code = supervisor.run()
-    if code == EXIT_STOPPED and notice.is_set():
+    if code == EXIT_STOPPED and notice.is_set() and may_requeue(cfg, paths, supervisor):
         requeue(os.environ["SLURM_JOB_ID"])
     return code
 
@@ -137,6 +149,9 @@ class SlurmRun:
         if self._supervisor is not None and self._thread is not None:
             self._supervisor.request_stop("USR2 (time limit or preemption ahead)")
             self._thread.join()
+            supervisor = self._supervisor
+            if not may_requeue(supervisor.cfg, supervisor.paths, supervisor):
+                return None  # submitit then ends the job instead of requeueing it
         return submitit.helpers.DelayedSubmission(SlurmRun(self.run_dir))
 
     def __getstate__(self) -> dict:

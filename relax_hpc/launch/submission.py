@@ -20,6 +20,7 @@ import submitit
 
 from relax_hpc.config.load import ConfigError
 from relax_hpc.config.schema import JobConfig, SlurmRoleConfig
+from relax_hpc.launch.guard import time_limit_problem
 from relax_hpc.launch.slurm import SlurmRun
 from relax_hpc.paths import RunPaths
 
@@ -123,8 +124,8 @@ def submission_text(executor: HetSlurmExecutor) -> str:
 
 def preflight(cfg: JobConfig, paths: RunPaths) -> None:
     """What can be known before submitting, beyond the inputs submit checks for every executor:
-    Slurm's tools on PATH, RUN_DIR's filesystem, and Slurm's own verdict on the request. Nothing is
-    written before this passes."""
+    Slurm's tools on PATH, RUN_DIR's filesystem, a time limit that fits a step, and Slurm's own
+    verdict on the request. Nothing is written before this passes."""
     for tool in ("sbatch", "srun", "scontrol", "sacct"):
         if shutil.which(tool) is None:
             raise ConfigError(
@@ -138,6 +139,9 @@ def preflight(cfg: JobConfig, paths: RunPaths) -> None:
             f"run.dir {paths.root} is on {fstype}, which each node has its own copy of; a {nodes}-node run "
             "needs RUN_DIR on a shared filesystem"
         )
+    problem = time_limit_problem(cfg, paths)
+    if problem:
+        raise ConfigError(problem)
     ask_slurm(make_executor(cfg, paths))
 
 

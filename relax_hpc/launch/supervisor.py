@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -27,15 +27,19 @@ import psutil
 
 from relax_hpc.config.schema import JobConfig
 from relax_hpc.fence import Lease, refused_writes
+from relax_hpc.launch.commands import step_name
 from relax_hpc.launch.health import HealthMonitor
 from relax_hpc.launch.notify import Notifier
 from relax_hpc.launch.recover import recover
+from relax_hpc.launch.steps import JobStep, end_steps
 from relax_hpc.metrics.jsonl import JsonlWriter, read_jsonl
 from relax_hpc.metrics.progress import Progress
 from relax_hpc.metrics.summary import completed_steps, run_summary
 from relax_hpc.paths import RunPaths, write_atomic
 
 EXIT_COMPLETED, EXIT_FAILED, EXIT_STOPPED = 0, 1, 75
+TRAINER_EXIT_GRACE_S = 5.0  # after its stop record, for the trainer's own exit
+ENGINE_ROLES = ("engine", "judge", "teacher")  # prefixes of the engine roles' names
 
 
 @dataclass
@@ -50,6 +54,7 @@ class Role:
     started_at: float = 0.0  # wall time of the current process's start
     hung: str | None = None  # why the health monitor killed it, until its restart
     not_before: float = 0.0  # a restart waits until then (monotonic; the back-off)
+    step: JobStep | None = None  # on Slurm: the role's job steps (ended with the role)
 
     def start(self, env: dict[str, str]) -> None:
         self.started_at = time.time()
@@ -73,18 +78,29 @@ class Role:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, sig)
 
-    def kill(self) -> None:
-        """SIGKILL to the role and every process below it. torchrun starts each rank in a session
-        of its own, so killing the role's process group would orphan the ranks: a hung (stopped,
-        deadlocked) rank would then live on and keep its GPU memory from the restarted run."""
-        if self.proc is None or not self.alive():
-            return
-        with contextlib.suppress(psutil.NoSuchProcess):
-            below = psutil.Process(self.proc.pid).children(recursive=True)
-        self.signal(signal.SIGKILL)
-        for process in below:
+    def kill(self) -> list[str]:
+        """End the role's processes: SIGKILL to its process and every process below it, and on
+        Slurm its job step. torchrun starts each rank in a session of its own, so killing the
+        role's process group would orphan the ranks: a hung (stopped, deadlocked) rank would then
+        live on and keep its GPU memory from the restarted run. On Slurm the role's process is
+        the `srun` client, and the step outlives it (steps.py). Returns the ids of the role's
+        steps that Slurm still lists after the bound (empty: everything ended)."""
+        if self.proc is not None and self.alive():
             with contextlib.suppress(psutil.NoSuchProcess):
-                process.kill()
+                below = psutil.Process(self.proc.pid).children(recursive=True)
+                self.signal(signal.SIGKILL)
+                for process in below:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        process.kill()
+                psutil.wait_procs(below, timeout=10)
+            with contextlib.suppress(subprocess.TimeoutExpired):  # a process in D state: the bound
+                self.proc.wait(timeout=10)
+        return self.step.end() if self.step is not None else []
+
+    def note(self, line: str) -> None:
+        """A line of the launcher's own at the end of the role's log."""
+        with self.log_path.open("a") as out:
+            out.write(line + "\n")
 
     def log_tail(self, lines: int = 15) -> str:
         try:
@@ -115,12 +131,17 @@ class Supervisor:
         self,
         cfg: JobConfig,
         paths: RunPaths,
-        commands: dict[str, list[str]],
+        commands: Callable[[], dict[str, list[str]]],
         out: TextIO = sys.stdout,
         devices: str | None = None,
+        slurm_job: str | None = None,
     ) -> None:
+        """`commands`: every role's command line, asked anew at each start of the run (a
+        restarted trainer gets a fresh rendezvous endpoint); `slurm_job`: the job whose steps
+        the roles are, which ending a role cancels."""
         self.cfg, self.paths, self.commands, self.out = cfg, paths, commands, out
         self.devices = devices  # where the roles run, said once in the header
+        self.slurm_job = slurm_job
         self.stop_requested = False
         self.kill_requested = False
         self.events = JsonlWriter(paths.events_metrics)
@@ -192,9 +213,10 @@ class Supervisor:
                 name,
                 argv,
                 logs / f"{name}.log",
-                ro.max_engine_restarts if name.startswith(("engine", "judge", "teacher")) else 3,
+                ro.max_engine_restarts if name.startswith(ENGINE_ROLES) else 3,
+                step=JobStep(self.slurm_job, step_name(self.cfg, name)) if self.slurm_job else None,
             )
-            for name, argv in self.commands.items()
+            for name, argv in self.commands().items()
         }
         job = os.environ.get("SLURM_JOB_ID")
         restart_count = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
@@ -219,7 +241,8 @@ class Supervisor:
         self.notifier.send("resumed" if recovery.step else "started", f"at step {recovery.step}; logs in {logs}")
         # A role the run does not have (an sft job's driver) started "in the future": never overdue.
         started = lambda name: roles[name].started_at if name in roles else float("inf")  # noqa: E731
-        monitor = HealthMonitor(self.paths, self.cfg.launch.health, started)
+        engines = [name for name in roles if name.startswith(ENGINE_ROLES)]
+        monitor = HealthMonitor(self.paths, self.cfg.launch.health, started, engines)
         try:
             return self._supervise(roles, env, monitor)
         finally:
@@ -244,8 +267,7 @@ class Supervisor:
             self.notifier.send(f"{role.name} hung", f"{finding.cause}; killed and restarted")
             self.events.log({"event": "role_hung", "role": role.name, "cause": finding.cause})
             role.hung = finding.cause
-            role.kill()
-            monitor.forget(role.name)
+            self._kill(role)
 
     def _supervise(self, roles: dict[str, Role], env: dict[str, str], monitor: HealthMonitor) -> tuple[int, bool]:
         progress = Progress(
@@ -256,6 +278,7 @@ class Supervisor:
         side_engines = [r for n, r in roles.items() if n.startswith(("judge", "teacher"))]
         trainer, driver = roles["trainer"], roles.get("driver")  # an sft job has no driver
         helpers = [r for n, r in roles.items() if n == "metrics"]
+        others = [*engines, *side_engines, *([driver] if driver else []), *helpers]  # all but the trainer
         started = time.monotonic()
         trainer_done_at: float | None = None
         health_checked = 0.0
@@ -271,7 +294,7 @@ class Supervisor:
             wall = self.cfg.launch.max_wall_s
             if wall and time.monotonic() - started > wall:
                 self.request_stop(f"launch.max_wall_s ({wall:.0f} s) reached")
-            for role in [*engines, *side_engines, *([driver] if driver else []), *helpers]:
+            for role in others:
                 if role.alive() or role.abandoned or trainer_done_at is not None or self.stop_requested:
                     continue
                 if role.not_before == 0.0:  # just found dead: the restart waits out the back-off
@@ -308,16 +331,42 @@ class Supervisor:
                 role.restarts += 1
                 self.say(f"\n{role.name} ended ({cause}); restarting ({role.restarts}/{role.max_restarts})\n")
                 role.hung, role.not_before = None, 0.0
+                self._kill(role)  # what its process left behind: a Slurm step outlives its srun
                 role.start({**env, **self.lease.grant(role.name)})
             progress.show(sum(r.alive() for r in engines), len(engines))
             end = progress.trainer_end
-            if self.stop_requested and end is not None and not end["completed"]:
-                # The checkpoint is complete once the trainer writes its stop record: end now
-                # rather than wait for its teardown (seconds that a preempted job may not have).
+            if self.stop_requested and end is None and not progress.steps_this_start:
+                # Nothing trained since this start: the checkpoint it resumed from is what a stop
+                # would write, so stop now instead of waiting out the trainer's start-up.
                 progress.finish()
+                self.say("no step trained since this start: stopping now; the next start resumes where this one did\n")
+                self._stop_all([trainer])
+                trainer.note(
+                    "launcher: the run was asked to stop before this start trained a step, so the trainer was ended "
+                    "(SIGTERM) with nothing to checkpoint; a SignalException above is torchrun's word for that stop"
+                )
+                return EXIT_STOPPED, False
+            if self.stop_requested and end is not None and not end["completed"]:
+                # The checkpoint is complete once the trainer writes its stop record: end soon
+                # rather than wait for all of its teardown (seconds that a preempted job may not
+                # have), but give torchrun a moment to leave by itself: one ended by SIGTERM
+                # leaves a traceback in trainer.log that reads like a crash.
+                progress.finish()
+                for role in others:  # their teardown overlaps the trainer's
+                    role.signal(signal.SIGTERM)
+                if trainer.proc is not None:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        trainer.proc.wait(timeout=TRAINER_EXIT_GRACE_S)
                 return EXIT_STOPPED, False
             if trainer.alive():
                 continue
+            if trainer.returncode != 0 and progress.trainer_end is None and self.stop_requested:
+                # Slurm's SIGTERM (a requeue, a cancel) reaches the job steps as well as the
+                # launcher: a trainer that died of it before its stop record (in its start-up)
+                # was stopped, not failed; the next start resumes from the last checkpoint.
+                progress.finish()
+                self.say(f"\ntrainer ended (exit {trainer.returncode}) before its checkpoint; stopping\n")
+                return EXIT_STOPPED, False
             if trainer.returncode != 0 and progress.trainer_end is None:
                 progress.finish()
                 cause = f"hung: {trainer.hung}" if trainer.hung else f"exit {trainer.returncode}"
@@ -353,5 +402,18 @@ class Supervisor:
             try:
                 role.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                role.kill()
-                role.proc.wait()
+                self._kill(role)
+        # An srun that exited has seen its step end, unless it was killed: end what is left of
+        # every role at once (one squeue, 0.2 s), so that a restarted run starts alone. After a
+        # stop the job ends or requeues now, and Slurm ends every step with it.
+        if self.slurm_job and not self.stop_requested:
+            self._report_left("roles", end_steps(self.slurm_job, [r.step.name for r in roles if r.step]))
+
+    def _kill(self, role: Role) -> None:
+        """End the role's processes (Role.kill); say so when Slurm still lists a step of it."""
+        self._report_left(role.name, role.kill())
+
+    def _report_left(self, whose: str, steps: list[str]) -> None:
+        if steps:
+            self.say(f"\n{whose}: Slurm still lists step(s) {', '.join(steps)} after scancel and SIGKILL\n")
+            self.events.log({"event": "step_not_ended", "role": whose, "steps": steps})

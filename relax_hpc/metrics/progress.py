@@ -31,6 +31,7 @@ class Progress:
         self.last_eval: dict = {}
         self.since = time.time()
         self.trainer_end: dict | None = None  # the trainer's `end` record of this start, once written
+        self.steps_this_start = 0  # trained steps recorded since this start
 
     def line(self, engines_up: int, engines_total: int) -> str:
         for record in self.train.new_records():
@@ -38,6 +39,7 @@ class Progress:
                 self.last_step = record
                 if record["time"] >= self.since:  # rates from this start: a restart's gap is no step
                     self.recent.append((record["time"], record["samples"]))
+                    self.steps_this_start += 1
             elif record.get("event") == "end" and record["time"] >= self.since:
                 self.trainer_end = record
         for record in self.evals.new_records():

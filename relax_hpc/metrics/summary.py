@@ -21,6 +21,15 @@ def completed_steps(paths: RunPaths) -> int:
     return int((read_trainer_state(paths.ckpt) or {"step": 0})["step"])
 
 
+def guard_reason(paths: RunPaths) -> str | None:
+    """Why the no-progress guard ended the job, if it did after the launcher's last start."""
+    said = None
+    for event in read_jsonl(paths.events_metrics):
+        if event.get("event") in ("start", "no_progress"):
+            said = event.get("why")
+    return said
+
+
 def run_summary(paths: RunPaths, total_steps: int) -> str:
     """A few lines: how far the run got, its recent reward, its last evaluation, its checkpoint
     and how to get the model out."""
@@ -43,4 +52,7 @@ def run_summary(paths: RunPaths, total_steps: int) -> str:
     elif checkpoint is not None:
         lines.append(f"HF export:  python tools/dcp_to_hf.py --run-dir {paths.root} --out FOLDER")
     lines.append(f"plots:      python -m relax_hpc.plot {paths.root}")
+    reason = guard_reason(paths)
+    if reason:
+        lines.append(reason)
     return "\n".join(lines)

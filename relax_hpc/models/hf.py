@@ -45,6 +45,14 @@ def policy_class(path: str) -> Any:
     return AutoModelForMultimodalLM if is_multimodal(path) else AutoModelForCausalLM
 
 
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype `name` names (model.dtype, an engine's --dtype: float32, bfloat16, ...)."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name!r} is not a torch dtype (float32, bfloat16, ...)")
+    return dtype
+
+
 def load_policy(path: str, dtype: torch.dtype) -> PreTrainedModel:
     model: PreTrainedModel = policy_class(path).from_pretrained(path, dtype=dtype)
     return model

@@ -1,4 +1,6 @@
-"""HF <-> megatron-core weights of Qwen2 / Qwen3 / Qwen3-MoE: names, layouts, shards.
+"""HF <-> megatron-core weights of Qwen2 / Qwen3 / Qwen3-MoE: names, layouts, shards. Beside it, by
+concern: hf_loading (an HF safetensors folder into a rank's shards), hf_export (the full HF
+tensors gathered from the shards) and hf_checkpoint (a megatron distributed checkpoint to HF).
 
 Terms used here:
 - canonical name: a parameter's name in an unsharded megatron GPTModel, with the global layer
@@ -28,23 +30,17 @@ Pipeline stage s holds the layers megatron assigns it (`stage_layers`).
 from __future__ import annotations
 
 import itertools
-import json
 import re
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import ExitStack
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Self, cast
+from typing import Any, cast
 
 import torch
-import torch.distributed as dist
-from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
-from safetensors import safe_open
 
 from relax_hpc.models.arch import Arch, arch_of, padded_vocab_size
 
@@ -57,7 +53,7 @@ _EXPERT = re.compile(
     r"mlp\.experts\.(?:local_experts\.(?P<seq>\d+)\.linear_fc(?P<seq_fc>[12])\.weight"
     r"|linear_fc(?P<grp_fc>[12])\.weight(?P<grp>\d+))"
 )
-_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 
 # read(hf_name, rows, cols) -> the HF tensor's block (cols ignored for 1-D tensors).
 Reader = Callable[[str, slice, slice], torch.Tensor]
@@ -175,7 +171,7 @@ def entry(name: str, arch: Arch) -> Entry:
         return Entry((HF_EMBED if arch.tied else HF_LM_HEAD,), "vocab", 0, export=not arch.tied)
     if name == "decoder.final_layernorm.weight":
         return Entry((HF_NORM,), "copy", None)
-    match = _LAYER.fullmatch(name)
+    match = LAYER.fullmatch(name)
     found = _layer_entry(match[2], f"model.layers.{match[1]}.", arch) if match else None
     if found is None:
         raise KeyError(f"no HF tensor maps to megatron parameter {name!r}")
@@ -224,7 +220,7 @@ def unwrap(model: torch.nn.Module) -> GPTModel:
 
 def canonical_name(name: str, model: GPTModel) -> str:
     """A rank's parameter name -> its canonical name (global layer and expert indices)."""
-    match = _LAYER.fullmatch(name)
+    match = LAYER.fullmatch(name)
     if match is None:
         return name
     layer = model.decoder.layers[int(match[1])]
@@ -241,7 +237,7 @@ def _global_experts(rest: str, layer: TransformerLayer) -> str:
     return _EXPERT.sub(renumber, rest)
 
 
-def _with_expert(name: str, expert: int) -> str:
+def with_expert(name: str, expert: int) -> str:
     """The same parameter of another expert (canonical names)."""
 
     def renumber(m: re.Match) -> str:
@@ -252,7 +248,7 @@ def _with_expert(name: str, expert: int) -> str:
     return _EXPERT.sub(renumber, name)
 
 
-def _expert_index(name: str) -> int:
+def expert_index(name: str) -> int:
     m = _EXPERT.search(name)
     assert m is not None, f"{name} is not an expert's parameter"
     return int(m["seq"] if m["seq"] is not None else m["grp"])
@@ -312,7 +308,7 @@ def _join(pieces: list[Piece], read: Reader, trailing: tuple[int, ...], dtype: t
     return torch.cat([part.to(dtype) for part in parts])
 
 
-def _to_hf(full: torch.Tensor, e: Entry, arch: Arch, tp: int) -> dict[str, torch.Tensor]:
+def to_hf(full: torch.Tensor, e: Entry, arch: Arch, tp: int) -> dict[str, torch.Tensor]:
     """A full megatron tensor (layout of TP size tp) -> its HF tensors (padding dropped)."""
     if e.layout == "copy":
         return {e.hf[0]: full}
@@ -327,7 +323,7 @@ def _to_hf(full: torch.Tensor, e: Entry, arch: Arch, tp: int) -> dict[str, torch
     return {name: torch.cat(parts) if len(parts) > 1 else parts[0] for name, parts in blocks.items()}
 
 
-def _read_shard(
+def read_shard(
     e: Entry, arch: Arch, read: Reader, rank: int, world: int, shape: torch.Size, dtype: torch.dtype
 ) -> torch.Tensor:
     """TP rank `rank`'s block (of `world`) of the megatron tensor, read from HF tensors."""
@@ -366,7 +362,7 @@ def mcore_to_hf(mcore_state: Mapping[str, torch.Tensor], hf_config: Any, tp: int
     for name, tensor in mcore_state.items():
         e = entry(name, arch)
         if e.export:
-            out.update(_to_hf(tensor, e, arch, tp))
+            out.update(to_hf(tensor, e, arch, tp))
     return {name: out[name] for name in _hf_shapes(arch)}
 
 
@@ -376,274 +372,3 @@ def _dict_reader(state: Mapping[str, torch.Tensor]) -> Reader:
         return tensor[rows] if tensor.dim() == 1 else tensor[rows, cols]
 
     return read
-
-
-# ---------------------------------------------------------------- loading
-
-
-def load_hf_weights(model: torch.nn.Module, hf_path: str | Path, hf_config: Any = None) -> None:
-    """Copy an HF safetensors folder into this rank's parameters, in place, for any TP/PP/EP
-    layout of megatron's parallel_state. Reads only the blocks this rank holds."""
-    gpt = unwrap(model)
-    if hf_config is None:
-        from transformers import AutoConfig
-
-        hf_config = AutoConfig.from_pretrained(hf_path)
-    arch = arch_of(hf_config)
-    with _SafetensorsFolder(Path(hf_path)) as folder, torch.no_grad():
-        for name, param in gpt.named_parameters():
-            e = entry(canonical_name(name, gpt), arch)
-            rank, world = _shard_coords(e)
-            shard = _read_shard(e, arch, folder.read, rank, world, param.shape, param.dtype)
-            if shard.shape != param.shape:
-                raise ValueError(
-                    f"{name}: HF tensors {e.hf} give shape {tuple(shard.shape)}, model has {tuple(param.shape)}"
-                )
-            param.copy_(shard)
-
-
-def _shard_coords(e: Entry) -> tuple[int, int]:
-    if e.split is None:
-        return 0, 1
-    if e.expert:
-        return parallel_state.get_expert_tensor_parallel_rank(), parallel_state.get_expert_tensor_parallel_world_size()
-    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
-
-
-class _SafetensorsFolder:
-    """The tensors of an HF folder (model.safetensors, or shards with an index), read by block."""
-
-    def __init__(self, path: Path) -> None:
-        index = path / "model.safetensors.index.json"
-        if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self._file_of = {name: path / file for name, file in weight_map.items()}
-        else:
-            self._file_of = {}
-            for file in sorted(path.glob("*.safetensors")):
-                with safe_open(file, framework="pt") as handle:
-                    self._file_of.update(dict.fromkeys(handle.keys(), file))
-        if not self._file_of:
-            raise FileNotFoundError(f"no safetensors weights in {path}")
-        self._stack = ExitStack()
-        self._open: dict[Path, Any] = {}
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stack.close()
-
-    def read(self, name: str, rows: slice, cols: slice) -> torch.Tensor:
-        if name not in self._file_of:
-            raise KeyError(f"the HF checkpoint has no tensor {name!r}")
-        file = self._file_of[name]
-        if file not in self._open:
-            self._open[file] = self._stack.enter_context(safe_open(file, framework="pt"))
-        block = self._open[file].get_slice(name)
-        return block[rows] if len(block.get_shape()) == 1 else block[rows, cols]
-
-
-# ---------------------------------------------------------------- export
-
-
-@dataclass(frozen=True)
-class _Local:
-    name: str  # canonical
-    entry: Entry
-    param: torch.Tensor
-
-
-def export_hf(
-    model: torch.nn.Module, hf_config: Any, every_rank: bool = False
-) -> Iterator[tuple[str, torch.Tensor | None]]:
-    """The full HF tensors of the model, one at a time, in hf_specs order: a COLLECTIVE that every
-    rank of the model's process groups must run to the end. Global rank 0 yields (name, tensor);
-    every other rank yields (name, None) for the same names, after its part in that tensor's
-    gathers and sends, so all ranks can run the same loop. With every_rank, every rank yields
-    every tensor (colocated ranks each serve the engines on their own device).
-
-    Per unit (the embedding, each layer, the final norm + lm_head) the owning stage gathers its
-    TP-split tensors with one all_gather over the TP group (experts: one over the expert-TP group
-    and one over the EP group). Without every_rank only data-parallel replica 0 gathers, and a
-    stage other than rank 0's sends the unit's HF tensors to rank 0 in one message over the
-    pipeline group. With every_rank every replica gathers (so each rank of the owning stage holds
-    the unit: with TP=PP=EP=1 nothing crosses a process), and the owning stage broadcasts it over
-    each pipeline group in one message. Yielded tensors have the model's params_dtype, live on its
-    device and may alias its parameters: copy, never modify them."""
-    gpt = unwrap(model)
-    arch = arch_of(hf_config)
-    dtype = gpt.config.params_dtype
-    device = next(gpt.parameters()).device
-    local = _local_units(gpt, arch)
-    owners = _unit_owners(gpt.config, arch)
-    pp_group = parallel_state.get_pipeline_model_parallel_group()
-    pp_ranks = dist.get_process_group_ranks(pp_group)
-    stage, rank = parallel_state.get_pipeline_model_parallel_rank(), dist.get_rank()
-    for unit, unit_specs in itertools.groupby(hf_specs(hf_config, dtype), key=lambda spec: _unit_of_hf(spec[0])):
-        specs = list(unit_specs)
-        src = pp_ranks[owners[unit]]  # the owning stage's rank in this rank's pipeline group
-        if owners[unit] == stage:
-            tensors = _gather_unit(local.get(unit, []), arch, every_rank)
-            if rank == 0 or every_rank:
-                _check_names(unit, tensors, specs)
-                if every_rank and pp_group.size() > 1:
-                    dist.broadcast(_flat(tensors, specs, dtype), src, pp_group)
-                yield from ((name, tensors[name].to(dtype)) for name, _, _ in specs)
-                continue
-            if 0 in pp_ranks:  # this stage's rank in rank 0's pipeline group
-                _check_names(unit, tensors, specs)
-                dist.send(_flat(tensors, specs, dtype), pp_ranks[0], pp_group)
-        elif rank == 0 or every_rank:
-            buffer = torch.empty(sum(shape.numel() for _, shape, _ in specs), dtype=dtype, device=device)
-            (dist.broadcast if every_rank else dist.recv)(buffer, src, pp_group)
-            yield from _unpack(buffer, specs)
-            continue
-        yield from ((name, None) for name, _, _ in specs)
-
-
-def _flat(tensors: dict[str, torch.Tensor], specs: list, dtype: torch.dtype) -> torch.Tensor:
-    """A unit's HF tensors as one message: concatenated in spec order."""
-    return torch.cat([tensors[name].to(dtype).reshape(-1) for name, _, _ in specs])
-
-
-def _unit_of_hf(name: str) -> str | int:
-    if name == HF_EMBED:
-        return "embed"
-    if name.startswith("model.layers."):
-        return int(name.split(".")[2])
-    return "final"
-
-
-def _unit_of_mcore(name: str) -> str | int:
-    if name.startswith("embedding."):
-        return "embed"
-    match = _LAYER.fullmatch(name)
-    return int(match[1]) if match else "final"
-
-
-def _local_units(gpt: GPTModel, arch: Arch) -> dict[str | int, list[_Local]]:
-    units: dict[str | int, list[_Local]] = defaultdict(list)
-    for name, param in gpt.named_parameters():
-        canonical = canonical_name(name, gpt)
-        units[_unit_of_mcore(canonical)].append(_Local(canonical, entry(canonical, arch), param.detach()))
-    return units
-
-
-def _unit_owners(config: TransformerConfig, arch: Arch) -> dict[str | int, int]:
-    stages = config.pipeline_model_parallel_size
-    owners: dict[str | int, int] = {"embed": 0, "final": stages - 1}
-    for stage in range(stages):
-        owners.update(dict.fromkeys(stage_layers(config, stage), stage))
-    if len(owners) != arch.num_layers + 2:
-        raise ValueError("megatron's pipeline stages do not cover every layer exactly once")
-    return owners
-
-
-def _check_names(unit: str | int, tensors: dict[str, torch.Tensor], specs: list) -> None:
-    expected = {name for name, _, _ in specs}
-    if set(tensors) != expected:
-        raise RuntimeError(
-            f"export unit {unit}: missing {sorted(expected - set(tensors))}, "
-            f"unexpected {sorted(set(tensors) - expected)}"
-        )
-
-
-def _unpack(buffer: torch.Tensor, specs: list) -> Iterator[tuple[str, torch.Tensor]]:
-    offset = 0
-    for name, shape, _ in specs:
-        yield name, buffer[offset : offset + shape.numel()].view(shape)
-        offset += shape.numel()
-
-
-def _gather_unit(items: list[_Local], arch: Arch, every_replica: bool) -> dict[str, torch.Tensor]:
-    """A unit's HF tensors from its local shards; empty on ranks that do not take part."""
-    exported = [it for it in items if it.entry.export]
-    dense = [it for it in exported if not it.entry.expert]
-    experts = [it for it in exported if it.entry.expert]
-    out: dict[str, torch.Tensor] = {}
-    # Data-parallel replicas hold the same weights: replica 0 alone gathers, unless each needs them.
-    if dense and (every_replica or parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0):
-        group = parallel_state.get_tensor_model_parallel_group()
-        for it, full in zip(dense, _gather_split(dense, group), strict=True):
-            out.update(_to_hf(full, it.entry, arch, group.size()))
-    if experts and (every_replica or parallel_state.get_expert_data_parallel_rank() == 0):
-        out.update(_gather_experts(experts, arch))
-    return out
-
-
-def _gather_split(items: list[_Local], group: dist.ProcessGroup) -> list[torch.Tensor]:
-    """Full tensors of items: TP-split ones gathered over group (one collective), others as held."""
-    split = [it for it in items if it.entry.split is not None]
-    per_rank = iter(zip(*_all_gather([it.param for it in split], group), strict=True)) if split else iter(())
-    return [torch.cat(next(per_rank), dim=it.entry.split) if it.entry.split is not None else it.param for it in items]
-
-
-def _gather_experts(items: list[_Local], arch: Arch) -> dict[str, torch.Tensor]:
-    expert_tp = parallel_state.get_expert_tensor_parallel_group()
-    ep_group = parallel_state.get_expert_model_parallel_group()
-    fulls = _gather_split(items, expert_tp)
-    first = rank_experts(arch.num_experts, ep_group.size(), ep_group.rank()).start
-    out: dict[str, torch.Tensor] = {}
-    for ep_rank, tensors in enumerate(_all_gather(fulls, ep_group)):
-        shift = rank_experts(arch.num_experts, ep_group.size(), ep_rank).start - first
-        for it, full in zip(items, tensors, strict=True):
-            e = entry(_with_expert(it.name, _expert_index(it.name) + shift), arch)
-            out.update(_to_hf(full, e, arch, expert_tp.size()))
-    return out
-
-
-def _all_gather(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> list[list[torch.Tensor]]:
-    """Every group rank's `tensors` (same shapes on all ranks), indexed [group rank][i], through
-    one all_gather of their concatenation."""
-    if group.size() == 1:
-        return [tensors]
-    dtypes = {t.dtype for t in tensors}
-    if len(dtypes) != 1:
-        raise TypeError(f"export gathers tensors of one dtype, got {sorted(map(str, dtypes))}")
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    gathered = torch.empty(group.size() * flat.numel(), dtype=flat.dtype, device=flat.device)
-    dist.all_gather_into_tensor(gathered, flat, group=group)
-    out = []
-    for chunk in gathered.chunk(group.size()):
-        sizes = [t.numel() for t in tensors]
-        out.append([part.view(t.shape) for part, t in zip(chunk.split(sizes), tensors, strict=True)])
-    return out
-
-
-def megatron_checkpoint_to_hf(folder: str | Path, hf_config: Any) -> dict[str, torch.Tensor]:
-    """The model of a megatron distributed checkpoint (torch_dist format: DCP files) as HF tensors.
-
-    megatron saves each tensor at its TP=1 layout (a fused SwiGLU fc1 as [gate; up] over all
-    ranks, QKV grouped as above) and the layers of the decoder stacked on a leading axis under
-    Transformer Engine names; only the model's keys are read (not the optimizer's), unsharded, on
-    the CPU, without a process group.
-    """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    metadata = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
-    stored = {
-        key: torch.empty(meta.size, dtype=meta.properties.dtype)
-        for key, meta in metadata.items()
-        if isinstance(meta, TensorStorageMetadata) and not key.startswith("optimizer.")
-    }
-    dcp.load(stored, checkpoint_id=str(folder), no_dist=True)
-    state: dict[str, torch.Tensor] = {}
-    for key, tensor in stored.items():
-        if not key.startswith("decoder.layers."):
-            state[key] = tensor
-            continue
-        rest = key[len("decoder.layers.") :]
-        for i, layer in enumerate(tensor):
-            if rest.startswith(_STACKED_EXPERTS):  # SequentialMLP stacks its experts on a second axis
-                tail = rest[len(_STACKED_EXPERTS) :]
-                state.update(
-                    {f"decoder.layers.{i}.mlp.experts.local_experts.{e}.{tail}": t for e, t in enumerate(layer)}
-                )
-            else:
-                state[f"decoder.layers.{i}.{rest}"] = layer
-    return mcore_to_hf(state, hf_config)
-
-
-_STACKED_EXPERTS = "mlp.experts.experts."

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from peft import LoraConfig as PeftLoraConfig
-from peft import inject_adapter_in_model
 from safetensors.torch import load_file, save_file
 
-from relax_hpc.config.schema import LoraConfig
 from relax_hpc.weights.lora import SCALING
+
+if TYPE_CHECKING:  # the engines read adapter folders without the config's schema (pydantic) or peft
+    from peft import LoraConfig as PeftLoraConfig
+
+    from relax_hpc.config.schema import LoraConfig
 
 ADAPTER = "default"  # PEFT's name for a model's only adapter
 PEFT_PREFIX = "base_model.model."  # what PeftModel puts before the HF names in an adapter file
@@ -27,6 +30,10 @@ ADAPTER_FILE = "adapter_model.safetensors"
 
 
 def peft_config(cfg: LoraConfig, base_path: str) -> PeftLoraConfig:
+    # Imported here, not above: peft costs seconds of CPU at every start of a trainer rank and an
+    # engine, and only LoRA runs use it (tests/unit/test_startup_imports.py).
+    from peft import LoraConfig as PeftLoraConfig
+
     return PeftLoraConfig(
         r=cfg.rank,
         lora_alpha=cfg.alpha,
@@ -56,6 +63,8 @@ def add_adapters(model: torch.nn.Module, cfg: LoraConfig, base_path: str, seed: 
     """Inject the adapters in place and freeze everything else. The adapters' random start (A;
     B starts at zero, so the policy starts as the base) draws from `seed` alone: every rank builds
     the same adapters whatever its own RNG state."""
+    from peft import inject_adapter_in_model
+
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         inject_adapter_in_model(peft_config(cfg, base_path), model)

@@ -13,7 +13,6 @@ eagerly), and attention over packed documents is one fused call for the whole ro
 from __future__ import annotations
 
 import inspect
-import itertools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -86,6 +85,28 @@ def document_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """Position of every packed token inside its document, on the device (no host sync)."""
     tokens = torch.arange(total, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
     return tokens - cu_seqlens[torch.searchsorted(cu_seqlens[1:], tokens, right=True)]
+
+
+def _length_classes(cu: torch.Tensor, total: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The packed documents of `cu` grouped by length class (lengths in (2^(k-1), 2^k]): for
+    each class a [docs, longest] index of packed positions (past a document's end its last token
+    again), and for every packed token its row in the classes' outputs laid end to end."""
+    bounds = cu.tolist()  # one host sync per layer and micro-batch, not one per document
+    if bounds[0] != 0 or bounds[-1] != total:
+        raise ValueError(f"SDPAttention: cu_seqlens {bounds} do not cover the {total} packed tokens")
+    starts = torch.tensor(bounds[:-1], dtype=torch.long)
+    lengths = torch.tensor(bounds[1:], dtype=torch.long) - starts
+    classes = torch.ceil(torch.log2(lengths.clamp(min=1).double())).long()
+    gather, rows, offset = [], torch.empty(total, dtype=torch.long), 0
+    for c in torch.unique(classes[lengths > 0]).tolist():
+        docs = torch.nonzero((classes == c) & (lengths > 0)).squeeze(1)
+        longest = int(lengths[docs].max())
+        steps = torch.arange(longest)
+        gather.append(starts[docs, None] + torch.minimum(steps, lengths[docs, None] - 1))
+        real = steps < lengths[docs, None]  # [docs, longest]: this class's outputs that are tokens
+        rows[gather[-1][real]] = offset + torch.nonzero(real.flatten()).squeeze(1)
+        offset += real.numel()
+    return [g.to(cu.device) for g in gather], rows.to(cu.device)
 
 
 class SDPAttention(MegatronModule):
@@ -191,16 +212,21 @@ class SDPAttention(MegatronModule):
     def _per_document(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor
     ) -> torch.Tensor:
-        bounds = cu.tolist()
-        if bounds[0] != 0 or bounds[-1] != query.shape[0]:
-            raise ValueError(f"SDPAttention: cu_seqlens {bounds} do not cover the {query.shape[0]} packed tokens")
-        outs = []
-        for start, stop in itertools.pairwise(bounds):
-            # [1, heads, len, d]: torch's flash and memory-efficient kernels take only 4-D inputs
-            # (a 3-D call ran the math kernel: S x S scores per layer, 113 GiB at 8192 tokens).
-            q, k, v = (t[start:stop].transpose(0, 1).unsqueeze(0) for t in (query, key, value))
-            outs.append(self._sdpa(q, k, v)[0].transpose(0, 1))
-        return torch.cat(outs).reshape(query.shape[0], -1)
+        """Causal attention inside each packed document without a variable-length kernel (fp32,
+        the CPU): the documents batched by length, one call per length class. A right-padded
+        document attends causally to its own tokens alone (the padding comes after every real
+        query), so padding changes no real output; a class pads to at most twice a document's
+        length. One call per document took 2 x 1,024 launches forward and more backward for the
+        embedded task's 1,024 short samples (BENCHMARKS.md)."""
+        gather, scatter = _length_classes(cu, query.shape[0])
+        parts = []
+        for index in gather:  # [docs, longest]: packed positions, padding repeats the last token
+            # [docs, heads, longest, d]: torch's flash and memory-efficient kernels take only 4-D
+            # inputs (a 3-D call ran the math kernel: S x S scores per layer, 113 GiB at 8192 tokens).
+            # index_select, not t[index]: its backward adds (index_add_), without the sort of index_put_.
+            q, k, v = (t.index_select(0, index.flatten()).unflatten(0, index.shape) for t in (query, key, value))
+            parts.append(self._sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2))
+        return torch.cat([p.flatten(0, 1) for p in parts]).index_select(0, scatter).reshape(query.shape[0], -1)
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k, v = self._repeat_kv(k, v, dim=-3)

@@ -6,6 +6,8 @@ engines (the built-in torch engine and SGLang servers).
 - `client`: the one HTTP client of an engine, plain or pipelined, with status codes mapped to
   errors in one place;
 - `registry`: RUN_DIR/registry/engines, where engines announce themselves.
+- `vllm`: vLLM 0.32's token-in, token-out generation and RL routes, the bodies relax_hpc sends
+  and the answers it reads (checked against vLLM's classes by tests/unit/test_vllm_contract.py).
 
 It imports no role: the driver, the trainer and the engines all import it.
 """

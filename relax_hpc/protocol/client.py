@@ -27,6 +27,7 @@ from typing import IO, Any
 from urllib.parse import urlsplit
 
 from relax_hpc.protocol import requests as P
+from relax_hpc.protocol import routes as R
 from relax_hpc.protocol.registry import read_records
 
 
@@ -140,16 +141,16 @@ class EngineClient:
 
     def healthy(self, timeout_s: float = 2.0) -> bool:
         try:
-            self.call("GET", "/health", timeout_s=timeout_s)
+            self.call("GET", R.HEALTH.path, timeout_s=timeout_s)
             return True
         except (EngineUnavailable, EngineRequestError):
             return False
 
     def weight_version(self) -> str:
-        return str(self.call("GET", "/model_info", timeout_s=5.0)["weight_version"])
+        return str(self.call("GET", R.MODEL_INFO.path, timeout_s=5.0)["weight_version"])
 
     def generate(self, request: P.GenerateReqInput) -> Any:
-        return self.post("/generate", request)
+        return self.post(R.GENERATE.path, request)
 
 
 class RequestPipeline:

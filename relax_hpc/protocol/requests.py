@@ -192,6 +192,12 @@ class UpdateWeightVersionReqInput:
     abort_all_requests: bool = True
 
 
+def adapter_name(version: int) -> str | None:
+    """The LoRA adapter an engine serves policy version `version` with, as a request's lora_path
+    names it (adapter sync, trainer.lora.sync adapter); None: the base model, version 0."""
+    return f"v{version}" if version > 0 else None
+
+
 # Sampling parameters the built-in engine implements (names of SGLang's SamplingParams).
 SAMPLING_PARAMS = ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos", "sampling_seed")
 

@@ -16,13 +16,13 @@ RUN_DIR/metrics/reward_failures.jsonl; the run goes on unless more than
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from relax_hpc.config.references import BadReference, resolve_reference
 from relax_hpc.data.prompts import PromptRow
 
 
@@ -52,18 +52,10 @@ RewardFn = Callable[..., Any]
 
 
 def resolve_function(name: str, builtins: Mapping[str, RewardFn]) -> RewardFn:
-    if name in builtins:
-        return builtins[name]
-    module_name, sep, attribute = name.partition(":")
-    if not sep:
-        raise RewardError(f"reward.name {name!r}: a built-in ({', '.join(builtins)}) or module:function")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise RewardError(f"reward.name {name!r}: cannot import {module_name} ({e})") from None
-    fn = getattr(module, attribute, None)
-    if not callable(fn):
-        raise RewardError(f"reward.name {name!r}: {module_name} has no function {attribute!r}")
+        fn: RewardFn = resolve_reference(name, builtins, "function")
+    except BadReference as e:
+        raise RewardError(f"reward.name {name!r}: {e}") from None
     return fn
 
 

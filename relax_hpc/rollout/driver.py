@@ -29,18 +29,20 @@ from relax_hpc import fence
 from relax_hpc.ckpt.layout import read_trainer_state
 from relax_hpc.config.load import read_frozen
 from relax_hpc.config.schema import JobConfig
-from relax_hpc.data.plan import to_sample_batch
 from relax_hpc.data.processor import media_processor, prompt_encoder
 from relax_hpc.data.prompts import load_prompts
-from relax_hpc.envs.rounds import Rounds
 from relax_hpc.exchange.spool import SampleBatch, Spool
 from relax_hpc.metrics.heartbeat import Heartbeat
 from relax_hpc.metrics.jsonl import JsonlWriter, read_jsonl
+from relax_hpc.metrics.poll import Poll
+from relax_hpc.metrics.startup import StartupClock
 from relax_hpc.paths import RunPaths
 from relax_hpc.protocol.client import EngineRequestError, EngineUnavailable
 from relax_hpc.rewards import RewardError, make_scorer
 from relax_hpc.rewards.judge import judge_reward
 from relax_hpc.rollout.engine_policy import EnginePolicy, EnginePool, Stopping
+from relax_hpc.rollout.plan import to_sample_batch
+from relax_hpc.rollout.rounds import Rounds
 from relax_hpc.rollout.teacher import TeacherError, TeacherScorer
 
 log = logging.getLogger("relax_hpc.driver")
@@ -70,6 +72,7 @@ class Driver:
         self.spool = Spool(paths.spool)
         self.pool = EnginePool(paths, self.ro.request_timeout_s)
         self.stopping = False
+        self.startup: StartupClock | None = None  # main's, until the first published batch
         self.position = 0  # the next batch to generate (for the heartbeat)
         self.policy = EnginePolicy(
             self.pool,
@@ -134,10 +137,14 @@ class Driver:
         log.info("driver starts at batch %d", seq)
         self.position = seq
         self._heartbeat = asyncio.get_running_loop().create_task(self._beat())  # held: tasks are weakly referenced
-        wait = 0.05
+        # At most 0.2 s: a run's first batch waits here for the engines to register, the next ones
+        # for a version (a listing of RUN_DIR/registry, 5 times a second at most).
+        poll = Poll(highest=0.2)
         while not self.stopping:
-            self.pool.refresh()
+            self.pool.refresh(every=poll.cap)
             newest = max((e.version for e in self.pool.engines), default=-1)
+            if self.startup and newest >= 0:
+                self.startup.mark("engines")
             if newest >= next_eval:
                 try:
                     evaluated = await self.evaluate(newest)
@@ -155,6 +162,8 @@ class Driver:
                 seconds = time.monotonic() - started
                 batch.attrs["generate_seconds"] = seconds  # the trainer's time breakdown reports it
                 self.spool.publish(batch, writer="driver")
+                if self.startup:
+                    self.startup.finish(self.paths.metrics, "driver", "first_batch")
                 self.metrics.log(
                     {
                         "batch": seq,
@@ -170,14 +179,15 @@ class Driver:
                         **stats,
                     }
                 )
-                seq, wait = seq + 1, 0.05
+                seq = seq + 1
                 self.position = seq
+                poll.progressed()
                 continue
-            await asyncio.sleep(wait)
-            wait = min(wait * 1.5, 0.5)
+            await asyncio.sleep(poll.interval())
 
 
 def main() -> None:
+    startup = StartupClock()
     parser = argparse.ArgumentParser(prog="python -m relax_hpc.rollout.driver", description="relax_hpc rollout driver")
     parser.add_argument("--run-dir", required=True, type=Path)
     args = parser.parse_args()
@@ -185,6 +195,8 @@ def main() -> None:
     paths = RunPaths(args.run_dir)
     fence.install(paths.root)
     driver = Driver(read_frozen(paths.config), paths)
+    startup.mark("init")
+    driver.startup = startup
 
     def stop(*_: object) -> None:
         driver.stopping = True

@@ -24,7 +24,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from relax_hpc.data.media import KINDS, Kind, data_uri
+from relax_hpc.config.schema import MEDIA_KINDS as KINDS
+from relax_hpc.data.media import Kind, data_uri
 from relax_hpc.data.processor import up_to_media_token
 from relax_hpc.envs.base import Sampled
 from relax_hpc.envs.context import GenerateCall
@@ -32,7 +33,7 @@ from relax_hpc.paths import RunPaths, draining
 from relax_hpc.protocol import requests as P
 from relax_hpc.protocol.client import EngineClient, EngineRequestError, EngineUnavailable
 from relax_hpc.protocol.registry import EngineRecord, read_records
-from relax_hpc.weights.adapters import adapter_name
+from relax_hpc.protocol.requests import adapter_name
 
 log = logging.getLogger("relax_hpc.driver")
 
@@ -49,7 +50,8 @@ class Engine:
 
 
 class EnginePool:
-    """The engines that answer, with the policy version each holds (re-read at most every 0.5 s)."""
+    """The engines that answer, with the policy version each holds (re-read at most every
+    `every` seconds of refresh, 0.5 by default)."""
 
     def __init__(self, paths: RunPaths, timeout_s: float) -> None:
         self.paths = paths
@@ -58,8 +60,8 @@ class EnginePool:
         self.engines: list[Engine] = []
         self._last = 0.0
 
-    def refresh(self, force: bool = False) -> None:
-        if not force and time.monotonic() - self._last < 0.5:
+    def refresh(self, force: bool = False, every: float = 0.5) -> None:
+        if not force and time.monotonic() - self._last < every:
             return
         self._last = time.monotonic()
         engines = []

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from relax_hpc.data.processor import MediaProcessor, ProcessorError, concat_inputs, rope_positions
-from relax_hpc.exchange.spool import SampleBatch, routing_of
+from relax_hpc.exchange.spool import SampleBatch
 from relax_hpc.models.routing import replaying
 from relax_hpc.models.routing import shape as routing_shape
 
@@ -117,27 +117,73 @@ def pad_samples(
     `media` (if any): each row's processor tensors; `baselines`: each row's reward baseline (NaN:
     none; default none)."""
     n = len(sequences)
-    width = max(len(s) for s in sequences)
-    input_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
-    attention = torch.zeros((n, width), dtype=torch.long)
-    mask = torch.zeros((n, width), dtype=torch.float32)
-    logps = torch.zeros((n, width), dtype=torch.float32)
-    for i, seq in enumerate(sequences):
-        input_ids[i, : len(seq)] = torch.tensor(seq)
-        attention[i, : len(seq)] = 1
-        mask[i, : len(seq)] = torch.tensor(loss_masks[i], dtype=torch.float32)
-        logps[i, : len(seq)] = torch.tensor(rollout_logprobs[i], dtype=torch.float32)
-    # Shift by one: position t's logits score token t + 1.
-    targets = torch.cat([input_ids[:, 1:], torch.full((n, 1), pad_token_id)], dim=1)
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum([len(s) for s in sequences])
+    flat = Flat(
+        np.concatenate([np.asarray(s, dtype=np.int64) for s in sequences]),
+        np.concatenate([np.asarray(m, dtype=np.float32) for m in loss_masks]),
+        np.concatenate([np.asarray(lp, dtype=np.float32) for lp in rollout_logprobs]),
+        offsets,
+    )
+    return padded(
+        flat,
+        np.arange(n),
+        np.asarray(rewards, dtype=np.float32),
+        np.asarray(group_ids, dtype=np.int64),
+        np.asarray(baselines if baselines is not None else [np.nan] * n, dtype=np.float32),
+        pad_token_id,
+        media,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Flat:
+    """Samples stored back to back, as the spool holds them: sample i is [offsets[i], offsets[i + 1])
+    of each per-token array."""
+
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    logprobs: np.ndarray
+    offsets: np.ndarray
+
+    def grid(self, rows: np.ndarray, shift: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """([n, width] positions in the flat arrays, [n, width] mask of real entries) of `rows`
+        laid out right-padded, shifted left by `shift` tokens; width is the longest row's length."""
+        starts, lengths = self.offsets[rows], self.offsets[rows + 1] - self.offsets[rows]
+        steps = np.arange(int(lengths.max()) if len(rows) else 0)
+        real = steps < (lengths - shift)[:, None]
+        return np.where(real, starts[:, None] + steps + shift, 0), real
+
+    @staticmethod
+    def take(values: np.ndarray, grid: tuple[np.ndarray, np.ndarray], fill: float) -> torch.Tensor:
+        """A per-token array laid out on `grid` (from grid()) as a tensor, `fill` past each row's end."""
+        index, real = grid
+        real = real.reshape(real.shape + (1,) * (values.ndim - 1))  # per-token rows (routing) too
+        return torch.from_numpy(np.where(real, values[index], np.asarray(fill, dtype=values.dtype)))
+
+
+def padded(
+    flat: Flat,
+    rows: np.ndarray,
+    rewards: np.ndarray,
+    group_ids: np.ndarray,
+    baselines: np.ndarray,
+    pad_token_id: int,
+    media: tuple[dict[str, torch.Tensor], ...] = (),
+) -> TrainBatch:
+    """`rows` of flat samples as right-padded next-token tensors, in one pass of array indexing
+    (no per-sample Python: a GPU step holds thousands of samples). Position t's logits score
+    token t + 1, so targets, loss mask and log-probabilities are the tokens' shifted by one."""
+    tokens, shifted = flat.grid(rows), flat.grid(rows, shift=1)
     return TrainBatch(
-        input_ids=input_ids,
-        attention_mask=attention,
-        targets=targets,
-        loss_mask=torch.cat([mask[:, 1:], torch.zeros((n, 1))], dim=1),
-        rollout_logprobs=torch.cat([logps[:, 1:], torch.zeros((n, 1))], dim=1),
-        rewards=torch.tensor(rewards, dtype=torch.float32),
-        group_ids=torch.tensor(group_ids, dtype=torch.long),
-        baselines=torch.tensor(baselines if baselines is not None else [float("nan")] * n, dtype=torch.float32),
+        input_ids=flat.take(flat.tokens, tokens, pad_token_id).long(),
+        attention_mask=torch.from_numpy(tokens[1]).long(),
+        targets=flat.take(flat.tokens, shifted, pad_token_id).long(),
+        loss_mask=flat.take(flat.loss_mask, shifted, 0).float(),
+        rollout_logprobs=flat.take(flat.logprobs, shifted, 0).float(),
+        rewards=torch.from_numpy(rewards[rows]).float(),
+        group_ids=torch.from_numpy(group_ids[rows]).long(),
+        baselines=torch.from_numpy(baselines[rows]).float(),
         media=media,
     )
 
@@ -182,8 +228,8 @@ def share_of(
     media, once per group. With `oldest_version` (rollout.mask_stale_tokens), sampled tokens of
     an older version are left out of the loss."""
     groups = sorted(set(batch.group_ids[trained].tolist()))
-    mine = set(groups[rank::world])
-    rows = [i for i in trained if batch.group_ids[i] in mine]
+    trained_rows = np.asarray(trained, dtype=np.int64)
+    rows = trained_rows[np.isin(batch.group_ids[trained_rows], groups[rank::world])].tolist()
     media, mismatched = _group_inputs(batch, rows, processor) if len(batch.media_kind) else ((), set())
     kept = [k for k, i in enumerate(rows) if int(batch.group_ids[i]) not in mismatched]
     rows, media = [rows[k] for k in kept], tuple(media[k] for k in kept) if media else ()
@@ -201,44 +247,24 @@ def share_of(
         if batch.teacher_logprobs is not None:  # the objective's distill advantage reads them
             dummy.teacher_logprobs = torch.zeros_like(dummy.rollout_logprobs)
         return dummy.without_loss(), stats
-    seqs = [batch.sample_tokens(i).tolist() for i in rows]
     loss_mask = batch.loss_mask
     if oldest_version is not None:
         assert batch.token_versions is not None, "derived at construction"
         stale = (loss_mask == 1) & (batch.token_versions < oldest_version)
-        stats["stale_tokens_masked"] = int(sum(stale[batch.offsets[i] : batch.offsets[i + 1]].sum() for i in rows))
+        owner = np.repeat(np.arange(batch.num_samples), np.diff(batch.offsets))  # each token's sample
+        stats["stale_tokens_masked"] = int(stale[np.isin(owner, rows)].sum())
         loss_mask = np.where(stale, 0, loss_mask)
-    masks = [loss_mask[batch.offsets[i] : batch.offsets[i + 1]].tolist() for i in rows]
-    logps = [batch.rollout_logprobs[batch.offsets[i] : batch.offsets[i + 1]].tolist() for i in rows]
     assert batch.reward_baseline is not None, "derived at construction"
-    tb = pad_samples(
-        seqs,
-        masks,
-        logps,
-        batch.rewards[rows].tolist(),
-        batch.group_ids[rows].tolist(),
-        pad_id,
-        media,
-        batch.reward_baseline[rows].tolist(),
-    )
+    flat = Flat(batch.tokens, loss_mask, batch.rollout_logprobs, batch.offsets)
+    picked = np.asarray(rows)
+    tb = padded(flat, picked, batch.rewards, batch.group_ids, batch.reward_baseline, pad_id, media)
     if batch.routed_experts is not None:
-        tb.routed = torch.full((len(rows), tb.input_ids.shape[1], batch.routed_experts.shape[1]), -1, dtype=torch.long)
-        for k, i in enumerate(rows):
-            choices = torch.from_numpy(routing_of(batch, i))
-            tb.routed[k, : len(choices)] = choices
+        routed = flat.take(batch.routed_experts.astype(np.int64), flat.grid(picked), -1)
+        tb.routed = routed.masked_fill(routed == np.iinfo(batch.routed_experts.dtype).max, -1)
     if batch.teacher_logprobs is not None:
-        tb.teacher_logprobs = _per_target(batch.teacher_logprobs, batch.offsets, rows, tb.targets.shape)
+        teacher = np.asarray(batch.teacher_logprobs, dtype=np.float32)
+        tb.teacher_logprobs = flat.take(teacher, flat.grid(picked, shift=1), 0)
     return tb, stats
-
-
-def _per_target(flat: np.ndarray, offsets: np.ndarray, rows: list[int], shape: torch.Size) -> torch.Tensor:
-    """A per-token array of the spool (a value per token of prompt + completion) as a padded
-    [n, T] tensor aligned with targets: position t holds the value of token t + 1."""
-    out = torch.zeros(shape, dtype=torch.float32)
-    for k, i in enumerate(rows):
-        values = torch.from_numpy(np.asarray(flat[offsets[i] + 1 : offsets[i + 1]], dtype=np.float32))
-        out[k, : len(values)] = values
-    return out
 
 
 def _group_inputs(

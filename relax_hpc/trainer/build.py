@@ -1,11 +1,20 @@
-"""The configured trainer backend, imported lazily: megatron-core is an optional dependency."""
+"""What the config picks once for the trainer: its backend (imported lazily: megatron-core is an
+optional dependency) and its weight channel."""
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from relax_hpc.config.schema import JobConfig
+from relax_hpc.models.lora import write_adapter_folder
+from relax_hpc.paths import RunPaths
 from relax_hpc.trainer.backend import Backend
+from relax_hpc.weights.adapters import AdapterPublisher
+from relax_hpc.weights.channel import AdapterChannel, BroadcastChannel, ColocatedChannel, WeightChannel
+from relax_hpc.weights.colocated import ColocatedSender
+from relax_hpc.weights.layout import EngineLayout
+from relax_hpc.weights.sender import WeightSender
 
 
 def build_backend(job: JobConfig, device: torch.device) -> Backend:
@@ -18,3 +27,30 @@ def build_backend(job: JobConfig, device: torch.device) -> Backend:
     from relax_hpc.trainer.torch_backend import TorchBackend
 
     return TorchBackend(job, device)
+
+
+def build_channel(job: JobConfig, paths: RunPaths, backend: Backend, device: torch.device) -> WeightChannel:
+    """The weight channel of this trainer rank: adapter sync (trainer.lora.sync adapter), colocated
+    (launch.colocate: every rank serves the engines on its device), or rank 0's broadcast."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    token, timeout_s = paths.read_token(), job.weights.timeout_s
+    if job.lora_adapters:  # its folders hold PEFT's names: no layout, no buckets
+        return AdapterChannel(_publisher(job, paths) if rank == 0 else None)
+    # SGLang loads the HF checkpoint's layout; the built-in engine the trainer's own.
+    convert = backend.checkpoint_layout() if job.rollout.engine == "sglang" else None
+    layout = EngineLayout(backend.parameter_specs(), convert)
+    bucket_bytes = int(job.weights.bucket_mb * 2**20)
+    if job.launch.colocate:
+        return ColocatedChannel(ColocatedSender(paths.engines, token, timeout_s, rank, world), layout, bucket_bytes)
+    auto = "nccl" if device.type == "cuda" else "gloo"
+    group_backend = job.weights.backend if job.weights.backend != "auto" else auto
+    sender = WeightSender(paths.engines, token, group_backend, timeout_s, job.rollout.partial) if rank == 0 else None
+    return BroadcastChannel(sender, layout, bucket_bytes)
+
+
+def _publisher(job: JobConfig, paths: RunPaths) -> AdapterPublisher:
+    """Rank 0's adapter publisher: each version goes out as a PEFT folder the engines load."""
+    lora, base = job.trainer.lora, job.model.path
+    assert lora is not None, "adapter sync is a LoRA run's"
+    write = lambda out, adapter: write_adapter_folder(out, lora, base, adapter)  # noqa: E731
+    return AdapterPublisher(paths.engines, paths.lora_adapters, write, paths.read_token(), job.weights.timeout_s)

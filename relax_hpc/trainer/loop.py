@@ -18,6 +18,7 @@ import random
 import signal
 import time
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -32,20 +33,16 @@ from relax_hpc.data.processor import media_processor
 from relax_hpc.exchange.spool import Spool
 from relax_hpc.metrics.heartbeat import Heartbeat, StepClock
 from relax_hpc.metrics.jsonl import JsonlWriter
+from relax_hpc.metrics.poll import Poll
+from relax_hpc.metrics.startup import StartupClock
 from relax_hpc.metrics.timing import PeakMemory, PhaseTimer
-from relax_hpc.models.lora import write_adapter_folder
 from relax_hpc.paths import RunPaths, write_atomic
-from relax_hpc.protocol.registry import read_records
 from relax_hpc.trainer.backend import Backend
 from relax_hpc.trainer.batching import share_of
-from relax_hpc.trainer.build import build_backend
+from relax_hpc.trainer.build import build_backend, build_channel
 from relax_hpc.trainer.claims import claim_next, read_claimed
 from relax_hpc.trainer.offload import OptimizerOffload
-from relax_hpc.weights.adapters import AdapterPublisher, push_adapter
-from relax_hpc.weights.buckets import plan_buckets
-from relax_hpc.weights.colocated import ColocatedSender
-from relax_hpc.weights.layout import EngineLayout
-from relax_hpc.weights.sender import WeightSender, WeightSyncError, push
+from relax_hpc.weights.sender import WeightSyncError
 
 log = logging.getLogger("relax_hpc.trainer")
 
@@ -91,7 +88,23 @@ def step_line(record: dict[str, Any], total: int) -> str:
     )
 
 
-def broadcast_command(command: dict | None) -> dict:
+class Do(Enum):
+    WAIT = "wait"
+    SYNC = "sync"
+    TRAIN = "train"
+    STOP = "stop"
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """What rank 0 tells every rank to do next (see the module docstring)."""
+
+    do: Do
+    path: str = ""  # train: the claimed spool file
+    trained: list[int] = field(default_factory=list)  # train: the indices of its samples to train
+
+
+def broadcast_command(command: Command | None) -> Command:
     box = [command]
     dist.broadcast_object_list(box, src=0)
     received = box[0]
@@ -131,14 +144,14 @@ class Trainer:
         # Partial rollout with stale tokens masked: a sample's age is its newest token's.
         self.per_token = cfg.rollout.partial and cfg.rollout.mask_stale_tokens
         self.ckpt = Checkpointer(paths.ckpt, cfg.ckpt.keep)
-        # SGLang loads the HF checkpoint's layout; the built-in engine the trainer's own (adapter
-        # sync sends no buckets: its folders hold PEFT's names).
-        sglang = cfg.rollout.engine == "sglang" and not cfg.lora_adapters
-        convert = self.backend.checkpoint_layout() if sglang else None
-        self.layout = EngineLayout(self.backend.parameter_specs(), convert)
-        self.buckets = plan_buckets(self.layout.specs(), int(cfg.weights.bucket_mb * 2**20))
+        self.channel = build_channel(cfg, paths, self.backend, device)  # weights to the engines
+        # launch.colocate_offload: the optimizer state waits in host memory while the engines generate.
+        self.offload = OptimizerOffload(
+            self.backend.optimizers(), device, enabled=cfg.launch.colocate_offload == "optimizer"
+        )
         self.state = RunState()
         self.stop = StopRequest(paths.stop_request)
+        self.startup: StartupClock | None = None  # main's, until the first step (metrics/startup.jsonl)
         self.delivered = -1  # policy version the engines hold (rank 0's knowledge)
         self.last_engine_check = 0.0
         self.total = cfg.trainer.total_steps
@@ -147,43 +160,11 @@ class Trainer:
         self.clock = StepClock(Heartbeat(paths, "trainer")) if self.rank == 0 else None
         self.timer = PhaseTimer(self.clock.phase if self.clock else None)
         self.last_log_line = 0.0
-        # Colocated: every rank serves the engines on its device, by reference; otherwise rank 0
-        # broadcasts to all of them.
-        self.colocated = (
-            ColocatedSender(paths.engines, paths.read_token(), cfg.weights.timeout_s, self.rank, self.world)
-            if cfg.launch.colocate
-            else None
-        )
-        # launch.colocate_offload: the optimizer state waits in host memory while the engines generate.
-        self.offload = (
-            OptimizerOffload(self.backend.optimizers(), device) if cfg.launch.colocate_offload == "optimizer" else None
-        )
         self.engines_served = 0  # by the last push (rank 0: over all ranks)
-        self.resume_s = self.update_s = 0.0  # the last colocated push's parts
         self.device = device
         if self.rank == 0:
-            auto = "nccl" if device.type == "cuda" else "gloo"
-            backend = cfg.weights.backend if cfg.weights.backend != "auto" else auto
-            self.sender: WeightSender | None = (
-                None
-                if self.colocated or cfg.lora_adapters
-                else WeightSender(
-                    paths.engines, paths.read_token(), backend, cfg.weights.timeout_s, cfg.rollout.partial
-                )
-            )
-            self.publisher = self._publisher() if cfg.lora_adapters else None
             self.spool = Spool(paths.spool)
             self.metrics = JsonlWriter(paths.train_metrics)
-        else:
-            self.sender, self.publisher = None, None
-
-    def _publisher(self) -> AdapterPublisher:
-        """trainer.lora.sync adapter: each version goes out as a PEFT folder the engines load."""
-        lora, base = self.cfg.trainer.lora, self.cfg.model.path
-        assert lora is not None, "adapter sync is a LoRA run's"
-        write = lambda out, adapter: write_adapter_folder(out, lora, base, adapter)  # noqa: E731
-        token = self.paths.read_token()
-        return AdapterPublisher(self.paths.engines, self.paths.lora_adapters, write, token, self.cfg.weights.timeout_s)
 
     # -- checkpoints ----------------------------------------------------------------------------
 
@@ -198,51 +179,34 @@ class Trainer:
 
     # -- the loop -------------------------------------------------------------------------------
 
-    def decide(self) -> dict:
+    def decide(self) -> Command:
         """Rank 0: what all ranks do next."""
         if self.stop.requested():
-            return {"kind": "stop"}
+            return Command(Do.STOP)
         # Push when the engines lack the current version or their set changed; at most every
         # 0.5 s while no engine takes it (none started yet, all restarting).
         if time.monotonic() - self.last_engine_check > 0.5 and (
-            self.delivered != self.state.version or self._engines_changed()
+            self.delivered != self.state.version or self.channel.engines_changed(self.delivered)
         ):
             self.last_engine_check = time.monotonic()
-            return {"kind": "sync"}
+            return Command(Do.SYNC)
         ro = self.cfg.rollout
         claim = claim_next(self.spool, self.state.step, self.state.version, ro.max_staleness, self.per_token)
         if claim is None:
-            return {"kind": "wait"}
+            return Command(Do.WAIT)
         self.state.quarantined_files += claim.quarantined
         self.state.stale_samples += sum(len(f["stale"]) for f in claim.files)
         self.state.claims.setdefault(str(self.state.step), []).extend(f["name"] for f in claim.files)
         if claim.trained_file is None:
-            return {"kind": "wait"}
-        return {"kind": "train", "path": claim.trained_file, "trained": claim.trained}
-
-    def _engines_changed(self) -> bool:
-        if self.colocated is not None:  # an engine (re)started since the last push
-            return any(int(r.weight_version) != self.delivered for r in read_records(self.paths.engines))
-        if self.publisher is not None:
-            return self.publisher.engine_set_changed()
-        assert self.sender is not None, "rank 0 decides"
-        return self.sender.engine_set_changed()
+            return Command(Do.WAIT)
+        return Command(Do.TRAIN, claim.trained_file, claim.trained)
 
     def sync(self) -> None:
-        params = lambda: self.layout.tensors(self.backend.full_parameters())  # noqa: E731  # a stream per push
-        if self.cfg.lora_adapters:
-            engines = push_adapter(self.publisher, self.backend.full_parameters(), self.state.version)
-        elif self.colocated is not None:
-            mine, self.resume_s, self.update_s = self.colocated.push(self.buckets, params(), self.state.version)
-            everyone: list[int] = [0] * self.world
-            dist.all_gather_object(everyone, mine)
-            engines = sum(everyone)
-        else:
-            try:
-                engines = push(self.sender, self.buckets, params, self.state.version)
-            except WeightSyncError as e:
-                log.warning("%s; retrying with the engines that answer", e)
-                return
+        try:
+            engines = self.channel.push(self.backend.full_parameters, self.state.version)
+        except WeightSyncError as e:
+            log.warning("%s; retrying with the engines that answer", e)
+            return
         if self.rank == 0 and engines:
             self.engines_served = engines
             self.delivered = self.state.version
@@ -252,13 +216,13 @@ class Trainer:
         """Announce the delivered version in RUN_DIR/weights (a record for humans and tools)."""
         write_atomic(self.paths.weights_version, f"{self.state.version} {engines}\n".encode())
 
-    def train(self, command: dict) -> dict[str, Any] | None:
+    def train(self, command: Command) -> dict[str, Any] | None:
         """Train one claimed batch and push the new weights; returns the step's record (rank 0;
         an empty one elsewhere), or None if the batch could not be read (it is quarantined and
         the step is not taken)."""
         with self.timer.phase("read"):
             step_claims = self.state.claims.get(str(self.state.step), [])
-            batch = read_claimed(Path(command["path"]), self.spool if self.rank == 0 else None, step_claims)
+            batch = read_claimed(Path(command.path), self.spool if self.rank == 0 else None, step_claims)
         if batch is None:
             self.state.quarantined_files += 1
             return None
@@ -266,19 +230,15 @@ class Trainer:
         with self.timer.phase("read"):  # and made into this rank's training tensors
             oldest = self.state.version - self.cfg.rollout.max_staleness if self.per_token else None
             share, stats = share_of(
-                batch, command["trained"], b.data_rank, b.data_world, self.pad_id, self.processor, oldest
+                batch, command.trained, b.data_rank, b.data_world, self.pad_id, self.processor, oldest
             )
             counted = [k for k in RANK_COUNTS if k in stats] if len(batch.media_kind) or self.per_token else []
             if counted:  # each rank counted in its own groups
                 everyone: list[dict[str, int]] = [{}] * self.world
                 dist.all_gather_object(everyone, {k: stats[k] for k in counted})
                 stats.update({k: sum(c[k] for c in everyone) for k in counted})
-        if self.colocated is not None:
-            with self.timer.phase("release"):  # the engines free the device for the step
-                self.colocated.release()
-        if self.offload is not None:
-            with self.timer.phase("restore"):
-                self.offload.restore()
+        self.channel.before_step(self.timer)
+        self.offload.before_step(self.timer)
         peak = PeakMemory(self.device)
         with self.timer.phase("train"):
             result = self.backend.train_step(share, self.state.step)
@@ -311,8 +271,6 @@ class Trainer:
             "quarantined_files_total": self.state.quarantined_files,
             "engines": self.engines_served,
             **memory,
-            # Colocated: the push is the engines' memory coming back, then the update by reference.
-            **({"time_resume": self.resume_s, "time_update": self.update_s} if self.colocated is not None else {}),
             **({"media_mismatched_groups": stats["media_mismatched_groups"]} if len(batch.media_kind) else {}),
             **({"stale_tokens_masked": stats["stale_tokens_masked"]} if self.per_token else {}),
             "time_generate": float(batch.attrs.get("generate_seconds", 0.0)),
@@ -330,34 +288,17 @@ class Trainer:
             self.clock.stepped(self.state.step, sum(phases.values()))
         generate = record.pop("time_generate")
         record.update(step_times(phases, time.monotonic() - started, generate, record.pop("time_optimizer")))
-        if self.colocated is not None:
-            record["time_release"] = phases.get("release", 0.0)
-        if self.offload is not None:
-            record["time_offload"] = phases.get("offload", 0.0)
-            record["time_restore"] = phases.get("restore", 0.0)
+        record.update(self.channel.record(phases, self.device))
+        record.update(self.offload.record(phases))
         self.metrics.log(record)
         now = time.monotonic()
         if now - self.last_log_line >= self.cfg.metrics.progress_every_s or record["step"] in (1, self.total):
             self.last_log_line = now
             log.info(step_line(record, self.total))
 
-    def park(self, record: dict[str, Any]) -> None:
-        """Colocated, after the push and any checkpoint: with launch.colocate_offload the optimizer
-        state goes to host memory until the next step; the record gets what the trainer still
-        holds on the device while the engines generate (mem_held_gb) and what moved."""
-        moved = 0
-        if self.offload is not None:
-            with self.timer.phase("offload"):
-                moved = self.offload.offload()
-        if self.colocated is not None and self.device.type == "cuda":
-            record["mem_held_gb"] = round(torch.cuda.memory_allocated(self.device) / 2**30, 3)
-            if self.offload is not None:
-                record["mem_offloaded_gb"] = round(moved / 2**30, 3)
-
     def save_and_prune(self) -> bool:
         """Checkpoint; once it is complete, delete the trained batches it covers (ckpt.keep_trained_batches)."""
-        if self.offload is not None:  # the checkpoint holds the state where the backend keeps it
-            self.offload.restore()
+        self.offload.restore()  # the checkpoint holds the state where the backend keeps it
         with self.timer.phase("checkpoint"):
             ok = self.save()
             if ok and self.rank == 0 and not self.cfg.ckpt.keep_trained_batches:
@@ -370,30 +311,35 @@ class Trainer:
 
     def run(self) -> None:
         total = self.total
-        wait_s = 0.05
+        poll = Poll()
         step_started = time.monotonic()
         while self.state.step < total:
             command = broadcast_command(self.decide() if self.rank == 0 else None)
-            kind = command["kind"]
-            if kind == "stop":
+            if command.do is Do.STOP:
                 log.info("stop requested at step %d", self.state.step)
                 break
-            if kind == "sync":
+            if command.do is Do.SYNC:
                 with self.timer.phase("push"):
                     self.sync()
-            elif kind == "wait":
-                time.sleep(wait_s)
-                wait_s = min(wait_s * 1.5, 0.5)  # back off: the spool may live on NFS
-            elif kind == "train":
+                if self.startup and self.rank == 0 and self.delivered == self.state.version:
+                    self.startup.mark("weight_sync")  # the group formed and the engines hold the weights
+            elif command.do is Do.WAIT:
+                time.sleep(poll.interval())
+            elif command.do is Do.TRAIN:
+                if self.startup:
+                    self.startup.mark("first_batch")
                 record = self.train(command)
+                if self.startup:
+                    self.startup.finish(self.paths.metrics, f"trainer-{self.rank}", "first_step")
                 if record is None:
                     continue
                 if self.state.step % self.cfg.ckpt.every_steps == 0 and self.state.step < total:
                     self.save_and_prune()
-                self.park(record)
+                record.update(self.offload.after_step(self.timer))  # parked until the next step
                 if self.rank == 0:
                     self.finish_step(record, step_started)
-                step_started, wait_s = time.monotonic(), 0.05
+                step_started = time.monotonic()
+                poll.progressed()
         self.save_and_prune()
         completed = self.state.step >= total
         if completed and self.cfg.ckpt.export_hf:

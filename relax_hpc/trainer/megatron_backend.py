@@ -47,7 +47,10 @@ from relax_hpc.algos.sft import sft_loss
 from relax_hpc.algos.stats import Stats
 from relax_hpc.config.schema import Aggregation, JobConfig
 from relax_hpc.metrics.timing import PhaseTimer
-from relax_hpc.models.hf_mapping import export_hf, hf_specs, load_hf_weights
+from relax_hpc.models.hf import torch_dtype
+from relax_hpc.models.hf_export import export_hf
+from relax_hpc.models.hf_loading import load_hf_weights
+from relax_hpc.models.hf_mapping import hf_specs
 from relax_hpc.models.megatron import as_value_model, build_model
 from relax_hpc.models.megatron_routing import replaying
 from relax_hpc.trainer import megatron_state, packing
@@ -82,7 +85,7 @@ def _build(job: JobConfig, hf_config: PretrainedConfig, path: str, trainable: bo
     model = build_model(
         hf_config,
         job.trainer.megatron,
-        getattr(torch, job.model.dtype),
+        torch_dtype(job.model.dtype),
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         routing_replay=job.algo.off_policy.routing_replay,
@@ -105,7 +108,7 @@ class MegatronBackend:
         self.colocated = job.launch.colocate  # every rank serves its own engines the full weights
         self.temperature = ro.temperature
         self.hf_config = AutoConfig.from_pretrained(job.model.path)
-        self.dtype = getattr(torch, job.model.dtype)
+        self.dtype = torch_dtype(job.model.dtype)
         self.pad_token_id = self.hf_config.pad_token_id if self.hf_config.pad_token_id is not None else 0
         self.dp_group = parallel_state.get_data_parallel_group()
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -159,13 +162,13 @@ class MegatronBackend:
     def _microbatches(self, batch: TrainBatch) -> list[packing.Microbatch]:
         """This rank's rows packed by token budget; every data-parallel rank runs the same number
         of micro-batches (some padding only), so per-micro-batch collectives stay matched."""
-        lengths = batch.attention_mask.sum(1).tolist()
-        bins = packing.plan(lengths, self.par.max_tokens_per_microbatch)
+        lengths = batch.attention_mask.sum(1).cpu().numpy()  # the step's one host sync for packing
+        bins = packing.plan(lengths.tolist(), self.par.max_tokens_per_microbatch)
         count = torch.tensor([len(bins)], device=self.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.dp_group)
         bins += [[] for _ in range(int(count) - len(bins))]
         multiple = self.tp_size * (2 * self.par.context_parallel if self.par.context_parallel > 1 else 1)
-        return [packing.pack(batch, rows, self.pad_token_id, multiple) for rows in bins]
+        return packing.pack_all(batch, bins, lengths, self.pad_token_id, multiple)
 
     def _forward(self, model: torch.nn.Module, mb: packing.Microbatch) -> torch.Tensor:
         """The model's output on a packed micro-batch; through the engine's experts where the

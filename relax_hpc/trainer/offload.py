@@ -10,6 +10,11 @@ The state tensors keep their identity (their `.data` moves; a DTensor's local sh
 optimizer, its checkpoint code and megatron's wrappers see the same objects. The pinned buffers
 are allocated once and reused every step. On the CPU there is nothing to move and both calls are
 no-ops. tests/gpu/test_offload.py checks the round trip with both backends' optimizers.
+
+The trainer holds one always (off unless launch.colocate_offload is `optimizer`: then every hook
+is a no-op and adds nothing to the record). It is the trainer's hook, not the weight channel's:
+it moves the trainer's own optimizer state, and would do the same whichever channel sends the
+weights.
 """
 
 from __future__ import annotations
@@ -17,12 +22,15 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from relax_hpc.metrics.timing import PhaseTimer
+
 
 class OptimizerOffload:
-    """Parks the device-resident state of these optimizers in pinned host memory and back."""
+    """Parks the device-resident state of these optimizers in pinned host memory and back
+    (`enabled` False: never)."""
 
-    def __init__(self, optimizers: list[torch.optim.Optimizer], device: torch.device) -> None:
-        self.optimizers, self.device = optimizers, device
+    def __init__(self, optimizers: list[torch.optim.Optimizer], device: torch.device, enabled: bool = True) -> None:
+        self.optimizers, self.device, self.enabled = optimizers, device, enabled
         self._pinned: list[torch.Tensor] = []
         self._parked: list[torch.Tensor] = []  # the state tensors now in host memory
 
@@ -44,7 +52,7 @@ class OptimizerOffload:
     def offload(self) -> int:
         """Move the state to host memory and return its memory to the driver (the engines are
         other processes). Returns the bytes moved."""
-        if self.device.type != "cuda" or self._parked:
+        if not self.enabled or self.device.type != "cuda" or self._parked:
             return 0
         state = self._state()
         if [(t.shape, t.dtype) for t in state] != [(h.shape, h.dtype) for h in self._pinned]:
@@ -66,3 +74,26 @@ class OptimizerOffload:
         if self._parked:
             torch.cuda.current_stream(self.device).synchronize()
         self._parked = []
+
+    # -- the trainer's hooks around a step -------------------------------------------------------
+
+    def before_step(self, timer: PhaseTimer) -> None:
+        """Bring the state back for the step (after the engines released the device)."""
+        if self.enabled:
+            with timer.phase("restore"):
+                self.restore()
+
+    def after_step(self, timer: PhaseTimer) -> dict[str, float]:
+        """After the push and any checkpoint: park the state until the next step; the record's
+        field of what moved (on a GPU)."""
+        if not self.enabled:
+            return {}
+        with timer.phase("offload"):
+            moved = self.offload()
+        return {"mem_offloaded_gb": round(moved / 2**30, 3)} if self.device.type == "cuda" else {}
+
+    def record(self, phases: dict[str, float]) -> dict[str, float]:
+        """The step record's time fields of the hooks."""
+        if not self.enabled:
+            return {}
+        return {"time_offload": phases.get("offload", 0.0), "time_restore": phases.get("restore", 0.0)}

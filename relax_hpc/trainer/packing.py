@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from relax_hpc.trainer.batching import TrainBatch
@@ -20,13 +21,14 @@ from relax_hpc.trainer.batching import TrainBatch
 @dataclass(slots=True)
 class Microbatch:
     rows: torch.Tensor  # long [k]: the batch rows packed here, in order
-    lengths: torch.Tensor  # long [k]
     input_ids: torch.Tensor  # long [1, T]
     position_ids: torch.Tensor  # long [1, T]
     targets: torch.Tensor  # long [T]
     cu_seqlens: torch.Tensor  # int32 [k + 1] (+1 when padding was appended)
     max_seqlen: int
     width: int  # of the padded layout the rows come from
+    real_tokens: int  # the rows' tokens, before the padding document
+    grid: torch.Tensor  # long [real_tokens]: each of them's position in the [k, width] layout
     routed: torch.Tensor | None = None  # long [T, layers * top_k]: the engine's experts (-1: none), replay only
 
     @property
@@ -34,15 +36,9 @@ class Microbatch:
         return int(self.input_ids.shape[1])
 
     def unpack(self, flat: torch.Tensor) -> torch.Tensor:
-        """[T] values of the packed row -> [k, width], zero where a row has no token."""
+        """[T] values of the packed row -> [k, width], zero where a row has no token (no host sync)."""
         out = flat.new_zeros(len(self.rows) * self.width)
-        return out.index_put((self._grid_index(),), flat[: int(self.lengths.sum())]).view(len(self.rows), self.width)
-
-    def _grid_index(self) -> torch.Tensor:
-        """Position in the [k, width] grid of every packed token (vectorised: a GPU batch holds
-        thousands of short samples)."""
-        row = torch.repeat_interleave(torch.arange(len(self.lengths), device=self.lengths.device), self.lengths)
-        return row * self.width + _positions(self.lengths)
+        return out.index_put((self.grid,), flat[: self.real_tokens]).view(len(self.rows), self.width)
 
 
 def plan(lengths: list[int], budget: int, count: int = 1) -> list[list[int]]:
@@ -65,37 +61,86 @@ def plan(lengths: list[int], budget: int, count: int = 1) -> list[list[int]]:
 
 
 def pack(batch: TrainBatch, rows: list[int], pad_id: int, multiple: int = 1) -> Microbatch:
-    """Pack `rows` of `batch` into one row, padded with a dummy document (no loss) to a multiple
-    of `multiple` tokens (tensor parallelism with sequence parallelism needs it). An empty `rows`
-    gives a micro-batch of padding alone: a rank without samples still joins the collectives."""
-    device = batch.input_ids.device
-    idx = torch.tensor(rows, dtype=torch.long, device=device)
-    lengths = batch.attention_mask[idx].sum(1)
-    keep = batch.attention_mask[idx].bool()  # right-padded rows: the first `length` tokens
-    total = int(lengths.sum())
-    pad = (-total) % multiple if total else multiple
-    docs = torch.cat([lengths, torch.tensor([pad] if pad else [], dtype=torch.long, device=device)])
-    filler = torch.full((pad,), pad_id, dtype=torch.long, device=device)
-    cu = torch.zeros(len(docs) + 1, dtype=torch.int32, device=device)
-    cu[1:] = docs.cumsum(0)
+    """`rows` of `batch` packed into one micro-batch (pack_all of one bin)."""
+    return pack_all(batch, [rows], batch.attention_mask.sum(1).cpu().numpy(), pad_id, multiple)[0]
+
+
+def pack_all(
+    batch: TrainBatch, bins: list[list[int]], lengths: np.ndarray, pad_id: int, multiple: int = 1
+) -> list[Microbatch]:
+    """Each bin's rows packed into one row, padded with a dummy document (no loss) to a multiple of
+    `multiple` tokens (tensor parallelism with sequence parallelism needs it); an empty bin gives
+    padding alone (a rank without samples still joins the collectives). `lengths`: every row's
+    token count, on the host. The indices are worked out there and reach the device in one copy:
+    per bin, syncs and launches would leave the GPU waiting between micro-batches."""
+    device, width = batch.input_ids.device, batch.input_ids.shape[1]
+    filler = batch.input_ids.numel()  # the index of a pad token appended to the flattened batch
+    plans = [_plan_bin(np.asarray(rows, dtype=np.int64), lengths, width, filler, multiple) for rows in bins]
+    moved = _to_device(np.concatenate([np.concatenate(p.arrays) for p in plans]), device)
+    ids = torch.cat([batch.input_ids.reshape(-1), batch.input_ids.new_full((1,), pad_id)])
+    targets = torch.cat([batch.targets.reshape(-1), batch.targets.new_full((1,), pad_id)])
     routed = None
     if batch.routed is not None:
-        unrecorded = torch.full((pad, batch.routed.shape[-1]), -1, dtype=torch.long, device=device)
-        routed = torch.cat([batch.routed[idx][keep], unrecorded])
-    return Microbatch(
-        rows=idx,
-        lengths=lengths,
-        input_ids=torch.cat([batch.input_ids[idx][keep], filler]).unsqueeze(0),
-        position_ids=_positions(docs).unsqueeze(0),
-        targets=torch.cat([batch.targets[idx][keep], filler]),
-        cu_seqlens=cu,
-        max_seqlen=int(docs.max()),
-        width=batch.input_ids.shape[1],
-        routed=routed,
-    )
+        choices = batch.routed.shape[-1]
+        routed = torch.cat([batch.routed.reshape(-1, choices), batch.routed.new_full((1, choices), -1)])
+    out, at = [], 0
+    for p in plans:
+        idx, source, positions, grid, cu = moved[at : at + p.size].split([len(a) for a in p.arrays])
+        at += p.size
+        out.append(
+            Microbatch(
+                rows=idx,
+                input_ids=ids[source].unsqueeze(0),
+                position_ids=positions.unsqueeze(0),
+                targets=targets[source],
+                cu_seqlens=cu.int(),
+                max_seqlen=p.max_seqlen,
+                width=width,
+                real_tokens=p.real_tokens,
+                grid=grid,
+                routed=None if routed is None else routed[source],
+            )
+        )
+    return out
 
 
-def _positions(lengths: torch.Tensor) -> torch.Tensor:
+@dataclass(frozen=True, slots=True)
+class _BinPlan:
+    """A bin's host-side indices: rows, source (into the flattened batch + one pad token),
+    positions within documents, grid (into [k, width]) and cu_seqlens, all int64."""
+
+    arrays: tuple[np.ndarray, ...]
+    max_seqlen: int
+    real_tokens: int
+
+    @property
+    def size(self) -> int:
+        return sum(len(a) for a in self.arrays)
+
+
+def _plan_bin(rows: np.ndarray, lengths: np.ndarray, width: int, filler: int, multiple: int) -> _BinPlan:
+    lens = lengths[rows].astype(np.int64)  # right-padded rows: the first `length` tokens
+    total = int(lens.sum())
+    pad = (-total) % multiple if total else multiple
+    docs = np.concatenate([lens, [pad] if pad else []]).astype(np.int64)
+    within = _positions_np(lens)
+    row_of = np.repeat(np.arange(len(rows)), lens)
+    source = np.concatenate([rows[row_of] * width + within, np.full(pad, filler)])
+    cu = np.concatenate([[0], np.cumsum(docs)])
+    grid = row_of * width + within
+    arrays = (rows, source, _positions_np(docs), grid, cu)
+    return _BinPlan(tuple(a.astype(np.int64) for a in arrays), int(docs.max()), total)
+
+
+def _to_device(host: np.ndarray, device: torch.device) -> torch.Tensor:
+    """One copy to the device, asynchronous from pinned memory on CUDA."""
+    tensor = torch.from_numpy(host)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def _positions_np(lengths: np.ndarray) -> np.ndarray:
     """0..n-1 for each length n, back to back."""
-    starts = torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
-    return torch.arange(int(lengths.sum()), device=lengths.device) - starts
+    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.arange(int(lengths.sum())) - starts

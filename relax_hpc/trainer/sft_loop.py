@@ -29,6 +29,8 @@ from relax_hpc.paths import RunPaths
 from relax_hpc.trainer.batching import TrainBatch, pad_samples
 from relax_hpc.trainer.build import build_backend
 from relax_hpc.trainer.loop import (
+    Command,
+    Do,
     StopRequest,
     broadcast_command,
     export,
@@ -134,8 +136,8 @@ class SftTrainer:
 
     def _go_on(self) -> bool:
         """Rank 0 decides (a stop request) and tells every rank, so that all take the same steps."""
-        command = {"kind": "stop" if self.stop.requested() else "train"} if self.rank == 0 else None
-        return broadcast_command(command)["kind"] == "train"
+        command = Command(Do.STOP if self.stop.requested() else Do.TRAIN) if self.rank == 0 else None
+        return broadcast_command(command).do is Do.TRAIN
 
     def run(self) -> None:
         while self.state.step < self.total:

@@ -38,6 +38,7 @@ from relax_hpc.models.hf import (
     is_encoder_parameter,
     load_policy,
     pad_token_id,
+    torch_dtype,
 )
 from relax_hpc.trainer.backend import DistComm, NonFiniteLossError, StepResult
 from relax_hpc.trainer.batching import TrainBatch, token_logprobs_and_entropy
@@ -73,8 +74,8 @@ class TorchBackend:
         self.cfg, self.algo, self.device = cfg, algo, device
         self.temperature = ro.temperature
         self.objective = Objective(algo, DistComm())
-        torch_dtype = getattr(torch, job.model.dtype)
-        hf_model = load_policy(model_path, torch_dtype)
+        dtype = torch_dtype(job.model.dtype)
+        hf_model = load_policy(model_path, dtype)
         if cfg.lora is not None:  # the engines hold the base already: only the adapters are synced
             lora.add_adapters(hf_model, cfg.lora, model_path, job.run.seed)
         if cfg.gradient_checkpointing:
@@ -98,15 +99,15 @@ class TorchBackend:
         )  # fmt: skip
         self.scheduler = WarmupSchedule(self.optimizer, cfg.lr, cfg.warmup_steps)
         self.timer = PhaseTimer()
-        self.reference = _frozen(model_path, torch_dtype, device) if self.objective.needs_reference else None
+        self.reference = _frozen(model_path, dtype, device) if self.objective.needs_reference else None
         self.teacher: torch.nn.Module | None = None
         if self.objective.needs_teacher and not algo.teacher.num_engines:  # else: the spool has its scores
             assert algo.teacher.path is not None, "the config refuses distill without algo.teacher.path"
-            self.teacher = _frozen(algo.teacher.path, torch_dtype, device)
+            self.teacher = _frozen(algo.teacher.path, dtype, device)
         self.critic: torch.nn.Module | None = None
         self.critic_optimizer: torch.optim.Optimizer | None = None
         if self.objective.needs_critic:
-            critic = AutoModelForTokenClassification.from_pretrained(model_path, num_labels=1, dtype=torch_dtype)
+            critic = AutoModelForTokenClassification.from_pretrained(model_path, num_labels=1, dtype=dtype)
             torch.nn.init.zeros_(critic.score.weight)  # start at V = 0: no random initial baseline
             self.critic = _sharded(critic.to(device))
             self.critic_optimizer = torch.optim.AdamW(

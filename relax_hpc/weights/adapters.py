@@ -28,19 +28,16 @@ import torch
 
 from relax_hpc import fence
 from relax_hpc.protocol import requests as P
+from relax_hpc.protocol import routes as R
 from relax_hpc.protocol.client import EngineClient, EngineRequestError, EngineUnavailable
 from relax_hpc.protocol.registry import EngineRecord, read_records
+from relax_hpc.protocol.requests import adapter_name
 from relax_hpc.weights.sender import answering, engine_key
 
 log = logging.getLogger("relax_hpc.weights")
 
 KEEP_FOLDERS = 4
 Adapter = dict[str, torch.Tensor]  # sync names (relax_hpc.weights.lora), SCALING included
-
-
-def adapter_name(version: int) -> str | None:
-    """The adapter an engine serves version `version` with (None: the base model, version 0)."""
-    return f"v{version}" if version > 0 else None
 
 
 def push_adapter(
@@ -117,7 +114,7 @@ class AdapterPublisher:
         try:
             if name is not None and folder is not None:
                 self._load(client, name, folder)
-            client.post("/update_weight_version", P.UpdateWeightVersionReqInput(str(version), False))
+            client.post(R.UPDATE_WEIGHT_VERSION.path, P.UpdateWeightVersionReqInput(str(version), False))
         except (EngineUnavailable, EngineRequestError) as e:
             log.warning("engine %s did not take adapter %s: %s", record.engine_id, name, e)
             return False
@@ -132,15 +129,15 @@ class AdapterPublisher:
         have trained that version differently) is unloaded and loaded again from the new folder."""
         request = P.LoadLoRAAdapterReqInput(lora_name=name, lora_path=str(folder))
         try:
-            client.post("/load_lora_adapter", request)
+            client.post(R.LOAD_LORA_ADAPTER.path, request)
         except EngineRequestError as e:
             if "already loaded" not in str(e):
                 raise
-            client.post("/unload_lora_adapter", P.UnloadLoRAAdapterReqInput(name))
-            client.post("/load_lora_adapter", request)
+            client.post(R.UNLOAD_LORA_ADAPTER.path, P.UnloadLoRAAdapterReqInput(name))
+            client.post(R.LOAD_LORA_ADAPTER.path, request)
 
     @staticmethod
     def _unload(client: EngineClient, name: str) -> None:
         # An engine that never loaded it (started since) says so; one that died is the next push's.
         with contextlib.suppress(EngineUnavailable, EngineRequestError):
-            client.post("/unload_lora_adapter", P.UnloadLoRAAdapterReqInput(name))
+            client.post(R.UNLOAD_LORA_ADAPTER.path, P.UnloadLoRAAdapterReqInput(name))

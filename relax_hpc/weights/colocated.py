@@ -35,6 +35,7 @@ import torch
 
 from relax_hpc import fence
 from relax_hpc.protocol import requests as P
+from relax_hpc.protocol import routes as R
 from relax_hpc.protocol.client import EngineClient, RequestPipeline
 from relax_hpc.protocol.registry import EngineRecord, read_records
 from relax_hpc.weights.buckets import BucketPacker, BucketPlan
@@ -89,8 +90,8 @@ class ColocatedSender:
         started = time.monotonic()
         pipes = self._open(self.engines())
         try:
-            _send(pipes, "/pause_generation", P.PauseGenerationReqInput(mode="in_place"))
-            _send(pipes, "/release_memory_occupation", P.ReleaseMemoryOccupationReqInput())
+            _send(pipes, R.PAUSE_GENERATION.path, P.PauseGenerationReqInput(mode="in_place"))
+            _send(pipes, R.RELEASE_MEMORY_OCCUPATION.path, P.ReleaseMemoryOccupationReqInput())
             _answered(pipes)
         finally:
             _close(pipes)
@@ -108,13 +109,13 @@ class ColocatedSender:
         pipes = self._open(engines)
         try:
             started = time.monotonic()
-            _send(pipes, "/resume_memory_occupation", P.ResumeMemoryOccupationReqInput())
+            _send(pipes, R.RESUME_MEMORY_OCCUPATION.path, P.ResumeMemoryOccupationReqInput())
             _answered(pipes)
             resumed = time.monotonic()
-            _send(pipes, "/begin_weight_update", P.BeginWeightUpdateReqInput())
+            _send(pipes, R.BEGIN_WEIGHT_UPDATE.path, P.BeginWeightUpdateReqInput())
             self._updates(pipes, buckets, iter(params), version)
-            _send(pipes, "/end_weight_update", P.EndWeightUpdateReqInput())
-            _send(pipes, "/continue_generation", P.ContinueGenerationReqInput())
+            _send(pipes, R.END_WEIGHT_UPDATE.path, P.EndWeightUpdateReqInput())
+            _send(pipes, R.CONTINUE_GENERATION.path, P.ContinueGenerationReqInput())
             _answered(pipes)
         finally:
             _close(pipes)
@@ -152,7 +153,7 @@ class ColocatedSender:
                 flush_cache=last,
                 weight_version=str(version) if last else None,
             )
-            _send(pipes, "/update_weights_from_tensor", request)
+            _send(pipes, R.UPDATE_WEIGHTS_FROM_TENSOR.path, request)
             if packer is not None:
                 packer.consumed(_Answered(pipes))
         if packer is not None:

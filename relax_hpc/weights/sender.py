@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from relax_hpc import fence
 from relax_hpc.protocol import requests as P
+from relax_hpc.protocol import routes as R
 from relax_hpc.protocol.client import EngineClient, EngineRequestError, EngineUnavailable, RequestPipeline
 from relax_hpc.protocol.registry import EngineRecord, read_records
 from relax_hpc.weights.buckets import BucketPacker, BucketPlan
@@ -162,7 +163,7 @@ class WeightSender:
         futures = [
             self._pool.submit(
                 self._client(r).post,
-                "/init_weights_update_group",
+                R.INIT_WEIGHTS_UPDATE_GROUP.path,
                 P.InitWeightsUpdateGroupReqInput(**{**P.to_json(req), "rank_offset": i + 1}),
             )
             for i, r in enumerate(engines)
@@ -186,9 +187,9 @@ class WeightSender:
         if self.group is not None:
             answering = [m for m in self.members if m.engine_id != failed]
             for route, request in (  # destroy first: it frees a survivor still in the collective
-                ("/destroy_weights_update_group", P.DestroyWeightsUpdateGroupReqInput(self.group.group_name)),
-                ("/end_weight_update", P.EndWeightUpdateReqInput()),
-                ("/continue_generation", P.ContinueGenerationReqInput()),
+                (R.DESTROY_WEIGHTS_UPDATE_GROUP.path, P.DestroyWeightsUpdateGroupReqInput(self.group.group_name)),
+                (R.END_WEIGHT_UPDATE.path, P.EndWeightUpdateReqInput()),
+                (R.CONTINUE_GENERATION.path, P.ContinueGenerationReqInput()),
             ):
                 # Best effort, briefly: a survivor may still be in the abandoned collective.
                 for f in self._fan_out(route, request, answering, timeout_s=5.0):
@@ -219,15 +220,15 @@ class WeightSender:
             self._pool.map(lambda r: RequestPipeline(r.url, self.api_key, self.timeout_s), self.members)
         )
         self._watch = MemberWatch(self.members, self.api_key, self._close_pipelines)
-        self._queue("/pause_generation", P.PauseGenerationReqInput(mode=self.pause_mode))
-        self._queue("/begin_weight_update", P.BeginWeightUpdateReqInput())
+        self._queue(R.PAUSE_GENERATION.path, P.PauseGenerationReqInput(mode=self.pause_mode))
+        self._queue(R.BEGIN_WEIGHT_UPDATE.path, P.BeginWeightUpdateReqInput())
         return len(self.members)
 
     def request_bucket(self, plan: BucketPlan, version: str | None) -> None:
         """Queue a bucket's request; each engine enters its broadcast once done with the previous bucket."""
         assert self.group is not None, "begin() forms the group before buckets are sent"
         self._queue(
-            "/update_weights_from_distributed",
+            R.UPDATE_WEIGHTS_FROM_DISTRIBUTED.path,
             P.UpdateWeightsFromDistributedReqInput(
                 names=plan.names,
                 dtypes=plan.dtypes,
@@ -253,8 +254,8 @@ class WeightSender:
 
     def end(self) -> None:
         """Queue end + continue, then wait for every answer of the push."""
-        self._queue("/end_weight_update", P.EndWeightUpdateReqInput())
-        self._queue("/continue_generation", P.ContinueGenerationReqInput())
+        self._queue(R.END_WEIGHT_UPDATE.path, P.EndWeightUpdateReqInput())
+        self._queue(R.CONTINUE_GENERATION.path, P.ContinueGenerationReqInput())
         for pipeline in self._pipelines:
             pipeline.wait_answers()
         self._stop_watch()

@@ -18,7 +18,7 @@ def _models(kind: str, folder):
     from transformers import AutoModelForCausalLM
 
     from relax_hpc.config.schema import MegatronConfig
-    from relax_hpc.models.hf_mapping import load_hf_weights
+    from relax_hpc.models.hf_loading import load_hf_weights
     from relax_hpc.models.megatron import build_model
     from tests.unit.test_hf_mapping import save_random_hf, tiny_configs
 

@@ -18,11 +18,25 @@ from relax_hpc.launch.commands import local_commands
 from relax_hpc.launch.supervisor import child_env
 from relax_hpc.metrics.jsonl import read_jsonl
 from relax_hpc.paths import RunPaths
-from relax_hpc.protocol.registry import read_records
+from relax_hpc.protocol.registry import EngineRecord, read_records
 from relax_hpc.submit import freeze
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "tiny-grpo.yaml"
+
+
+def wait_wrapper_record(folder: Path, proc: subprocess.Popen, log: Path, timeout_s: float) -> EngineRecord:
+    """The first engine record in `folder`, written by an engine wrapper `proc` (output in `log`):
+    failing at once, with the log's tail, when the wrapper exits first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        records = read_records(folder)
+        if records:
+            return records[0]
+        tail = log.read_text(errors="replace")[-4000:]
+        assert proc.poll() is None, f"wrapper exited ({proc.returncode}):\n{tail}"
+        time.sleep(0.2)
+    raise AssertionError(f"no engine record within {timeout_s} s:\n{log.read_text(errors='replace')[-4000:]}")
 
 
 def make_run(run_dir: Path, *overrides: str) -> tuple:

@@ -43,7 +43,7 @@ def main() -> None:
     torch.set_num_threads(1)
     engine = TorchEngine(args.model_path, "float32" if args.dtype in ("auto", "float") else args.dtype)
     engine.weight_version = args.weight_version
-    settings = {"engine": engine, "api_key": args.api_key, "timeout_s": 60.0, "on_weights": staticmethod(lambda: None)}
+    settings = {"engine": engine, "api_key": args.api_key}
     server = ThreadingHTTPServer((args.host, args.port), type("Handler", (_Handler,), settings))
     server.daemon_threads = True
     logging.getLogger("fake_sglang").info(

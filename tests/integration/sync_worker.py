@@ -1,4 +1,5 @@
-"""torchrun worker for test_weight_sync: perturb the sharded model, push it, record what to expect.
+"""torchrun worker for test_weight_sync: perturb the sharded model, push it through the weight
+channel (relax_hpc.weights.channel) the path names, record what to expect.
 
 argv: run dir, output file, version, and the path: "broadcast" (rank 0 broadcasts to every engine),
 "colocated" (each rank releases its own engines' memory first, then hands them the weights by
@@ -16,18 +17,22 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from relax_hpc.config.load import read_frozen
+from relax_hpc.config.schema import JobConfig
 from relax_hpc.engines.sampling import SamplingSpec, sample
+from relax_hpc.metrics.timing import PhaseTimer
 from relax_hpc.models.lora import write_adapter_folder
 from relax_hpc.models.tiny import addition_problems
 from relax_hpc.paths import RunPaths
 from relax_hpc.protocol.client import EngineClient, EngineUnavailable
 from relax_hpc.protocol.requests import GenerateReqInput
 from relax_hpc.trainer.torch_backend import TorchBackend
-from relax_hpc.weights.adapters import AdapterPublisher, push_adapter
+from relax_hpc.weights.adapters import AdapterPublisher
 from relax_hpc.weights.buckets import plan_buckets
+from relax_hpc.weights.channel import AdapterChannel, BroadcastChannel, ColocatedChannel, WeightChannel
 from relax_hpc.weights.colocated import ColocatedSender
+from relax_hpc.weights.layout import EngineLayout
 from relax_hpc.weights.lora import merge_all
-from relax_hpc.weights.sender import WeightSender, push
+from relax_hpc.weights.sender import WeightSender
 
 
 def main() -> None:
@@ -40,31 +45,18 @@ def main() -> None:
     backend = TorchBackend(cfg, torch.device("cpu"))
     perturb(backend.model)
     buckets = plan_buckets(backend.parameter_specs(), int(cfg.weights.bucket_mb * 2**20))
-    refused, previous = None, None
-    if path == "adapter":
-        lora, token = cfg.trainer.lora, paths.read_token()
-        assert lora is not None, "the adapter path is a LoRA run's"
-        write = lambda out, adapter: write_adapter_folder(out, lora, cfg.model.path, adapter)  # noqa: E731
-        publisher = AdapterPublisher(paths.engines, paths.lora_adapters, write, token, 30.0) if rank == 0 else None
-        # Two versions: a request naming the first is answered with it after the second's load.
-        push_adapter(publisher, backend.full_parameters(), version - 1)
-        previous = dict(backend.full_parameters())
-        perturb(backend.model)
-        engines = push_adapter(publisher, backend.full_parameters(), version)
-    elif path == "colocated":
-        colocated = ColocatedSender(paths.engines, paths.read_token(), 30.0, rank, dist.get_world_size())
-        # Two pushes of different weights: the engine holds the second exactly.
-        for pushed in (version - 1, version):
-            if pushed == version:
-                perturb(backend.model)
-            colocated.release()
-            refused = all(refuses_generation(r.url, paths.read_token()) for r in colocated.engines())
-            counts = [0] * dist.get_world_size()
-            dist.all_gather_object(counts, colocated.push(buckets, backend.full_parameters(), pushed)[0])
-        engines = sum(counts)
-    else:
-        sender = WeightSender(paths.engines, paths.read_token(), "gloo", 30.0) if rank == 0 else None
-        engines = push(sender, buckets, backend.full_parameters, version)
+    channel = make_channel(path, cfg, paths, backend, rank)
+    timer, refused, previous = PhaseTimer(), None, None
+    # Adapter and colocated: two versions of different weights; the engine holds the second
+    # exactly, and (adapter) a request naming the first is answered with it after the second's load.
+    for pushed in (version - 1, version) if path in ("adapter", "colocated") else (version,):
+        if pushed == version and path in ("adapter", "colocated"):
+            previous = dict(backend.full_parameters()) if path == "adapter" else None
+            perturb(backend.model)
+        channel.before_step(timer)  # colocated: the engines release their memory
+        if isinstance(channel, ColocatedChannel):
+            refused = all(refuses_generation(r.url, paths.read_token()) for r in channel.sender.engines())
+        engines = channel.push(backend.full_parameters, pushed)
     full = dict(backend.full_parameters())
     if rank == 0:
         full, greedy = expected(cfg.model.path, cfg.trainer.lora is not None, full)
@@ -83,6 +75,26 @@ def main() -> None:
         )
     dist.barrier()
     dist.destroy_process_group()
+
+
+def make_channel(path: str, cfg: JobConfig, paths: RunPaths, backend: TorchBackend, rank: int) -> WeightChannel:
+    """The channel `path` names, built as relax_hpc.trainer.build builds it for a run."""
+    token, bucket_bytes = paths.read_token(), int(cfg.weights.bucket_mb * 2**20)
+    layout = EngineLayout(backend.parameter_specs(), None)
+    if path == "adapter":
+        lora = cfg.trainer.lora
+        assert lora is not None, "the adapter path is a LoRA run's"
+        write = lambda out, adapter: write_adapter_folder(out, lora, cfg.model.path, adapter)  # noqa: E731
+        return AdapterChannel(
+            AdapterPublisher(paths.engines, paths.lora_adapters, write, token, 30.0) if rank == 0 else None
+        )
+    if path == "colocated":
+        return ColocatedChannel(
+            ColocatedSender(paths.engines, token, 30.0, rank, dist.get_world_size()), layout, bucket_bytes
+        )
+    return BroadcastChannel(
+        WeightSender(paths.engines, token, "gloo", 30.0) if rank == 0 else None, layout, bucket_bytes
+    )
 
 
 def expected(model_path: str, lora: bool, full: dict) -> tuple[dict, list[list[int]]]:

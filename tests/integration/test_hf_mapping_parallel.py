@@ -159,7 +159,9 @@ def _run_model(folder: str, layout: str) -> dict:
     from transformers import AutoConfig
 
     from relax_hpc.config.schema import MegatronConfig
-    from relax_hpc.models.hf_mapping import export_hf, hf_specs, load_hf_weights
+    from relax_hpc.models.hf_export import export_hf
+    from relax_hpc.models.hf_loading import load_hf_weights
+    from relax_hpc.models.hf_mapping import hf_specs
     from relax_hpc.models.megatron import build_model
     from tests.unit.test_hf_mapping import read_safetensors
 

@@ -23,7 +23,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from relax_hpc.config.schema import MegatronConfig, TrainerConfig
-from relax_hpc.models.hf_mapping import export_hf, megatron_checkpoint_to_hf
+from relax_hpc.models.hf_checkpoint import megatron_checkpoint_to_hf
+from relax_hpc.models.hf_export import export_hf
 from relax_hpc.models.megatron import as_value_model, build_model
 from relax_hpc.trainer import megatron_state
 from tests.unit.test_hf_mapping import free_port, tiny_configs

@@ -23,7 +23,7 @@ from relax_hpc.launch.supervisor import child_env
 from relax_hpc.protocol import requests as P
 from relax_hpc.protocol.client import EngineClient, EngineRequestError
 from relax_hpc.protocol.registry import EngineRecord, read_records
-from tests.integration.conftest import REPO, Job, make_run
+from tests.integration.conftest import REPO, Job, make_run, wait_wrapper_record
 from tests.integration.fake_sglang_server import NEVER_HEALTHY
 
 pytestmark = pytest.mark.integration
@@ -58,14 +58,7 @@ class Wrapper:
         return int(match[1])
 
     def wait_registered(self, timeout_s: float = 120.0) -> EngineRecord:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            records = read_records(self.paths.engines)
-            if records:
-                return records[0]
-            assert self.proc.poll() is None, f"wrapper exited ({self.proc.returncode}):\n{self.text()[-3000:]}"
-            time.sleep(0.2)
-        raise AssertionError(f"no engine record within {timeout_s} s:\n{self.text()[-3000:]}")
+        return wait_wrapper_record(self.paths.engines, self.proc, self.log, timeout_s)
 
     def wait(self, timeout_s: float) -> int:
         try:

@@ -23,6 +23,7 @@ from tests.integration.conftest import REPO, Job
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 STEPS = 8
+STOP_WITHIN_S = 10  # a stop acts within this, at any moment
 OVERRIDES = (
     f"trainer.total_steps={STEPS}", "ckpt.every_steps=2", "rollout.prompts_per_step=8", "rollout.eval_every=4",
     "metrics.tensorboard=true", "metrics.clearml.enabled=true", "metrics.clearml.offline=true",
@@ -37,7 +38,9 @@ def watched(tmp_path_factory) -> dict:
     first.wait_for_step(3, timeout_s=300)
     assert first.proc is not None
     first.proc.send_signal(signal.SIGINT)  # Ctrl-C: checkpoint and stop
+    asked = time.monotonic()
     assert first.wait(timeout_s=120) == 75, first.text()[-3000:]
+    assert time.monotonic() - asked < STOP_WITHIN_S, "Ctrl-C took too long to act"
     second = Job(run_dir, *OVERRIDES)
     assert second.run(timeout_s=400) == 0, second.text()[-3000:]
     third = Job(run_dir, *OVERRIDES)
@@ -59,6 +62,11 @@ def test_each_edge_of_the_run_says_what_happened(watched):
     assert sorted(p.name for p in watched["paths"].logs_root.iterdir()) == ["0", "1"]
     events = read_jsonl(watched["paths"].events_metrics)
     assert [e["exit"] for e in events if e["event"] == "end"] == [75, 0]
+
+
+def test_a_clean_stop_leaves_no_traceback_at_the_end_of_the_trainer_s_log(watched):
+    last = (watched["run_dir"] / "logs" / "0" / "trainer.log").read_text().splitlines()[-1]
+    assert "checkpoint step" in last and "saved" in last, last  # torchrun left by itself, no SignalException
 
 
 def test_the_trainer_logs_each_step_and_where_its_time_went(watched):

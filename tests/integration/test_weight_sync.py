@@ -8,7 +8,7 @@ import pytest
 
 from relax_hpc.protocol import requests as P
 from relax_hpc.protocol.client import EngineClient
-from relax_hpc.weights.adapters import adapter_name
+from relax_hpc.protocol.requests import adapter_name
 from tests.integration.conftest import REPO, make_run
 
 pytestmark = pytest.mark.integration

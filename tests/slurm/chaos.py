@@ -27,12 +27,12 @@ import psutil
 
 from relax_hpc.ckpt.layout import read_trainer_state
 from relax_hpc.config.load import read_frozen
-from relax_hpc.data.plan import BatchPlan
 from relax_hpc.data.prompts import load_prompts
 from relax_hpc.exchange.spool import read_batch
 from relax_hpc.fence import refused_writes
 from relax_hpc.metrics.jsonl import read_jsonl
 from relax_hpc.paths import RunPaths
+from relax_hpc.rollout.plan import BatchPlan
 from tests.slurm.jobs import job_id, job_state, slurm, submit, wait_until
 
 HEALTH = (

@@ -39,6 +39,14 @@ def test_slurm_refusal_is_shown_with_what_to_change(slurm_cluster, tmp_path):
     assert not (tmp_path / "run").exists()  # refused before anything is written
 
 
+def test_a_time_limit_that_cannot_fit_a_step_is_refused_before_anything_is_queued(slurm_cluster, tmp_path):
+    """The issue's thrashing job: 2-minute allocations with the notice 60 s before the end."""
+    out = submit(tmp_path / "run", "launch.slurm.time_min=2", "launch.slurm.signal_lead_s=60")
+    assert out.returncode == 2 and out.stderr.startswith("error: launch.slurm.time_min=2 (120 s) cannot fit one step")
+    assert "(estimated: RUN_DIR has no steps yet)" in out.stderr and "Raise time_min to at least 3" in out.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_missing_container_image(slurm_cluster, tmp_path):
     out = submit(tmp_path / "run", f"launch.container={tmp_path / 'nope.sif'}")
     assert out.returncode == 2 and "nope.sif does not exist" in out.stderr

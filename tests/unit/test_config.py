@@ -9,6 +9,7 @@ import pytest
 
 from relax_hpc.config import ConfigError, load_config
 from relax_hpc.config.load import read_frozen, to_yaml
+from relax_hpc.config.path_options import SHIPPED_ASSETS, path_problems, tiny_policy_hint
 from relax_hpc.launch.gpus import visible_gpu_count
 from relax_hpc.paths import RunPaths
 from relax_hpc.submit import check_inputs, freeze
@@ -57,6 +58,11 @@ def test_every_shipped_config_validates_and_its_inputs_exist(path):
         ),
         ("algo.policy_loss.kind=reinforce rollout.max_staleness=1", "set rollout.max_staleness=0 or an"),
         ("algo.off_policy.correction=tis algo.off_policy.old_logprobs=rollout", "set algo.off_policy.old_logprobs"),
+        ("algo.kl.estimator=k3_grad_k1", "algo.kl.estimator=k3_grad_k1 was removed"),
+        (
+            "trainer.backend=megatron algo.off_policy.correction=mis algo.off_policy.mis_rejects=token",
+            "algo.off_policy.mis_rejects=token needs trainer.backend=torch",
+        ),
         ("rollout.num_engines=two", "rollout.num_engines: Input should be a valid integer"),
         ("trainer.lr.x=1", "trainer.lr is not a section"),
         ("trainer.lr", "expected key=value"),
@@ -67,6 +73,7 @@ def test_every_shipped_config_validates_and_its_inputs_exist(path):
         ("trainer.lora.rank=8 trainer.backend=megatron", "trainer.lora: the megatron backend trains full models"),
         ("trainer.lora.rank=8 rollout.engine=sglang trainer.lora.sync=merge", "use trainer.lora.sync=adapter"),
         ("trainer.lora.rank=8 launch.colocate=true rollout.max_staleness=0", "an adapter alone cannot restore"),
+        ("rollout.mask_stale_tokens=true", "without rollout.partial every token of a sample has one version"),
     ],
 )
 def test_bad_overrides_are_named(override, message):
@@ -121,7 +128,11 @@ def test_every_path_option_is_checked_at_once_and_the_resolved_values_are_frozen
     """Path options come from one declaration: every set one is checked, all problems reported."""
     cfg = load_config(
         None,
-        [f"model.path={tmp_path}", f"data.path={tmp_path}/rows.jsonl", f"launch.container={tmp_path}/x.sif"],
+        [
+            f"model.path={tmp_path}/tiny-qwen3-addition",
+            f"data.path={tmp_path}/rows.jsonl",
+            f"launch.container={tmp_path}/x.sif",
+        ],
         base_dir=REPO,
     )
     with pytest.raises(ConfigError) as caught:
@@ -129,6 +140,42 @@ def test_every_path_option_is_checked_at_once_and_the_resolved_values_are_frozen
     lines = str(caught.value).splitlines()
     assert [line.split(":")[0] for line in lines] == ["model.path", "data.path", "launch.container"]
     assert "make_tiny_policy" in lines[0] and "containers/README.md" in lines[2]
+
+
+def test_a_missing_tiny_policy_is_rebuilt_in_a_folder_of_its_own_never_over_the_shipped_assets(tmp_path):
+    problems = {
+        path: path_problems(load_config(None, [f"model.path={path}"], base_dir=REPO))[0]
+        for path in (tmp_path / "tiny-qwen3-calculator", tmp_path / "my-model", SHIPPED_ASSETS / "tiny-qwen3-gone")
+    }
+    assert problems[tmp_path / "tiny-qwen3-calculator"].endswith(
+        f"build it with `python tools/make_tiny_policy.py --task calculator --out {tmp_path}`"
+    )
+    assert [p for p in problems.values() if "make_tiny_policy" in p] == [problems[tmp_path / "tiny-qwen3-calculator"]]
+    # The shipped folder's own name under the shipped assets: restored, or built elsewhere.
+    shipped = tiny_policy_hint("model.path", SHIPPED_ASSETS / "tiny-qwen3-addition")
+    assert f"git checkout -- {SHIPPED_ASSETS / 'tiny-qwen3-addition'}" in shipped
+    assert "--out FOLDER` and set model.path=FOLDER/tiny-qwen3-addition" in shipped
+    assert f"--out {SHIPPED_ASSETS}" not in shipped and "--out assets" not in shipped
+
+
+@pytest.mark.parametrize(
+    ("run_dir", "said"),
+    [("{tmp}/file/run", "{tmp}/file/run would be below {tmp}/file, which is a file, not a folder"),
+     ("{tmp}/file", "{tmp}/file is a file, not a folder"),
+     ("/proc/relax-run", "/proc/relax-run cannot be created or written: /proc refuses a new folder"),
+     ("/sys/relax-run", "/sys/relax-run cannot be created or written: /sys refuses a new folder")],
+)  # fmt: skip
+def test_a_run_dir_that_cannot_be_created_is_one_line_before_anything_starts(tmp_path, run_dir, said):
+    (tmp_path / "file").write_text("x")
+    run_dir, said = run_dir.format(tmp=tmp_path), said.format(tmp=tmp_path)
+    for executor in ("local", "slurm"):
+        out = subprocess.run(
+            [sys.executable, "-m", "relax_hpc.submit", f"run.dir={run_dir}", f"launch.executor={executor}"],
+            cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert (out.returncode, out.stdout) == (2, "")
+        assert out.stderr.startswith(f"error: run.dir: {said}") and len(out.stderr.splitlines()) == 1, out.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # the probe left nothing
 
 
 def test_settings_that_depend_on_others_are_frozen_as_concrete_values(tmp_path):

@@ -14,16 +14,16 @@ import pytest
 from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
 
 from relax_hpc.config import load_config
-from relax_hpc.data.plan import Group, to_sample_batch
 from relax_hpc.data.prompts import PromptRow, load_prompts
 from relax_hpc.envs import load_env
 from relax_hpc.envs.base import EnvError, Sampled, Trajectory
 from relax_hpc.envs.calculator import Calculator, tool_output
 from relax_hpc.envs.context import Batcher, EpisodeContext, GenerateCall, call_seed, run_episodes
-from relax_hpc.envs.rounds import Rounds
 from relax_hpc.exchange.spool import read_batch, write_batch
 from relax_hpc.inprocess import LocalPolicy
 from relax_hpc.rewards import make_scorer
+from relax_hpc.rollout.plan import Group, to_sample_batch
+from relax_hpc.rollout.rounds import Rounds
 from relax_hpc.trainer.batching import share_of
 
 REPO = Path(__file__).resolve().parents[2]

@@ -4,9 +4,9 @@ import asyncio
 from pathlib import Path
 
 from relax_hpc.config import load_config
-from relax_hpc.data.plan import BatchPlan, Group
 from relax_hpc.data.prompts import load_prompts
 from relax_hpc.envs.base import Trajectory
+from relax_hpc.rollout.plan import BatchPlan, Group
 
 REPO = Path(__file__).resolve().parents[2]
 

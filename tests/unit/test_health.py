@@ -1,16 +1,20 @@
 """The health monitor's verdicts on heartbeats: a busy phase past its limit, a silent driver,
-a trainer idle beside waiting batches; a role just started gets its grace."""
+a trainer idle beside waiting batches; a role just started gets its grace, up to its start-up
+limit."""
 
 from __future__ import annotations
 
 import os
 import time
+from dataclasses import asdict
 
 from relax_hpc.config.schema import HealthConfig
 from relax_hpc.exchange.spool import Spool
+from relax_hpc.launch.commands import free_port
 from relax_hpc.launch.health import HealthMonitor
 from relax_hpc.metrics.heartbeat import Heartbeat, StepClock
 from relax_hpc.paths import RunPaths
+from relax_hpc.protocol.registry import EngineRecord, write_record
 from tests.unit.test_spool import make_batch
 
 
@@ -56,3 +60,32 @@ def test_a_silent_driver_is_hung_but_a_new_one_has_its_grace(tmp_path):
     assert finding.cause.startswith("no heartbeat for 4")
     fresh, _ = monitor(tmp_path / "again", started=now)  # just (re)started, no heartbeat yet
     assert all(f.role != "driver" for f in fresh.findings(now + 20))
+
+
+def test_a_role_not_up_within_the_startup_limit_is_hung_and_a_predecessor_vouches_for_nothing(tmp_path):
+    """A trainer without a heartbeat of its own, a driver without its first, an engine that has
+    not registered since its start: hung after launch.health.startup_timeout_s. What the
+    predecessors left (a heartbeat, a registry record) is neither a sign of life nor of a hang."""
+    paths = RunPaths(tmp_path / "run")
+    paths.create()
+    Heartbeat(paths, "trainer").beat(phase="train", since=time.time(), step=4)
+    old = EngineRecord("engine-0", "127.0.0.1", free_port(), os.getpid(), "old", "3")
+    write_record(paths.engines, old)
+    cfg = HealthConfig(startup_timeout_s=60.0, engine_timeout_s=0.01, driver_timeout_s=30.0)
+    start = time.time() + 0.01
+    health = HealthMonitor(paths, cfg, lambda role: start, engines=["engine-0"])
+    health.close()
+    health.probe_once()  # the old record: its /health fails, but it is not this process's
+    time.sleep(0.05)
+    assert health.findings(start + 40) == []  # the driver too: its start-up, not driver_timeout_s
+    causes = {f.role: f.cause for f in health.findings(start + 61)}
+    assert set(causes) == {"trainer", "driver", "engine-0"}
+    assert all(c == "not up 61 s after its start (hung in its start-up)" for c in causes.values())
+    time.sleep(0.02)  # so that the next beat and record are newer than `start`
+    Heartbeat(paths, "trainer").beat(phase="wait", since=time.time(), step=4)
+    write_record(paths.engines, EngineRecord(**{**asdict(old), "instance": "new"}))
+    health.probe_once()
+    time.sleep(0.05)
+    causes = {f.role: f.cause for f in health.findings(start + 61)}
+    assert set(causes) == {"engine-0", "driver"}  # the trainer is up
+    assert "/health has not answered" in causes["engine-0"]  # the engine is up: its silence counts

@@ -25,13 +25,13 @@ from transformers import (
 
 from relax_hpc.config.schema import MegatronConfig
 from relax_hpc.models.arch import arch_of
+from relax_hpc.models.hf_export import export_hf
+from relax_hpc.models.hf_loading import load_hf_weights
 from relax_hpc.models.hf_mapping import (
     canonical_name,
     entry,
-    export_hf,
     hf_specs,
     hf_to_mcore,
-    load_hf_weights,
     mcore_names,
     mcore_to_hf,
     rank_experts,
@@ -417,13 +417,36 @@ def test_sdpa_attention_packed_documents_attend_only_within_themselves(mp):
         attention(q, k, v, None, packed_seq_params=packed_seq_params([3, 5], "cpu"))
 
 
+def test_packed_documents_of_many_lengths_equal_naive_attention_forward_and_backward(mp):
+    """Documents of every length class (1 to 17 tokens, classes padded to their longest), in a
+    shuffled order: the batched path's outputs and gradients are each document's naive causal
+    attention's, and no output is shared between documents."""
+    torch.manual_seed(2)
+    attention = _attention_module()
+    lengths = [4, 1, 17, 3, 2, 9, 5, 16, 1, 8]
+    total = sum(lengths)
+    q, k, v = (torch.randn(total, h, 8, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    grad = torch.randn(total, 32, dtype=torch.float64)
+    out = attention(q, k, v, None, packed_seq_params=packed_seq_params(lengths, "cpu"))
+    mine = torch.autograd.grad(out, (q, k, v), grad)
+    expected, start = [], 0
+    for n in lengths:
+        doc = slice(start, start + n)
+        expected.append(_naive_causal(*_hf_rope(q[doc], k[doc]), v[doc]))
+        start += n
+    reference = torch.cat(expected)
+    torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)  # RoPE rotates in fp32
+    for g, r in zip(mine, torch.autograd.grad(reference, (q, k, v), grad), strict=True):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)  # RoPE rotates in fp32
+
+
 @pytest.mark.parametrize("kind", list(CONFIGS))
 def test_megatron_checkpoint_reads_back_as_the_hf_checkpoint(kind, mp, tmp_path, monkeypatch):
     """What tools/dcp_to_hf.py reads: megatron's own distributed checkpoint of the model (layers
     stacked, TE names, SwiGLU halves saved as separate shards) gives back the HF tensors."""
     from megatron.core import dist_checkpointing
 
-    from relax_hpc.models.hf_mapping import megatron_checkpoint_to_hf
+    from relax_hpc.models.hf_checkpoint import megatron_checkpoint_to_hf
 
     if not torch.cuda.is_available():  # megatron's save syncs CUDA and reduces a flag there: on the CPU
         monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from relax_hpc.algos.aggregation import Normalizer, aggregate, local_counts
-from relax_hpc.algos.kl import kl_estimate
+from relax_hpc.algos.kl import K3_CAP, K3_MAX_GRAD, kl_estimate
 from relax_hpc.algos.off_policy import behaviour_weights
 from relax_hpc.config.schema import KLConfig
 from tests.unit.algo_helpers import close, t
@@ -60,33 +60,101 @@ def test_k3_is_the_default_and_nonnegative():
 
 
 def test_kl_extreme_log_ratios_are_clamped_finite_and_gradient_free():
-    # d = 50 -> 20: k1 = 20, k2 = 200, k3 = e^-20 + 19; d = -50 -> -20: k3 = e^20 - 21.
+    # d = 50 -> 20: k1 = 20, k2 = 200; k3 is capped at 10 on both sides (e^-20 + 19 and e^20 - 21 exceed it).
     lp = t([[50.0, -50.0]]).requires_grad_(True)
     ref = t([[0.0, 0.0]])
     close(kl_estimate(lp, ref, "k1", clamp=20.0), [[20.0, -20.0]])
+    close(kl_estimate(lp, ref, "abs", clamp=20.0), [[20.0, 20.0]])
     close(kl_estimate(lp, ref, "k2", clamp=20.0), [[200.0, 200.0]])
-    close(kl_estimate(lp, ref, "k3", clamp=20.0), [[math.exp(-20.0) + 19.0, math.exp(20.0) - 21.0]])
-    for est in ("k1", "k2", "k3"):
+    close(kl_estimate(lp, ref, "k3", clamp=20.0), [[10.0, 10.0]])
+    for est in ("k1", "abs", "k2", "k3", "k3_grad_k2", "k1_grad_k2"):
         g = grad_of_sum(kl_estimate(lp, ref, est, clamp=20.0), lp)
         assert g.tolist() == [[0.0, 0.0]], est
     close(kl_estimate(lp, ref, "k1", clamp=5.0), [[5.0, -5.0]])
 
 
+def k3_cap_crossings():
+    """The log-ratios where e^-d - 1 + d = 10, by bisection: one below 0, one above."""
+
+    def solve(inside, outside):
+        for _ in range(200):
+            mid = (inside + outside) / 2
+            if math.exp(-mid) - 1 + mid < 10.0:
+                inside = mid
+            else:
+                outside = mid
+        return inside
+
+    return solve(0.0, -20.0), solve(0.0, 20.0)
+
+
+def test_k3_gradient_is_bounded_at_and_around_its_cap():
+    # Inside the cap the gradient is Schulman's k3' = 1 - e^-d; beyond it, none. The largest one is
+    # just inside the negative crossing d-: 1 - e^-d- = d- - 10 (from e^-d- = 11 - d-).
+    low, high = k3_cap_crossings()
+    assert low == pytest.approx(-2.6108686, abs=1e-6) and high == pytest.approx(10.99998, abs=1e-4)
+    assert K3_CAP == 10.0 and abs(K3_MAX_GRAD - (10.0 - low)) < 1e-5
+    near = [low - 1e-4, low + 1e-4, high - 1e-4, high + 1e-4, -5.0, -19.9, 15.0, 0.5]
+    lp = t([near]).requires_grad_(True)
+    out = kl_estimate(lp, torch.zeros_like(lp), "k3", clamp=20.0)
+    inside = [low < d < high for d in near]
+    close(out, [[math.exp(-d) - 1 + d if keep else 10.0 for d, keep in zip(near, inside, strict=True)]])
+    close(grad_of_sum(out, lp), [[1 - math.exp(-d) if keep else 0.0 for d, keep in zip(near, inside, strict=True)]])
+    grid = torch.linspace(-20.0, 20.0, 400_001, dtype=torch.float64).requires_grad_(True)
+    g = grad_of_sum(kl_estimate(grid, torch.zeros_like(grid), "k3", clamp=20.0), grid)
+    assert float(g.abs().max()) <= K3_MAX_GRAD and float(g.abs().max()) > K3_MAX_GRAD - 1e-3
+
+
 def test_unknown_kl_estimator_is_rejected():
     with pytest.raises(ValueError):
         kl_estimate(t([[0.0]]), t([[0.0]]), "k4", clamp=20.0)  # type: ignore[arg-type]  # not an estimator, on purpose
+    with pytest.raises(ValueError, match="k3_grad_k1 was removed: its gradient, grad log pi, has zero expectation"):
+        KLConfig.model_validate({"estimator": "k3_grad_k1"})
 
 
-@pytest.mark.parametrize(("estimator", "grad"), [("k3_grad_k2", [[0.5, -0.5, 0.0]]), ("k3_grad_k1", [[1.0, 1.0, 1.0]])])
-def test_straight_through_kl_has_k3s_value_and_the_other_gradient(estimator, grad):
-    # value k3 = e^-d - 1 + d: d 0.5 -> e^-0.5 - 0.5, d -0.5 -> e^0.5 - 1.5, d 0 -> 0; gradient k2' = d or k1' = 1.
+def test_abs_by_hand():
+    # |d|: 0.5, 0.5, 0; gradient sign(d) (0 at d = 0).
+    lp, ref = kl_inputs()
+    out = kl_estimate(lp, ref, "abs", clamp=20.0)
+    close(out, [[0.5, 0.5, 0.0]])
+    close(grad_of_sum(out, lp), [[1.0, -1.0, 0.0]])
+
+
+@pytest.mark.parametrize(
+    ("estimator", "value"),
+    [("k3_grad_k2", [[math.exp(-0.5) - 0.5, math.exp(0.5) - 1.5, 0.0]]), ("k1_grad_k2", [[0.5, -0.5, 0.0]])],
+)
+def test_straight_through_kl_has_its_value_and_k2s_gradient(estimator, value):
+    # value k3 = e^-d - 1 + d or k1 = d; gradient k2' = d: 0.5, -0.5, 0.
     lp, ref = kl_inputs()
     out = kl_estimate(lp, ref, estimator, clamp=20.0)
-    close(out, [[math.exp(-0.5) - 0.5, math.exp(0.5) - 1.5, 0.0]])
-    close(grad_of_sum(out, lp), grad)
+    close(out, value)
+    close(grad_of_sum(out, lp), [[0.5, -0.5, 0.0]])
 
 
-@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_expected_loss_gradients_of_the_estimators_over_a_categorical_policy():
+    # Exact expectations over a 5-token softmax policy pi_theta (no sampling): sum_y pi(y) grad k(y)
+    # is what a KL loss term contributes on average. The k2-gradient forms give grad KL(pi || ref)
+    # (autograd on sum_y pi log(pi / ref)); k1's gradient, grad log pi, averages to exactly 0, which
+    # is why k3's value with k1's gradient was removed. k3's own gradient is E[(1 - ref/pi) grad log pi].
+    torch.manual_seed(0)
+    theta = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    ref = torch.log_softmax(torch.randn(5, dtype=torch.float64), -1)
+
+    def expected_grad(estimator):
+        logp = torch.log_softmax(theta, -1)
+        per_token = kl_estimate(logp, ref, estimator, clamp=20.0)
+        return torch.autograd.grad((logp.exp().detach() * per_token).sum(), theta)[0]
+
+    logp = torch.log_softmax(theta, -1)
+    true_kl_grad = torch.autograd.grad((logp.exp() * (logp - ref)).sum(), theta)[0]
+    for estimator in ("k3_grad_k2", "k1_grad_k2", "k2"):
+        torch.testing.assert_close(expected_grad(estimator), true_kl_grad)
+    torch.testing.assert_close(expected_grad("k1"), torch.zeros(5, dtype=torch.float64))
+    assert float((expected_grad("k3") - true_kl_grad).abs().max()) > 1e-3  # biased, as documented
+
+
+@pytest.mark.parametrize("estimator", ["k1", "abs", "k2", "k3"])  # not the straight-through forms, on purpose
 def test_kl_gradcheck(estimator):
     torch.manual_seed(0)
     lp = (torch.randn(3, 4, dtype=torch.float64) * 0.5).requires_grad_(True)

@@ -1,6 +1,7 @@
 """Where each role runs inside an allocation, which GPUs it sees, and how it is wrapped."""
 
 import re
+import socket
 from pathlib import Path
 
 import pytest
@@ -88,7 +89,19 @@ def test_heterogeneous_components():
     commands = step_commands(cfg, RunPaths(cfg.run.dir), alloc)
     assert "--het-group=1" in commands["engine-0"] and "--nodelist=r1" in commands["engine-0"]
     assert "--het-group=0" in commands["trainer"] and "--cpus-per-task=4" in commands["trainer"]
-    assert "--rdzv-endpoint=t1:20009" in commands["trainer"]  # 20000 + job id mod 20000
+
+    def rendezvous() -> dict[str, str]:
+        argv = step_commands(cfg, RunPaths(cfg.run.dir), alloc)["trainer"]
+        return dict(a.split("=", 1) for a in argv if a.startswith("--rdzv-"))
+
+    # Each start of the trainer meets at a port free at that start, under an id of its own: a
+    # restarted torchrun must never join its predecessor's store.
+    first = rendezvous()
+    host, port = first["--rdzv-endpoint"].split(":")
+    with socket.create_server(("", int(port))):  # the predecessor's store still listens
+        again = rendezvous()
+    assert host == "t1" and again["--rdzv-endpoint"] != first["--rdzv-endpoint"]
+    assert first["--rdzv-id"].startswith("9-") and again["--rdzv-id"] != first["--rdzv-id"]
 
 
 TEACHER = ("algo.advantage.estimator=distill", "algo.teacher.path=/models/teacher", "algo.teacher.num_engines=2")

@@ -1,15 +1,31 @@
 """The package layout's rules (docs/DESIGN.md, "The code"), checked on the import statements:
 roles are processes that meet only through shared layers, so no role imports another role and no
-shared layer imports a role; entry points above the roles may import anything."""
+shared layer imports a role; the shared layers are ranked, and each imports only layers of a lower
+rank (no loop between them); entry points above the roles may import anything. And the driver,
+which every start and restart of a run starts, imports no torch."""
 
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "relax_hpc"
 ROLES = {"engines", "rollout", "trainer", "launch"}
 ENTRY_POINTS = {"submit", "inprocess", "status", "plot", "scale", "__init__"}
+# The shared layers, lowest first: a layer imports only layers of a lower rank.
+RANKS = [
+    {"paths", "config"},
+    {"fence"},  # one writer per run: every writing layer above checks it
+    {"data", "protocol", "algos"},
+    {"exchange", "envs", "rewards", "weights"},
+    {"models"},
+    {"ckpt"},
+    {"metrics"},
+]
+RANK = {layer: rank for rank, layers in enumerate(RANKS) for layer in layers}
 
 
 def _imports(path: Path) -> set[str]:
@@ -29,11 +45,25 @@ def _top(module: str) -> str:
     return parts[1] if len(parts) > 1 else ""
 
 
+def _owner(path: Path) -> str:
+    rel = path.relative_to(PACKAGE)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def _files() -> list[tuple[Path, str]]:
+    return [(p, _owner(p)) for p in sorted(PACKAGE.rglob("*.py"))]
+
+
+def test_every_package_is_a_role_an_entry_point_or_a_ranked_layer():
+    """A new package must be placed (a layer without a rank would escape the rank rule)."""
+    unplaced = {owner for _, owner in _files()} - ROLES - ENTRY_POINTS - set(RANK)
+    assert unplaced == set()
+
+
 def test_no_role_imports_another_role_and_no_shared_layer_imports_a_role():
     offences = []
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path, owner in _files():
         rel = path.relative_to(PACKAGE)
-        owner = rel.parts[0] if len(rel.parts) > 1 else rel.stem
         if owner in ENTRY_POINTS:
             continue
         for module in _imports(path):
@@ -43,8 +73,46 @@ def test_no_role_imports_another_role_and_no_shared_layer_imports_a_role():
     assert offences == []
 
 
+def test_a_shared_layer_imports_only_lower_ranked_layers():
+    offences = []
+    for path, owner in _files():
+        if owner not in RANK:
+            continue
+        for module in _imports(path):
+            target = _top(module)
+            if target in RANK and target != owner and RANK[target] >= RANK[owner]:
+                offences.append(
+                    f"{path.relative_to(PACKAGE)} (rank {RANK[owner]}) imports {module} (rank {RANK[target]})"
+                )
+    assert offences == []
+
+
+def test_the_driver_imports_no_torch():
+    """Importing the driver module in a fresh interpreter leaves torch unimported: torch costs
+    seconds of CPU on every start and restart of a run, and the driver never needs it."""
+    code = "import sys, relax_hpc.rollout.driver; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_no_runtime_module_imports_the_test_models():
+    """models/tiny*.py build the shipped test models (tools/make_tiny_*.py) and serve the tests:
+    no part of a run may come to depend on them."""
+    offences = [
+        f"{path.relative_to(PACKAGE)} imports {module}"
+        for path, _ in _files()
+        if not path.stem.startswith("tiny")
+        for module in _imports(path)
+        if module.startswith("relax_hpc.models.tiny")
+    ]
+    assert offences == []
+
+
 def test_the_rule_is_not_vacuous():
     """The walk sees the package's real imports (a broken walk would pass the test above)."""
     imports = _imports(PACKAGE / "trainer" / "loop.py")
     assert "relax_hpc.weights.sender" in imports and "relax_hpc.trainer.build" in imports
     assert _top("relax_hpc.engines.torch_engine") == "engines"
+    assert "relax_hpc.ckpt.layout" in _imports(PACKAGE / "metrics" / "summary.py")
+    assert "relax_hpc.models.tiny" in _imports(PACKAGE / "models" / "tiny_multimodal.py")

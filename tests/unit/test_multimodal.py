@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from relax_hpc.data.media import Kind
-from relax_hpc.data.plan import Group, to_sample_batch
 from relax_hpc.data.processor import MediaProcessor, prompt_encoder, up_to_media_token
 from relax_hpc.data.prompts import PromptRow, load_prompts
 from relax_hpc.engines.torch_engine import TorchEngine
@@ -28,6 +27,7 @@ from relax_hpc.models.hf import load_policy
 from relax_hpc.models.tiny_multimodal import CELL, GRID
 from relax_hpc.protocol import requests as P
 from relax_hpc.rollout.engine_policy import EnginePolicy
+from relax_hpc.rollout.plan import Group, to_sample_batch
 from relax_hpc.trainer.batching import share_of, token_logprobs_and_entropy
 from tests.models.qwen3_family import build_qwen3_omni, build_qwen3_vl
 

@@ -10,7 +10,7 @@ from relax_hpc.algos.aggregation import Normalizer, local_counts
 from relax_hpc.algos.objective import Objective
 from relax_hpc.algos.stats import Stats
 from relax_hpc.config.schema import JobConfig
-from tests.unit.algo_helpers import close, ids, t
+from tests.unit.algo_helpers import TwoRankGroup, close, ids, t
 
 torch.set_num_threads(1)
 
@@ -113,6 +113,63 @@ def test_kl_in_the_loss_adds_coef_times_the_estimate():
     assert float(grad(loss, lp)) == pytest.approx(-2 + 0.1 * (1 - math.exp(-0.5)))
 
 
+class TinyPolicy:
+    """A softmax policy over 32 tokens with logits W h from fixed features: 8 samples of 12 tokens,
+    groups of 4, on-policy (pi_old = pi_theta detached), the reference a little off the policy."""
+
+    def __init__(self):
+        gen = torch.Generator().manual_seed(0)
+        self.layer = torch.nn.Linear(16, 32, dtype=torch.float64)
+        torch.nn.init.normal_(self.layer.weight, std=0.3, generator=gen)
+        self.features = torch.randn(8, 12, 16, dtype=torch.float64, generator=gen)
+        self.tokens = torch.randint(0, 32, (8, 12), generator=gen)
+        self.rewards = torch.randint(0, 2, (8,), generator=gen).double()
+        self.groups = ids([0] * 4 + [1] * 4)
+        logprobs, _ = self.forward()
+        self.ref = logprobs.detach() + 0.1 * torch.randn(8, 12, dtype=torch.float64, generator=gen)
+
+    def forward(self):
+        logp = torch.log_softmax(self.layer(self.features), -1)
+        return logp.gather(-1, self.tokens.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+    def grad_norm(self, obj, mask, extra=None):
+        """The step's gradient norm; `extra(logprobs)` is added to the loss."""
+        self.layer.zero_grad()
+        logprobs, entropy = self.forward()
+        old = logprobs.detach()
+        adv = obj.advantages(self.rewards, self.groups, mask, old).advantages
+        loss, _ = obj.policy_loss(logprobs, entropy, old, old, adv, mask, norm_of(mask), self.ref)
+        (loss if extra is None else loss + extra(logprobs)).backward()
+        return float(torch.nn.utils.clip_grad_norm_(self.layer.parameters(), float("inf")))  # the trainer's norm
+
+
+@pytest.mark.parametrize("coef", [0.001, 0.1, 1.0])
+def test_default_kl_keeps_the_step_gradient_within_2x_on_an_adversarial_batch(coef):
+    # Four tokens whose log-ratio to the reference is +-15. With the default estimator (k3, capped)
+    # the step's gradient norm stays within 2x of the same batch without those tokens; k3 without
+    # the cap, e^-x - 1 + x (written out here), would multiply it by far more.
+    policy = TinyPolicy()
+    far = [(0, 3, 15.0), (2, 5, -15.0), (5, 7, 15.0), (7, 1, -15.0)]
+    with torch.no_grad():
+        for i, j, x in far:
+            policy.ref[i, j] = policy.forward()[0][i, j] - x
+    obj = objective({"kl": {"coef": coef}})
+    assert obj.cfg.kl.estimator == "k3" and obj.cfg.kl.placement == "loss"
+    mask = torch.ones(8, 12, dtype=torch.float64)
+    without = mask.clone()
+    for i, j, _ in far:
+        without[i, j] = 0.0
+    adversarial, clean = policy.grad_norm(obj, mask), policy.grad_norm(obj, without)
+    assert clean > 0 and adversarial <= 2 * clean
+
+    def uncapped_excess(logprobs):
+        rows, cols = [i for i, _, _ in far], [j for _, j, _ in far]
+        x = logprobs[rows, cols] - policy.ref[rows, cols]
+        return coef * (torch.exp(-x) - 1 + x - 10.0).sum() / mask.sum()
+
+    assert policy.grad_norm(obj, mask, uncapped_excess) > 100 * clean
+
+
 # -- rloo + reinforce ------------------------------------------------------------------------------
 
 
@@ -178,6 +235,28 @@ def test_grpo_with_kl_reward_subtracts_the_summed_penalty_from_the_outcome():
     old = t([[0.4, 0.2], [0.0, 9.0]])
     out = obj.advantages(t([1.0, 1.0]), ids([3, 3]), t([[1, 1], [1, 0]]), old, ref_logprobs=ref)
     close(out.advantages, [[-0.15, -0.15], [0.15, 0.0]])
+
+
+def test_remax_with_kl_reward_gives_each_token_its_reward_to_go():
+    # ReMax with the k1 penalty in the reward: A_it = R_i - b_i - beta * sum over t' >= t of k1_it'
+    # (the outcome sits on the last token; earlier tokens' penalties are not this token's doing).
+    # Sample 1's greedy reward failed (NaN): its group's mean reward (its own, 0) stands in.
+    obj = objective(
+        {
+            "advantage": {"estimator": "remax"},
+            "policy_loss": {"kind": "reinforce"},
+            "kl": {"coef": 0.1, "estimator": "k1", "placement": "reward"},
+        }
+    )
+    rewards, baselines, groups = [1.0, 0.0], [0.5, math.nan], ids([0, 1])
+    used = [0.5, 0.0]  # sample 1's NaN: its group's mean reward
+    mask = [[1, 1, 1], [1, 0, 1]]
+    k1 = [[0.2, -0.1, 0.3], [0.4, 9.0, -0.2]]
+    ref = torch.full((2, 3), -1.0, dtype=torch.float64)
+    to_go = [[sum(k1[i][u] * mask[i][u] for u in range(tt, 3)) for tt in range(3)] for i in range(2)]
+    expected = [[(rewards[i] - used[i] - 0.1 * to_go[i][tt]) * mask[i][tt] for tt in range(3)] for i in range(2)]
+    out = obj.advantages(t(rewards), groups, t(mask), ref + t(k1), ref_logprobs=ref, baselines=t(baselines))
+    close(out.advantages, expected)
 
 
 # -- reinforce_pp_baseline -------------------------------------------------------------------------
@@ -311,6 +390,45 @@ def test_dr_grpo_seq_mean_token_sum_norm_by_hand():
     assert float(loss10.detach()) == pytest.approx(-5 / 3 / 20)
 
 
+# -- metrics: one definition of clip_fraction and ratio for every loss -----------------------------
+
+
+def test_gmpo_metrics_use_the_ppo_definitions():
+    # Bounds +-0.4 in log space. A token counts as clipped when its advantage is non-zero and its
+    # log-ratio x lies beyond the bound where the clip removes its gradient (x > 0.4 for A > 0,
+    # x < -0.4 for A < 0); the ratio reported is the unclipped geometric mean exp(mean_t x).
+    obj = objective({"policy_loss": {"kind": "gmpo", "clip_low": 0.4, "clip_high": 0.4, "entropy_coef": 0.0}})
+    x = [[0.7, -0.7], [0.6, 0.2], [-0.6, 0.3]]
+    a = [[0.0, 0.0], [1.0, 1.0], [-1.0, -1.0]]
+    old = torch.full((3, 2), -1.0, dtype=torch.float64)
+    mask = torch.ones(3, 2, dtype=torch.float64)
+    _, stats = obj.policy_loss(old + t(x), torch.zeros_like(old), old, old, t(a), mask, norm_of(mask))
+    clipped = sum(
+        (ai > 0 and xi > 0.4) or (ai < 0 and xi < -0.4)
+        for xr, ar in zip(x, a, strict=True)
+        for xi, ai in zip(xr, ar, strict=True)
+    )
+    assert clipped == 2 and stats.sums["clip_fraction"] == clipped
+    ratios = [math.exp(sum(row) / 2) for row in x]  # 1 for the zero-advantage row, not 1.15
+    assert stats.sums["ratio_mean"] == pytest.approx(2 * sum(ratios))
+    assert stats.maxes["ratio"] == pytest.approx(max(ratios)) and stats.mins["ratio"] == pytest.approx(min(ratios))
+
+
+@pytest.mark.parametrize("kind", ["ppo", "gspo", "gmpo", "sapo", "cispo", "m2po"])
+def test_zero_advantage_tokens_never_count_as_clipped(kind):
+    # log r = 1, -1, 2 is outside every loss's band (default clips, m2po_tau 0.04); with A = 0 the
+    # tokens have no policy gradient to clip, with A = 1 some of them are clipped.
+    obj = objective({"policy_loss": {"kind": kind}})
+    old = t([[-1.0, -1.0, -1.0]])
+    lp, mask = old + t([[1.0, -1.0, 2.0]]), t([[1, 1, 1]])
+
+    def clip_fraction(a):
+        _, stats = obj.policy_loss(lp, torch.zeros_like(lp), old, old, t([[a] * 3]), mask, norm_of(mask))
+        return stats.sums["clip_fraction"]
+
+    assert clip_fraction(0.0) == 0 and clip_fraction(1.0) > 0
+
+
 # -- off-policy corrections ------------------------------------------------------------------------
 
 
@@ -348,6 +466,77 @@ def test_icepop_drops_out_of_band_tokens_and_reports_them():
     assert float(loss) == pytest.approx(-1.5 / 3)
     assert stats.sums["is_dropped_fraction"] == 2
     assert stats.sums["is_weight_mean"] == pytest.approx(1.5)
+
+
+def mis_config(correction, rejects, aggregation="token_mean"):
+    return {
+        "off_policy": {"correction": correction, "mis_rejects": rejects},
+        "policy_loss": {"entropy_coef": 0.1, "aggregation": aggregation},
+        "kl": {"coef": 0.2, "estimator": "k1"},
+    }
+
+
+def mis_case():
+    """Two samples of two tokens, on-policy (r = 1) with w = pi_old / pi_rollout given per token."""
+    old = torch.full((2, 2), -1.0, dtype=torch.float64)
+    lp = old.clone().requires_grad_(True)
+    w = t([[1.0, 3.0], [0.4, 1.5]])
+    ref, entropy, adv = old - 0.3, t([[0.5, 1.0], [1.5, 2.0]]), t([[1.0, 1.0], [-2.0, -2.0]])
+    return old, lp, old - torch.log(w), ref, entropy, adv, torch.ones(2, 2, dtype=torch.float64)
+
+
+def by_hand(lp, old, ref, entropy, adv, policy_kept, rest_kept, per_sample):
+    """The configured per-token loss written out, -A r on the kept policy terms, -0.1 H + 0.2 k1 on
+    the kept others, aggregated by `per_sample` (a function of the [n, T] terms)."""
+    terms = -adv * torch.exp(lp - old) * policy_kept + (-0.1 * entropy + 0.2 * (lp - ref)) * rest_kept
+    return per_sample(terms)
+
+
+@pytest.mark.parametrize("rejects", ["policy_term", "token"])
+def test_mis_rejected_tokens_lose_the_policy_term_or_the_whole_token(rejects):
+    # mis, band [0.5, 2]: tokens (0, 1) (w = 3) and (1, 0) (w = 0.4) are rejected. token_mean over
+    # the 4 tokens (policy_term) or over the 2 kept ones (token).
+    old, lp, rollout, ref, entropy, adv, mask = mis_case()
+    kept = t([[1, 0], [0, 1]])
+    rest, tokens = (mask, 4.0) if rejects == "policy_term" else (kept, 2.0)
+    expected = by_hand(lp, old, ref, entropy, adv, kept, rest, lambda x: x.sum() / tokens)
+    loss, stats = objective(mis_config("mis", rejects)).policy_loss(
+        lp, entropy, old, rollout, adv, mask, norm_of(mask), ref
+    )
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(grad(loss, lp), grad(expected, lp))
+    assert stats.sums["is_dropped_fraction"] == 2 and stats.sums["tokens"] == 4
+
+
+@pytest.mark.parametrize("rejects", ["policy_term", "token"])
+def test_seq_mis_with_token_rejects_leaves_the_sequence_count(rejects):
+    # seq_mis: w_0 = 1 * 3 = 3 is out of [0.5, 2], w_1 = 0.4 * 1.5 = 0.6 is in: sample 0 is rejected.
+    # seq_mean_token_mean: (1/N) sum_i mean_t, N = 2 (policy_term) or 1 (token: sample 0 is gone).
+    old, lp, rollout, ref, entropy, adv, mask = mis_case()
+    kept = t([[0, 0], [1, 1]])
+    rest, n = (mask, 2.0) if rejects == "policy_term" else (kept, 1.0)
+    expected = by_hand(lp, old, ref, entropy, adv, kept, rest, lambda x: (x.sum(-1) / 2).sum() / n)
+    cfg = mis_config("seq_mis", rejects, aggregation="seq_mean_token_mean")
+    loss, _ = objective(cfg).policy_loss(lp, entropy, old, rollout, adv, mask, norm_of(mask), ref)
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(grad(loss, lp), grad(expected, lp))
+
+
+def test_mis_token_rejects_sum_the_rejected_counts_over_ranks():
+    # Rank 0 holds sample 0 (one rejected token), rank 1 sample 1 (one rejected); each divides by
+    # the global count of kept tokens, so the two shares add up to the one-process loss.
+    old, lp, rollout, ref, entropy, adv, mask = mis_case()
+    algo = JobConfig.model_validate({"algo": mis_config("mis", "token"), "rollout": {"max_new_tokens": 4}}).algo
+    whole, _ = Objective(algo).policy_loss(lp, entropy, old, rollout, adv, mask, norm_of(mask), ref)
+
+    def share(rows, comm):
+        obj = Objective(algo, comm)
+        return obj.policy_loss(
+            lp[rows], entropy[rows], old[rows], rollout[rows], adv[rows], mask[rows], norm_of(mask), ref[rows]
+        )[0]
+
+    first, second = TwoRankGroup().run(share, ([0],), ([1],))
+    torch.testing.assert_close(first + second, whole)
 
 
 def test_the_plain_k1_kls_are_among_the_statistics():

@@ -49,3 +49,30 @@ def test_an_empty_microbatch_is_padding_alone():
     mb = packing.pack(_batch([4]), [], pad_id=0, multiple=2)
     assert mb.num_tokens == 2 and len(mb.rows) == 0
     assert mb.unpack(torch.ones(2)).shape == (0, 4)
+
+
+def test_pack_all_equals_each_bin_concatenated_row_by_row():
+    """Several bins at once (one of them empty) with expert choices: each micro-batch is its rows'
+    tokens, targets and choices laid end to end, positions restarting per document, padded to the
+    multiple with pad tokens and unrecorded choices; unpack puts every token back in its row."""
+    lengths = [4, 6, 3, 1, 7, 2]
+    batch = _batch(lengths)
+    batch.routed = torch.arange(batch.input_ids.numel() * 2).reshape(*batch.input_ids.shape, 2)
+    bins = [[0, 2, 5], [], [1, 3, 4]]
+    mbs = packing.pack_all(batch, bins, batch.attention_mask.sum(1).numpy(), pad_id=0, multiple=4)
+    for rows, mb in zip(bins, mbs, strict=True):
+        real = sum(lengths[i] for i in rows)
+        pad = (-real) % 4 if real else 4
+        ids = [t for i in rows for t in batch.input_ids[i, : lengths[i]].tolist()] + [0] * pad
+        targets = [t for i in rows for t in batch.targets[i, : lengths[i]].tolist()] + [0] * pad
+        routed = [c for i in rows for c in batch.routed[i, : lengths[i]].tolist()] + [[-1, -1]] * pad
+        docs = [lengths[i] for i in rows] + ([pad] if pad else [])
+        assert mb.rows.tolist() == rows and mb.input_ids[0].tolist() == ids and mb.targets.tolist() == targets
+        assert mb.routed is not None and mb.routed.tolist() == routed
+        assert mb.position_ids[0].tolist() == [p for n in docs for p in range(n)]
+        assert mb.cu_seqlens.tolist() == [sum(docs[:k]) for k in range(len(docs) + 1)]
+        assert mb.max_seqlen == max(docs) and mb.real_tokens == real
+        grid = mb.unpack(torch.arange(1, mb.num_tokens + 1, dtype=torch.float32))
+        for k, i in enumerate(rows):
+            start = sum(lengths[j] for j in rows[:k])
+            assert grid[k].tolist() == [float(start + 1 + t) if t < lengths[i] else 0.0 for t in range(grid.shape[1])]

@@ -51,7 +51,8 @@ def test_gmpo_geometric_mean_of_log_clipped_ratios_by_hand():
     close(terms.loss, [[-1.0] * 3, [2 * r1] * 3])
     close(grad_of_sum(terms.loss * mask / mask.sum(-1, keepdim=True), lp), [[-1 / 3, 0.0, -1 / 3], [r1, 0.0, 0.0]])
     assert terms.clipped.tolist() == [[False, True, False], [False, True, False]]
-    close(terms.ratio, [[1.0] * 3, [r1] * 3])
+    # The ratio reported is the unclipped geometric mean: exp((0.2 + 0.6 - 0.6) / 3) and exp((0.6 - 0.6) / 2).
+    close(terms.ratio, [[math.exp(0.2 / 3)] * 3, [1.0] * 3])
 
 
 def test_gmpo_is_the_paper_objective_under_seq_mean_token_mean():

@@ -19,9 +19,9 @@ import pytest
 from relax_hpc.config import load_config
 from relax_hpc.data.prompts import PromptRow, load_prompts
 from relax_hpc.envs.base import Sampled
-from relax_hpc.envs.rounds import Rounds
 from relax_hpc.rewards import RewardError, RewardInput, Scorer, make_scorer
 from relax_hpc.rewards.remote import RemoteReward, public_url
+from relax_hpc.rollout.rounds import Rounds
 
 REPO = Path(__file__).resolve().parents[2]
 ROW = PromptRow(0, "2+2=", "4", fields={"prompt": "2+2=", "answer": "4", "level": 3})

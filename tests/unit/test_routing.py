@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from relax_hpc.data.plan import Group, to_sample_batch
 from relax_hpc.engines.torch_engine import TorchEngine
 from relax_hpc.envs.base import Sampled, Trajectory
 from relax_hpc.exchange.spool import read_batch, write_batch
 from relax_hpc.models.hf import load_policy
 from relax_hpc.protocol import requests as P
+from relax_hpc.rollout.plan import Group, to_sample_batch
 from relax_hpc.trainer.batching import share_of, token_logprobs_and_entropy
 from tests.models.qwen3_family import build_qwen3_moe
 

@@ -30,7 +30,6 @@ import numpy as np
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from relax_hpc.data.plan import Group, to_sample_batch
 from relax_hpc.engines.torch_engine import TorchEngine
 from relax_hpc.envs.base import Sampled, Trajectory
 from relax_hpc.exchange.spool import read_batch, write_batch
@@ -38,6 +37,7 @@ from relax_hpc.models.hf import load_policy
 from relax_hpc.models.routing import recording
 from relax_hpc.models.tiny import build_char_tokenizer
 from relax_hpc.protocol import requests as P
+from relax_hpc.rollout.plan import Group, to_sample_batch
 from relax_hpc.trainer.batching import TrainBatch, share_of, token_logprobs_and_entropy
 
 

@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relax_hpc.config.schema import JobConfig, RolloutConfig
-from relax_hpc.data.plan import BatchPlan, Group
 from relax_hpc.data.prompts import PromptRow
 from relax_hpc.envs import load_env
 from relax_hpc.envs.base import Trajectory
 from relax_hpc.envs.context import Batcher, EpisodeContext, Policy, run_episodes
 from relax_hpc.rewards import RewardError, RewardInput, Scorer
+from relax_hpc.rollout.plan import BatchPlan, Group
 
 log = logging.getLogger("relax_hpc.rollout")
 

@@ -1,0 +1,140 @@
+"""relax_hpc's side of vLLM 0.32's API against vLLM's own classes, routes and argument parser.
+
+vLLM lives in an environment of its own (.venv-vllm: it pins transformers below the trainer's),
+so tests/vllm_probe.py runs there, in a subprocess: it takes what relax_hpc sends (built here
+by the same functions the engine wrapper, the weight channel and the driver's vLLM requests use)
+through vLLM's classes and prints what vLLM made of it. Checked:
+
+- /inference/v1/generate: relax_hpc's body validates as vLLM's GenerateRequest and every sampling
+  setting lands in vLLM's SamplingParams with the value meant; an answer built by vLLM's
+  GenerateTokensResponse parses into tokens, log-probabilities and per-token versions;
+- the routes relax_hpc calls exist with those methods, their parameters where relax_hpc puts them
+  (pause's mode in the query, the rest in the body), and pause's modes are vLLM's;
+- the gloo transfer engine: vLLM's plugin loading registers it (twice is harmless), it is a
+  complete WeightTransferEngine, and the channel's init and update payloads build its info classes;
+- the wrapper's server arguments parse with api_server's own parser, each to the value meant;
+- vLLM's API key guards only some prefixes, none of the RL routes: why vllm_auth exists.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from relax_hpc.config import load_config
+from relax_hpc.engines.vllm_engine import MIDDLEWARE, MODULE, engine_python, server_args
+from relax_hpc.protocol import vllm as V
+from relax_hpc.weights.buckets import BucketPlan
+from relax_hpc.weights.vllm_channel import init_info, update_info
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "configs" / "tiny-grpo.yaml"
+SAMPLING = {"max_new_tokens": 7, "temperature": 0.7, "top_p": 0.9, "top_k": -1}
+PLAN = BucketPlan(["a.weight", "b.bias"], ["float32", "bfloat16"], [[2, 3], [4]])
+
+
+@pytest.fixture(scope="module")
+def cfg() -> Any:
+    return load_config(CONFIG, ["rollout.vllm.kv_cache_mib=32", "rollout.vllm.max_model_len=48"], base_dir=REPO)
+
+
+@pytest.fixture(scope="module")
+def probed(cfg: Any) -> dict[str, Any]:
+    python = engine_python(cfg)
+    assert Path(python).exists(), f"{python} is missing: bash tools/install.sh --vllm"
+    sent = {
+        "generate": V.generate_body(V.generate_request("req-1", [1, 2, 3], SAMPLING, seed=42)),
+        "init_info": init_info("127.0.0.1", 29511, 1, 3, "g"),
+        "update_info": update_info(PLAN),
+        "argv": server_args(cfg, "127.0.0.1", 8123),
+        "module": MODULE,
+    }
+    done = subprocess.run(
+        [python, str(REPO / "tests" / "vllm_probe.py")],
+        input=json.dumps(sent),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_generate_request_is_vllms_and_every_setting_lands(probed: dict[str, Any]) -> None:
+    g = probed["generate"]
+    assert (g["request_id"], g["token_ids"], g["output_mode"]) == ("req-1", [1, 2, 3], "tokens")
+    assert g["sampling"] == {
+        "max_tokens": 7,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 0,  # relax_hpc's -1 (off) is vLLM's 0
+        "seed": 42,
+        "logprobs": 0,
+        "detokenize": False,
+    }
+
+
+def test_vllms_answer_parses_into_tokens_logprobs_and_versions(probed: dict[str, Any]) -> None:
+    completion = V.parse_completion(probed["answer"])
+    assert completion.token_ids == [3, 4, 5]
+    assert completion.logprobs == [-0.75, -1.0, -1.25]
+    assert completion.token_versions == [7, 7, 8]
+    assert completion.finish_reason == "length"
+
+
+def test_the_routes_relax_hpc_calls_exist_with_their_parameters(probed: dict[str, Any]) -> None:
+    routes = probed["routes"]
+    calls = {
+        V.GENERATE: ("POST", [], ["request"]),
+        V.PAUSE: ("POST", ["clear_cache", "mode"], []),
+        V.RESUME: ("POST", [], []),
+        V.ABORT: ("POST", [], []),
+        V.INIT_WEIGHT_TRANSFER: ("POST", [], ["init_info"]),
+        V.START_WEIGHT_UPDATE: ("POST", [], []),
+        V.UPDATE_WEIGHTS: ("POST", [], ["update_info"]),
+        V.FINISH_WEIGHT_UPDATE: ("POST", [], ["weight_version"]),
+        V.WEIGHT_INFO: ("GET", [], []),
+        V.WEIGHT_CHECKER: ("POST", [], ["action", "baseline"]),
+        "/update_weight_version": ("POST", [], ["new_version"]),
+    }
+    for path, (method, query, body) in calls.items():
+        assert path in routes, path
+        assert method in routes[path]["methods"], (path, routes[path])
+        assert routes[path]["query"] == query, (path, routes[path])
+        assert routes[path]["body"] == body, (path, routes[path])
+    assert set(probed["pause_modes"]) == {"abort", "wait", "keep"}
+
+
+def test_the_gloo_engine_registers_through_the_plugin_and_takes_the_channels_payloads(
+    probed: dict[str, Any],
+) -> None:
+    engine = probed["transfer_engine"]
+    assert engine["is_engine"] and engine["abstract"] == []
+    assert engine["init_info"] == {**init_info("127.0.0.1", 29511, 1, 3, "g"), "timeout_s": 600.0}
+    assert engine["update_info"] == update_info(PLAN)
+
+
+def test_the_wrappers_arguments_parse_with_api_servers_parser(probed: dict[str, Any], cfg: Any) -> None:
+    args = probed["server_args"]
+    assert args["model"] == cfg.model.path and args["dtype"] == "float32" and args["seed"] == cfg.run.seed
+    assert (args["kv_cache_memory_bytes"], args["max_model_len"]) == (32 * 2**20, 48)
+    assert args["enable_scale_out"] is True and args["enforce_eager"] is True
+    assert args["logprobs_mode"] == "processed_logprobs"
+    assert args["middleware"] == [MIDDLEWARE]
+    assert "relax_gloo" in args["weight_transfer_config"]
+    assert probed["module_found"]
+
+
+def test_vllms_own_key_leaves_the_rl_routes_open(probed: dict[str, Any]) -> None:
+    guarded = tuple(probed["guarded_prefixes"])
+    assert V.GENERATE.startswith(guarded)
+    open_routes = [
+        r for r in (V.PAUSE, V.INIT_WEIGHT_TRANSFER, V.UPDATE_WEIGHTS, V.WEIGHT_CHECKER) if not r.startswith(guarded)
+    ]
+    assert open_routes == [V.PAUSE, V.INIT_WEIGHT_TRANSFER, V.UPDATE_WEIGHTS, V.WEIGHT_CHECKER]

@@ -1,0 +1,49 @@
+"""relax_hpc.protocol.vllm's reading of answers: what the driver cannot train on is refused by name.
+(The fields themselves are checked against vLLM's classes in test_vllm_contract.py.)"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from relax_hpc.protocol import vllm as V
+
+
+def choice(**fields: Any) -> dict[str, Any]:
+    base = {
+        "token_ids": [4, 5],
+        "finish_reason": "stop",
+        "logprobs": {"content": [{"token_id": 4, "logprob": -0.5}, {"token_id": 5, "logprob": -1.5}]},
+        "weight_versions": [{"version": "3", "start": 0, "end": 1}, {"version": "4", "start": 1, "end": 2}],
+    }
+    return {"choices": [{**base, **fields}]}
+
+
+def test_a_complete_answer_keeps_each_tokens_version() -> None:
+    completion = V.parse_completion(choice())
+    assert (completion.token_ids, completion.logprobs, completion.token_versions) == ([4, 5], [-0.5, -1.5], [3, 4])
+
+
+@pytest.mark.parametrize(
+    ("answer", "reason"),
+    [
+        ({"choices": []}, "0 choices"),
+        (choice(logprobs=None), "2 tokens with 0 log-probabilities"),
+        (choice(weight_versions=[{"version": "3", "start": 0, "end": 1}]), "do not cover all 2"),
+        (choice(weight_versions=None), "do not cover all 2"),
+    ],
+)
+def test_answers_without_what_training_needs_are_refused(answer: dict[str, Any], reason: str) -> None:
+    with pytest.raises(ValueError, match=reason):
+        V.parse_completion(answer)
+
+
+def test_top_k_off_is_vllms_zero_and_the_seed_is_the_calls() -> None:
+    request = V.generate_request("r", [1], {"max_new_tokens": 3, "top_k": -1}, seed=9)
+    assert (request.sampling_params.top_k, request.sampling_params.seed, request.sampling_params.max_tokens) == (
+        0,
+        9,
+        3,
+    )
+    assert V.generate_request("r", [1], {"max_new_tokens": 3, "top_k": 5}, seed=9).sampling_params.top_k == 5

@@ -1,0 +1,111 @@
+"""Run by tests/unit/test_vllm_contract.py with vLLM's own Python (.venv-vllm): reads what relax_hpc
+sends (JSON on stdin), puts it through vLLM 0.32's own classes, parsers and routers, and prints
+what vLLM made of it (JSON on stdout). Imports vLLM, so it never runs in the trainer's environment."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import sys
+import typing
+from typing import Any
+
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.entrypoints.rl.online.api_router import router as rl_router
+from vllm.entrypoints.scale_out.token_in_token_out.api_router import router as tokens_router
+from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest, GenerateTokensResponse
+from vllm.entrypoints.serve.middleware.authenticate import GUARDED_PREFIX
+from vllm.plugins import load_general_plugins
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.v1.engine import PauseMode
+
+
+def routes() -> dict[str, dict[str, Any]]:
+    """Each route's methods and where its parameters come from (query or body), as FastAPI has them."""
+    out = {}
+    for route in [*rl_router.routes, *tokens_router.routes]:
+        dependant = getattr(route, "dependant", None)
+        out[route.path] = {
+            "methods": sorted(route.methods),
+            "query": sorted(p.name for p in dependant.query_params) if dependant else [],
+            "body": sorted(p.name for p in dependant.body_params) if dependant else [],
+        }
+    return out
+
+
+def generate(body: dict[str, Any]) -> dict[str, Any]:
+    request = GenerateRequest.model_validate(body)
+    params = request.sampling_params
+    return {
+        "request_id": request.request_id,
+        "token_ids": request.token_ids,
+        "output_mode": request.output_mode,
+        "sampling": {name: getattr(params, name) for name in body["sampling_params"]},
+    }
+
+
+def answer() -> dict[str, Any]:
+    """An answer built with vLLM's response class: three tokens, the last by a newer version."""
+    choice = {
+        "index": 0,
+        "token_ids": [3, 4, 5],
+        "finish_reason": "length",
+        "logprobs": {"content": [{"token_id": t, "logprob": -0.25 * t} for t in (3, 4, 5)]},
+        "weight_versions": [{"version": "7", "start": 0, "end": 2}, {"version": "8", "start": 2, "end": 3}],
+    }
+    return GenerateTokensResponse(request_id="r", choices=[choice]).model_dump(mode="json")
+
+
+def transfer_engine(init_info: dict[str, Any], update_info: dict[str, Any]) -> dict[str, Any]:
+    load_general_plugins()  # what every vLLM process does at start: relax_hpc's entry point registers
+    load_general_plugins()  # and again (vLLM may): registering must not fail the second time
+    cls = WeightTransferEngineFactory._registry["relax_gloo"]()
+    return {
+        "is_engine": issubclass(cls, WeightTransferEngine),
+        "abstract": sorted(cls.__abstractmethods__),
+        "init_info": dataclasses.asdict(cls.init_info_cls(**init_info)),
+        "update_info": dataclasses.asdict(cls.update_info_cls(**update_info)),
+    }
+
+
+def server_args(argv: list[str]) -> dict[str, Any]:
+    ns = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
+    keys = (
+        "model",
+        "dtype",
+        "seed",
+        "max_model_len",
+        "kv_cache_memory_bytes",
+        "enable_scale_out",
+        "logprobs_mode",
+        "middleware",
+    )
+    out = {k: getattr(ns, k) for k in keys}
+    out |= {"enforce_eager": ns.enforce_eager, "weight_transfer_config": str(ns.weight_transfer_config)}
+    return out
+
+
+def main() -> None:
+    sent = json.load(sys.stdin)
+    print(
+        json.dumps(
+            {
+                "routes": routes(),
+                "pause_modes": list(typing.get_args(PauseMode)),
+                "guarded_prefixes": list(GUARDED_PREFIX),
+                "generate": generate(sent["generate"]),
+                "answer": answer(),
+                "transfer_engine": transfer_engine(sent["init_info"], sent["update_info"]),
+                "server_args": server_args(sent["argv"]),
+                "module_found": importlib.util.find_spec(sent["module"]) is not None,
+            },
+            default=str,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
