@@ -42,6 +42,7 @@ HEALTH = (
 )  # fmt: skip
 # Every trained batch kept (the prompt check reads them); dynamic sampling is off by default.
 RECOVERY_STEPS = 3
+STEPS_PER_FAULT = 16
 RUN = ("ckpt.every_steps=2", "ckpt.keep_trained_batches=true", "rollout.prompts_per_step=8", "rollout.eval_every=0")
 
 
@@ -196,7 +197,9 @@ def schedule(seed: int, count: int, kinds: list[str]) -> list[str]:
 
 def run_schedule(run_dir: Path, seed: int, faults: list[str], nodes: int = 4) -> Chaos:
     """Submit the run, inject every fault, wait for the end; returns what happened."""
-    steps = (RECOVERY_STEPS + 3) * len(faults) + 4
+    # Steps per fault: the wait before it (1-3), its recovery, and the training that goes on while
+    # a hung engine is detected and replaced (the other engine serves): the run must outlast them.
+    steps = STEPS_PER_FAULT * len(faults) + 4
     out = submit(run_dir, f"trainer.total_steps={steps}", *RUN, *HEALTH)
     assert out.returncode == 0, out.stdout + out.stderr
     chaos = Chaos(run_dir, random.Random(seed), nodes, job_id(run_dir))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.slurm.chaos import FAULTS, NEEDS_STEP_KILL, RECOVERY_STEPS, run_schedule, schedule, verify
+from tests.slurm.chaos import FAULTS, NEEDS_STEP_KILL, STEPS_PER_FAULT, run_schedule, schedule, verify
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -29,5 +29,5 @@ def test_a_seeded_schedule_of_faults_leaves_the_run_exact(slurm_cluster, tmp_pat
     chaos = run_schedule(tmp_path / "run", SEED, faults, nodes=len(slurm_cluster.nodes))
     counts = verify(chaos)
     assert [f["kind"] for f in chaos.faults] == faults
-    assert counts["steps"] == (RECOVERY_STEPS + 3) * len(faults) + 4
+    assert counts["steps"] == STEPS_PER_FAULT * len(faults) + 4
     assert len(counts["superseded_ended_s"]) == 2  # the continued engine and driver ended
