@@ -14,6 +14,7 @@ RUN_DIR/
   logs/RESTART/ROLE.log                 one folder per start of the launcher
   slurm/                                submitit's folder (submission file, job output), job_id
   control/stop                          asks the trainer to checkpoint and stop
+  fence/lease.json  fence/refused/      fencing: the current generation and role processes; refused writes
   health/ROLE.json                      heartbeats: what each role is doing, since when
   scale/ops|drain|logs                  elastic rollout: scale operations, engines leaving, their logs
 """

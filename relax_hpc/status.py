@@ -23,6 +23,7 @@ from typing import Any
 
 from relax_hpc.ckpt.layout import latest_dir
 from relax_hpc.config.load import read_frozen
+from relax_hpc.fence import Lease, refused_writes
 from relax_hpc.launch.follow import ACTIVE, ENDED, queue_state
 from relax_hpc.launch.follow import slurm_state as ended_state
 from relax_hpc.metrics.jsonl import read_jsonl
@@ -96,6 +97,8 @@ def collect(run_dir: Path) -> dict[str, Any]:
         "starts": len([e for e in events if e.get("event") == "start"]),
         "role_exits": [e for e in events if e.get("event") == "role_exit"],
         "stops": [e["why"] for e in events if e.get("event") == "stop_requested"],
+        # Writes refused by superseded processes (relax_hpc/fence.py): they ended without writing.
+        "fencing": {"generation": Lease(paths.root).generation, "refused_writes": len(refused_writes(paths.root))},
         "guard": guard_reason(paths),
     }
     checkpoint = latest_dir(paths.ckpt)
@@ -179,6 +182,11 @@ def render(facts: dict[str, Any]) -> str:
     ]
     if "checkpoint" in facts:
         lines.append(f"checkpoint:  {facts['checkpoint']} ({_duration(facts['checkpoint_age_s'])} ago)")
+    fencing = facts["fencing"]
+    lines.append(
+        f"fencing:     generation {fencing['generation']}, "
+        f"{fencing['refused_writes']} write(s) refused to superseded processes"
+    )
     if facts["slurm_job"]:
         known = facts["slurm_state"] or "unknown to Slurm (squeue, sacct, scontrol)"
         lines.append(f"slurm:       job {facts['slurm_job']}: {known}")

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from relax_hpc import fence
 from relax_hpc.ckpt.layout import STATE_FILE, latest_dir
 from relax_hpc.paths import CkptDirs, fsync_dir, write_atomic
 
@@ -50,6 +51,12 @@ class Checkpointer:
         too). Returns False (and keeps the previous checkpoint) if any rank failed."""
         tmp, final = self.dirs.partial(step), self.dirs.step(step)
         name = final.name
+        fence.check(f"checkpoint {name}")  # every rank: a superseded one must not write into tmp
+        if latest_dir(self.root) == final:
+            # This step is the latest checkpoint already (a stop right after a periodic save): the
+            # state is the same, and rewriting it would leave `latest` dangling meanwhile (a kill
+            # then would lose every checkpoint). Every rank reads the same answer.
+            return True
         if self.rank == 0 and tmp.exists():
             shutil.rmtree(tmp)
         dist.barrier()
@@ -69,6 +76,7 @@ class Checkpointer:
             return False
         if self.rank == 0:
             try:
+                fence.check(f"checkpoint {name} commit", fresh=True)
                 write_atomic(tmp / STATE_FILE, json.dumps(trainer_state).encode())
                 if final.exists():
                     shutil.rmtree(final)

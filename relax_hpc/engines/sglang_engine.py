@@ -39,6 +39,7 @@ import uuid
 from dataclasses import replace
 from pathlib import Path
 
+from relax_hpc import fence
 from relax_hpc.config.load import read_frozen
 from relax_hpc.config.schema import JobConfig
 from relax_hpc.paths import RunPaths
@@ -239,6 +240,8 @@ class Wrapper:
         answered = time.monotonic()
         while not self.stopping.wait(POLL_S):
             self._check_alive("while serving")
+            if fence.superseded():  # run()'s finally ends the server, and its record goes
+                raise EngineFailed("a newer generation of the run superseded this engine (fenced)")
             if self.client.healthy(probe_s):
                 answered = time.monotonic()
                 self._refresh_version()
@@ -258,6 +261,10 @@ class Wrapper:
                 "%s: the %s server did not exit in %.0f s; killing it", self.args.engine_id, self.KIND, STOP_GRACE_S
             )
         return 0
+
+    def kill_server(self) -> None:
+        if self.proc is not None:
+            kill_group(self.proc)
 
     def _check_alive(self, when: str) -> None:
         assert self.proc is not None, "run() starts the server first"
@@ -305,6 +312,7 @@ def main(wrapper_class: type[Wrapper] = Wrapper) -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     wrapper = wrapper_class(args)
+    fence.install(wrapper.paths.root, before_exit=wrapper.kill_server)
     for sig in FORWARDED:
         signal.signal(sig, wrapper.on_signal)
     sys.exit(wrapper.run())

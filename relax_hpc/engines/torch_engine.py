@@ -41,6 +41,7 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
+from relax_hpc import fence
 from relax_hpc.data.media import Kind, MediaError, MediaRef
 from relax_hpc.data.processor import Processed, ProcessorError, media_processor
 from relax_hpc.engines.sampling import Completion, SamplingSpec, input_logprobs, sample
@@ -533,7 +534,17 @@ class _Handler(BaseHTTPRequestHandler):
         self._reply(HTTPStatus.UNAUTHORIZED, {"error": "missing or wrong API key"})
         return False
 
+    def _superseded(self) -> bool:
+        """An engine of an older generation of the run serves nothing (it exits within a second)."""
+        if not fence.superseded():
+            return False
+        self.close_connection = True
+        self._reply(HTTPStatus.CONFLICT, {"error": "this engine belongs to an older generation of the run (fenced)"})
+        return True
+
     def do_GET(self) -> None:
+        if self._superseded():
+            return
         route = R.ROUTES.get(("GET", self.path))
         if route is None:
             self._reply(HTTPStatus.NOT_FOUND, {"error": f"no route {self.path}"})
@@ -541,7 +552,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._reply(HTTPStatus.OK, _ACTIONS[route].answered(self.engine, None))
 
     def do_POST(self) -> None:
-        if not self._authorized():
+        if self._superseded() or not self._authorized():
             return
         try:
             length = int(self.headers.get("Content-Length") or 0)
@@ -627,6 +638,7 @@ _ACTIONS: dict[R.Route, _Action] = {
 def serve(args: argparse.Namespace, startup: StartupClock) -> None:
     torch.set_num_threads(args.threads)
     paths = RunPaths(Path(args.run_dir))
+    fence.install(paths.root)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     engine = TorchEngine(args.model_path, args.dtype, device, args.weights_timeout_s)
     startup.mark("model")

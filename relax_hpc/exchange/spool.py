@@ -26,6 +26,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from relax_hpc import fence
 from relax_hpc.config.schema import MediaKind
 from relax_hpc.paths import SpoolDirs, fsync_dir, write_atomic
 
@@ -400,7 +401,9 @@ class Spool:
     def publish(self, batch: SampleBatch, writer: str) -> Path:
         final = self.ready / f"b{batch.seq:09d}.h5"
         tmp = self.ready / f".b{batch.seq:09d}.{os.getpid()}.tmp"
+        fence.check(f"spool publish {final.name}")
         write_batch(tmp, batch, writer)
+        fence.check(f"spool publish {final.name}")  # writing took a while: still current?
         os.rename(tmp, final)
         fsync_dir(self.ready)
         return final
@@ -430,6 +433,7 @@ class Spool:
         return sorted(batches)
 
     def claim(self, path: Path, step: int) -> Path:
+        fence.check(f"spool claim {path.name}")
         step_dir = self.dirs.claimed_by(step)
         step_dir.mkdir(exist_ok=True)
         target = step_dir / path.name
@@ -438,10 +442,12 @@ class Spool:
 
     def write_manifest(self, claimed: Path, manifest: dict) -> None:
         """Record beside a claimed batch which of its samples were trained and which set aside."""
+        fence.check(f"spool manifest {claimed.name}")
         write_atomic(claimed.with_name(claimed.name + ".json"), json.dumps(manifest).encode())
 
     def quarantine(self, path: Path, reason: str) -> Path:
         target = self._free_name(self.quarantine_dir, path.name)
+        fence.check(f"spool quarantine {path.name}")
         write_atomic(target.with_name(target.name + ".reason"), reason.encode())
         os.rename(path, target)
         return target

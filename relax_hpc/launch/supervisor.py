@@ -26,6 +26,7 @@ from typing import TextIO
 import psutil
 
 from relax_hpc.config.schema import JobConfig
+from relax_hpc.fence import Lease, refused_writes
 from relax_hpc.launch.commands import step_name
 from relax_hpc.launch.health import HealthMonitor
 from relax_hpc.launch.notify import Notifier
@@ -145,6 +146,7 @@ class Supervisor:
         self.kill_requested = False
         self.events = JsonlWriter(paths.events_metrics)
         self.notifier = Notifier(cfg.notify, paths.root.name)
+        self.lease = Lease(paths.root)  # fencing: every start of a role supersedes its last process
 
     def say(self, text: str) -> None:
         self.out.write(text)
@@ -187,7 +189,8 @@ class Supervisor:
 
     def _end(self, code: int) -> None:
         step = completed_steps(self.paths)
-        self.events.log({"event": "end", "exit": code, "step": step})
+        refused = len(refused_writes(self.paths.root))  # by processes this run superseded (fencing)
+        self.events.log({"event": "end", "exit": code, "step": step, "refused_writes": refused})
         summary = run_summary(self.paths, self.cfg.trainer.total_steps)
         if code != EXIT_FAILED:
             self.say(summary + "\n")
@@ -197,6 +200,8 @@ class Supervisor:
 
     def _attempt(self) -> tuple[int, bool]:
         """One start of every role, from the checkpoint: (exit status, whether the trainer failed)."""
+        # Superseded before recovery rewrites the record: an older process writes nothing after it.
+        generation = self.lease.new_generation()
         recovery = recover(self.paths)
         logs = self._next_log_dir()
         env = child_env(self.cfg)
@@ -229,10 +234,10 @@ class Supervisor:
         )
         self.events.log(
             {"event": "start", "logs": logs.name, "step": recovery.step, "slurm_job_id": job,
-             "slurm_restart_count": restart_count}
+             "slurm_restart_count": restart_count, "generation": generation}
         )  # fmt: skip
         for role in roles.values():
-            role.start(env)
+            role.start({**env, **self.lease.grant(role.name)})
         self.notifier.send("resumed" if recovery.step else "started", f"at step {recovery.step}; logs in {logs}")
         # A role the run does not have (an sft job's driver) started "in the future": never overdue.
         started = lambda name: roles[name].started_at if name in roles else float("inf")  # noqa: E731
@@ -327,7 +332,7 @@ class Supervisor:
                 self.say(f"\n{role.name} ended ({cause}); restarting ({role.restarts}/{role.max_restarts})\n")
                 role.hung, role.not_before = None, 0.0
                 self._kill(role)  # what its process left behind: a Slurm step outlives its srun
-                role.start(env)
+                role.start({**env, **self.lease.grant(role.name)})
             progress.show(sum(r.alive() for r in engines), len(engines))
             end = progress.trainer_end
             if self.stop_requested and end is None and not progress.steps_this_start:

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from relax_hpc import fence
 from relax_hpc.paths import RunPaths
 
 
@@ -21,6 +22,7 @@ class Heartbeat:
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def beat(self, **state: Any) -> None:
+        fence.check(f"heartbeat {self.path.name}")  # an old process's beat would hide a hung new one
         # Renamed into place (a reader never sees half a file) but not fsynced: a heartbeat is
         # news, not a record, and the trainer writes several per step.
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")

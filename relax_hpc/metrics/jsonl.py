@@ -8,15 +8,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from relax_hpc import fence
 from relax_hpc.paths import write_atomic
 
 
 class JsonlWriter:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
+        self.name = path.name
         self._file = path.open("a", encoding="utf-8")
 
     def log(self, record: dict[str, Any]) -> None:
+        fence.check(f"metrics append to {self.name}")
         # Microseconds: consumers order records by time (the metric sinks' cursor).
         self._file.write(json.dumps({"time": round(time.time(), 6), **record}) + "\n")
         self._file.flush()

@@ -38,6 +38,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
+from relax_hpc import fence
 from relax_hpc.config.load import read_frozen
 from relax_hpc.config.schema import ClearMLConfig, JobConfig
 from relax_hpc.metrics.jsonl import JsonlFollower
@@ -234,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s metrics %(name)s %(levelname)s %(message)s")
     paths = RunPaths(args.run_dir)
+    fence.install(paths.root)
     cfg = read_frozen(paths.config)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -12,6 +12,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from relax_hpc import fence
 from relax_hpc.paths import write_atomic
 
 
@@ -30,6 +31,7 @@ class EngineRecord:
 
 
 def write_record(folder: Path, record: EngineRecord) -> None:
+    fence.check(f"registry write {folder.name}/{record.engine_id}")
     write_atomic(folder / f"{record.engine_id}.json", json.dumps(asdict(record)).encode())
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerFast
 
+from relax_hpc import fence
 from relax_hpc.ckpt.layout import read_trainer_state
 from relax_hpc.config.load import read_frozen
 from relax_hpc.config.schema import JobConfig
@@ -192,6 +193,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s driver %(name)s %(levelname)s %(message)s")
     paths = RunPaths(args.run_dir)
+    fence.install(paths.root)
     driver = Driver(read_frozen(paths.config), paths)
     startup.mark("init")
     driver.startup = startup

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from relax_hpc import fence
 from relax_hpc.config.load import read_frozen
 from relax_hpc.metrics.startup import StartupClock
 from relax_hpc.paths import RunPaths
@@ -61,6 +62,7 @@ def fork_ranks(paths: RunPaths, count: int, startup: StartupClock) -> int:
 
 
 def run_rank(paths: RunPaths, startup: StartupClock) -> None:
+    fence.install(paths.root)  # in each rank: a forked rank has no thread of its parent's
     cfg = read_frozen(paths.config)
     torch.set_num_threads(cfg.launch.threads_per_process)
     timeout = datetime.timedelta(hours=2)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from relax_hpc import fence
 from relax_hpc.protocol import requests as P
 from relax_hpc.protocol import routes as R
 from relax_hpc.protocol.client import EngineClient, EngineRequestError, EngineUnavailable
@@ -99,6 +100,7 @@ class AdapterPublisher:
     def publish(self, version: int, adapter: Adapter) -> int:
         """Write version's folder (none for version 0: the base) and have every live engine load
         it and report the version; returns how many did."""
+        fence.check("weight push (adapter)")
         folder = None
         if version > 0:
             folder = write_version(self.folders, version, lambda out: self.write(out, adapter))

@@ -33,6 +33,7 @@ from types import SimpleNamespace
 
 import torch
 
+from relax_hpc import fence
 from relax_hpc.protocol import requests as P
 from relax_hpc.protocol import routes as R
 from relax_hpc.protocol.client import EngineClient, RequestPipeline
@@ -103,6 +104,7 @@ class ColocatedSender:
         """After a step: the engines take their memory back and the new weights. Collective over
         the ranks (params is every rank's full-parameter stream). Returns (engines updated,
         seconds of resume, seconds of the update)."""
+        fence.check("weight push (colocated)")
         engines = self.engines()
         pipes = self._open(engines)
         try:

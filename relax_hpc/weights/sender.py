@@ -34,6 +34,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from relax_hpc import fence
 from relax_hpc.protocol import requests as P
 from relax_hpc.protocol import routes as R
 from relax_hpc.protocol.client import EngineClient, EngineRequestError, EngineUnavailable, RequestPipeline
@@ -205,6 +206,7 @@ class WeightSender:
         which spares a round trip on every push: an engine that died since then refuses the
         pipeline, and the push fails before any broadcast.
         """
+        fence.check("weight push")
         records = read_records(self.registry)
         if self.group is None or engine_key(records) != self._trusted:
             engines = self.live_engines(records)

@@ -18,6 +18,7 @@ ENTRY_POINTS = {"submit", "inprocess", "status", "plot", "scale", "__init__"}
 # The shared layers, lowest first: a layer imports only layers of a lower rank.
 RANKS = [
     {"paths", "config"},
+    {"fence"},  # one writer per run: every writing layer above checks it
     {"data", "protocol", "algos"},
     {"exchange", "envs", "rewards", "weights"},
     {"models"},

@@ -1,0 +1,43 @@
+"""Chaos, the full schedule: one run on the test Slurm cluster takes a seeded random schedule of
+faults, every kind at least once, and must stay exact (tests/slurm/chaos.py has the faults and
+the checks; tests/slurm/test_chaos.py runs a short schedule in CI).
+
+    python tools/bench/chaos.py [--seed 23] [--faults 14] [--without-step-kill]
+                                                # uses $SLURM_CONF, or starts tools/slurm/cluster.sh
+
+--without-step-kill leaves out the faults that need a killed role's job step to really end
+(tests/slurm/chaos.py: NEEDS_STEP_KILL). Prints one JSON object: faults injected and survived,
+steps trained again, time lost per fault kind (median), writes refused to superseded processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from preemption import slurm_cluster  # puts the repository on sys.path too
+
+from tests.slurm.chaos import FAULTS, NEEDS_STEP_KILL, run_schedule, schedule, summary, verify
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seed", type=int, default=23)
+    parser.add_argument("--faults", type=int, default=14)
+    parser.add_argument("--without-step-kill", action="store_true")
+    args = parser.parse_args()
+    kinds = sorted(set(FAULTS) - (NEEDS_STEP_KILL if args.without_step_kill else set()))
+    faults = schedule(args.seed, args.faults, kinds)
+    work = Path(tempfile.mkdtemp(prefix="bench-chaos-"))
+    started = time.monotonic()
+    with slurm_cluster(work):
+        chaos = run_schedule(work / "run", args.seed, faults)
+        counts = verify(chaos)
+    print(json.dumps({"seed": args.seed, **summary(chaos, counts, time.monotonic() - started)}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
