@@ -34,7 +34,6 @@ from relax_hpc.exchange.spool import read_batch
 from relax_hpc.fence import refused_writes
 from relax_hpc.metrics.jsonl import read_jsonl
 from relax_hpc.paths import RunPaths
-from relax_hpc.protocol.registry import read_records
 from relax_hpc.rollout.plan import BatchPlan
 from tests.slurm.jobs import REPO, finished, job_id, job_state, slurm, submit, wait_until
 
@@ -173,19 +172,26 @@ def _node_crash(chaos: Chaos) -> None:
     slurm("scontrol", "requeue", chaos.job)
 
 
+def _op(chaos: Chaos) -> str:
+    """The elastic operation of the fault under way (named after its place in the schedule)."""
+    return f"el{len(chaos.faults)}"
+
+
 def _elastic_join(chaos: Chaos) -> None:
-    """`scale out` one engine in a Slurm job of its own; wait until the engine has registered."""
-    op = f"el{len(chaos.faults)}"
-    argv = [sys.executable, "-m", "relax_hpc.scale", str(chaos.run_dir), "out", "--engines", "1", "--id", op]
+    """`scale out` one engine in a Slurm job of its own; wait until the driver uses it (a batch
+    from more engines than the run's own), so that the cancel strikes an engine at work."""
+    paths, asked = RunPaths(chaos.run_dir), time.time()
+    argv = [sys.executable, "-m", "relax_hpc.scale", str(chaos.run_dir), "out", "--engines", "1", "--id", _op(chaos)]
     said = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120, check=True).stdout
     chaos.elastic_job = said.split("job ")[1].split(";")[0]
-    registered = lambda: any(r.engine_id == f"{op}-0" for r in read_records(RunPaths(chaos.run_dir).engines))  # noqa: E731
-    wait_until(registered, 300, f"the elastic engine {op}-0 to register", every=0.2)
+    own = read_frozen(paths.config).rollout.num_engines
+    used = lambda: any(r["time"] > asked and r.get("engines", 0) > own for r in read_jsonl(paths.rollout_metrics))  # noqa: E731
+    wait_until(used, 300, f"the driver to use the elastic engine {_op(chaos)}-0", every=0.2)
 
 
 def _elastic_cancel(chaos: Chaos) -> None:
     """scancel the elastic job mid-run: it ends, and so do its engine's processes."""
-    job, op = chaos.elastic_job, f"el{len(chaos.faults)}"
+    job, op = chaos.elastic_job, _op(chaos)
     slurm("scancel", job)
     wait_until(lambda: finished(job), 60, f"the cancelled elastic job {job} to end", every=0.2)
     wait_until(lambda: not role_pids(chaos.run_dir, f"{op}-0"), 30, f"the engine of job {job} to end", every=0.2)
