@@ -17,6 +17,8 @@ import os
 import random
 import signal
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,7 +35,7 @@ from relax_hpc.fence import refused_writes
 from relax_hpc.metrics.jsonl import read_jsonl
 from relax_hpc.paths import RunPaths
 from relax_hpc.rollout.plan import BatchPlan
-from tests.slurm.jobs import job_id, job_state, slurm, submit, wait_until
+from tests.slurm.jobs import REPO, finished, job_id, job_state, slurm, submit, wait_until
 
 HEALTH = (
     "launch.health.engine_timeout_s=6", "launch.health.driver_timeout_s=20", "launch.health.step_timeout_s=10",
@@ -43,6 +45,8 @@ HEALTH = (
 # Every trained batch kept (the prompt check reads them); dynamic sampling is off by default.
 RECOVERY_STEPS = 3
 STEPS_PER_FAULT = 16
+# Training goes on while an elastic engine job starts and registers (before its scancel): its steps.
+JOIN_STEPS = 40
 RUN = ("ckpt.every_steps=2", "ckpt.keep_trained_batches=true", "rollout.prompts_per_step=8", "rollout.eval_every=0")
 
 
@@ -75,6 +79,7 @@ class Chaos:
     latest_seen: list[int] = field(default_factory=list)  # the checkpoint `latest` named, in time
     high: int = 0  # the highest step seen in the record (recovery may drop it later)
     superseded_ended_s: list[float] = field(default_factory=list)  # SIGCONT -> the old process gone
+    elastic_job: str = ""  # the elastic engine job a fault is about to cancel
 
     def steps(self) -> list[dict[str, Any]]:
         return [r for r in read_jsonl(RunPaths(self.run_dir).train_metrics) if "loss" in r]
@@ -108,6 +113,8 @@ class Chaos:
         before = wait_until(self.last_step, 300, "training to start", every=0.1)
         target = before + self.rng.randint(1, 3)
         wait_until(lambda: self.last_step() >= target, 300, f"step {target} before {kind}", every=0.1)
+        if kind in PREPARE:  # what the fault needs, before the clock starts
+            PREPARE[kind](self)
         at_step, injected = self.last_step(), time.time()
         self.high = at_step
         FAULTS[kind](self)
@@ -165,6 +172,31 @@ def _node_crash(chaos: Chaos) -> None:
     slurm("scontrol", "requeue", chaos.job)
 
 
+def _op(chaos: Chaos) -> str:
+    """The elastic operation of the fault under way (named after its place in the schedule)."""
+    return f"el{len(chaos.faults)}"
+
+
+def _elastic_join(chaos: Chaos) -> None:
+    """`scale out` one engine in a Slurm job of its own; wait until the driver uses it (a batch
+    from more engines than the run's own), so that the cancel strikes an engine at work."""
+    paths, asked = RunPaths(chaos.run_dir), time.time()
+    argv = [sys.executable, "-m", "relax_hpc.scale", str(chaos.run_dir), "out", "--engines", "1", "--id", _op(chaos)]
+    said = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120, check=True).stdout
+    chaos.elastic_job = said.split("job ")[1].split(";")[0]
+    own = read_frozen(paths.config).rollout.num_engines
+    used = lambda: any(r["time"] > asked and r.get("engines", 0) > own for r in read_jsonl(paths.rollout_metrics))  # noqa: E731
+    wait_until(used, 300, f"the driver to use the elastic engine {_op(chaos)}-0", every=0.2)
+
+
+def _elastic_cancel(chaos: Chaos) -> None:
+    """scancel the elastic job mid-run: it ends, and so do its engine's processes."""
+    job, op = chaos.elastic_job, _op(chaos)
+    slurm("scancel", job)
+    wait_until(lambda: finished(job), 60, f"the cancelled elastic job {job} to end", every=0.2)
+    wait_until(lambda: not role_pids(chaos.run_dir, f"{op}-0"), 30, f"the engine of job {job} to end", every=0.2)
+
+
 FAULTS: dict[str, Callable[[Chaos], object]] = {
     "kill -9 trainer rank": lambda c: c.kill("trainer"),
     "kill -9 driver": lambda c: c.kill("driver"),
@@ -176,15 +208,14 @@ FAULTS: dict[str, Callable[[Chaos], object]] = {
     "scontrol requeue": lambda c: slurm("scontrol", "requeue", c.job),
     "partition preemption": _preempt,
     "node crash (kill -9 all, requeue)": _node_crash,
+    "scancel elastic engine job": _elastic_cancel,
 }
+PREPARE: dict[str, Callable[[Chaos], None]] = {"scancel elastic engine job": _elastic_join}
 # Faults after which the run starts again from its checkpoint (in the allocation or the next one).
 RESTART_THE_RUN = {
     "kill -9 trainer rank", "SIGSTOP/SIGCONT trainer", "time limit notice (USR2)", "scontrol requeue",
     "partition preemption", "node crash (kill -9 all, requeue)",
 }  # fmt: skip
-# A stopped trainer rank on Slurm needs its job step really ended and a fresh rendezvous port at
-# the restart (issue 23, branch `kill`); until then the restarted torchrun joins the old store.
-NEEDS_STEP_KILL = {"SIGSTOP/SIGCONT trainer"}
 
 
 def schedule(seed: int, count: int, kinds: list[str]) -> list[str]:
@@ -199,7 +230,7 @@ def run_schedule(run_dir: Path, seed: int, faults: list[str], nodes: int = 4) ->
     """Submit the run, inject every fault, wait for the end; returns what happened."""
     # Steps per fault: the wait before it (1-3), its recovery, and the training that goes on while
     # a hung engine is detected and replaced (the other engine serves): the run must outlast them.
-    steps = STEPS_PER_FAULT * len(faults) + 4
+    steps = STEPS_PER_FAULT * len(faults) + 4 + JOIN_STEPS * sum(kind in PREPARE for kind in faults)
     out = submit(run_dir, f"trainer.total_steps={steps}", *RUN, *HEALTH)
     assert out.returncode == 0, out.stdout + out.stderr
     chaos = Chaos(run_dir, random.Random(seed), nodes, job_id(run_dir))

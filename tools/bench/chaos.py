@@ -2,12 +2,11 @@
 faults, every kind at least once, and must stay exact (tests/slurm/chaos.py has the faults and
 the checks; tests/slurm/test_chaos.py runs a short schedule in CI).
 
-    python tools/bench/chaos.py [--seed 23] [--faults 14] [--without-step-kill]
-                                                # uses $SLURM_CONF, or starts tools/slurm/cluster.sh
+    python tools/bench/chaos.py [--seed 23] [--faults 14]
+                                    # uses $SLURM_CONF, or starts tools/slurm/cluster.sh
 
---without-step-kill leaves out the faults that need a killed role's job step to really end
-(tests/slurm/chaos.py: NEEDS_STEP_KILL). Prints one JSON object: faults injected and survived,
-steps trained again, time lost per fault kind (median), writes refused to superseded processes.
+Prints one JSON object: faults injected and survived, steps trained again, time lost per fault
+kind (median), writes refused to superseded processes.
 """
 
 from __future__ import annotations
@@ -20,17 +19,15 @@ from pathlib import Path
 
 from preemption import slurm_cluster  # puts the repository on sys.path too
 
-from tests.slurm.chaos import FAULTS, NEEDS_STEP_KILL, run_schedule, schedule, summary, verify
+from tests.slurm.chaos import FAULTS, run_schedule, schedule, summary, verify
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seed", type=int, default=23)
     parser.add_argument("--faults", type=int, default=14)
-    parser.add_argument("--without-step-kill", action="store_true")
     args = parser.parse_args()
-    kinds = sorted(set(FAULTS) - (NEEDS_STEP_KILL if args.without_step_kill else set()))
-    faults = schedule(args.seed, args.faults, kinds)
+    faults = schedule(args.seed, args.faults, sorted(FAULTS))
     work = Path(tempfile.mkdtemp(prefix="bench-chaos-"))
     started = time.monotonic()
     with slurm_cluster(work):
