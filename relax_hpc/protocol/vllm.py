@@ -73,7 +73,7 @@ class Completion:
 
 def generate_request(request_id: str, input_ids: list[int], sampling: dict[str, Any], seed: int) -> GenerateRequest:
     """The request for one call, from the driver's SGLang-style sampling settings
-    (max_new_tokens, temperature, top_p, top_k: relax_hpc.envs.rounds.sampling_params)."""
+    (max_new_tokens, temperature, top_p, top_k: relax_hpc.rollout.rounds.sampling_params)."""
     top_k = int(sampling.get("top_k", -1))
     params = SamplingParams(
         max_tokens=int(sampling["max_new_tokens"]),
