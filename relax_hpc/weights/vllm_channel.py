@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from relax_hpc import fence
 from relax_hpc.protocol import vllm as V
 from relax_hpc.protocol.client import EngineClient
 from relax_hpc.weights.buckets import BucketPlan, pack, plan_buckets
@@ -69,6 +70,7 @@ class VllmGlooChannel:
         """Every engine holds `params` (HF names) as weight version `version` when this returns."""
         if self.group is None:
             raise RuntimeError("connect() the channel before pushing")
+        fence.check("weight push (vllm)")  # a superseded trainer pushes nothing, as on the other channels
         named = [(n, t.detach().contiguous()) for n, t in params]
         plans = plan_buckets(((n, t.shape, t.dtype) for n, t in named), self.bucket_bytes)
         self._all("POST", f"{V.PAUSE}?mode={pause}")
