@@ -204,6 +204,11 @@ def main(argv: list[str] | None = None) -> int:
             print(run_summary(paths, cfg.trainer.total_steps))
             return 0
         freeze(cfg, paths)
+        if not args.in_allocation and paths.stop_request.exists():
+            # A new submission means "train": a stop request no trainer served is withdrawn
+            # (a start inside an allocation may be a requeue, which keeps it).
+            paths.stop_request.unlink()
+            print(f"withdrew {paths.stop_request}, a stop request no trainer served: this submission trains")
         if args.in_allocation:
             from relax_hpc.launch.slurm import run_in_allocation
 

@@ -32,6 +32,21 @@ class Recovery:
     dropped_records: int = 0
 
 
+# How the launcher's own stop requests begin (a time limit's notice, launch.max_wall_s).
+LAUNCHER_STOP = b"launcher: "
+
+
+def drop_launcher_stop(paths: RunPaths) -> None:
+    """A stop the launcher asked for belonged to the start that asked (the next allocation trains);
+    one a user wrote stays until a trainer serves it (trainer/loop.py: StopRequest.served), so
+    a restart or a requeue between the request and the trainer's next step does not swallow it."""
+    try:
+        if paths.stop_request.read_bytes().startswith(LAUNCHER_STOP):
+            paths.stop_request.unlink(missing_ok=True)
+    except FileNotFoundError:
+        pass
+
+
 def recover(paths: RunPaths) -> Recovery:
     state = read_trainer_state(paths.ckpt) or {"step": 0, "version": 0}
     spool = Spool(paths.spool)
@@ -44,7 +59,7 @@ def recover(paths: RunPaths) -> Recovery:
         + drop_records(paths.rollout_metrics, lambda r: r.get("batch") in orphaned)
     )
     result = Recovery(step, version, returned, len(orphaned), spool.remove_partial(), dropped)
-    paths.stop_request.unlink(missing_ok=True)
+    drop_launcher_stop(paths)
     # No engine of this run is alive before the launcher starts them (a previous allocation's are
     # gone with it): records left by killed engines would only cost the trainer a timeout.
     # Elastic engines (relax_hpc.launch.elastic) keep theirs: they outlive the main job's starts.

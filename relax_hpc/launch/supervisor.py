@@ -30,7 +30,7 @@ from relax_hpc.fence import Lease, refused_writes
 from relax_hpc.launch.commands import step_name
 from relax_hpc.launch.health import HealthMonitor
 from relax_hpc.launch.notify import Notifier
-from relax_hpc.launch.recover import recover
+from relax_hpc.launch.recover import LAUNCHER_STOP, recover
 from relax_hpc.launch.steps import JobStep, end_steps
 from relax_hpc.metrics.jsonl import JsonlWriter, read_jsonl
 from relax_hpc.metrics.progress import Progress
@@ -160,7 +160,7 @@ class Supervisor:
             self.say(f"\n{why}: asking the trainer to checkpoint and stop\n")
             self.events.log({"event": "stop_requested", "why": why})
             self.notifier.send("stopping", f"{why}: the trainer checkpoints and stops")
-            write_atomic(self.paths.stop_request, b"stop\n")
+            write_atomic(self.paths.stop_request, LAUNCHER_STOP + why.encode() + b"\n")
 
     def request_kill(self) -> None:
         """End at once, without a checkpoint (the next start resumes from the previous one)."""

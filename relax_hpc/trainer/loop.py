@@ -75,6 +75,12 @@ class StopRequest:
     def requested(self) -> bool:
         return self.signalled or self.file.exists()
 
+    def served(self) -> None:
+        """Rank 0, once the stop's checkpoint is written: the request is answered, so the next
+        start trains. Until then it stays, through a restart or a requeue in between (a stop the
+        user asked for must not be lost to a hung trainer's restart)."""
+        self.file.unlink(missing_ok=True)
+
 
 def step_line(record: dict[str, Any], total: int) -> str:
     """One step in the trainer's log: the numbers a user looks at, and where the time went."""
@@ -345,6 +351,7 @@ class Trainer:
         if completed and self.cfg.ckpt.export_hf:
             export(self.paths, self.state.step)
         if self.rank == 0:
+            self.stop.served()
             self.metrics.log({"event": "end", "step": self.state.step, "completed": completed})
 
 

@@ -154,5 +154,7 @@ class SftTrainer:
         completed = self.state.step >= self.total
         if completed and self.cfg.ckpt.export_hf:
             export(self.paths, self.state.step)
+        if self.rank == 0:
+            self.stop.served()
         if self.metrics is not None:
             self.metrics.log({"event": "end", "step": self.state.step, "completed": completed})

@@ -68,6 +68,7 @@ def test_a_killed_engine_is_restarted_and_rejoins_weight_sync(tmp_path):
     (job.run_dir / "control" / "stop").write_text("stop")  # a clean stop, as on Ctrl-C
     assert job.wait(timeout_s=120) == 75, job.text()[-3000:]
     assert "engine-0 ended (exit -9); restarting (1/5)" in job.text()
+    assert not (job.run_dir / "control" / "stop").exists()  # served: a resubmission trains on
     assert int(record["weight_version"]) >= steps_at_rejoin - 1
     trainer_log = (job.run_dir / "logs" / "0" / "trainer.log").read_text()
     assert trainer_log.count("formed with 2 engine(s)") >= 2  # the group was re-formed with the new engine

@@ -27,6 +27,7 @@ def test_max_wall_time_stops_with_a_checkpoint(tmp_path):
     assert len(ends) == 1 and ends[0]["completed"] is False
     state = read_trainer_state(run_dir / "ckpt")
     assert state is not None and state["step"] == ends[0]["step"] > 0
+    assert not (run_dir / "control" / "stop").exists()  # served: the next start trains
 
 
 def test_ctrl_c_before_the_first_step_acts_within_seconds_and_says_why_the_trainer_ended(tmp_path):

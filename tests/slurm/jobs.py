@@ -60,14 +60,28 @@ def finished(job: str) -> bool:
     return job_state(job).split()[0] in FINAL_STATES
 
 
-def wait_until(predicate, timeout_s: float, what: str, every: float = 0.25):
+def wait_until(predicate, timeout_s: float, what: str, every: float = 0.25, explain=None):
+    """`explain` (a run_story): what the failure message shows, for a CI run whose RUN_DIR is gone."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(every)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}" + (f"\n{explain()}" if explain else ""))
+
+
+def run_story(run_dir: Path, lines: int = 25) -> str:
+    """The launcher's events, the last lines of its Slurm output and of each role's latest log."""
+    events = run_dir / "metrics" / "events.jsonl"
+    starts = sorted((p for p in (run_dir / "logs").glob("*") if p.name.isdigit()), key=lambda p: int(p.name))
+    logs = [*sorted((run_dir / "slurm").glob("*.out")), *(sorted(starts[-1].glob("*.log")) if starts else [])]
+    tail = lambda log: "\n".join(log.read_text(errors="replace").splitlines()[-lines:])  # noqa: E731
+    parts = [
+        events.read_text() if events.exists() else "",
+        *(f"--- {log.relative_to(run_dir)}\n{tail(log)}" for log in logs),
+    ]
+    return "\n".join(parts)
 
 
 def train_events(run_dir: Path, event: str) -> list[dict]:

@@ -17,7 +17,7 @@ from relax_hpc.launch.supervisor import EXIT_FAILED
 from relax_hpc.metrics.jsonl import read_jsonl
 from relax_hpc.protocol.registry import read_records
 from tests.runs import assert_nothing_lost_or_repeated
-from tests.slurm.jobs import CONFIG, REPO, TINY_SLURM, job_id, job_state, slurm, submit, wait_until
+from tests.slurm.jobs import CONFIG, REPO, TINY_SLURM, job_id, job_state, run_story, slurm, submit, wait_until
 
 pytestmark = [pytest.mark.slow]
 STEPS = 2000  # never reached: the test stops the run once the elastic job has come and gone
@@ -56,7 +56,8 @@ def test_an_elastic_engine_job_joins_is_requeued_rejoins_and_leaves(slurm_cluste
     assert state_of(run_dir, "el") == "cancelled"
     # The run is far from its last step (no race with the elastic job's timing): stop it here.
     (run_dir / "control" / "stop").write_text("stop")
-    wait_until(lambda: not job_state(main).startswith(("RUNNING", "PENDING", "COMPLETING")), 300, "the run to stop")
+    wait_until(lambda: not job_state(main).startswith(("RUNNING", "PENDING", "COMPLETING")), 300, "the run to stop",
+               explain=lambda: f"{job_state(main)}\n{run_story(run_dir)}")  # fmt: skip
     end = [r for r in read_jsonl(run_dir / "metrics" / "train.jsonl") if r.get("event") == "end"][-1]
     assert not end["completed"] and end["step"] < STEPS
     assert_nothing_lost_or_repeated(run_dir, end["step"])

@@ -7,7 +7,7 @@ import os
 
 from relax_hpc.ckpt.layout import STATE_FILE
 from relax_hpc.exchange.spool import Spool
-from relax_hpc.launch.recover import recover
+from relax_hpc.launch.recover import LAUNCHER_STOP, recover
 from relax_hpc.metrics.jsonl import JsonlWriter, read_jsonl
 from relax_hpc.metrics.summary import completed_steps, run_summary
 from relax_hpc.paths import CkptDirs, RunPaths
@@ -50,6 +50,21 @@ def test_metrics_follow_the_checkpoint(tmp_path):
     assert [r["version"] for r in read_jsonl(paths.eval_metrics)] == [0, 2]
     assert [r["batch"] for r in read_jsonl(paths.rollout_metrics)] == [0, 1, 2, 3, 4]
     assert recover(paths).dropped_records == 0  # nothing left to drop
+
+
+def test_a_users_stop_outlives_a_restart_and_the_launchers_own_does_not(tmp_path):
+    """A restart (a hung trainer, a requeue) between a user's stop request and the trainer's next
+    step must not swallow the request: the next start stops at once. A stop the launcher asked for
+    (a time limit's notice) belonged to its allocation: the next one trains."""
+    paths = RunPaths(tmp_path / "run")
+    paths.create()
+    paths.stop_request.write_text("stop")
+    recover(paths)
+    assert paths.stop_request.read_text() == "stop"
+    paths.stop_request.write_bytes(LAUNCHER_STOP + b"Slurm's notice (USR2)\n")
+    recover(paths)
+    assert not paths.stop_request.exists()
+    recover(paths)  # nothing to drop: no error either
 
 
 def test_the_driver_evaluates_the_baseline_once_and_never_the_base_model_after_a_resume():
