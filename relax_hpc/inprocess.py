@@ -35,6 +35,7 @@ from relax_hpc.models.hf import load_policy, torch_dtype
 from relax_hpc.rewards import make_scorer
 from relax_hpc.rollout.plan import to_sample_batch
 from relax_hpc.rollout.rounds import Rounds
+from relax_hpc.trainer.backend import BackendConfig
 from relax_hpc.trainer.batching import share_of
 from relax_hpc.trainer.loop import reduce_stats
 from relax_hpc.trainer.torch_backend import TorchBackend
@@ -125,7 +126,7 @@ class InProcessRun:
         d = cfg.data
         self.rows = load_prompts(d.path, d.prompt_key, d.answer_key, d.media)
         encode = prompt_encoder(cfg.model.path, self.processor)
-        self.backend = TorchBackend(cfg, torch.device("cpu"))
+        self.backend = TorchBackend(BackendConfig.of(cfg), torch.device("cpu"))
         self.sampler = load_policy(cfg.model.path, torch_dtype(cfg.model.dtype)).eval()
         synced = {name for name, _, _ in self.backend.parameter_specs()}
         # What weight sync would update (tied weights appear once; a frozen encoder not at all).

@@ -40,7 +40,7 @@ from typing import Any, Protocol
 
 from relax_hpc import fence
 from relax_hpc.config.load import read_frozen
-from relax_hpc.config.schema import ClearMLConfig, JobConfig
+from relax_hpc.config.schema import ClearMLConfig, MetricsConfig
 from relax_hpc.metrics.jsonl import JsonlFollower
 from relax_hpc.metrics.summary import completed_steps
 from relax_hpc.paths import RunPaths, write_atomic
@@ -172,12 +172,13 @@ def _server_answers(timeout_s: float = 3.0) -> bool:
     return True
 
 
-def open_sinks(cfg: JobConfig, paths: RunPaths) -> list[Sink]:
+def open_sinks(metrics: MetricsConfig, paths: RunPaths, config: dict[str, Any]) -> list[Sink]:
+    """The sinks `metrics` enables; `config`: the run's whole config as JSON, which ClearML records."""
     sinks: list[Sink] = []
-    if cfg.metrics.tensorboard:
+    if metrics.tensorboard:
         sinks.append(TensorBoardSink(paths))
-    if cfg.metrics.clearml.enabled:
-        sinks.append(ClearMLSink(paths, cfg.metrics.clearml, cfg.model_dump(mode="json")))
+    if metrics.clearml.enabled:
+        sinks.append(ClearMLSink(paths, metrics.clearml, config))
     return sinks
 
 
@@ -240,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    forwarder = Forwarder(paths, open_sinks(cfg, paths))
+    forwarder = Forwarder(paths, open_sinks(cfg.metrics, paths, cfg.model_dump(mode="json")))
     flushed = time.monotonic()
     while True:
         forwarder.forward()

@@ -17,7 +17,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerFast
 
-from relax_hpc.config.schema import JobConfig
+from relax_hpc.config.schema import JobConfig, JudgeConfig
 from relax_hpc.paths import RunPaths
 from relax_hpc.protocol import requests as P
 from relax_hpc.protocol.client import PoolClient, PoolUnavailable
@@ -40,14 +40,13 @@ def verdict_reward(text: str, pattern: re.Pattern[str]) -> float:
 class JudgeReward:
     """The batched reward function `judge` of one driver."""
 
-    def __init__(self, cfg: JobConfig, paths: RunPaths, wait_s: float = 600.0) -> None:
-        j = cfg.reward.judge
-        if j.model is None:
+    def __init__(self, judge: JudgeConfig, request_timeout_s: float, paths: RunPaths, wait_s: float = 600.0) -> None:
+        if judge.model is None:
             raise RewardError("reward.name=judge needs reward.judge.model")
-        self.tokenizer = PreTrainedTokenizerFast.from_pretrained(j.model)
-        self.template, self.max_new_tokens = j.prompt_template, j.max_new_tokens
-        self.pattern = re.compile(j.pattern)
-        self.engines = PoolClient(paths.judge_engines, paths.read_token(), cfg.rollout.request_timeout_s, wait_s)
+        self.tokenizer = PreTrainedTokenizerFast.from_pretrained(judge.model)
+        self.template, self.max_new_tokens = judge.prompt_template, judge.max_new_tokens
+        self.pattern = re.compile(judge.pattern)
+        self.engines = PoolClient(paths.judge_engines, paths.read_token(), request_timeout_s, wait_s)
 
     def prompt(self, item: RewardInput) -> str:
         prompt = item.row.prompt if isinstance(item.row.prompt, str) else str(list(item.row.prompt))
@@ -76,4 +75,5 @@ class JudgeReward:
 
 
 def judge_reward(cfg: JobConfig, paths: RunPaths) -> JudgeReward:
-    return JudgeReward(cfg, paths)
+    """The driver's judge: its section, and the rollout's timeout for a request to an engine."""
+    return JudgeReward(cfg.reward.judge, cfg.rollout.request_timeout_s, paths)

@@ -1,6 +1,7 @@
 """The trainer backend interface (`Backend`), and what every backend shares: its result type and
 the objective's communicator. Backends: `torch_backend` (HF models under FSDP2) and
-`megatron_backend` (megatron-core); `build.build_backend` picks one from the config."""
+`megatron_backend` (megatron-core); `build.build_backend` picks one from the config, and a backend
+reads its settings from a `BackendConfig`."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from relax_hpc.algos.stats import Stats
-from relax_hpc.config.schema import Aggregation
+from relax_hpc.config.schema import Aggregation, AlgoConfig, JobConfig, ModelConfig, TrainerConfig
 from relax_hpc.trainer.batching import TrainBatch
 from relax_hpc.trainer.schedule import WarmupSchedule
 from relax_hpc.weights.layout import Convert
@@ -21,6 +22,24 @@ from relax_hpc.weights.layout import Convert
 
 class NonFiniteLossError(RuntimeError):
     """The loss is NaN or infinite; the optimizer step is refused to keep the weights intact."""
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """What a backend reads of the job. A backend is built from three sections (its own, the
+    model and the objective's) and three single settings of others, so it receives this view rather
+    than the whole JobConfig: what a backend depends on is this list, not every setting of a run."""
+
+    model: ModelConfig
+    trainer: TrainerConfig
+    algo: AlgoConfig
+    seed: int  # run.seed: LoRA's initial adapters, megatron's CUDA RNG tracker
+    temperature: float  # rollout.temperature: log-probabilities are those of the sampling distribution
+    colocate: bool  # launch.colocate: every rank serves its own engines the full weights (megatron)
+
+    @classmethod
+    def of(cls, job: JobConfig) -> BackendConfig:
+        return cls(job.model, job.trainer, job.algo, job.run.seed, job.rollout.temperature, job.launch.colocate)
 
 
 @dataclass(slots=True)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from relax_hpc.config.schema import JobConfig
+from relax_hpc.config.schema import JobConfig, LoraConfig
 from relax_hpc.models.lora import write_adapter_folder
 from relax_hpc.paths import RunPaths
-from relax_hpc.trainer.backend import Backend
+from relax_hpc.trainer.backend import Backend, BackendConfig
 from relax_hpc.weights.adapters import AdapterPublisher
 from relax_hpc.weights.channel import AdapterChannel, BroadcastChannel, ColocatedChannel, WeightChannel
 from relax_hpc.weights.colocated import ColocatedSender
@@ -23,10 +23,10 @@ def build_backend(job: JobConfig, device: torch.device) -> Backend:
             raise RuntimeError("trainer.backend=megatron needs CUDA GPUs; use trainer.backend=torch on CPU")
         from relax_hpc.trainer.megatron_backend import MegatronBackend
 
-        return MegatronBackend(job, device)
+        return MegatronBackend(BackendConfig.of(job), device)
     from relax_hpc.trainer.torch_backend import TorchBackend
 
-    return TorchBackend(job, device)
+    return TorchBackend(BackendConfig.of(job), device)
 
 
 def build_channel(job: JobConfig, paths: RunPaths, backend: Backend, device: torch.device) -> WeightChannel:
@@ -35,7 +35,8 @@ def build_channel(job: JobConfig, paths: RunPaths, backend: Backend, device: tor
     rank, world = dist.get_rank(), dist.get_world_size()
     token, timeout_s = paths.read_token(), job.weights.timeout_s
     if job.lora_adapters:  # its folders hold PEFT's names: no layout, no buckets
-        return AdapterChannel(_publisher(job, paths) if rank == 0 else None)
+        assert job.trainer.lora is not None, "adapter sync is a LoRA run's"
+        return AdapterChannel(_publisher(job.trainer.lora, job.model.path, paths, timeout_s) if rank == 0 else None)
     # SGLang loads the HF checkpoint's layout; the built-in engine the trainer's own.
     convert = backend.checkpoint_layout() if job.rollout.engine == "sglang" else None
     layout = EngineLayout(backend.parameter_specs(), convert)
@@ -48,9 +49,7 @@ def build_channel(job: JobConfig, paths: RunPaths, backend: Backend, device: tor
     return BroadcastChannel(sender, layout, bucket_bytes)
 
 
-def _publisher(job: JobConfig, paths: RunPaths) -> AdapterPublisher:
+def _publisher(lora: LoraConfig, base: str, paths: RunPaths, timeout_s: float) -> AdapterPublisher:
     """Rank 0's adapter publisher: each version goes out as a PEFT folder the engines load."""
-    lora, base = job.trainer.lora, job.model.path
-    assert lora is not None, "adapter sync is a LoRA run's"
     write = lambda out, adapter: write_adapter_folder(out, lora, base, adapter)  # noqa: E731
-    return AdapterPublisher(paths.engines, paths.lora_adapters, write, paths.read_token(), job.weights.timeout_s)
+    return AdapterPublisher(paths.engines, paths.lora_adapters, write, paths.read_token(), timeout_s)

@@ -45,7 +45,7 @@ from relax_hpc.algos.aggregation import Normalizer, local_counts
 from relax_hpc.algos.objective import Advantages, Objective
 from relax_hpc.algos.sft import sft_loss
 from relax_hpc.algos.stats import Stats
-from relax_hpc.config.schema import Aggregation, JobConfig
+from relax_hpc.config.schema import Aggregation, MegatronConfig
 from relax_hpc.metrics.timing import PhaseTimer
 from relax_hpc.models.hf import torch_dtype
 from relax_hpc.models.hf_export import export_hf
@@ -54,7 +54,7 @@ from relax_hpc.models.hf_mapping import hf_specs
 from relax_hpc.models.megatron import as_value_model, build_model
 from relax_hpc.models.megatron_routing import replaying
 from relax_hpc.trainer import megatron_state, packing
-from relax_hpc.trainer.backend import DistComm, NonFiniteLossError, StepResult
+from relax_hpc.trainer.backend import BackendConfig, DistComm, NonFiniteLossError, StepResult
 from relax_hpc.trainer.batching import TrainBatch
 from relax_hpc.trainer.schedule import WarmupSchedule
 from relax_hpc.trainer.vocab_parallel import logprobs_and_entropy
@@ -69,26 +69,25 @@ def _loss_output(loss: torch.Tensor) -> LossOutput:
     return loss, torch.ones((), dtype=torch.int, device=loss.device), {"loss": loss.detach()}
 
 
-def init_parallel(job: JobConfig) -> None:
+def init_parallel(par: MegatronConfig, seed: int) -> None:
     """megatron's process groups over the trainer's default group, and its CUDA RNG tracker."""
-    par = job.trainer.megatron
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=par.tensor_parallel,
         pipeline_model_parallel_size=par.pipeline_parallel,
         context_parallel_size=par.context_parallel,
         expert_model_parallel_size=par.expert_parallel,
     )
-    tensor_parallel.model_parallel_cuda_manual_seed(job.run.seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def _build(job: JobConfig, hf_config: PretrainedConfig, path: str, trainable: bool) -> torch.nn.Module:
+def _build(config: BackendConfig, hf_config: PretrainedConfig, path: str, trainable: bool) -> torch.nn.Module:
     model = build_model(
         hf_config,
-        job.trainer.megatron,
-        torch_dtype(job.model.dtype),
+        config.trainer.megatron,
+        torch_dtype(config.model.dtype),
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
-        routing_replay=job.algo.off_policy.routing_replay,
+        routing_replay=config.algo.off_policy.routing_replay,
     ).cuda()
     load_hf_weights(model, path)
     model.config.variable_seq_lengths = True  # packed micro-batches differ in length
@@ -99,37 +98,39 @@ def _build(job: JobConfig, hf_config: PretrainedConfig, path: str, trainable: bo
 
 
 class MegatronBackend:
-    def __init__(self, job: JobConfig, device: torch.device) -> None:
+    def __init__(self, config: BackendConfig, device: torch.device) -> None:
+        cfg, algo, par = config.trainer, config.algo, config.trainer.megatron
         if not parallel_state.model_parallel_is_initialized():
-            init_parallel(job)
+            init_parallel(par, config.seed)
         megatron_state.use_torch_multi_tensor_ops()
-        cfg, algo, ro, par = job.trainer, job.algo, job.rollout, job.trainer.megatron
         self.cfg, self.algo, self.par, self.device = cfg, algo, par, device
-        self.colocated = job.launch.colocate  # every rank serves its own engines the full weights
-        self.temperature = ro.temperature
-        self.hf_config = AutoConfig.from_pretrained(job.model.path)
-        self.dtype = torch_dtype(job.model.dtype)
+        self.colocated = config.colocate  # every rank serves its own engines the full weights
+        self.temperature = config.temperature
+        self.hf_config = AutoConfig.from_pretrained(config.model.path)
+        self.dtype = torch_dtype(config.model.dtype)
         self.pad_token_id = self.hf_config.pad_token_id if self.hf_config.pad_token_id is not None else 0
         self.dp_group = parallel_state.get_data_parallel_group()
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
         self.objective = Objective(algo, DistComm(self.dp_group, device))
 
-        module = _build(job, self.hf_config, job.model.path, trainable=True)
+        module = _build(config, self.hf_config, config.model.path, trainable=True)
         self.model, self.optimizer = megatron_state.trainable(module, cfg, self.dtype, par.distributed_optimizer)
         self.scheduler = WarmupSchedule(self.optimizer, cfg.lr, cfg.warmup_steps)
         self.timer = PhaseTimer()
-        self.reference = _build(job, self.hf_config, job.model.path, False) if self.objective.needs_reference else None
+        self.reference = (
+            _build(config, self.hf_config, config.model.path, False) if self.objective.needs_reference else None
+        )
         self.teacher: torch.nn.Module | None = None
         if self.objective.needs_teacher and not algo.teacher.num_engines:  # else: the spool has its scores
             assert algo.teacher.path is not None, "the config refuses distill without algo.teacher.path"
-            self.teacher = _build(job, self.hf_config, algo.teacher.path, False)
+            self.teacher = _build(config, self.hf_config, algo.teacher.path, False)
         self.critic: DistributedDataParallel | None = None
         self.critic_optimizer: MegatronOptimizer | None = None
         if self.objective.needs_critic:
-            self.critic, self.critic_optimizer = self._build_critic(job)
+            self.critic, self.critic_optimizer = self._build_critic(config)
 
-    def _build_critic(self, job: JobConfig) -> tuple[DistributedDataParallel, MegatronOptimizer]:
+    def _build_critic(self, config: BackendConfig) -> tuple[DistributedDataParallel, MegatronOptimizer]:
         if self.hf_config.tie_word_embeddings and self.par.pipeline_parallel > 1:
             # megatron would tie the value head to the first stage's embedding (its gradients, its
             # checkpoint entry) as it ties the output layer.
@@ -137,8 +138,8 @@ class MegatronBackend:
                 "algo.advantage.estimator=gae with trainer.backend=megatron: a model with tied embeddings "
                 "needs trainer.megatron.pipeline_parallel=1"
             )
-        module = as_value_model(_build(job, self.hf_config, job.model.path, trainable=True))
-        critic_cfg = self.cfg.model_copy(update={"lr": job.algo.critic.lr})
+        module = as_value_model(_build(config, self.hf_config, config.model.path, trainable=True))
+        critic_cfg = self.cfg.model_copy(update={"lr": config.algo.critic.lr})
         return megatron_state.trainable(module, critic_cfg, self.dtype, self.par.distributed_optimizer)
 
     # -- who holds which samples ------------------------------------------------------------------

@@ -28,7 +28,7 @@ from relax_hpc.algos.aggregation import Normalizer, local_counts
 from relax_hpc.algos.objective import Advantages, Objective
 from relax_hpc.algos.sft import sft_loss
 from relax_hpc.algos.stats import Stats
-from relax_hpc.config.schema import Aggregation, JobConfig
+from relax_hpc.config.schema import Aggregation
 from relax_hpc.metrics.timing import PhaseTimer
 from relax_hpc.models import lora
 from relax_hpc.models.hf import (
@@ -40,7 +40,7 @@ from relax_hpc.models.hf import (
     pad_token_id,
     torch_dtype,
 )
-from relax_hpc.trainer.backend import DistComm, NonFiniteLossError, StepResult
+from relax_hpc.trainer.backend import BackendConfig, DistComm, NonFiniteLossError, StepResult
 from relax_hpc.trainer.batching import TrainBatch, token_logprobs_and_entropy
 from relax_hpc.trainer.schedule import WarmupSchedule
 from relax_hpc.weights.layout import Convert
@@ -68,16 +68,16 @@ def _frozen(path: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Mod
 
 
 class TorchBackend:
-    def __init__(self, job: JobConfig, device: torch.device) -> None:
-        cfg, algo, ro = job.trainer, job.algo, job.rollout
-        model_path = job.model.path
+    def __init__(self, config: BackendConfig, device: torch.device) -> None:
+        cfg, algo = config.trainer, config.algo
+        model_path = config.model.path
         self.cfg, self.algo, self.device = cfg, algo, device
-        self.temperature = ro.temperature
+        self.temperature = config.temperature
         self.objective = Objective(algo, DistComm())
-        dtype = torch_dtype(job.model.dtype)
+        dtype = torch_dtype(config.model.dtype)
         hf_model = load_policy(model_path, dtype)
         if cfg.lora is not None:  # the engines hold the base already: only the adapters are synced
-            lora.add_adapters(hf_model, cfg.lora, model_path, job.run.seed)
+            lora.add_adapters(hf_model, cfg.lora, model_path, config.seed)
         if cfg.gradient_checkpointing:
             hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if cfg.freeze_encoder:  # before sharding (FSDP keeps each unit's requires_grad) and after LoRA's adapters

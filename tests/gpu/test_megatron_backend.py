@@ -81,6 +81,7 @@ def test_routing_replay_takes_the_engines_experts(megatron_world, tmp_path):
     from relax_hpc.config.load import load_config
     from relax_hpc.engines.torch_engine import TorchEngine
     from relax_hpc.models.megatron_routing import recording
+    from relax_hpc.trainer.backend import BackendConfig
     from relax_hpc.trainer.batching import share_of
     from relax_hpc.trainer.megatron_backend import MegatronBackend
     from tests.models.qwen3_family import build_qwen3_moe
@@ -97,7 +98,7 @@ def test_routing_replay_takes_the_engines_experts(megatron_world, tmp_path):
     batch, _ = share_of(batch_of(out, prompts, routed, tmp_path), list(range(len(prompts))), 0, 1, 0)
     cfg = load_config(REPO / "configs/gpu-tiny-megatron.yaml", [f"run.dir={tmp_path / 'run'}", f"model.path={folder}",
                       "algo.off_policy.routing_replay=true"])  # fmt: skip
-    backend = MegatronBackend(cfg, torch.device("cuda", 0))
+    backend = MegatronBackend(BackendConfig.of(cfg), torch.device("cuda", 0))
     batch = batch.to(torch.device("cuda", 0))
 
     with recording(backend.model) as replayed_calls:
@@ -129,13 +130,14 @@ def test_critic_learns_resumes_exactly_and_values_as_the_torch_critic(megatron_w
 
     from relax_hpc.ckpt.manager import Checkpointer
     from relax_hpc.config.load import load_config
+    from relax_hpc.trainer.backend import BackendConfig
     from relax_hpc.trainer.megatron_backend import MegatronBackend
 
     cfg = load_config(REPO / "configs/gpu-tiny-megatron.yaml", [f"run.dir={tmp_path / 'run'}", "algo.minibatches=2",
                       "algo.advantage.estimator=gae", "algo.advantage.lam=1.0", "algo.critic.lr=5e-3"])  # fmt: skip
     device, vocab = torch.device("cuda", 0), 46
     batch = _batch(0, vocab)
-    first = MegatronBackend(cfg, device)
+    first = MegatronBackend(BackendConfig.of(cfg), device)
     value_losses = [first.train_step(batch, step).stats.sums["value_loss"] for step in range(4)]
     assert value_losses[-1] < 0.5 * value_losses[0], value_losses
 
@@ -146,7 +148,7 @@ def test_critic_learns_resumes_exactly_and_values_as_the_torch_critic(megatron_w
     expected_policy, expected_values = _weights(first), first._frozen_values(batch.to(device))
     assert saved_values is not None and expected_values is not None
 
-    resumed = MegatronBackend(cfg, device)
+    resumed = MegatronBackend(BackendConfig.of(cfg), device)
     resumed.load_checkpoint(tmp_path / "ckpt" / "step-00000004")
     loaded_values = resumed._frozen_values(batch.to(device))
     assert loaded_values is not None and torch.equal(loaded_values, saved_values)
@@ -157,7 +159,7 @@ def test_critic_learns_resumes_exactly_and_values_as_the_torch_critic(megatron_w
     for name, tensor in _weights(resumed).items():
         torch.testing.assert_close(tensor, expected_policy[name], rtol=1e-4, atol=1e-6)
 
-    fresh = MegatronBackend(cfg, device)
+    fresh = MegatronBackend(BackendConfig.of(cfg), device)
     torch_critic = AutoModelForTokenClassification.from_pretrained(cfg.model.path, num_labels=1, dtype=torch.float32)
     torch_critic = torch_critic.to(device).eval()
     assert fresh.critic is not None
@@ -181,6 +183,7 @@ def test_sft_step_is_the_torch_backends(megatron_world, tmp_path):
     from relax_hpc.config.load import load_config
     from relax_hpc.data.sft import load_examples
     from relax_hpc.models.tiny import build_char_tokenizer
+    from relax_hpc.trainer.backend import BackendConfig
     from relax_hpc.trainer.megatron_backend import MegatronBackend
     from relax_hpc.trainer.sft_loop import examples_batch
     from relax_hpc.trainer.torch_backend import TorchBackend
@@ -192,8 +195,8 @@ def test_sft_step_is_the_torch_backends(megatron_world, tmp_path):
     keys = {"prompt": "prompt", "response": "response", "messages": "messages"}
     examples = load_examples(REPO / "assets/addition-sft.jsonl", "prompt_response", keys, tok, 64)[::3]
     batch = examples_batch(examples, list(range(len(examples))), tok.pad_token_id)
-    reference = TorchBackend(load_config(sft, base, base_dir=REPO), device)
-    backend = MegatronBackend(load_config(sft, megatron, base_dir=REPO), device)
+    reference = TorchBackend(BackendConfig.of(load_config(sft, base, base_dir=REPO)), device)
+    backend = MegatronBackend(BackendConfig.of(load_config(sft, megatron, base_dir=REPO)), device)
     assert len(backend._microbatches(batch.to(device))) > 2
     for step in range(3):
         expected, got = reference.sft_step(batch, step, "token_mean"), backend.sft_step(batch, step, "token_mean")
@@ -201,8 +204,7 @@ def test_sft_step_is_the_torch_backends(megatron_world, tmp_path):
         assert got.stats.sums["nll"] == pytest.approx(expected.stats.sums["nll"], rel=1e-4)
         assert got.grad_norm == pytest.approx(expected.grad_norm, rel=1e-3)
 
-    bf16 = MegatronBackend(
-        load_config(sft, [*megatron, "model.dtype=bfloat16", "trainer.lr=3e-3"], base_dir=REPO), device
-    )
+    bf16_cfg = load_config(sft, [*megatron, "model.dtype=bfloat16", "trainer.lr=3e-3"], base_dir=REPO)
+    bf16 = MegatronBackend(BackendConfig.of(bf16_cfg), device)
     losses = [bf16.sft_step(batch, step, "token_mean").loss for step in range(10)]
     assert losses[-1] < 0.75 * losses[0], losses  # 1.28 -> 0.75 in bf16 on the CPU

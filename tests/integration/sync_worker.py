@@ -25,6 +25,7 @@ from relax_hpc.models.tiny import addition_problems
 from relax_hpc.paths import RunPaths
 from relax_hpc.protocol.client import EngineClient, EngineUnavailable
 from relax_hpc.protocol.requests import GenerateReqInput
+from relax_hpc.trainer.backend import BackendConfig
 from relax_hpc.trainer.torch_backend import TorchBackend
 from relax_hpc.weights.adapters import AdapterPublisher
 from relax_hpc.weights.buckets import plan_buckets
@@ -42,7 +43,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(100 + rank)
-    backend = TorchBackend(cfg, torch.device("cpu"))
+    backend = TorchBackend(BackendConfig.of(cfg), torch.device("cpu"))
     perturb(backend.model)
     buckets = plan_buckets(backend.parameter_specs(), int(cfg.weights.bucket_mb * 2**20))
     channel = make_channel(path, cfg, paths, backend, rank)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from relax_hpc.config.load import load_config
 from relax_hpc.data.sft import load_examples, prompt_response_example
 from relax_hpc.models.tiny import build_char_tokenizer
+from relax_hpc.trainer.backend import BackendConfig
 from relax_hpc.trainer.megatron_backend import MegatronBackend
 from relax_hpc.trainer.sft_loop import examples_batch
 from relax_hpc.trainer.torch_backend import TorchBackend
@@ -37,7 +38,8 @@ def reference(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TorchB
     started = not dist.is_initialized()  # another test of the session may have made the one-rank world
     if started:
         dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    backend = TorchBackend(load_config(REPO / "configs/tiny-sft.yaml", OVERRIDES, base_dir=REPO), torch.device("cpu"))
+    cfg = load_config(REPO / "configs/tiny-sft.yaml", OVERRIDES, base_dir=REPO)
+    backend = TorchBackend(BackendConfig.of(cfg), torch.device("cpu"))
     request.getfixturevalue("megatron_on_cpu")
     yield backend
     if started:
@@ -54,7 +56,7 @@ def test_megatron_sft_step_is_the_torch_backends(aggregation, reference):
     examples.append(prompt_response_example({"prompt": "9+9+9=", "response": "27"}, "prompt", "response", tok, "x"))
     batch = examples_batch(examples, list(range(len(examples))), tok.pad_token_id)
     assert len(set(batch.attention_mask.sum(1).tolist())) > 1  # rows of several lengths: padding to skip
-    megatron = MegatronBackend(cfg, torch.device("cpu"))
+    megatron = MegatronBackend(BackendConfig.of(cfg), torch.device("cpu"))
     assert len(megatron._microbatches(batch)) > 2  # the global counts divide each micro-batch's loss
 
     losses = []

@@ -2,7 +2,8 @@
 roles are processes that meet only through shared layers, so no role imports another role and no
 shared layer imports a role; the shared layers are ranked, and each imports only layers of a lower
 rank (no loop between them); entry points above the roles may import anything. And the driver,
-which every start and restart of a run starts, imports no torch."""
+which every start and restart of a run starts, imports no torch. And a component below the entry
+points takes its own config section, not the whole JobConfig."""
 
 from __future__ import annotations
 
@@ -26,6 +27,19 @@ RANKS = [
     {"metrics"},
 ]
 RANK = {layer: rank for rank, layers in enumerate(RANKS) for layer in layers}
+# Where every function that takes the whole JobConfig is listed (docs/DESIGN.md, "Config
+# sections"): the entry points, and the functions whose callers in other packages still pass it.
+SECTIONED = {"algos", "data", "envs", "rewards", "exchange", "ckpt", "metrics", "trainer"}
+TAKES_JOB_CONFIG = {
+    "rewards/__init__.py:make_scorer",  # the driver's call (rollout/)
+    "rewards/judge.py:judge_reward",  # the driver's call (rollout/)
+    "trainer/backend.py:BackendConfig.of",  # the one place a backend's view is cut from a job
+    "trainer/build.py:build_backend",  # the trainers' factories: they pick by the config
+    "trainer/build.py:build_channel",
+    "trainer/loop.py:Trainer.__init__",  # the roles' main objects
+    "trainer/sft_loop.py:SftTrainer.__init__",
+}
+JOB_CONFIG_CEILING = 61  # the whole package's count: it may shrink (then lower this), not grow
 
 
 def _imports(path: Path) -> set[str]:
@@ -52,6 +66,38 @@ def _owner(path: Path) -> str:
 
 def _files() -> list[tuple[Path, str]]:
     return [(p, _owner(p)) for p in sorted(PACKAGE.rglob("*.py"))]
+
+
+def _takes_job_config(path: Path) -> list[str]:
+    """`file:qualified name` of each function or method in a file with a JobConfig parameter."""
+    found: list[str] = []
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                name = prefix + child.name
+                if not isinstance(child, ast.ClassDef):
+                    a = child.args
+                    params = [*a.posonlyargs, *a.args, *a.kwonlyargs]
+                    if any(p.annotation and "JobConfig" in ast.unparse(p.annotation) for p in params):
+                        found.append(f"{path.relative_to(PACKAGE)}:{name}")
+                visit(child, name + ".")
+
+    visit(ast.parse(path.read_text()), "")
+    return found
+
+
+def test_components_take_their_config_section():
+    """In the sectioned packages only the listed functions take the whole JobConfig: a backend, a
+    reward or a sink reads its own section (a list of what it depends on), and a new function that
+    takes JobConfig there fails here. A listed one that no longer takes it is to leave the list."""
+    found = {f for path, owner in _files() if owner in SECTIONED for f in _takes_job_config(path)}
+    assert found == TAKES_JOB_CONFIG
+
+
+def test_the_whole_config_count_does_not_grow():
+    found = [f for path, _ in _files() for f in _takes_job_config(path)]
+    assert len(found) <= JOB_CONFIG_CEILING, found
 
 
 def test_every_package_is_a_role_an_entry_point_or_a_ranked_layer():

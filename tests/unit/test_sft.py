@@ -19,6 +19,7 @@ from relax_hpc.data.prompts import DatasetError
 from relax_hpc.data.sft import batch_indices, load_examples, messages_example, prompt_response_example
 from relax_hpc.models.tiny import build_char_tokenizer
 from relax_hpc.submit import check_inputs
+from relax_hpc.trainer.backend import BackendConfig
 from relax_hpc.trainer.build import build_backend
 from relax_hpc.trainer.sft_loop import examples_batch
 from relax_hpc.trainer.torch_backend import TorchBackend
@@ -227,6 +228,6 @@ def test_the_backends_sft_step_is_transformers_cross_entropy_on_the_responses(on
         labels[i, : len(e.ids)] = torch.tensor([t if m else -100 for t, m in zip(e.ids, e.loss_mask, strict=True)])
     with torch.no_grad():
         expected = reference(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=labels).loss
-    result = TorchBackend(cfg, torch.device("cpu")).sft_step(batch, 0, "token_mean")
+    result = TorchBackend(BackendConfig.of(cfg), torch.device("cpu")).sft_step(batch, 0, "token_mean")
     assert result.loss == pytest.approx(expected.item(), rel=1e-5)
     assert result.stats.sums["tokens"] == sum(sum(e.loss_mask) for e in examples)
