@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -21,6 +21,9 @@ from typing import Any
 from relax_hpc.config.schema import MegatronConfig
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe")
+# Vision-language models: the language model as megatron's GPT (its text_config, as the text model
+# type it is built like), the vision tower beside it (relax_hpc/models/megatron_vision.py).
+VISION_MODEL_TYPES = {"qwen2_5_vl": "qwen2"}
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,13 @@ class Arch:
     rope_theta: float
     norm_eps: float
     max_positions: int
+    # Vision-language: the multimodal RoPE's sections of head_dim / 2 (temporal, height, width),
+    # empty for a text model.
+    mrope_section: tuple[int, ...] = ()
+
+    @property
+    def vision(self) -> bool:
+        return bool(self.mrope_section)
 
     @property
     def moe(self) -> bool:
@@ -52,12 +62,15 @@ class Arch:
 
 
 def arch_of(hf_config: Any) -> Arch:
-    """Read and validate an HF config; raise ValueError for anything this module cannot reproduce."""
+    """Read and validate an HF config; raise ValueError for anything this module cannot reproduce.
+    A vision-language config gives its language model's facts, with its multimodal RoPE."""
     model_type = getattr(hf_config, "model_type", None)
+    if model_type in VISION_MODEL_TYPES:
+        return _vision_arch(hf_config, model_type)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"megatron backend: unsupported architecture model_type={model_type!r}; "
-            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"supported: {', '.join([*SUPPORTED_MODEL_TYPES, *VISION_MODEL_TYPES])}"
         )
     if hf_config.hidden_act != "silu":
         raise ValueError(f"megatron backend: hidden_act={hf_config.hidden_act!r} is not supported (SwiGLU/silu only)")
@@ -86,6 +99,21 @@ def arch_of(hf_config: Any) -> Arch:
         norm_eps=hf_config.rms_norm_eps,
         max_positions=hf_config.max_position_embeddings,
     )
+
+
+def _vision_arch(hf_config: Any, model_type: str) -> Arch:
+    text = hf_config.text_config
+    text = SimpleNamespace(**text) if isinstance(text, dict) else text  # config.json read as a dict
+    params = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    section = tuple(params.get("mrope_section") or ())
+    fields = {**vars(text), "model_type": VISION_MODEL_TYPES[model_type]}
+    fields["tie_word_embeddings"] = getattr(hf_config, "tie_word_embeddings", False)  # the top level ties
+    arch = arch_of(SimpleNamespace(**fields))
+    if 2 * sum(section) != arch.head_dim:
+        raise ValueError(
+            f"megatron backend: mrope_section={list(section)} must split head_dim / 2 = {arch.head_dim // 2}"
+        )
+    return replace(arch, mrope_section=section)
 
 
 def _refuse_sliding_window(hf_config: Any) -> None:
@@ -155,6 +183,24 @@ def megatron_problems(arch: Arch, par: MegatronConfig, te: bool) -> list[str]:
         )
     if not arch.moe and par.expert_parallel > 1:
         problems.append("trainer.megatron.expert_parallel > 1 needs an MoE model")
+    return problems + _vision_problems(arch, par, te)
+
+
+def _vision_problems(arch: Arch, par: MegatronConfig, te: bool) -> list[str]:
+    """A vision-language model: the vision tower sits before the first layer, replicated, and its
+    embeddings go into the full (not sequence-split) token embeddings; RoPE is multimodal."""
+    if not arch.vision:
+        return []
+    problems = []
+    if te:
+        problems.append(
+            "a vision-language model's multimodal RoPE needs trainer.megatron.attention=sdpa "
+            "(Transformer Engine's RoPE is one-dimensional)"
+        )
+    if par.pipeline_parallel > 1:
+        problems.append("a vision-language model needs trainer.megatron.pipeline_parallel=1")
+    if par.context_parallel > 1:
+        problems.append("a vision-language model needs trainer.megatron.context_parallel=1")
     return problems
 
 

@@ -30,6 +30,7 @@ from relax_hpc.models.hf_mapping import (
     unwrap,
     with_expert,
 )
+from relax_hpc.models.megatron_vision import HF_VISION_PREFIX, VISION_PREFIX
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,8 @@ def _flat(tensors: dict[str, torch.Tensor], specs: list, dtype: torch.dtype) -> 
 def _unit_of_hf(name: str) -> str | int:
     if name == HF_EMBED:
         return "embed"
+    if name.startswith(HF_VISION_PREFIX):
+        return "vision"
     if name.startswith("model.layers."):
         return int(name.split(".")[2])
     return "final"
@@ -103,6 +106,8 @@ def _unit_of_hf(name: str) -> str | int:
 def _unit_of_mcore(name: str) -> str | int:
     if name.startswith("embedding."):
         return "embed"
+    if name.startswith(VISION_PREFIX):
+        return "vision"
     match = LAYER.fullmatch(name)
     return int(match[1]) if match else "final"
 
@@ -118,9 +123,11 @@ def _local_units(gpt: GPTModel, arch: Arch) -> dict[str | int, list[_Local]]:
 def _unit_owners(config: TransformerConfig, arch: Arch) -> dict[str | int, int]:
     stages = config.pipeline_model_parallel_size
     owners: dict[str | int, int] = {"embed": 0, "final": stages - 1}
+    if arch.vision:
+        owners["vision"] = 0  # before the first layer (the config refuses more than one stage)
     for stage in range(stages):
         owners.update(dict.fromkeys(stage_layers(config, stage), stage))
-    if len(owners) != arch.num_layers + 2:
+    if len(owners) != arch.num_layers + 2 + arch.vision:
         raise ValueError("megatron's pipeline stages do not cover every layer exactly once")
     return owners
 

@@ -1,4 +1,4 @@
-"""HF <-> megatron-core weights of Qwen2 / Qwen3 / Qwen3-MoE: names, layouts, shards. Beside it, by
+"""HF <-> megatron-core weights of Qwen2 / Qwen3 / Qwen3-MoE and Qwen2.5-VL: names, layouts, shards. Beside it, by
 concern: hf_loading (an HF safetensors folder into a rank's shards), hf_export (the full HF
 tensors gathered from the shards) and hf_checkpoint (a megatron distributed checkpoint to HF).
 
@@ -17,7 +17,8 @@ Layouts of the full (unsharded) megatron tensor, dim 0 = output rows:
   [gate_0; up_0; ...; gate_{t-1}; up_{t-1}] (gate_r: the r-th row block of gate_proj), because each
   rank splits its own output into gate and up. With t = 1 it is [gate; up].
 - vocab: embedding / output-layer rows, padded with zero rows to a multiple of TP.
-- copy: the HF tensor itself.
+- copy: the HF tensor itself. A vision-language model's tower (relax_hpc/models/megatron_vision.py)
+  is all copies: megatron's `vision.<name>` is the checkpoint's `visual.<name>`, replicated.
 
 Sharding: `Entry.split` is the dim that TP splits (0: column-parallel linear_qkv, linear_fc1,
 embedding, output layer; 1: row-parallel linear_proj, linear_fc2; None: replicated norms and
@@ -43,6 +44,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 
 from relax_hpc.models.arch import Arch, arch_of, padded_vocab_size
+from relax_hpc.models.megatron_vision import HF_VISION_PREFIX, VISION_PREFIX, vision_shapes
 
 HF_EMBED = "model.embed_tokens.weight"
 HF_NORM = "model.norm.weight"
@@ -88,11 +90,16 @@ class Piece:
 def hf_specs(hf_config: Any, dtype: torch.dtype) -> list[tuple[str, torch.Size, torch.dtype]]:
     """Every HF tensor `export_hf` yields, in its order: checkpoint names (MoE experts one by one,
     as safetensors checkpoints and SGLang name them); per layer in transformers' module order."""
-    return [(name, shape, dtype) for name, shape in _hf_shapes(arch_of(hf_config)).items()]
+    return [(name, shape, dtype) for name, shape in _hf_shapes(hf_config).items()]
 
 
-def _hf_shapes(arch: Arch) -> dict[str, torch.Size]:
+def _hf_shapes(hf_config: Any) -> dict[str, torch.Size]:
+    """Names and shapes in export order: the embedding, a vision tower's tensors, each layer's,
+    the final norm and head."""
+    arch = arch_of(hf_config)
     shapes = {HF_EMBED: torch.Size((arch.vocab, arch.hidden))}
+    if arch.vision:
+        shapes.update(vision_shapes(hf_config))
     for layer in range(arch.num_layers):
         shapes.update(_hf_layer_shapes(arch, layer))
     shapes[HF_NORM] = torch.Size((arch.hidden,))
@@ -136,6 +143,8 @@ def mcore_names(hf_config: Any, te: bool = False) -> list[str]:
     fused norms and grouped experts)."""
     arch = arch_of(hf_config)
     names = ["embedding.word_embeddings.weight"]
+    if arch.vision:
+        names += [VISION_PREFIX + name.removeprefix(HF_VISION_PREFIX) for name in vision_shapes(hf_config)]
     for layer in range(arch.num_layers):
         names += [f"decoder.layers.{layer}.{rest}" for rest in _layer_names(arch, te)]
     names.append("decoder.final_layernorm.weight")
@@ -171,6 +180,8 @@ def entry(name: str, arch: Arch) -> Entry:
         return Entry((HF_EMBED if arch.tied else HF_LM_HEAD,), "vocab", 0, export=not arch.tied)
     if name == "decoder.final_layernorm.weight":
         return Entry((HF_NORM,), "copy", None)
+    if name.startswith(VISION_PREFIX):  # the replicated HF vision tower, under its own names
+        return Entry((HF_VISION_PREFIX + name.removeprefix(VISION_PREFIX),), "copy", None)
     match = LAYER.fullmatch(name)
     found = _layer_entry(match[2], f"model.layers.{match[1]}.", arch) if match else None
     if found is None:
@@ -363,7 +374,7 @@ def mcore_to_hf(mcore_state: Mapping[str, torch.Tensor], hf_config: Any, tp: int
         e = entry(name, arch)
         if e.export:
             out.update(to_hf(tensor, e, arch, tp))
-    return {name: out[name] for name in _hf_shapes(arch)}
+    return {name: out[name] for name in _hf_shapes(hf_config)}
 
 
 def _dict_reader(state: Mapping[str, torch.Tensor]) -> Reader:
