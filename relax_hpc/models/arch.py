@@ -146,12 +146,14 @@ def _rope_theta(hf_config: Any) -> float:
     return float(theta)
 
 
-def use_transformer_engine(attention: str) -> bool:
-    """`te`: required; `auto`: when transformer_engine is importable; `sdpa`: never."""
+def use_transformer_engine(attention: str, arch: Arch | None = None) -> bool:
+    """`te`: required; `auto`: when transformer_engine is importable, except for a vision-language
+    `arch` (its multimodal RoPE is SDPAttention's alone); `sdpa`: never."""
     available = importlib.util.find_spec("transformer_engine") is not None
     if attention == "te" and not available:
         raise ValueError("trainer.megatron.attention=te but transformer_engine is not installed")
-    return attention == "te" or (attention == "auto" and available)
+    vision = arch is not None and arch.vision
+    return attention == "te" or (attention == "auto" and available and not vision)
 
 
 def padded_vocab_size(vocab: int, tensor_parallel: int) -> int:
@@ -194,7 +196,7 @@ def _vision_problems(arch: Arch, par: MegatronConfig, te: bool) -> list[str]:
     problems = []
     if te:
         problems.append(
-            "a vision-language model's multimodal RoPE needs trainer.megatron.attention=sdpa "
+            "a vision-language model's multimodal RoPE needs trainer.megatron.attention=sdpa or auto "
             "(Transformer Engine's RoPE is one-dimensional)"
         )
     if par.pipeline_parallel > 1:
@@ -212,7 +214,7 @@ def check_megatron_job(model_dir: str, par: MegatronConfig) -> list[str]:
         return [f"model.path: cannot read {model_dir}/config.json ({e})"]
     try:
         arch = arch_of(SimpleNamespace(**config))
-        te = use_transformer_engine(par.attention)
+        te = use_transformer_engine(par.attention, arch)
     except (ValueError, AttributeError) as e:
         return [f"trainer.backend=megatron: {e}"]
     return megatron_problems(arch, par, te)

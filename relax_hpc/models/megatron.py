@@ -37,7 +37,7 @@ def transformer_config(
     """megatron TransformerConfig of an HF Qwen2/Qwen3/Qwen3-MoE config under the job's parallelism;
     `routing_replay`: the MoE routers can take given experts (relax_hpc/models/megatron_routing.py)."""
     arch = arch_of(hf_config)
-    te = use_transformer_engine(par.attention)
+    te = use_transformer_engine(par.attention, arch)
     problems = megatron_problems(arch, par, te)
     if problems:
         raise ValueError("; ".join(problems))
@@ -111,7 +111,7 @@ def layer_spec(hf_config: Any, par: MegatronConfig) -> ModuleSpec:
     DotProductAttention materialises S x S scores; megatron_layers.py says what the others cost)."""
     arch = arch_of(hf_config)
     num_experts = arch.num_experts or None
-    if use_transformer_engine(par.attention):
+    if use_transformer_engine(par.attention, arch):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(
@@ -144,7 +144,7 @@ def build_model(
     (megatron creates its torch norms in fp32) and on the current GPU (else the CPU)."""
     arch = arch_of(hf_config)
     config = transformer_config(hf_config, par, params_dtype, routing_replay)
-    te = use_transformer_engine(par.attention)
+    te = use_transformer_engine(par.attention, arch)
     if arch.moe:
         _define_router_gemm_fallback()
     layers = [layer_spec(hf_config, par)] * get_num_layers_to_build(config)
