@@ -458,7 +458,8 @@ class MegatronConfig(Section):
     """Shard the fp32 master weights and Adam moments over data-parallel ranks (ZeRO-1)."""
     attention: Literal["auto", "te", "sdpa"] = "auto"
     """Core attention: `te` (Transformer Engine's fused attention), `sdpa` (torch
-    scaled_dot_product_attention, flash or memory-efficient kernels), `auto` = te when installed."""
+    scaled_dot_product_attention, flash or memory-efficient kernels), `auto` = te when installed
+    (sdpa for a vision-language model, whose multimodal RoPE te does not apply)."""
     max_tokens_per_microbatch: int = Field(default=16384, ge=1)
     """Sequence packing: samples are packed into micro-batches of at most this many tokens (a
     longer sample travels alone); the batch's gradient is accumulated over them."""

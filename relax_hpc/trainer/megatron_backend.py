@@ -16,6 +16,8 @@ with the torch backend. What differs is how a rank's share of the batch is compu
   (relax_hpc/algos/sft.py) in the objective's place, at temperature 1 (the data's distribution);
 - with algo.off_policy.routing_replay, every forward of an MoE model routes each token through the
   experts the engine chose for it (relax_hpc/models/megatron_routing.py);
+- a vision-language model (Qwen2.5-VL: relax_hpc/models/megatron_vision.py) gets each
+  micro-batch's images and the multimodal RoPE positions transformers computes for the batch;
 - gae's critic is the policy's GPTModel with a scalar head in place of its output layer
   (relax_hpc/models/megatron.py, ValueHead), loaded from model.path, with its own megatron
   optimizer; its value loss is summed over micro-batches like the policy loss;
