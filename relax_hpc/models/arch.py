@@ -22,8 +22,12 @@ from relax_hpc.config.schema import MegatronConfig
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe")
 # Vision-language models: the language model as megatron's GPT (its text_config, as the text model
-# type it is built like), the vision tower beside it (relax_hpc/models/megatron_vision.py).
-VISION_MODEL_TYPES = {"qwen2_5_vl": "qwen2"}
+# type it is built like), the vision tower beside it (relax_hpc/models/megatron_vision.py); the
+# checkpoint's prefixes of the language model's and the tower's tensors.
+VISION_MODEL_TYPES = {
+    "qwen2_5_vl": ("qwen2", "model.", "visual."),
+    "qwen3_vl": ("qwen3", "model.language_model.", "model.visual."),
+}
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,10 @@ class Arch:
     # Vision-language: the multimodal RoPE's sections of head_dim / 2 (temporal, height, width),
     # empty for a text model.
     mrope_section: tuple[int, ...] = ()
+    mrope_interleaved: bool = False  # Qwen3-VL: the axes take turns over the frequencies
+    deepstack_layers: int = 0  # Qwen3-VL: layers whose outputs get the tower's DeepStack features
+    hf_prefix: str = "model."  # the checkpoint names of the language model's tensors start with it
+    hf_vision_prefix: str = ""  # and the vision tower's with this
 
     @property
     def vision(self) -> bool:
@@ -106,14 +114,23 @@ def _vision_arch(hf_config: Any, model_type: str) -> Arch:
     text = SimpleNamespace(**text) if isinstance(text, dict) else text  # config.json read as a dict
     params = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
     section = tuple(params.get("mrope_section") or ())
-    fields = {**vars(text), "model_type": VISION_MODEL_TYPES[model_type]}
+    text_type, hf_prefix, hf_vision_prefix = VISION_MODEL_TYPES[model_type]
+    fields = {**vars(text), "model_type": text_type}
     fields["tie_word_embeddings"] = getattr(hf_config, "tie_word_embeddings", False)  # the top level ties
     arch = arch_of(SimpleNamespace(**fields))
     if 2 * sum(section) != arch.head_dim:
         raise ValueError(
             f"megatron backend: mrope_section={list(section)} must split head_dim / 2 = {arch.head_dim // 2}"
         )
-    return replace(arch, mrope_section=section)
+    vision = hf_config.vision_config
+    vision = SimpleNamespace(**vision) if isinstance(vision, dict) else vision
+    deepstack = len(getattr(vision, "deepstack_visual_indexes", None) or [])
+    if deepstack > arch.num_layers:
+        raise ValueError(f"megatron backend: {deepstack} DeepStack features for {arch.num_layers} layers")
+    return replace(
+        arch, mrope_section=section, mrope_interleaved=model_type == "qwen3_vl", deepstack_layers=deepstack,
+        hf_prefix=hf_prefix, hf_vision_prefix=hf_vision_prefix,
+    )  # fmt: skip
 
 
 def _refuse_sliding_window(hf_config: Any) -> None:
@@ -203,6 +220,9 @@ def _vision_problems(arch: Arch, par: MegatronConfig, te: bool) -> list[str]:
         problems.append("a vision-language model needs trainer.megatron.pipeline_parallel=1")
     if par.context_parallel > 1:
         problems.append("a vision-language model needs trainer.megatron.context_parallel=1")
+    if arch.deepstack_layers and par.recompute:
+        # the features join the layers' outputs by forward hooks that recomputation would miss
+        problems.append("Qwen3-VL's DeepStack features need trainer.megatron.recompute=false")
     return problems
 
 

@@ -17,12 +17,13 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from relax_hpc.models.arch import Arch, arch_of
 from relax_hpc.models.hf_mapping import (
-    HF_EMBED,
     LAYER,
     Entry,
     canonical_name,
     entry,
     expert_index,
+    hf_embed,
+    hf_layers,
     hf_specs,
     rank_experts,
     stage_layers,
@@ -30,7 +31,7 @@ from relax_hpc.models.hf_mapping import (
     unwrap,
     with_expert,
 )
-from relax_hpc.models.megatron_vision import HF_VISION_PREFIX, VISION_PREFIX
+from relax_hpc.models.megatron_vision import VISION_PREFIX
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ def export_hf(
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     pp_ranks = dist.get_process_group_ranks(pp_group)
     stage, rank = parallel_state.get_pipeline_model_parallel_rank(), dist.get_rank()
-    for unit, unit_specs in itertools.groupby(hf_specs(hf_config, dtype), key=lambda spec: _unit_of_hf(spec[0])):
+    for unit, unit_specs in itertools.groupby(hf_specs(hf_config, dtype), key=lambda spec: _unit_of_hf(spec[0], arch)):
         specs = list(unit_specs)
         src = pp_ranks[owners[unit]]  # the owning stage's rank in this rank's pipeline group
         if owners[unit] == stage:
@@ -93,13 +94,13 @@ def _flat(tensors: dict[str, torch.Tensor], specs: list, dtype: torch.dtype) -> 
     return torch.cat([tensors[name].to(dtype).reshape(-1) for name, _, _ in specs])
 
 
-def _unit_of_hf(name: str) -> str | int:
-    if name == HF_EMBED:
+def _unit_of_hf(name: str, arch: Arch) -> str | int:
+    if name == hf_embed(arch):
         return "embed"
-    if name.startswith(HF_VISION_PREFIX):
+    if arch.vision and name.startswith(arch.hf_vision_prefix):
         return "vision"
-    if name.startswith("model.layers."):
-        return int(name.split(".")[2])
+    if name.startswith(hf_layers(arch)):
+        return int(name.removeprefix(hf_layers(arch)).split(".")[0])
     return "final"
 
 

@@ -1,4 +1,4 @@
-"""megatron-core GPT models of HF Qwen2 / Qwen3 / Qwen3-MoE checkpoints, and of Qwen2.5-VL (its
+"""megatron-core GPT models of HF Qwen2 / Qwen3 / Qwen3-MoE checkpoints, and of Qwen2.5-VL / Qwen3-VL (their
 language model as GPT, its vision tower beside it: relax_hpc/models/megatron_vision.py).
 
 `transformer_config` turns an HF config plus the job's parallelism into megatron's TransformerConfig,
@@ -124,7 +124,12 @@ def layer_spec(hf_config: Any, par: MegatronConfig) -> ModuleSpec:
     layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm
     attention = layer.self_attention.submodules
     attention.core_attention = ModuleSpec(
-        module=SDPAttention, params={"rotary_base": arch.rope_theta, "mrope_section": arch.mrope_section}
+        module=SDPAttention,
+        params={
+            "rotary_base": arch.rope_theta,
+            "mrope_section": arch.mrope_section,
+            "mrope_interleaved": arch.mrope_interleaved,
+        },
     )
     if arch.qk_norm:
         attention.q_layernorm = attention.k_layernorm = RMSNorm

@@ -72,11 +72,18 @@ def rope_table(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.T
     return angle.cos(), angle.sin()
 
 
-def mrope_axes(section: tuple[int, ...]) -> torch.Tensor:
+def mrope_axes(section: tuple[int, ...], interleaved: bool = False) -> torch.Tensor:
     """Which position (0 temporal, 1 height, 2 width) each of the head_dim / 2 frequencies
-    rotates by: Qwen VL's multimodal RoPE gives consecutive sections to each axis, the same in
-    both halves of the rotate-half form (transformers' recomposition_frequencies)."""
-    return torch.repeat_interleave(torch.arange(len(section)), torch.tensor(section))
+    rotates by, the same in both halves of the rotate-half form (transformers'
+    recomposition_frequencies): Qwen2.5-VL gives consecutive sections to each axis; Qwen3-VL
+    (`interleaved`) gives frequency j to height when j % 3 == 1 and j < 3 * section[1], to width
+    when j % 3 == 2 and j < 3 * section[2], else to time."""
+    if not interleaved:
+        return torch.repeat_interleave(torch.arange(len(section)), torch.tensor(section))
+    axes = torch.zeros(sum(section), dtype=torch.long)
+    for axis in (1, 2):
+        axes[axis : 3 * section[axis] : 3] = axis
+    return axes
 
 
 @compiled_on_cuda
@@ -141,6 +148,7 @@ class SDPAttention(MegatronModule):
         pg_collection: ProcessGroupCollection | None = None,
         rotary_base: float = 10000.0,
         mrope_section: tuple[int, ...] = (),
+        mrope_interleaved: bool = False,
     ):
         super().__init__(config=config)
         _refuse_unsupported_attention(config, attn_mask_type, attention_dropout)
@@ -154,7 +162,7 @@ class SDPAttention(MegatronModule):
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
         dim = config.kv_channels  # transformers' inverse frequencies, computed as it does (fp32)
         self.inv_freq = 1.0 / (rotary_base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-        self.mrope_axes = mrope_axes(mrope_section) if mrope_section else None
+        self.mrope_axes = mrope_axes(mrope_section, mrope_interleaved) if mrope_section else None
 
     def forward(
         self,

@@ -16,7 +16,7 @@ with the torch backend. What differs is how a rank's share of the batch is compu
   (relax_hpc/algos/sft.py) in the objective's place, at temperature 1 (the data's distribution);
 - with algo.off_policy.routing_replay, every forward of an MoE model routes each token through the
   experts the engine chose for it (relax_hpc/models/megatron_routing.py);
-- a vision-language model (Qwen2.5-VL: relax_hpc/models/megatron_vision.py) gets each
+- a vision-language model (Qwen2.5-VL, Qwen3-VL: relax_hpc/models/megatron_vision.py) gets each
   micro-batch's images and the multimodal RoPE positions transformers computes for the batch;
 - gae's critic is the policy's GPTModel with a scalar head in place of its output layer
   (relax_hpc/models/megatron.py, ValueHead), loaded from model.path, with its own megatron
@@ -56,7 +56,7 @@ from relax_hpc.models.hf_loading import load_hf_weights
 from relax_hpc.models.hf_mapping import hf_specs
 from relax_hpc.models.megatron import as_value_model, build_model
 from relax_hpc.models.megatron_routing import replaying
-from relax_hpc.models.megatron_vision import MropePackedSeqParams, mrope_positions, rope_index_model
+from relax_hpc.models.megatron_vision import MropePackedSeqParams, VisionGPTModel, mrope_positions, rope_index_model
 from relax_hpc.trainer import megatron_state, packing
 from relax_hpc.trainer.backend import BackendConfig, DistComm, NonFiniteLossError, StepResult
 from relax_hpc.trainer.batching import TrainBatch
@@ -106,6 +106,8 @@ def _build(config: BackendConfig, hf_config: PretrainedConfig, path: str, traina
     if not trainable:
         model.requires_grad_(False)
         model.eval()
+    elif config.trainer.freeze_encoder and isinstance(model, VisionGPTModel):
+        model.vision.requires_grad_(False)  # before DDP and the optimizer: neither takes it
     return model
 
 
@@ -464,13 +466,18 @@ class MegatronBackend:
         """(HF name, full tensor) in parameter_specs() order: on every rank when the run is
         colocated (each rank pushes to the engines on its own device), else on global rank 0 alone
         (None elsewhere: rank 0 broadcasts to the engines). A collective: every rank must iterate."""
-        return export_hf(self.model.module, self.hf_config, every_rank=self.colocated)
+        exported = export_hf(self.model.module, self.hf_config, every_rank=self.colocated)
+        return ((name, tensor) for name, tensor in exported if not self._frozen(name))
 
     def checkpoint_layout(self) -> None:
         return None  # relax_hpc.models.hf_mapping names and shapes them as the HF checkpoint does
 
     def parameter_specs(self) -> list[tuple[str, torch.Size, torch.dtype]]:
-        return hf_specs(self.hf_config, self.dtype)
+        return [spec for spec in hf_specs(self.hf_config, self.dtype) if not self._frozen(spec[0])]
+
+    def _frozen(self, hf_name: str) -> bool:
+        """A tensor of the vision tower under trainer.freeze_encoder: the engines keep theirs."""
+        return self.cfg.freeze_encoder and self.arch.vision and hf_name.startswith(self.arch.hf_vision_prefix)
 
     def save_checkpoint(self, folder: Path) -> None:
         megatron_state.save(self.model, self.optimizer, folder)

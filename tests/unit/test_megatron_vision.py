@@ -1,6 +1,6 @@
-"""Qwen2.5-VL in the megatron backend, the parts that need no model: what the config gives and
-refuses, and SDPAttention's multimodal RoPE against transformers' (the whole model against the
-torch backend: tests/integration/test_megatron_vision.py)."""
+"""Qwen2.5-VL and Qwen3-VL in the megatron backend, the parts that need no model: what the config
+gives and refuses, and SDPAttention's multimodal RoPE against transformers' (the whole models
+against the torch backend: tests/integration/test_megatron_vision.py)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,13 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 from transformers import AutoConfig
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRotaryEmbedding, rotate_half
+from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
 
 from relax_hpc.config.schema import MegatronConfig
 from relax_hpc.models.arch import arch_of, check_megatron_job, use_transformer_engine
 from relax_hpc.models.megatron import SDPAttention
 from relax_hpc.models.megatron_vision import MropePackedSeqParams
+from tests.models.qwen3_family import build_qwen3_vl
 from tests.unit.test_hf_mapping import mp
 
 __all__ = ["mp"]  # the fixture, requested by name
@@ -35,6 +37,14 @@ def test_the_language_model_is_read_from_the_text_config_with_its_multimodal_rop
     assert check_megatron_job(str(MODEL), MegatronConfig()) == []
 
 
+def test_qwen3_vl_reads_as_qwen3_with_interleaved_rope_and_deepstack(tmp_path):
+    arch = arch_of(AutoConfig.from_pretrained(build_qwen3_vl(tmp_path)))
+    assert arch.qk_norm and not arch.qkv_bias and arch.mrope_interleaved and arch.deepstack_layers == 2
+    assert (arch.hf_prefix, arch.hf_vision_prefix) == ("model.language_model.", "model.visual.")
+    problems = check_megatron_job(str(tmp_path), MegatronConfig(recompute=True))
+    assert problems == ["Qwen3-VL's DeepStack features need trainer.megatron.recompute=false"]
+
+
 def test_a_layout_the_vision_model_cannot_take_is_refused_with_the_reason():
     problems = check_megatron_job(str(MODEL), MegatronConfig(pipeline_parallel=2, context_parallel=2))
     assert "a vision-language model needs trainer.megatron.pipeline_parallel=1" in problems
@@ -45,16 +55,19 @@ def test_a_layout_the_vision_model_cannot_take_is_refused_with_the_reason():
         arch_of(config)
 
 
-def test_sdpa_attention_rotates_as_transformers_multimodal_rope(mp):
-    text = AutoConfig.from_pretrained(MODEL).text_config
-    head_dim = text.hidden_size // text.num_attention_heads
+@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl"])
+def test_sdpa_attention_rotates_as_transformers_multimodal_rope(family, mp, tmp_path):
+    """Qwen2.5-VL's sections and Qwen3-VL's interleaved axes, against transformers' rotary modules."""
+    config = AutoConfig.from_pretrained(MODEL if family == "qwen2.5-vl" else build_qwen3_vl(tmp_path))
+    arch, text = arch_of(config), config.text_config
+    head_dim = arch.head_dim
     config = TransformerConfig(
         num_layers=1, hidden_size=text.hidden_size, num_attention_heads=text.num_attention_heads,
         num_query_groups=text.num_key_value_heads, kv_channels=head_dim, attention_dropout=0.0,
     )  # fmt: skip
     attention = SDPAttention(
         config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self",
-        rotary_base=text.rope_parameters["rope_theta"], mrope_section=(4, 6, 6),
+        rotary_base=arch.rope_theta, mrope_section=arch.mrope_section, mrope_interleaved=arch.mrope_interleaved,
     )  # fmt: skip
     tokens = 12
     # Temporal, height and width positions that differ: a picture's tokens in a grid, then text.
@@ -62,7 +75,8 @@ def test_sdpa_attention_rotates_as_transformers_multimodal_rope(mp):
     params = MropePackedSeqParams(qkv_format="thd", mrope_positions=positions)
     q = torch.randn(tokens, text.num_attention_heads, head_dim)
     got, _ = attention._rotate(q, q, attention._positions(params, torch.tensor([0, tokens]), tokens))
-    cos, sin = Qwen2_5_VLRotaryEmbedding(text)(q, positions[:, None])  # [1, tokens, head_dim]
+    rotary = Qwen2_5_VLRotaryEmbedding if family == "qwen2.5-vl" else Qwen3VLTextRotaryEmbedding
+    cos, sin = rotary(text)(q, positions[:, None])  # [1, tokens, head_dim]
     expected = q * cos[0, :, None] + rotate_half(q) * sin[0, :, None]
     assert torch.allclose(got, expected, atol=1e-5)
     # the first section's positions alone (one-dimensional RoPE by the temporal axis) are not it
