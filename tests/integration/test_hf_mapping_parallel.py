@@ -1,5 +1,6 @@
 """HF <-> megatron mapping across real process groups: two torchrun ranks on CPU (gloo; on a
-machine with two GPUs, NCCL) with TP=2, PP=2, EP=2 or data parallel alone. Every rank loads an HF
+machine with two GPUs, NCCL) with TP=2, PP=2, EP=2 or data parallel alone (TP=2 also for the
+shipped tiny Qwen2.5-VL: its language model sharded, its vision tower replicated). Every rank loads an HF
 folder, holds exactly the block of every tensor that an independent, naive computation expects, and
 export_hf run on all ranks gives rank 0 the HF checkpoint bit for bit (the other rank gets the same
 names with None); with every_rank (colocated ranks) both ranks get it bit for bit.
@@ -21,6 +22,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
+VISION = REPO / "assets/tiny-qwen2.5-vl-shapes"
 LAYOUTS: dict[str, dict[str, Any]] = {  # MegatronConfig's parallel sizes
     "tp2": {"tensor_parallel": 2},
     "pp2": {"pipeline_parallel": 2},
@@ -31,7 +33,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {  # MegatronConfig's parallel sizes
 # GPUs only (megatron moves the last stage's copy of the embedding to CUDA while building).
 TIED_PP = ["qwen3-tied"] if torch.cuda.is_available() else []
 MODELS = {
-    "tp2": (["qwen2", "qwen3-tied", "qwen3-moe"], 2),
+    "tp2": (["qwen2", "qwen3-tied", "qwen3-moe", "qwen2.5-vl"], 2),
     "pp2": (["qwen2", "qwen3", "qwen3-moe", *TIED_PP], 4),
     "ep2": (["qwen3-moe"], 2),
     "dp2": (["qwen2"], 2),
@@ -56,8 +58,9 @@ def reports(tmp_path_factory) -> dict:
     for layout, (kinds, num_layers) in MODELS.items():
         configs = tiny_configs(num_layers)
         for seed, kind in enumerate(kinds):
-            folder = root / layout / kind
-            save_random_hf(configs[kind], folder, seed=seed)
+            folder = VISION if kind == "qwen2.5-vl" else root / layout / kind
+            if kind != "qwen2.5-vl":
+                save_random_hf(configs[kind], folder, seed=seed)
             folders.setdefault(layout, {})[kind] = str(folder)
     (root / "folders.json").write_text(json.dumps(folders))
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
@@ -107,6 +110,9 @@ def _expected_shards(model, hf: dict, groups: int, tp: tuple[int, int], etp: tup
             continue
         if name == "decoder.final_layernorm.weight":
             expected[name] = hf["model.norm.weight"]
+            continue
+        if name.startswith("vision."):  # the vision tower: whole on every rank
+            expected[name] = hf["visual." + name.removeprefix("vision.")]
             continue
         match = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name)
         assert match is not None, name
@@ -183,7 +189,7 @@ def _run_model(folder: str, layout: str) -> dict:
         hf = read_safetensors(Path(folder))
         tp = (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
         etp = (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size())
-        facts = _expected_shards(model, hf, config.num_key_value_heads, tp, etp)
+        facts = _expected_shards(model, hf, config.get_text_config().num_key_value_heads, tp, etp)
         params = dict(model.named_parameters())
         for name, block in facts["expected"].items():
             assert params[name].shape == block.shape and torch.equal(params[name].cpu(), block), name
