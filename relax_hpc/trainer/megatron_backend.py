@@ -193,7 +193,8 @@ class MegatronBackend:
         or not: text rows get theirs too), as the HF model computes them; None for a text model."""
         if self.rope_index is None:
             return None
-        media = {k: v.to(self.device) for k, v in concat_inputs(list(batch.media)).items()}
+        grids = [{"image_grid_thw": m["image_grid_thw"]} for m in batch.media if "image_grid_thw" in m]
+        media = {k: v.to(self.device) for k, v in concat_inputs(grids).items()}  # not the pixels: only their grids
         return mrope_positions(self.rope_index, batch.input_ids, batch.attention_mask, media)
 
     def _forward(self, model: torch.nn.Module, mb: packing.Microbatch) -> torch.Tensor:
