@@ -16,12 +16,14 @@ rows with zero, one and two pictures, packed several to a micro-batch.
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from PIL import Image, ImageDraw
 from safetensors.torch import load_file
 
 from relax_hpc.config.load import load_config
@@ -84,14 +86,14 @@ def reference(request: pytest.FixtureRequest, model: Path, tmp_path: Path) -> It
 
 
 def _batch(model: Path) -> TrainBatch:
-    """Two groups of two rows: one picture, two pictures, one picture, none (0, 4, 8 image
-    tokens); prompts of several lengths, completions of 2 to 5 tokens."""
+    """Two groups of two rows: one picture, two pictures, one wide picture, none (0, 4 and 8
+    image tokens, grids of two shapes); prompts of several lengths, completions of 2 to 5 tokens."""
     processor = MediaProcessor(str(model))
     pictures = [("image", (REPO / f"assets/shapes/{i:04d}.png").read_bytes()) for i in range(3)]
     prompts = [
         ("<image>how many shapes?", pictures[:1]),
         ("<image><image>how many in both?", pictures[1:3]),
-        ("<image>count them", pictures[2:3]),
+        ("<image>count them", [("image", _wide_picture())]),  # another grid: its tokens in one row
         ("how many?", []),
     ]
     sequences, masks, media = [], [], []
@@ -105,6 +107,15 @@ def _batch(model: Path) -> TrainBatch:
         sequences, masks, [[0.0] * len(s) for s in sequences], [1.0, 0.0, 1.0, 0.0], [0, 0, 1, 1],
         processor.tokenizer.pad_token_id, tuple(media),
     )  # fmt: skip
+
+
+def _wide_picture() -> bytes:
+    """A 112 x 28 picture of stripes: a 1 x 4 grid of merged tokens where the others have 2 x 2."""
+    image = Image.new("RGB", (112, 28), (255, 255, 255))
+    ImageDraw.Draw(image).rectangle([30, 4, 80, 24], fill=(200, 40, 40))
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
 
 
 def _torch_logprobs(backend: TorchBackend, batch: TrainBatch) -> torch.Tensor:
