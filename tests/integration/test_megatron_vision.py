@@ -29,6 +29,7 @@ from safetensors.torch import load_file
 from relax_hpc.config.load import load_config
 from relax_hpc.data.processor import MediaProcessor
 from relax_hpc.data.prompts import PromptRow
+from relax_hpc.models.hf import empty_policy, module_names
 from relax_hpc.models.hf_checkpoint import megatron_checkpoint_to_hf
 from relax_hpc.trainer import megatron_state
 from relax_hpc.trainer.backend import BackendConfig
@@ -164,6 +165,10 @@ def test_megatron_logprobs_and_step_are_the_torch_backends(model, reference, tmp
     converted = megatron_checkpoint_to_hf(tmp_path / "ckpt", megatron.hf_config)
     assert converted.keys() == after.keys()
     assert all(torch.equal(converted[n], after[n]) for n in after)
+    # and into transformers' model as tools/dcp_to_hf.py loads them (module names; the tied head aside)
+    policy = empty_policy(str(model), torch.float32)
+    missing, unexpected = policy.load_state_dict(module_names(policy, converted), strict=False, assign=True)
+    assert unexpected == [] and missing == ["lm_head.weight"]
 
 
 def test_megatron_loads_and_exports_the_hf_weights_exactly(model, megatron_on_cpu):
