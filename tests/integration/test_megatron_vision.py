@@ -11,7 +11,8 @@ rows with zero, one and two pictures, packed several to a micro-batch.
   the multimodal one gave 1.6e-3 on this tiny model, leaving the images out 5.8e-2);
 - one GRPO step gives the same loss and gradient norm (1e-4 relative: the gradient's size), and
   the same weights after it (every HF tensor, vision tower included; WEIGHT_ATOL below: its sign);
-- the weights export to the HF checkpoint exactly, and so does a megatron checkpoint of them.
+- the weights export to the HF checkpoint exactly, and so does a megatron checkpoint of them,
+  which a fresh backend resumes from exactly.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from relax_hpc.data.processor import MediaProcessor
 from relax_hpc.data.prompts import PromptRow
 from relax_hpc.models.hf import empty_policy, module_names
 from relax_hpc.models.hf_checkpoint import megatron_checkpoint_to_hf
-from relax_hpc.trainer import megatron_state
 from relax_hpc.trainer.backend import BackendConfig
 from relax_hpc.trainer.batching import TrainBatch, pad_samples, token_logprobs_and_entropy
 from relax_hpc.trainer.megatron_backend import MegatronBackend
@@ -161,7 +161,10 @@ def test_megatron_logprobs_and_step_are_the_torch_backends(model, reference, tmp
     for name in after:
         assert torch.allclose(after[name], torch_after[name], atol=WEIGHT_ATOL, rtol=0), name
     # the trained weights through a megatron checkpoint (tools/dcp_to_hf.py's reading), exactly
-    megatron_state.save(megatron.model, megatron.optimizer, tmp_path / "ckpt")
+    megatron.save_checkpoint(tmp_path / "ckpt")
+    resumed = _megatron(model)  # the source weights, an optimizer that never stepped
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    assert all(torch.equal(t, after[n]) for n, t in _hf_weights(resumed).items())
     converted = megatron_checkpoint_to_hf(tmp_path / "ckpt", megatron.hf_config)
     assert converted.keys() == after.keys()
     assert all(torch.equal(converted[n], after[n]) for n in after)
