@@ -49,7 +49,7 @@ def check_inputs(cfg: JobConfig, in_allocation: bool = False) -> None:
     if not problems:
         problems += dataset_problems(cfg) if cfg.kind == "rl" else sft_data_problems(cfg)
         if cfg.trainer.backend == "megatron":
-            problems += check_megatron_job(cfg.model.path, cfg.trainer.megatron)
+            problems += check_megatron_job(cfg.model.path, cfg.trainer.megatron, cfg.rollout.engine)
             problems += megatron_gpu_problems(cfg, in_allocation)
         problems += missing_sinks(cfg)
         problems += notify_problems(cfg)
