@@ -67,7 +67,13 @@ def server_args(cfg: JobConfig, host: str, port: int, pool: str = "policy") -> l
 
 
 def server_env(api_key: str) -> dict[str, str]:
-    return {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": api_key}
+    """The server's environment. VLLM_CPU_OMP_THREADS_BIND=nobind unless set: vLLM's CPU backend
+    otherwise pins each engine's worker to the same first core (it assumes the node is its own),
+    so two engines shared one core and a restarted one took minutes to start; the launcher's
+    OMP_NUM_THREADS (launch.threads_per_process) sizes it instead. DIE_WITH_PARENT: every vLLM
+    process ties its life to its parent's (relax_hpc.weights.vllm_gloo.register)."""
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", **os.environ}
+    return env | {"VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": api_key, V.DIE_WITH_PARENT: "1"}
 
 
 class VllmWrapper(Wrapper):

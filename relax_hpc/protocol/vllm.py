@@ -41,6 +41,8 @@ WEIGHT_INFO = "/weight_info"
 WEIGHT_CHECKER = "/weight_checker"
 
 PauseMode = Literal["abort", "wait", "keep"]
+# Set by the engine wrapper in the server's environment: each vLLM process then dies with its parent.
+DIE_WITH_PARENT = "RELAX_HPC_DIE_WITH_PARENT"
 # The engines' --weight-transfer-config backend: relax_hpc.weights.vllm_gloo, registered by its plugin.
 TRANSFER_BACKEND = "relax_gloo"
 
