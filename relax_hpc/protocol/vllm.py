@@ -162,6 +162,11 @@ UNSUPPORTED = {
 _SENDERS = ThreadPoolExecutor(max_workers=256, thread_name_prefix="vllm-generate")
 
 
+def _is_set(value: Any) -> bool:
+    """A request field off its default (None or False); 0 is set (logprob_start_len=0)."""
+    return value is not None and value is not False
+
+
 class VllmClient(EngineClient):
     """An EngineClient for a vLLM server: the version from /weight_info, SGLang-style /generate
     batches as concurrent /inference/v1/generate requests (see the module docstring)."""
@@ -170,7 +175,7 @@ class VllmClient(EngineClient):
         return str(self.call("GET", WEIGHT_INFO, timeout_s=5.0)["weight_version"])
 
     def generate(self, request: P.GenerateReqInput) -> Any:
-        refused = [what for name, what in UNSUPPORTED.items() if getattr(request, name)]
+        refused = [what for name, what in UNSUPPORTED.items() if _is_set(getattr(request, name))]
         if refused:
             raise ValueError(f"a vLLM engine does not serve {', '.join(refused)} (rollout.engine=vllm)")
         batch = isinstance(request.input_ids[0], list) if request.input_ids else False

@@ -7,7 +7,9 @@ from typing import Any
 
 import pytest
 
+from relax_hpc.protocol import requests as P
 from relax_hpc.protocol import vllm as V
+from relax_hpc.rollout.engine_policy import token_versions
 
 
 def choice(**fields: Any) -> dict[str, Any]:
@@ -47,3 +49,30 @@ def test_top_k_off_is_vllms_zero_and_the_seed_is_the_calls() -> None:
         3,
     )
     assert V.generate_request("r", [1], {"max_new_tokens": 3, "top_k": 5}, seed=9).sampling_params.top_k == 5
+
+
+def test_the_drivers_view_of_an_answer_keeps_each_tokens_version() -> None:
+    """VllmClient answers in SGLang's shape; the driver takes each token's version from it (a
+    request that spanned a push under pause mode keep has two)."""
+    answer = V.sglang_answer(V.parse_completion(choice(finish_reason="abort")))
+    assert answer["output_ids"] == [4, 5]
+    assert answer["meta_info"]["output_token_logprobs"] == [[-0.5, 4, None], [-1.5, 5, None]]
+    assert answer["meta_info"]["finish_reason"] == {"type": "abort"}
+    assert token_versions(answer) == [3, 4]
+    sglang = {"output_ids": [7, 8, 9], "meta_info": {"weight_version": "5"}}
+    assert token_versions(sglang) == [5, 5, 5]  # SGLang: one version per answer
+
+
+@pytest.mark.parametrize(
+    ("field", "what"),
+    [
+        ({"return_routed_experts": True}, "routed experts"),
+        ({"lora_path": "v3"}, "LoRA adapters"),
+        ({"image_data": [["data:image/png;base64,AAAA"]]}, "media"),
+        ({"logprob_start_len": 0}, "input log-probabilities"),
+    ],
+)
+def test_what_a_vllm_engine_cannot_answer_is_refused_before_sending(field: dict[str, Any], what: str) -> None:
+    client = V.VllmClient("http://127.0.0.1:9", "token", 1.0)  # nothing listens: nothing is sent
+    with pytest.raises(ValueError, match=what):
+        client.generate(P.GenerateReqInput(input_ids=[[1, 2]], **field))
