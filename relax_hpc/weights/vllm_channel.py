@@ -40,7 +40,6 @@ from relax_hpc.weights.sender import WeightSyncError, _is_loopback, answering, e
 
 log = logging.getLogger("relax_hpc.weights")
 Named = tuple[str, torch.Tensor | None]
-HEALTH_TIMEOUT_S = 5.0  # a vLLM server busy with a step's requests answers /health late
 
 
 def init_info(
@@ -165,7 +164,7 @@ class VllmSender:
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="vllm-health")
 
     def live_engines(self, records: list[EngineRecord]) -> list[EngineRecord]:
-        client = lambda r: EngineClient(r.url, self.api_key, HEALTH_TIMEOUT_S)  # noqa: E731
+        client = lambda r: EngineClient(r.url, self.api_key, self.timeout_s)  # noqa: E731
         return answering(records, self._pool, client)
 
     def engine_set_changed(self) -> bool:
