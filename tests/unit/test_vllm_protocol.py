@@ -1,15 +1,23 @@
-"""relax_hpc.protocol.vllm's reading of answers: what the driver cannot train on is refused by name.
+"""relax_hpc.protocol.vllm's reading of answers: what the driver cannot train on is refused by name,
+and the driver's view of an answer keeps each token's version. What vLLM engines cannot do is
+refused outside the config too: by the adapter before a request is sent, by elastic scaling.
 (The fields themselves are checked against vLLM's classes in test_vllm_contract.py.)"""
 
 from __future__ import annotations
 
+import argparse
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from relax_hpc.config import load_config
+from relax_hpc.paths import RunPaths
 from relax_hpc.protocol import requests as P
 from relax_hpc.protocol import vllm as V
 from relax_hpc.rollout.engine_policy import token_versions
+from relax_hpc.scale import ScaleError, scale_out
+from relax_hpc.submit import freeze
 
 
 def choice(**fields: Any) -> dict[str, Any]:
@@ -76,3 +84,11 @@ def test_what_a_vllm_engine_cannot_answer_is_refused_before_sending(field: dict[
     client = V.VllmClient("http://127.0.0.1:9", "token", 1.0)  # nothing listens: nothing is sent
     with pytest.raises(ValueError, match=what):
         client.generate(P.GenerateReqInput(input_ids=[[1, 2]], **field))
+
+
+def test_elastic_scaling_refuses_a_run_on_vllm_engines(tmp_path: Path) -> None:
+    paths = RunPaths(tmp_path / "run")
+    freeze(load_config(None, [f"run.dir={paths.root}", "rollout.engine=vllm"]), paths)
+    args = argparse.Namespace(id=None, url=None, engines=1, overrides=[], dry_run=True)
+    with pytest.raises(ScaleError, match="elastic scaling does not take them yet"):
+        scale_out(paths, args)
