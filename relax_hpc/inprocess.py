@@ -135,7 +135,7 @@ class InProcessRun:
         self.policy = LocalPolicy(self.sampler, self.tokenizer, self.processor)
         self.policy.routing = cfg.algo.off_policy.routing_replay
         self.rounds = Rounds(
-            cfg, self.rows, [encode(r) for r in self.rows], self.tokenizer, self.policy, make_scorer(cfg)
+            cfg, self.rows, [encode(r) for r in self.rows], self.tokenizer, self.policy, make_scorer(cfg.reward)
         )
         self.loop = asyncio.Runner()  # one event loop for the run (a remote reward's client lives in it)
 

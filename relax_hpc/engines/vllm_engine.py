@@ -31,7 +31,7 @@ import os
 from pathlib import Path
 
 import relax_hpc
-from relax_hpc.config.schema import JobConfig
+from relax_hpc.config.schema import JobConfig, VllmConfig
 from relax_hpc.engines import sglang_engine
 from relax_hpc.engines.sglang_engine import INITIAL_WEIGHT_VERSION, Wrapper
 from relax_hpc.protocol import vllm as V
@@ -40,10 +40,10 @@ MODULE = "vllm.entrypoints.openai.api_server"
 MIDDLEWARE = "relax_hpc.engines.vllm_auth.require_token"
 
 
-def engine_python(cfg: JobConfig) -> str:
+def engine_python(vc: VllmConfig) -> str:
     """rollout.vllm.python, or .venv-vllm beside relax_hpc's package (tools/install_vllm.sh)."""
-    if cfg.rollout.vllm.python is not None:
-        return cfg.rollout.vllm.python
+    if vc.python is not None:
+        return vc.python
     return str(Path(relax_hpc.__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python")
 
 
@@ -86,7 +86,7 @@ class VllmWrapper(Wrapper):
 
     def command(self) -> list[str]:
         argv = server_args(self.cfg, self.args.host, self.port, self.args.pool)
-        return [engine_python(self.cfg), "-m", MODULE, *argv]
+        return [engine_python(self.cfg.rollout.vllm), "-m", MODULE, *argv]
 
     def environment(self) -> dict[str, str]:
         return server_env(self.api_key)

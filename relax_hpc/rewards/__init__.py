@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from relax_hpc.config.schema import JobConfig
+from relax_hpc.config.schema import RewardConfig
 from relax_hpc.rewards.boxed import boxed_match
 from relax_hpc.rewards.exact_match import exact_match
 from relax_hpc.rewards.remote import RemoteReward
@@ -21,10 +21,9 @@ TEXT_REWARDS: dict[str, Callable[[str, str], float]] = {"exact_match": exact_mat
 __all__ = ["TEXT_REWARDS", "RewardError", "RewardInput", "Scored", "Scorer", "make_scorer"]
 
 
-def make_scorer(cfg: JobConfig, judge: Callable[..., Any] | None = None) -> Scorer:
+def make_scorer(r: RewardConfig, judge: Callable[..., Any] | None = None) -> Scorer:
     """The configured reward with its settings and failure rules. `judge`: the judge reward of
     this process (relax_hpc.rewards.judge), where reward.name is judge."""
-    r = cfg.reward
     if r.name == "remote":
         rr = r.remote
         fn: Any = RemoteReward(rr.url, rr.timeout_s, rr.retries, rr.backoff_s, rr.concurrency, rr.token_env)

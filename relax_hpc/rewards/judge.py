@@ -17,7 +17,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerFast
 
-from relax_hpc.config.schema import JobConfig, JudgeConfig
+from relax_hpc.config.schema import JudgeConfig
 from relax_hpc.paths import RunPaths
 from relax_hpc.protocol import requests as P
 from relax_hpc.protocol.client import PoolClient, PoolUnavailable
@@ -72,8 +72,3 @@ class JudgeReward:
             return self.engines.generate(request)
         except PoolUnavailable as e:
             raise RewardError(f"judge: {e}") from None
-
-
-def judge_reward(cfg: JobConfig, paths: RunPaths) -> JudgeReward:
-    """The driver's judge: its section, and the rollout's timeout for a request to an engine."""
-    return JudgeReward(cfg.reward.judge, cfg.rollout.request_timeout_s, paths)

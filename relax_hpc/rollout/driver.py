@@ -39,7 +39,7 @@ from relax_hpc.metrics.startup import StartupClock
 from relax_hpc.paths import RunPaths
 from relax_hpc.protocol.client import EngineRequestError, EngineUnavailable
 from relax_hpc.rewards import RewardError, make_scorer
-from relax_hpc.rewards.judge import judge_reward
+from relax_hpc.rewards.judge import JudgeReward
 from relax_hpc.rollout.engine_policy import EnginePolicy, EnginePool, Stopping
 from relax_hpc.rollout.plan import to_sample_batch
 from relax_hpc.rollout.rounds import Rounds
@@ -86,8 +86,8 @@ class Driver:
         self.metrics = JsonlWriter(paths.rollout_metrics)
         self.evals = JsonlWriter(paths.eval_metrics)
         self.failures = JsonlWriter(paths.reward_failures)
-        judge = judge_reward(cfg, paths) if cfg.reward.name == "judge" else None
-        scorer = make_scorer(cfg, judge)
+        judge = JudgeReward(cfg.reward.judge, self.ro.request_timeout_s, paths) if cfg.reward.name == "judge" else None
+        scorer = make_scorer(cfg.reward, judge)
         self.teacher = TeacherScorer(cfg, paths) if cfg.algo.teacher.num_engines else None
         self.rounds = Rounds(cfg, self.rows, self.prompt_ids, self.tokenizer, self.policy, scorer, self.failures.log)
 

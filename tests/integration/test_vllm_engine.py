@@ -70,7 +70,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    assert Path(engine_python(make_run(tmp_path_factory.mktemp("probe"))[0])).exists(), (
+    assert Path(engine_python(make_run(tmp_path_factory.mktemp("probe"))[0].rollout.vllm)).exists(), (
         "vLLM's environment is missing: bash tools/install.sh --vllm"
     )
     s = Server(tmp_path_factory.mktemp("vllm") / "run")

@@ -67,7 +67,8 @@ def _vllm_processes(run_dir: Path) -> list[int]:
 
 
 def test_the_default_learns_on_vllm_and_survives_a_killed_engine(tmp_path: Path) -> None:
-    assert Path(engine_python(load_config(CONFIG, [], base_dir=REPO))).exists(), "bash tools/install.sh --vllm"
+    vllm = load_config(CONFIG, [], base_dir=REPO).rollout.vllm
+    assert Path(engine_python(vllm)).exists(), "bash tools/install.sh --vllm"
     rows = (REPO / "assets" / "addition.jsonl").read_text().splitlines()
     data = tmp_path / "addition-9.jsonl"
     data.write_text("\n".join(rows[::12]) + "\n")

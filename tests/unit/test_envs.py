@@ -188,7 +188,7 @@ def test_the_calculator_appends_the_tools_output_and_scores_the_answer(policy):
     )
     rows = load_prompts(cfg.data.path, "prompt", "answer")
     tok = policy.tokenizer
-    rounds = Rounds(cfg, rows, [tok(r.prompt)["input_ids"] for r in rows], tok, policy, make_scorer(cfg))
+    rounds = Rounds(cfg, rows, [tok(r.prompt)["input_ids"] for r in rows], tok, policy, make_scorer(cfg.reward))
     groups = asyncio.run(rounds.sample_round(0, 0))
     assert len(groups) == 4 and all(len(g.trajectories) == 4 for g in groups)
     calls = 0

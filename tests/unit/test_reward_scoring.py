@@ -63,7 +63,7 @@ def rewards_module(monkeypatch) -> ModuleType:
 
 def test_a_module_function_gets_its_settings_and_each_failure_fails_its_sample_only(rewards_module):
     cfg = load_config(None, ["reward.name=my_rewards:graded", "reward.settings={bonus: 0.5}"])
-    results = score(make_scorer(cfg), ["4", "5", "boom", "text", "nan"])
+    results = score(make_scorer(cfg.reward), ["4", "5", "boom", "text", "nan"])
     assert [r.reward for r in results] == [2.5, 1.5, None, None, None]
     assert results[2].error == "ValueError: cannot parse"
     assert results[3].error == "returned 'high', not a finite number" and "nan" in (results[4].error or "")
@@ -71,13 +71,13 @@ def test_a_module_function_gets_its_settings_and_each_failure_fails_its_sample_o
 
 def test_an_async_reward_past_its_time_limit_fails_only_that_sample(rewards_module):
     cfg = load_config(None, ["reward.name=my_rewards:slow", "reward.timeout_s=0.5"])
-    results = score(make_scorer(cfg), ["fast", "slow", "fast"])
+    results = score(make_scorer(cfg.reward), ["fast", "slow", "fast"])
     assert [r.reward for r in results] == [1.0, None, 1.0] and results[1].error == "timed out"
 
 
 def test_a_batched_reward_scores_a_round_at_once_and_must_return_one_number_each(rewards_module):
     cfg = load_config(None, ["reward.name=my_rewards:by_length", "reward.batched=true"])
-    assert [r.reward for r in score(make_scorer(cfg), ["a", "abc"])] == [1.0, 3.0]
+    assert [r.reward for r in score(make_scorer(cfg.reward), ["a", "abc"])] == [1.0, 3.0]
     short = Scorer(lambda samples: [1.0], {}, batched=True, timeout_s=5)
     assert {r.error for r in score(short, ["a", "b"])} == {"TypeError: a batched reward returned list, not 2 numbers"}
 
@@ -89,9 +89,9 @@ def test_unknown_rewards_are_refused_by_name():
         ("json:no_such_function", r"json has no function 'no_such_function'"),
     ):
         with pytest.raises(RewardError, match=message):
-            make_scorer(load_config(None, [f"reward.name={name}"]))
+            make_scorer(load_config(None, [f"reward.name={name}"]).reward)
     with pytest.raises(RewardError, match=r"the built-in reward exact_match takes no settings"):
-        make_scorer(load_config(None, ["reward.settings={x: 1}"]))
+        make_scorer(load_config(None, ["reward.settings={x: 1}"]).reward)
 
 
 def test_the_old_key_rollout_reward_still_names_the_reward():
@@ -126,7 +126,7 @@ def test_failed_samples_leave_their_group_counted_and_recorded_and_too_many_stop
         [tok(r.prompt)["input_ids"] for r in rows],
         tok,
         Fixed(tok, "boom"),
-        make_scorer(cfg),
+        make_scorer(cfg.reward),
         failures.append,
     )
     with pytest.raises(
@@ -138,7 +138,7 @@ def test_failed_samples_leave_their_group_counted_and_recorded_and_too_many_stop
     )
     # Under the limit: the failed samples are left out, the rest of their group trains.
     mixed = MixedAnswers(tok)
-    rounds = Rounds(cfg, rows, [tok(r.prompt)["input_ids"] for r in rows], tok, mixed, make_scorer(cfg))
+    rounds = Rounds(cfg, rows, [tok(r.prompt)["input_ids"] for r in rows], tok, mixed, make_scorer(cfg.reward))
     groups = asyncio.run(rounds.sample_round(0, 0))
     assert [len(g.trajectories) for g in groups] == [1, 1] and rounds.take_stats()["reward_failed"] == 2
 
@@ -259,6 +259,6 @@ def test_remax_scores_one_greedy_episode_per_prompt_as_its_groups_baseline():
     rows = load_prompts(cfg.data.path, "prompt", "answer")
     ids = [tok(r.prompt)["input_ids"] for r in rows]
     policy = GreedyKnows(tok, {tuple(i): r.answer for i, r in zip(ids, rows, strict=True)})
-    groups = asyncio.run(Rounds(cfg, rows, ids, tok, policy, make_scorer(cfg)).sample_round(0, 0))
+    groups = asyncio.run(Rounds(cfg, rows, ids, tok, policy, make_scorer(cfg.reward)).sample_round(0, 0))
     assert [g.baseline for g in groups] == [1.0, 1.0, 1.0]  # the greedy answers are right
     assert all(len(g.trajectories) == 2 and g.rewards == [0.0, 0.0] for g in groups)  # only sampled ones train

@@ -44,7 +44,7 @@ def cfg() -> Any:
 
 @pytest.fixture(scope="module")
 def probed(cfg: Any) -> dict[str, Any]:
-    python = engine_python(cfg)
+    python = engine_python(cfg.rollout.vllm)
     assert Path(python).exists(), f"{python} is missing: bash tools/install.sh --vllm"
     sent = {
         "generate": V.generate_body(V.generate_request("req-1", [1, 2, 3], SAMPLING, seed=42)),
