@@ -3,12 +3,16 @@ channel (relax_hpc.weights.channel) the path names, record what to expect.
 
 argv: run dir, output file, version, and the path: "broadcast" (rank 0 broadcasts to every engine),
 "colocated" (each rank releases its own engines' memory first, then hands them the weights by
-reference) or "adapter" (trainer.lora.sync adapter: rank 0 writes PEFT folders the engines load;
-two versions, the first one's greedy answers recorded too). With trainer.lora in the run's config
-only the adapters are perturbed and sent, and what to expect is the base with the adapters merged
-(relax_hpc.weights.lora)."""
+reference), "adapter" (trainer.lora.sync adapter: rank 0 writes PEFT folders the engines load;
+two versions, the first one's greedy answers recorded too) or "file" (weights.channel file, the
+run's config says whether with weights.delta: four versions, each a sparse change of the one
+before, and the second engine stopped (SIGSTOP) during the third, so that it misses it). With
+trainer.lora in the run's config only the adapters are perturbed and sent, and what to expect is
+the base with the adapters merged (relax_hpc.weights.lora)."""
 
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -24,8 +28,10 @@ from relax_hpc.models.lora import write_adapter_folder
 from relax_hpc.models.tiny import addition_problems
 from relax_hpc.paths import RunPaths
 from relax_hpc.protocol.client import EngineClient, EngineUnavailable
+from relax_hpc.protocol.registry import read_records
 from relax_hpc.protocol.requests import GenerateReqInput
 from relax_hpc.trainer.backend import BackendConfig
+from relax_hpc.trainer.build import build_channel
 from relax_hpc.trainer.torch_backend import TorchBackend
 from relax_hpc.weights.adapters import AdapterPublisher
 from relax_hpc.weights.buckets import plan_buckets
@@ -48,9 +54,11 @@ def main() -> None:
     buckets = plan_buckets(backend.parameter_specs(), int(cfg.weights.bucket_mb * 2**20))
     channel = make_channel(path, cfg, paths, backend, rank)
     timer, refused, previous = PhaseTimer(), None, None
+    served = push_files(channel, paths, backend, version) if path == "file" else []
+    engines = served[-1] if served else 0
     # Adapter and colocated: two versions of different weights; the engine holds the second
     # exactly, and (adapter) a request naming the first is answered with it after the second's load.
-    for pushed in (version - 1, version) if path in ("adapter", "colocated") else (version,):
+    for pushed in (version - 1, version) if path in ("adapter", "colocated") else () if path == "file" else (version,):
         if pushed == version and path in ("adapter", "colocated"):
             previous = dict(backend.full_parameters()) if path == "adapter" else None
             perturb(backend.model)
@@ -65,6 +73,8 @@ def main() -> None:
             json.dumps(
                 {
                     "engines": engines,
+                    "served": served,
+                    "folders": sorted(p.name for p in paths.weight_files.iterdir()) if path == "file" else None,
                     "refused_while_released": refused,
                     "buckets": len(buckets),
                     "bytes": sum(b.nbytes for b in buckets),
@@ -78,10 +88,29 @@ def main() -> None:
     dist.destroy_process_group()
 
 
+def push_files(channel: WeightChannel, paths: RunPaths, backend: TorchBackend, version: int) -> list[int]:
+    """Four versions through the file channel; the second engine misses the third (stopped).
+    Returns how many engines each push served."""
+    stopped = sorted(read_records(paths.engines), key=lambda r: r.engine_id)[1].pid if dist.get_rank() == 0 else None
+    served = []
+    for pushed in range(version - 3, version + 1):
+        if pushed > version - 3:
+            perturb(backend.model, share=0.02)
+        if pushed == version - 1 and stopped is not None:
+            os.kill(stopped, signal.SIGSTOP)
+        served.append(channel.push(backend.full_parameters, pushed))
+        if pushed == version - 1 and stopped is not None:
+            os.kill(stopped, signal.SIGCONT)
+        dist.barrier()
+    return served
+
+
 def make_channel(path: str, cfg: JobConfig, paths: RunPaths, backend: TorchBackend, rank: int) -> WeightChannel:
     """The channel `path` names, built as relax_hpc.trainer.build builds it for a run."""
     token, bucket_bytes = paths.read_token(), int(cfg.weights.bucket_mb * 2**20)
     layout = EngineLayout(backend.parameter_specs(), None)
+    if path == "file":  # as a run builds it: the run's config says whether with weights.delta
+        return build_channel(cfg, paths, backend, torch.device("cpu"))
     if path == "adapter":
         lora = cfg.trainer.lora
         assert lora is not None, "the adapter path is a LoRA run's"
@@ -112,11 +141,12 @@ def expected(model_path: str, lora: bool, full: dict) -> tuple[dict, list[list[i
     return full, [c.output_ids for c in greedy]
 
 
-def perturb(model: torch.nn.Module) -> None:
+def perturb(model: torch.nn.Module, share: float = 1.0) -> None:
+    """Change every trainable element, or about `share` of them."""
     with torch.no_grad():
         for p in model.parameters():
             if p.requires_grad:  # LoRA: the adapters (B starts at zero), never the frozen base
-                p.add_(0.3 * torch.randn_like(p))
+                p.add_(0.3 * torch.randn_like(p) * (torch.rand_like(p) < share))
 
 
 def refuses_generation(url: str, token: str) -> bool:
