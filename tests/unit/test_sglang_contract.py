@@ -131,6 +131,8 @@ def sent_requests(cfg) -> list[Any]:
             serialized_named_tensors=colocated_payload(1), load_format="flattened_bucket", weight_version="7"
         ),
         P.UpdateWeightsFromTensorReqInput(serialized_named_tensors=serialize(COLOCATED_NAMED)),  # in place (bench)
+        # the file channel (relax_hpc/weights/files.py): a whole version from the run's folder
+        P.UpdateWeightFromDiskReqInput(model_path="/runs/r/weights/files/v7", weight_version="7"),
         P.AbortReq(abort_all=True),
         P.AbortReq(rid="r-1"),
         P.GetWeightsByNameReqInput(name="lm_head.weight", truncate_size=2),
