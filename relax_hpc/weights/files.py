@@ -350,8 +350,8 @@ def _publish(root: Path, version: int, delta: bool) -> None:
 
 def _clean(root: Path, oldest_held: int) -> None:
     """Delete the folders of versions older than every live engine's (and what a trainer killed
-    while writing them left)."""
-    for folder in root.iterdir():
+    while writing them left); none yet where no engine needed a version written."""
+    for folder in root.iterdir() if root.is_dir() else ():
         number = folder.name.removeprefix(".").removesuffix(".partial").removeprefix("v").removesuffix("-delta")
         if number.isdigit() and int(number) < oldest_held:
             shutil.rmtree(folder, ignore_errors=True)
