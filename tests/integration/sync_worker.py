@@ -5,15 +5,19 @@ argv: run dir, output file, version, and the path: "broadcast" (rank 0 broadcast
 "colocated" (each rank releases its own engines' memory first, then hands them the weights by
 reference), "adapter" (trainer.lora.sync adapter: rank 0 writes PEFT folders the engines load;
 two versions, the first one's greedy answers recorded too) or "file" (weights.channel file, the
-run's config says whether with weights.delta: four versions, each a sparse change of the one
-before, and the second engine stopped (SIGSTOP) during the third, so that it misses it). With
+run's config says whether with weights.delta: then six versions, the second engine missing one
+and killed during another, see push_files). With
 trainer.lora in the run's config only the adapters are perturbed and sent, and what to expect is
 the base with the adapters merged (relax_hpc.weights.lora)."""
 
 import json
 import os
 import signal
+import subprocess
 import sys
+import threading
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,12 +27,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from relax_hpc.config.load import read_frozen
 from relax_hpc.config.schema import JobConfig
 from relax_hpc.engines.sampling import SamplingSpec, sample
+from relax_hpc.launch.commands import local_commands
+from relax_hpc.launch.supervisor import child_env
 from relax_hpc.metrics.timing import PhaseTimer
 from relax_hpc.models.lora import write_adapter_folder
 from relax_hpc.models.tiny import addition_problems
 from relax_hpc.paths import RunPaths
 from relax_hpc.protocol.client import EngineClient, EngineUnavailable
-from relax_hpc.protocol.registry import read_records
+from relax_hpc.protocol.registry import EngineRecord, read_records
 from relax_hpc.protocol.requests import GenerateReqInput
 from relax_hpc.trainer.backend import BackendConfig
 from relax_hpc.trainer.build import build_channel
@@ -54,7 +60,8 @@ def main() -> None:
     buckets = plan_buckets(backend.parameter_specs(), int(cfg.weights.bucket_mb * 2**20))
     channel = make_channel(path, cfg, paths, backend, rank)
     timer, refused, previous = PhaseTimer(), None, None
-    served = push_files(channel, paths, backend, version) if path == "file" else []
+    pushed_files = push_files(channel, cfg, paths, backend, version) if path == "file" else Pushed()
+    served = pushed_files.served
     engines = served[-1] if served else 0
     # Adapter and colocated: two versions of different weights; the engine holds the second
     # exactly, and (adapter) a request naming the first is answered with it after the second's load.
@@ -74,6 +81,7 @@ def main() -> None:
                 {
                     "engines": engines,
                     "served": served,
+                    "restarted": pushed_files.restarted,
                     "folders": sorted(p.name for p in paths.weight_files.iterdir()) if path == "file" else None,
                     "refused_while_released": refused,
                     "buckets": len(buckets),
@@ -88,21 +96,65 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def push_files(channel: WeightChannel, paths: RunPaths, backend: TorchBackend, version: int) -> list[int]:
-    """Four versions through the file channel; the second engine misses the third (stopped).
-    Returns how many engines each push served."""
-    stopped = sorted(read_records(paths.engines), key=lambda r: r.engine_id)[1].pid if dist.get_rank() == 0 else None
-    served = []
-    for pushed in range(version - 3, version + 1):
-        if pushed > version - 3:
+@dataclass
+class Pushed:
+    served: list[int] = field(default_factory=list)  # engines each push served
+    restarted: int | None = None  # the pid of the engine started again
+
+
+def push_files(channel: WeightChannel, cfg: JobConfig, paths: RunPaths, backend: TorchBackend, version: int) -> Pushed:
+    """Two versions through the file channel; with weights.delta six, each a sparse change of the
+    one before: the second engine is stopped during the third push (it misses it) and killed as the
+    fifth is loaded, then started again (as the launcher would) for the sixth."""
+    second = None
+    if dist.get_rank() == 0 and cfg.weights.delta:
+        second = sorted(read_records(paths.engines), key=lambda r: r.engine_id)[1]
+    out = Pushed()
+    for pushed in range(version - (5 if cfg.weights.delta else 1), version + 1):
+        if out.served:
             perturb(backend.model, share=0.02)
-        if pushed == version - 1 and stopped is not None:
-            os.kill(stopped, signal.SIGSTOP)
-        served.append(channel.push(backend.full_parameters, pushed))
-        if pushed == version - 1 and stopped is not None:
-            os.kill(stopped, signal.SIGCONT)
+        if second is not None and pushed == version - 3:
+            os.kill(second.pid, signal.SIGSTOP)
+        killer = None
+        if second is not None and pushed == version - 1:
+            killer = threading.Thread(target=kill_when_written, args=(paths, pushed, second.pid))
+            killer.start()
+        out.served.append(channel.push(backend.full_parameters, pushed))
+        if second is not None and pushed == version - 3:
+            os.kill(second.pid, signal.SIGCONT)
+        if second is not None and killer is not None:
+            killer.join()
+            out.restarted = restart(cfg, paths, second)
         dist.barrier()
-    return served
+    return out
+
+
+def kill_when_written(paths: RunPaths, version: int, pid: int) -> None:
+    """Kill the engine once the version's folder is in place, that is as the engines load it
+    (stopped first, so that it cannot finish the load meanwhile)."""
+    folders = [paths.weight_files / f"v{version}", paths.weight_files / f"v{version}-delta"]
+    while not any(f.exists() for f in folders):
+        time.sleep(0.001)
+    os.kill(pid, signal.SIGSTOP)
+    time.sleep(0.3)
+    os.kill(pid, signal.SIGKILL)
+
+
+def restart(cfg: JobConfig, paths: RunPaths, record: EngineRecord) -> int:
+    """Start the engine again from the launcher's command line; its pid once it answers."""
+    log = (paths.root / f"{record.engine_id}-restarted.log").open("ab")
+    proc = subprocess.Popen(
+        local_commands(cfg, paths)[record.engine_id], stdout=log, stderr=subprocess.STDOUT, env=child_env(cfg)
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        new = [
+            r for r in read_records(paths.engines) if r.engine_id == record.engine_id and r.instance != record.instance
+        ]
+        if new and EngineClient(new[0].url, paths.read_token(), 5.0).healthy():
+            return proc.pid
+        time.sleep(0.2)
+    raise TimeoutError(f"{record.engine_id} did not come back")
 
 
 def make_channel(path: str, cfg: JobConfig, paths: RunPaths, backend: TorchBackend, rank: int) -> WeightChannel:
