@@ -462,9 +462,7 @@ class TorchEngine:
         if not folder.is_dir():
             raise P.ProtocolError(f"no folder {folder}")
         with self._model_lock, torch.no_grad():  # between batches: a completion never mixes two versions
-            named = load_folder(folder, self.params, req.load_format == DELTA_FORMAT, self.weight_version)
-            if named:
-                torch._foreach_copy_([self.params[n] for n, _ in named], [t.to(self.device) for _, t in named])
+            load_folder(folder, self.params, req.load_format == DELTA_FORMAT, self.weight_version).apply(self.params)
             if req.weight_version is None:
                 return False
             self.weight_version = req.weight_version

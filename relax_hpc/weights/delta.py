@@ -9,11 +9,12 @@ unchanged bucket has none.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from relax_hpc.weights.buckets import DTYPES, BucketPlan, pack, unpack
+from relax_hpc.weights.buckets import DTYPES, BucketPlan
 
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # element size -> the integer of its bits
 
@@ -44,14 +45,33 @@ def diff(old: torch.Tensor, new: torch.Tensor, plan: BucketPlan) -> tuple[Sparse
     return (sparse if sparse.nbytes < new.numel() else None), changed
 
 
-def apply_sparse(current: list[torch.Tensor], plan: BucketPlan, delta: SparseDelta) -> list[tuple[str, torch.Tensor]]:
-    """The bucket's new tensors: `current` (its tensors now, in plan order) with the delta's bits
-    written at its indices."""
-    flat = pack(current)
-    target = bits(flat, plan)
-    if delta.index.numel() and int(delta.index.max()) >= target.numel():
-        raise ValueError(f"delta index {int(delta.index.max())} beyond the bucket's {target.numel()} elements")
-    if delta.values.dtype != target.dtype:
-        raise ValueError(f"delta values are {delta.values.dtype}, the bucket's bits {target.dtype}")
-    target[delta.index.long()] = delta.values
-    return unpack(flat, plan)
+@dataclass(frozen=True, slots=True)
+class Patch:
+    """A sparse delta's part in one tensor: the new bits at its flat indices."""
+
+    name: str
+    index: torch.Tensor  # int64, into the tensor's elements
+    values: torch.Tensor
+
+    def apply(self, tensor: torch.Tensor) -> None:
+        """Write the bits into `tensor` (contiguous) in place: the work is the changed elements'."""
+        tensor.view(-1).view(self.values.dtype)[self.index.to(tensor.device)] = self.values.to(tensor.device)
+
+
+def split(plan: BucketPlan, delta: SparseDelta) -> list[Patch]:
+    """The delta of a bucket as one patch per tensor it changes; checked (indices inside the
+    bucket, bits of its width) before anything is written."""
+    width = _BITS[DTYPES[plan.dtypes[0]].itemsize]
+    if delta.values.dtype != width or delta.values.shape != delta.index.shape:
+        raise ValueError(f"delta values are {delta.values.dtype} {list(delta.values.shape)}, the bucket's bits {width}")
+    ends = torch.tensor([math.prod(s) for s in plan.shapes]).cumsum(0)
+    index = delta.index.long()
+    if index.numel() and (int(index.max()) >= int(ends[-1]) or int(index.min()) < 0):
+        raise ValueError(f"delta indices outside the bucket's {int(ends[-1])} elements")
+    owner = torch.searchsorted(ends, index, right=True)
+    starts = torch.cat([torch.zeros(1, dtype=ends.dtype), ends[:-1]])
+    patches = []
+    for t in owner.unique().tolist():
+        mine = owner == t
+        patches.append(Patch(plan.names[t], index[mine] - starts[t], delta.values[mine]))
+    return patches

@@ -41,7 +41,7 @@ from relax_hpc.protocol.client import EngineClient, EngineRequestError, EngineUn
 from relax_hpc.protocol.registry import EngineRecord, read_records
 from relax_hpc.weights.buckets import DTYPES, BucketPlan, pack, plan_buckets, unpack
 from relax_hpc.weights.channel import FullParameters, _Quiet
-from relax_hpc.weights.delta import SparseDelta, apply_sparse, diff
+from relax_hpc.weights.delta import Patch, SparseDelta, diff, split
 from relax_hpc.weights.layout import EngineLayout
 from relax_hpc.weights.sender import WeightSyncError
 
@@ -94,28 +94,43 @@ def delta_base(folder: Path) -> str:
     return str(json.loads((folder / _BASE_FILE).read_text())["base"])
 
 
-def load_folder(
-    folder: Path, params: dict[str, torch.Tensor], delta: bool, held: str
-) -> list[tuple[str, torch.Tensor]]:
-    """What loading `folder` writes into `params` (named new tensors), read and checked whole
-    before anything is written: a bad folder leaves the weights as they were. `held` is the
-    version the parameters hold (a delta applies to its base only)."""
+@dataclass
+class Loaded:
+    """What a folder writes into the parameters: whole tensors, and sparse patches."""
+
+    whole: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    patches: list[Patch] = field(default_factory=list)
+
+    def apply(self, params: dict[str, torch.Tensor]) -> None:
+        """Write it into `params` (call under the engine's model lock, without grad)."""
+        if self.whole:
+            device = next(iter(params.values())).device
+            torch._foreach_copy_([params[n] for n, _ in self.whole], [t.to(device) for _, t in self.whole])
+        for patch in self.patches:
+            patch.apply(params[patch.name])
+
+
+def load_folder(folder: Path, params: dict[str, torch.Tensor], delta: bool, held: str) -> Loaded:
+    """What loading `folder` writes into `params`, read and checked whole before anything is
+    written: a bad folder leaves the weights as they were. `held` is the version the parameters
+    hold (a delta applies to its base only)."""
     if delta and delta_base(folder) != held:
         raise P.ProtocolError(f"{folder.name} applies to version {delta_base(folder)}; this engine holds {held}")
     if not delta and not any(folder.glob("*.safetensors")):
         raise P.ProtocolError(f"{folder} holds no safetensors file")
-    out: list[tuple[str, torch.Tensor]] = []
+    out = Loaded()
     for tensors, plan in read_folder(folder):
         if plan is None:
-            named = list(tensors.items())
-        else:
-            if not delta:
-                raise P.ProtocolError(f"{folder} holds a sparse delta: load it with load_format {DELTA_FORMAT}")
-            _check(params, [(n, torch.Size(s)) for n, s in zip(plan.names, plan.shapes, strict=True)])
-            sparse = SparseDelta(tensors["index"], tensors["values"])
-            named = apply_sparse([params[n].detach().cpu() for n in plan.names], plan, sparse)
-        _check(params, [(n, t.shape) for n, t in named])
-        out.extend(named)
+            _check(params, [(n, t.shape) for n, t in tensors.items()])
+            out.whole.extend(tensors.items())
+            continue
+        if not delta:
+            raise P.ProtocolError(f"{folder} holds a sparse delta: load it with load_format {DELTA_FORMAT}")
+        _check(params, [(n, torch.Size(s)) for n, s in zip(plan.names, plan.shapes, strict=True)])
+        try:
+            out.patches.extend(split(plan, SparseDelta(tensors["index"], tensors["values"])))
+        except (KeyError, ValueError) as e:
+            raise P.ProtocolError(f"{folder}: a bad sparse bucket: {e}") from None
     return out
 
 
