@@ -38,11 +38,13 @@ def diff(old: torch.Tensor, new: torch.Tensor, plan: BucketPlan) -> tuple[Sparse
     """The sparse delta from bucket bytes `old` to `new` (None: dense is no larger), and how many
     elements changed (0: the bucket needs nothing)."""
     before, after = bits(old, plan), bits(new, plan)
-    index = torch.nonzero(before != after).flatten()
-    changed = index.numel()
-    index = index.to(torch.int32 if after.numel() < 2**31 else torch.int64)
-    sparse = SparseDelta(index, after[index.long()].clone())
-    return (sparse if sparse.nbytes < new.numel() else None), changed
+    mask = before != after
+    changed = int(mask.sum())
+    index_dtype = torch.int32 if after.numel() < 2**31 else torch.int64
+    if changed * (index_dtype.itemsize + after.element_size()) >= new.numel():
+        return None, changed  # dense: the indices of most of the bucket are not worth finding
+    index = torch.nonzero(mask).flatten()
+    return SparseDelta(index.to(index_dtype), after[index].clone()), changed
 
 
 @dataclass(frozen=True, slots=True)
