@@ -271,9 +271,9 @@ class FileChannel(_Quiet):
         `version` now (rank 0; 0 elsewhere)."""
         if self.rank != 0:
             return 0
-        served = list(self._pool.map(lambda e: self._load(*e, version, decision.base), decision.engines))
+        served = list(self._pool.map(lambda e: self._load(e[0], e[1], version, decision.base), decision.engines))
         held = [h for h in served if h is not None]
-        if held:
+        if held and all(h.isdigit() for h in held):
             _clean(self.root, min(int(h) for h in held))
         return sum(h == str(version) for h in held)
 
