@@ -195,11 +195,12 @@ class FileChannel(_Quiet):
         if not (decision.whole or decision.delta):
             for _ in params:  # every rank takes part in the gathers
                 pass
+            self.last = _Written()  # the step record reports nothing written
             return self._serve(decision, version)
-        if self.rank == 0:
-            self._prepare(version, decision)
+        prepared = self._prepare(version, decision) if self.rank == 0 else None
         dist.barrier()  # the partial folders exist
         mine = self._write(params, version, decision)
+        mine.error = mine.error or prepared  # every rank learns of rank 0's failure below
         everyone: list[_Written | None] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         errors = [w.error for w in everyone if w is not None and w.error]
@@ -213,9 +214,12 @@ class FileChannel(_Quiet):
         )
         if self.rank != 0:
             return 0
-        for delta in (False, True):
-            if decision.delta if delta else decision.whole:
-                _publish(self.root, version, delta)
+        try:
+            for delta in (False, True):
+                if decision.delta if delta else decision.whole:
+                    _publish(self.root, version, delta)
+        except OSError as e:
+            raise WeightSyncError(f"publishing version {version} failed: {e}") from e
         return self._serve(decision, version)
 
     def engines_changed(self, delivered: int) -> bool:
@@ -256,15 +260,20 @@ class FileChannel(_Quiet):
         except (EngineUnavailable, EngineRequestError, KeyError):
             return None
 
-    def _prepare(self, version: int, decision: _Decision) -> None:
-        for delta in (False, True):
-            partial = _partial(self.root, version, delta)
-            shutil.rmtree(partial, ignore_errors=True)
-            if delta and decision.delta:
-                partial.mkdir(parents=True)
-                (partial / _BASE_FILE).write_text(json.dumps({"base": decision.base}))
-            elif not delta and decision.whole:
-                partial.mkdir(parents=True)
+    def _prepare(self, version: int, decision: _Decision) -> str | None:
+        """Make the empty partial folders of this push; returns what failed (a full disk, say)."""
+        try:
+            for delta in (False, True):
+                partial = _partial(self.root, version, delta)
+                shutil.rmtree(partial, ignore_errors=True)
+                if delta and decision.delta:
+                    partial.mkdir(parents=True)
+                    (partial / _BASE_FILE).write_text(json.dumps({"base": decision.base}))
+                elif not delta and decision.whole:
+                    partial.mkdir(parents=True)
+        except OSError as e:
+            return f"rank 0 preparing {self.root}: {e}"
+        return None
 
     def _serve(self, decision: _Decision, version: int) -> int:
         """Have each engine load what it lacks; delete what no engine needs. Returns how many hold

@@ -2,14 +2,16 @@
 in one process: what an engine loads from a folder equals the trainer's tensors bit for bit."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
-from relax_hpc.protocol.requests import ProtocolError
-from relax_hpc.weights.buckets import BucketPlan, pack
+from relax_hpc.engines.torch_engine import TorchEngine
+from relax_hpc.protocol.requests import ProtocolError, UpdateWeightFromDiskReqInput
+from relax_hpc.weights.buckets import BucketPlan, pack, plan_buckets
 from relax_hpc.weights.delta import SparseDelta, diff
-from relax_hpc.weights.files import assign, load_folder, write_dense, write_sparse
+from relax_hpc.weights.files import DELTA_FORMAT, assign, load_folder, write_dense, write_sparse
 
 PLAN = BucketPlan(["a", "b"], ["bfloat16", "bfloat16"], [[64, 8], [100]])
 
@@ -93,3 +95,30 @@ def test_buckets_are_spread_over_the_writers_by_size():
     owner = assign(plans, 2)
     load = [sum(p.nbytes for p, o in zip(plans, owner, strict=True) if o == r) for r in range(2)]
     assert sorted(load) == [4120, 4400]  # largest first, each to the lighter rank
+
+
+def test_the_engine_loads_a_version_and_keeps_it_when_the_next_folder_is_broken(tmp_path):
+    """The built-in engine's /update_weights_from_disk: a whole version bit for bit; a folder with
+    a truncated file (what a crash mid-write would leave, were it published) or a delta of
+    another base is refused before any weight changes."""
+    engine = TorchEngine(str(Path(__file__).resolve().parents[2] / "assets" / "tiny-qwen3-addition"), "float32")
+    new = {n: p.detach() + 0.25 for n, p in engine.params.items()}
+    specs = [(n, t.shape, t.dtype) for n, t in new.items()]
+    for folder, shift in (("v1", 0.0), ("v2", 0.5)):  # v2: other weights, in several files
+        (tmp_path / folder).mkdir()
+        for k, plan in enumerate(plan_buckets(specs, 2**18)):
+            tensors = [new[n] + shift for n in plan.names]
+            write_dense(tmp_path / folder / f"b{k:05d}.safetensors", pack(tensors), plan)
+    assert len(list((tmp_path / "v2").iterdir())) > 2
+    assert engine.update_from_disk(UpdateWeightFromDiskReqInput(str(tmp_path / "v1"), weight_version="1"))
+    assert engine.weight_version == "1"
+    assert all(torch.equal(engine.params[n], t) for n, t in new.items())
+    last = max((tmp_path / "v2").iterdir())
+    last.write_bytes(last.read_bytes()[:-100])
+    with pytest.raises(Exception):  # noqa: B017  # safetensors' own error: any is a refusal
+        engine.update_from_disk(UpdateWeightFromDiskReqInput(str(tmp_path / "v2"), weight_version="2"))
+    folder, _, _ = delta_folder(tmp_path, bucket(0), bucket(1), base="7")
+    with pytest.raises(ProtocolError, match="applies to version 7"):
+        engine.update_from_disk(UpdateWeightFromDiskReqInput(str(folder), DELTA_FORMAT, weight_version="2"))
+    assert engine.weight_version == "1"
+    assert all(torch.equal(engine.params[n], t) for n, t in new.items())
