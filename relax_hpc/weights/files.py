@@ -254,9 +254,10 @@ class FileChannel(_Quiet):
         return _Decision(any(h != base for h in needs), delta, base if delta else None, engines)
 
     def _held(self, record: EngineRecord) -> str | None:
-        """The version an engine holds (None: it does not answer)."""
+        """The version an engine holds (None: it does not answer within 5 s; a loaded machine
+        answers slower than an idle one, and a hung engine costs the push that long)."""
         try:
-            return EngineClient(record.url, self.client.api_key, 2.0).weight_version()
+            return EngineClient(record.url, self.client.api_key, 5.0).weight_version()
         except (EngineUnavailable, EngineRequestError, KeyError):
             return None
 

@@ -43,6 +43,7 @@ from relax_hpc.weights.adapters import AdapterPublisher
 from relax_hpc.weights.buckets import plan_buckets
 from relax_hpc.weights.channel import AdapterChannel, BroadcastChannel, ColocatedChannel, WeightChannel
 from relax_hpc.weights.colocated import ColocatedSender
+from relax_hpc.weights.files import FileChannel
 from relax_hpc.weights.layout import EngineLayout
 from relax_hpc.weights.lora import merge_all
 from relax_hpc.weights.sender import WeightSender
@@ -105,7 +106,7 @@ class Pushed:
 def push_files(channel: WeightChannel, cfg: JobConfig, paths: RunPaths, backend: TorchBackend, version: int) -> Pushed:
     """Two versions through the file channel; with weights.delta six, each a sparse change of the
     one before: the second engine is stopped during the third push (it misses it) and killed as the
-    fifth is loaded, then started again (as the launcher would) for the sixth."""
+    fifth is written and loaded, then started again (as the launcher would) for the sixth."""
     second = None
     if dist.get_rank() == 0 and cfg.weights.delta:
         second = sorted(read_records(paths.engines), key=lambda r: r.engine_id)[1]
@@ -117,8 +118,8 @@ def push_files(channel: WeightChannel, cfg: JobConfig, paths: RunPaths, backend:
             os.kill(second.pid, signal.SIGSTOP)
         killer = None
         if second is not None and pushed == version - 1:
-            killer = threading.Thread(target=kill_when_written, args=(paths, pushed, second.pid))
-            killer.start()
+            assert isinstance(channel, FileChannel), "the file path builds a FileChannel"
+            killer = kill_after_decision(channel, second.pid)
         out.served.append(channel.push(backend.full_parameters, pushed))
         if second is not None and pushed == version - 3:
             os.kill(second.pid, signal.SIGCONT)
@@ -129,15 +130,29 @@ def push_files(channel: WeightChannel, cfg: JobConfig, paths: RunPaths, backend:
     return out
 
 
-def kill_when_written(paths: RunPaths, version: int, pid: int) -> None:
-    """Kill the engine once the version's folder is in place, that is as the engines load it
-    (stopped first, so that it cannot finish the load meanwhile)."""
-    folders = [paths.weight_files / f"v{version}", paths.weight_files / f"v{version}-delta"]
-    while not any(f.exists() for f in folders):
-        time.sleep(0.001)
-    os.kill(pid, signal.SIGSTOP)
-    time.sleep(0.3)
-    os.kill(pid, signal.SIGKILL)
+def kill_after_decision(channel: FileChannel, pid: int) -> threading.Thread:
+    """Once the push has asked the engines which version they hold (the engine is in it), stop
+    the engine (its load then waits) and kill it while the push writes and loads; the thread ends
+    with the kill. A fault injected at that point, not a stand-in: the channel runs as it is."""
+    decided = threading.Event()
+    decide = channel._decide
+
+    def deciding(version: int) -> object:
+        decision = decide(version)
+        os.kill(pid, signal.SIGSTOP)
+        decided.set()
+        channel._decide = decide  # type: ignore[method-assign]  # once
+        return decision
+
+    def kill() -> None:
+        decided.wait()
+        time.sleep(0.5)
+        os.kill(pid, signal.SIGKILL)
+
+    channel._decide = deciding  # type: ignore[method-assign]
+    thread = threading.Thread(target=kill)
+    thread.start()
+    return thread
 
 
 def restart(cfg: JobConfig, paths: RunPaths, record: EngineRecord) -> int:
