@@ -102,6 +102,8 @@ def scale_out(paths: RunPaths, args: argparse.Namespace) -> str:
     cfg = read_frozen(paths.config)
     if cfg.kind != "rl":
         raise ScaleError(f"{paths.root} is a kind={cfg.kind} run: it has no rollout engines to add")
+    if cfg.rollout.engine == "vllm":  # an added engine's state is read from SGLang's /model_info
+        raise ScaleError(f"{paths.root} runs vLLM engines: elastic scaling does not take them yet")
     ops = load_ops(paths)
     if args.id and any(o.id == args.id and _state(paths, o) not in ENDED for o in ops):
         return f"{args.id}: already requested ({_state(paths, next(o for o in ops if o.id == args.id))}); nothing to do"

@@ -49,7 +49,7 @@ def check_inputs(cfg: JobConfig, in_allocation: bool = False) -> None:
     if not problems:
         problems += dataset_problems(cfg) if cfg.kind == "rl" else sft_data_problems(cfg)
         if cfg.trainer.backend == "megatron":
-            problems += check_megatron_job(cfg.model.path, cfg.trainer.megatron)
+            problems += check_megatron_job(cfg.model.path, cfg.trainer.megatron, cfg.rollout.engine)
             problems += megatron_gpu_problems(cfg, in_allocation)
         problems += missing_sinks(cfg)
         problems += notify_problems(cfg)
@@ -67,9 +67,10 @@ def dataset_problems(cfg: JobConfig) -> list[str]:
         for kind in d.media
         if kind not in kinds
     ]
-    if d.media and cfg.trainer.backend == "megatron":
+    if "audio" in d.media and cfg.trainer.backend == "megatron":
         problems.append(
-            "data.media: trainer.backend=megatron trains text models; multimodal models use trainer.backend=torch"
+            "data.media.audio: trainer.backend=megatron trains text and vision-language (Qwen2.5-VL, Qwen3-VL) models; "
+            "audio and omni models use trainer.backend=torch (megatron support: issue 29 item 2)"
         )
     if problems:
         return problems

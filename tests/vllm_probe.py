@@ -82,6 +82,7 @@ def server_args(argv: list[str]) -> dict[str, Any]:
         "enable_scale_out",
         "logprobs_mode",
         "middleware",
+        "disable_uvicorn_access_log",
     )
     out = {k: getattr(ns, k) for k in keys}
     out |= {"enforce_eager": ns.enforce_eager, "weight_transfer_config": str(ns.weight_transfer_config)}

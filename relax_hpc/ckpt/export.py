@@ -29,7 +29,7 @@ from transformers import AutoConfig
 from relax_hpc.ckpt.layout import latest_dir
 from relax_hpc.config.load import read_frozen
 from relax_hpc.models import lora
-from relax_hpc.models.hf import empty_policy, is_omni, load_policy, torch_dtype
+from relax_hpc.models.hf import empty_policy, is_omni, load_policy, module_names, torch_dtype
 from relax_hpc.paths import CkptDirs, RunPaths
 from relax_hpc.weights.lora import SCALING, merge_all
 
@@ -89,6 +89,8 @@ def convert(
         base = load_policy(cfg.model.path, torch_dtype(cfg.model.dtype)).state_dict()
         tensors = base | merge_all(base, adapter)  # what the engines hold: relax_hpc.weights.lora
     model = empty_policy(cfg.model.path, torch_dtype(cfg.model.dtype))
+    if cfg.trainer.backend == "megatron":  # checkpoint names (Qwen2.5-VL's differ from its modules')
+        tensors = module_names(model, tensors)
     missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     tied = any(getattr(c, "tie_word_embeddings", False) for c in (model.config, model.config.get_text_config()))
     missing = [k for k in missing if not (k == "lm_head.weight" and tied)]

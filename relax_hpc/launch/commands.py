@@ -1,7 +1,8 @@
 """The command line of every role: on this machine (`local`), or as job steps of a Slurm allocation.
 
     engines   python -m relax_hpc.engines.torch_engine   (rollout.num_engines processes; with
-              rollout.engine=sglang, python -m relax_hpc.engines.sglang_engine, which runs SGLang)
+              rollout.engine=sglang, python -m relax_hpc.engines.sglang_engine, which runs SGLang;
+              rollout.engine=vllm, python -m relax_hpc.engines.vllm_engine, which runs vLLM)
     judges    the same, on reward.judge.model, registered in RUN_DIR/registry/judge (reward.name=judge)
     teachers  the same, on algo.teacher.path, registered in RUN_DIR/registry/teacher
               (algo.teacher.num_engines)
@@ -48,10 +49,11 @@ def engine_args(
     own); `device`: the engine's GPU (colocated engines share a trainer rank's)."""
     name, pool = engine_name(cfg, index) if engine_id is None else (engine_id, "policy")
     port = cfg.rollout.base_port + index if cfg.rollout.base_port and engine_id is None else 0
-    if cfg.rollout.engine == "sglang":
-        # A supervisor of one SGLang server; it builds the server's arguments from RUN_DIR/config.yaml.
+    if cfg.rollout.engine in ("sglang", "vllm"):
+        # A supervisor of one SGLang or vLLM server; it builds the server's arguments from
+        # RUN_DIR/config.yaml (vLLM's runs in rollout.vllm.python, the supervisor here).
         return [
-            "-m", "relax_hpc.engines.sglang_engine", "--run-dir", str(paths.root), "--engine-id", name,
+            "-m", f"relax_hpc.engines.{cfg.rollout.engine}_engine", "--run-dir", str(paths.root), "--engine-id", name,
             "--host", host, "--port", str(port), "--pool", pool, *(["--device", device] if device else []),
         ]  # fmt: skip
     model = cfg.served_model(pool)

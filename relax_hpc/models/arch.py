@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -21,6 +21,13 @@ from typing import Any
 from relax_hpc.config.schema import MegatronConfig
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe")
+# Vision-language models: the language model as megatron's GPT (its text_config, as the text model
+# type it is built like), the vision tower beside it (relax_hpc/models/megatron_vision.py); the
+# checkpoint's prefixes of the language model's and the tower's tensors.
+VISION_MODEL_TYPES = {
+    "qwen2_5_vl": ("qwen2", "model.", "visual."),
+    "qwen3_vl": ("qwen3", "model.language_model.", "model.visual."),
+}
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,17 @@ class Arch:
     rope_theta: float
     norm_eps: float
     max_positions: int
+    # Vision-language: the multimodal RoPE's sections of head_dim / 2 (temporal, height, width),
+    # empty for a text model.
+    mrope_section: tuple[int, ...] = ()
+    mrope_interleaved: bool = False  # Qwen3-VL: the axes take turns over the frequencies
+    deepstack_layers: int = 0  # Qwen3-VL: layers whose outputs get the tower's DeepStack features
+    hf_prefix: str = "model."  # the checkpoint names of the language model's tensors start with it
+    hf_vision_prefix: str = ""  # and the vision tower's with this
+
+    @property
+    def vision(self) -> bool:
+        return bool(self.mrope_section)
 
     @property
     def moe(self) -> bool:
@@ -52,12 +70,15 @@ class Arch:
 
 
 def arch_of(hf_config: Any) -> Arch:
-    """Read and validate an HF config; raise ValueError for anything this module cannot reproduce."""
+    """Read and validate an HF config; raise ValueError for anything this module cannot reproduce.
+    A vision-language config gives its language model's facts, with its multimodal RoPE."""
     model_type = getattr(hf_config, "model_type", None)
+    if model_type in VISION_MODEL_TYPES:
+        return _vision_arch(hf_config, model_type)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"megatron backend: unsupported architecture model_type={model_type!r}; "
-            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"supported: {', '.join([*SUPPORTED_MODEL_TYPES, *VISION_MODEL_TYPES])}"
         )
     if hf_config.hidden_act != "silu":
         raise ValueError(f"megatron backend: hidden_act={hf_config.hidden_act!r} is not supported (SwiGLU/silu only)")
@@ -86,6 +107,30 @@ def arch_of(hf_config: Any) -> Arch:
         norm_eps=hf_config.rms_norm_eps,
         max_positions=hf_config.max_position_embeddings,
     )
+
+
+def _vision_arch(hf_config: Any, model_type: str) -> Arch:
+    text = hf_config.text_config
+    text = SimpleNamespace(**text) if isinstance(text, dict) else text  # config.json read as a dict
+    params = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    section = tuple(params.get("mrope_section") or ())
+    text_type, hf_prefix, hf_vision_prefix = VISION_MODEL_TYPES[model_type]
+    fields = {**vars(text), "model_type": text_type}
+    fields["tie_word_embeddings"] = getattr(hf_config, "tie_word_embeddings", False)  # the top level ties
+    arch = arch_of(SimpleNamespace(**fields))
+    if 2 * sum(section) != arch.head_dim:
+        raise ValueError(
+            f"megatron backend: mrope_section={list(section)} must split head_dim / 2 = {arch.head_dim // 2}"
+        )
+    vision = hf_config.vision_config
+    vision = SimpleNamespace(**vision) if isinstance(vision, dict) else vision
+    deepstack = len(getattr(vision, "deepstack_visual_indexes", None) or [])
+    if deepstack > arch.num_layers:
+        raise ValueError(f"megatron backend: {deepstack} DeepStack features for {arch.num_layers} layers")
+    return replace(
+        arch, mrope_section=section, mrope_interleaved=model_type == "qwen3_vl", deepstack_layers=deepstack,
+        hf_prefix=hf_prefix, hf_vision_prefix=hf_vision_prefix,
+    )  # fmt: skip
 
 
 def _refuse_sliding_window(hf_config: Any) -> None:
@@ -118,12 +163,14 @@ def _rope_theta(hf_config: Any) -> float:
     return float(theta)
 
 
-def use_transformer_engine(attention: str) -> bool:
-    """`te`: required; `auto`: when transformer_engine is importable; `sdpa`: never."""
+def use_transformer_engine(attention: str, arch: Arch | None = None) -> bool:
+    """`te`: required; `auto`: when transformer_engine is importable, except for a vision-language
+    `arch` (its multimodal RoPE is SDPAttention's alone); `sdpa`: never."""
     available = importlib.util.find_spec("transformer_engine") is not None
     if attention == "te" and not available:
         raise ValueError("trainer.megatron.attention=te but transformer_engine is not installed")
-    return attention == "te" or (attention == "auto" and available)
+    vision = arch is not None and arch.vision
+    return attention == "te" or (attention == "auto" and available and not vision)
 
 
 def padded_vocab_size(vocab: int, tensor_parallel: int) -> int:
@@ -155,18 +202,48 @@ def megatron_problems(arch: Arch, par: MegatronConfig, te: bool) -> list[str]:
         )
     if not arch.moe and par.expert_parallel > 1:
         problems.append("trainer.megatron.expert_parallel > 1 needs an MoE model")
+    return problems + _vision_problems(arch, par, te)
+
+
+def _vision_problems(arch: Arch, par: MegatronConfig, te: bool) -> list[str]:
+    """A vision-language model: the vision tower sits before the first layer, replicated, and its
+    embeddings go into the full (not sequence-split) token embeddings; RoPE is multimodal."""
+    if not arch.vision:
+        return []
+    problems = []
+    if te:
+        problems.append(
+            "a vision-language model's multimodal RoPE needs trainer.megatron.attention=sdpa or auto "
+            "(Transformer Engine's RoPE is one-dimensional)"
+        )
+    if par.pipeline_parallel > 1:
+        problems.append("a vision-language model needs trainer.megatron.pipeline_parallel=1")
+    if par.context_parallel > 1:
+        problems.append("a vision-language model needs trainer.megatron.context_parallel=1")
+    if arch.deepstack_layers and par.recompute:
+        # the features join the layers' outputs by forward hooks that recomputation would miss
+        problems.append("Qwen3-VL's DeepStack features need trainer.megatron.recompute=false")
     return problems
 
 
-def check_megatron_job(model_dir: str, par: MegatronConfig) -> list[str]:
-    """The checks of a megatron job that need only the model's config.json (what submit runs)."""
+def check_megatron_job(model_dir: str, par: MegatronConfig, engine: str) -> list[str]:
+    """The checks of a megatron job that need only the model's config.json (what submit runs);
+    `engine`: rollout.engine."""
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError) as e:
         return [f"model.path: cannot read {model_dir}/config.json ({e})"]
     try:
         arch = arch_of(SimpleNamespace(**config))
-        te = use_transformer_engine(par.attention)
+        te = use_transformer_engine(par.attention, arch)
     except (ValueError, AttributeError) as e:
         return [f"trainer.backend=megatron: {e}"]
-    return megatron_problems(arch, par, te)
+    problems = megatron_problems(arch, par, te)
+    if arch.vision and engine == "torch":
+        # The megatron backend sends a VL model's weights under the checkpoint's names; the
+        # built-in engine's HF model takes transformers' module names (model.language_model.*).
+        problems.append(
+            "a vision-language model trained by trainer.backend=megatron needs rollout.engine=sglang: the built-in "
+            "engine does not take the checkpoint's weight names the megatron backend sends (not built yet; issue 29)"
+        )
+    return problems

@@ -79,6 +79,17 @@ def checkpoint_layout(model: PreTrainedModel, tensors: dict[str, torch.Tensor]) 
     return converted
 
 
+def module_names(model: PreTrainedModel, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint-named tensors under the model's own parameter names: transformers' renamings of
+    its load (Qwen2.5-VL's `model.layers.*` -> `model.language_model.layers.*`, `visual.*` ->
+    `model.visual.*`), not its tensor conversions (fused MoE experts stay as named)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    return {rename_source_key(name, renamings, [])[0]: tensor for name, tensor in tensors.items()}
+
+
 def pad_token_id(model: PreTrainedModel) -> int:
     """The pad token (a multimodal config keeps it in its text config); 0 when none is set."""
     pad: int | None = model.config.get_text_config().pad_token_id

@@ -17,12 +17,13 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from relax_hpc.models.arch import Arch, arch_of
 from relax_hpc.models.hf_mapping import (
-    HF_EMBED,
     LAYER,
     Entry,
     canonical_name,
     entry,
     expert_index,
+    hf_embed,
+    hf_layers,
     hf_specs,
     rank_experts,
     stage_layers,
@@ -30,6 +31,7 @@ from relax_hpc.models.hf_mapping import (
     unwrap,
     with_expert,
 )
+from relax_hpc.models.megatron_vision import VISION_PREFIX
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,7 @@ def export_hf(
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     pp_ranks = dist.get_process_group_ranks(pp_group)
     stage, rank = parallel_state.get_pipeline_model_parallel_rank(), dist.get_rank()
-    for unit, unit_specs in itertools.groupby(hf_specs(hf_config, dtype), key=lambda spec: _unit_of_hf(spec[0])):
+    for unit, unit_specs in itertools.groupby(hf_specs(hf_config, dtype), key=lambda spec: _unit_of_hf(spec[0], arch)):
         specs = list(unit_specs)
         src = pp_ranks[owners[unit]]  # the owning stage's rank in this rank's pipeline group
         if owners[unit] == stage:
@@ -92,17 +94,21 @@ def _flat(tensors: dict[str, torch.Tensor], specs: list, dtype: torch.dtype) -> 
     return torch.cat([tensors[name].to(dtype).reshape(-1) for name, _, _ in specs])
 
 
-def _unit_of_hf(name: str) -> str | int:
-    if name == HF_EMBED:
+def _unit_of_hf(name: str, arch: Arch) -> str | int:
+    if name == hf_embed(arch):
         return "embed"
-    if name.startswith("model.layers."):
-        return int(name.split(".")[2])
+    if arch.vision and name.startswith(arch.hf_vision_prefix):
+        return "vision"
+    if name.startswith(hf_layers(arch)):
+        return int(name.removeprefix(hf_layers(arch)).split(".")[0])
     return "final"
 
 
 def _unit_of_mcore(name: str) -> str | int:
     if name.startswith("embedding."):
         return "embed"
+    if name.startswith(VISION_PREFIX):
+        return "vision"
     match = LAYER.fullmatch(name)
     return int(match[1]) if match else "final"
 
@@ -118,9 +124,11 @@ def _local_units(gpt: GPTModel, arch: Arch) -> dict[str | int, list[_Local]]:
 def _unit_owners(config: TransformerConfig, arch: Arch) -> dict[str | int, int]:
     stages = config.pipeline_model_parallel_size
     owners: dict[str | int, int] = {"embed": 0, "final": stages - 1}
+    if arch.vision:
+        owners["vision"] = 0  # before the first layer (the config refuses more than one stage)
     for stage in range(stages):
         owners.update(dict.fromkeys(stage_layers(config, stage), stage))
-    if len(owners) != arch.num_layers + 2:
+    if len(owners) != arch.num_layers + 2 + arch.vision:
         raise ValueError("megatron's pipeline stages do not cover every layer exactly once")
     return owners
 

@@ -1,4 +1,5 @@
-"""HF <-> megatron-core weights of Qwen2 / Qwen3 / Qwen3-MoE: names, layouts, shards. Beside it, by
+"""HF <-> megatron-core weights of Qwen2 / Qwen3 / Qwen3-MoE and Qwen2.5-VL / Qwen3-VL (the language
+model under the checkpoint's prefix, Arch.hf_prefix): names, layouts, shards. Beside it, by
 concern: hf_loading (an HF safetensors folder into a rank's shards), hf_export (the full HF
 tensors gathered from the shards) and hf_checkpoint (a megatron distributed checkpoint to HF).
 
@@ -17,7 +18,8 @@ Layouts of the full (unsharded) megatron tensor, dim 0 = output rows:
   [gate_0; up_0; ...; gate_{t-1}; up_{t-1}] (gate_r: the r-th row block of gate_proj), because each
   rank splits its own output into gate and up. With t = 1 it is [gate; up].
 - vocab: embedding / output-layer rows, padded with zero rows to a multiple of TP.
-- copy: the HF tensor itself.
+- copy: the HF tensor itself. A vision-language model's tower (relax_hpc/models/megatron_vision.py)
+  is all copies: megatron's `vision.<name>` is the checkpoint's `visual.<name>`, replicated.
 
 Sharding: `Entry.split` is the dim that TP splits (0: column-parallel linear_qkv, linear_fc1,
 embedding, output layer; 1: row-parallel linear_proj, linear_fc2; None: replicated norms and
@@ -43,9 +45,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 
 from relax_hpc.models.arch import Arch, arch_of, padded_vocab_size
+from relax_hpc.models.megatron_vision import VISION_PREFIX, vision_shapes
 
-HF_EMBED = "model.embed_tokens.weight"
-HF_NORM = "model.norm.weight"
 HF_LM_HEAD = "lm_head.weight"
 
 # Experts of SequentialMLP (local_experts.J.linear_fcK.weight) and TEGroupedMLP (linear_fcK.weightJ).
@@ -85,24 +86,42 @@ class Piece:
 # ---------------------------------------------------------------- HF names and shapes
 
 
+def hf_embed(arch: Arch) -> str:
+    return f"{arch.hf_prefix}embed_tokens.weight"
+
+
+def hf_norm(arch: Arch) -> str:
+    return f"{arch.hf_prefix}norm.weight"
+
+
+def hf_layers(arch: Arch) -> str:
+    """What the names of the decoder layers' tensors start with, before the layer index."""
+    return f"{arch.hf_prefix}layers."
+
+
 def hf_specs(hf_config: Any, dtype: torch.dtype) -> list[tuple[str, torch.Size, torch.dtype]]:
     """Every HF tensor `export_hf` yields, in its order: checkpoint names (MoE experts one by one,
     as safetensors checkpoints and SGLang name them); per layer in transformers' module order."""
-    return [(name, shape, dtype) for name, shape in _hf_shapes(arch_of(hf_config)).items()]
+    return [(name, shape, dtype) for name, shape in _hf_shapes(hf_config).items()]
 
 
-def _hf_shapes(arch: Arch) -> dict[str, torch.Size]:
-    shapes = {HF_EMBED: torch.Size((arch.vocab, arch.hidden))}
+def _hf_shapes(hf_config: Any) -> dict[str, torch.Size]:
+    """Names and shapes in export order: the embedding, a vision tower's tensors, each layer's,
+    the final norm and head."""
+    arch = arch_of(hf_config)
+    shapes = {hf_embed(arch): torch.Size((arch.vocab, arch.hidden))}
+    if arch.vision:
+        shapes.update(vision_shapes(hf_config))
     for layer in range(arch.num_layers):
         shapes.update(_hf_layer_shapes(arch, layer))
-    shapes[HF_NORM] = torch.Size((arch.hidden,))
+    shapes[hf_norm(arch)] = torch.Size((arch.hidden,))
     if not arch.tied:
         shapes[HF_LM_HEAD] = torch.Size((arch.vocab, arch.hidden))
     return shapes
 
 
 def _hf_layer_shapes(arch: Arch, layer: int) -> dict[str, torch.Size]:
-    p, h = f"model.layers.{layer}.", arch.hidden
+    p, h = f"{hf_layers(arch)}{layer}.", arch.hidden
     attn = p + "self_attn."
     q_rows, kv_rows = arch.heads * arch.head_dim, arch.groups * arch.head_dim
     shapes: dict[str, tuple] = {}
@@ -136,6 +155,8 @@ def mcore_names(hf_config: Any, te: bool = False) -> list[str]:
     fused norms and grouped experts)."""
     arch = arch_of(hf_config)
     names = ["embedding.word_embeddings.weight"]
+    if arch.vision:
+        names += [VISION_PREFIX + name.removeprefix(arch.hf_vision_prefix) for name in vision_shapes(hf_config)]
     for layer in range(arch.num_layers):
         names += [f"decoder.layers.{layer}.{rest}" for rest in _layer_names(arch, te)]
     names.append("decoder.final_layernorm.weight")
@@ -165,14 +186,16 @@ def _layer_names(arch: Arch, te: bool) -> list[str]:
 def entry(name: str, arch: Arch) -> Entry:
     """The Entry of a canonical megatron parameter name (local or TE spec)."""
     if name == "embedding.word_embeddings.weight":
-        return Entry((HF_EMBED,), "vocab", 0)
+        return Entry((hf_embed(arch),), "vocab", 0)
     if name == "output_layer.weight":
         # Tied: a pipeline's last stage keeps its own copy of the embedding; export skips it.
-        return Entry((HF_EMBED if arch.tied else HF_LM_HEAD,), "vocab", 0, export=not arch.tied)
+        return Entry((hf_embed(arch) if arch.tied else HF_LM_HEAD,), "vocab", 0, export=not arch.tied)
     if name == "decoder.final_layernorm.weight":
-        return Entry((HF_NORM,), "copy", None)
+        return Entry((hf_norm(arch),), "copy", None)
+    if name.startswith(VISION_PREFIX):  # the replicated HF vision tower, under its own names
+        return Entry((arch.hf_vision_prefix + name.removeprefix(VISION_PREFIX),), "copy", None)
     match = LAYER.fullmatch(name)
-    found = _layer_entry(match[2], f"model.layers.{match[1]}.", arch) if match else None
+    found = _layer_entry(match[2], f"{hf_layers(arch)}{match[1]}.", arch) if match else None
     if found is None:
         raise KeyError(f"no HF tensor maps to megatron parameter {name!r}")
     return found
@@ -363,7 +386,7 @@ def mcore_to_hf(mcore_state: Mapping[str, torch.Tensor], hf_config: Any, tp: int
         e = entry(name, arch)
         if e.export:
             out.update(to_hf(tensor, e, arch, tp))
-    return {name: out[name] for name in _hf_shapes(arch)}
+    return {name: out[name] for name in _hf_shapes(hf_config)}
 
 
 def _dict_reader(state: Mapping[str, torch.Tensor]) -> Reader:

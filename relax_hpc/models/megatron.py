@@ -1,4 +1,5 @@
-"""megatron-core GPT models of HF Qwen2 / Qwen3 / Qwen3-MoE checkpoints.
+"""megatron-core GPT models of HF Qwen2 / Qwen3 / Qwen3-MoE checkpoints, and of Qwen2.5-VL / Qwen3-VL (their
+language model as GPT, its vision tower beside it: relax_hpc/models/megatron_vision.py).
 
 `transformer_config` turns an HF config plus the job's parallelism into megatron's TransformerConfig,
 `layer_spec` picks the layer implementation (Transformer Engine, or megatron's local modules with
@@ -27,6 +28,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from relax_hpc.config.schema import MegatronConfig
 from relax_hpc.models.arch import Arch, arch_of, megatron_problems, padded_vocab_size, use_transformer_engine
 from relax_hpc.models.megatron_layers import RMSNorm, SDPAttention
+from relax_hpc.models.megatron_vision import VisionGPTModel
 
 
 def transformer_config(
@@ -35,7 +37,7 @@ def transformer_config(
     """megatron TransformerConfig of an HF Qwen2/Qwen3/Qwen3-MoE config under the job's parallelism;
     `routing_replay`: the MoE routers can take given experts (relax_hpc/models/megatron_routing.py)."""
     arch = arch_of(hf_config)
-    te = use_transformer_engine(par.attention)
+    te = use_transformer_engine(par.attention, arch)
     problems = megatron_problems(arch, par, te)
     if problems:
         raise ValueError("; ".join(problems))
@@ -109,7 +111,7 @@ def layer_spec(hf_config: Any, par: MegatronConfig) -> ModuleSpec:
     DotProductAttention materialises S x S scores; megatron_layers.py says what the others cost)."""
     arch = arch_of(hf_config)
     num_experts = arch.num_experts or None
-    if use_transformer_engine(par.attention):
+    if use_transformer_engine(par.attention, arch):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(
@@ -121,7 +123,14 @@ def layer_spec(hf_config: Any, par: MegatronConfig) -> ModuleSpec:
     layer = spec.submodules
     layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm
     attention = layer.self_attention.submodules
-    attention.core_attention = ModuleSpec(module=SDPAttention, params={"rotary_base": arch.rope_theta})
+    attention.core_attention = ModuleSpec(
+        module=SDPAttention,
+        params={
+            "rotary_base": arch.rope_theta,
+            "mrope_section": arch.mrope_section,
+            "mrope_interleaved": arch.mrope_interleaved,
+        },
+    )
     if arch.qk_norm:
         attention.q_layernorm = attention.k_layernorm = RMSNorm
     return spec
@@ -140,12 +149,13 @@ def build_model(
     (megatron creates its torch norms in fp32) and on the current GPU (else the CPU)."""
     arch = arch_of(hf_config)
     config = transformer_config(hf_config, par, params_dtype, routing_replay)
-    te = use_transformer_engine(par.attention)
+    te = use_transformer_engine(par.attention, arch)
     if arch.moe:
         _define_router_gemm_fallback()
     layers = [layer_spec(hf_config, par)] * get_num_layers_to_build(config)
     final_norm = _te_norm() if te else RMSNorm
-    model = GPTModel(
+    vision = {"hf_config": hf_config} if arch.vision else {}
+    model = (VisionGPTModel if arch.vision else GPTModel)(
         config=config,
         transformer_layer_spec=TransformerBlockSubmodules(layer_specs=layers, layer_norm=final_norm),
         vocab_size=padded_vocab_size(arch.vocab, par.tensor_parallel),
@@ -156,6 +166,7 @@ def build_model(
         # Transformer Engine's attention takes megatron's RoPE; the local SDPAttention applies its own.
         position_embedding_type="rope" if te else "none",
         rotary_base=arch.rope_theta,
+        **vision,
     )
     # megatron allocates on the current GPU, except the MoE router (created on the CPU and moved
     # at its first forward): put every parameter on one device from the start.

@@ -66,9 +66,24 @@ class RMSNorm(torch.nn.Module):
 def rope_table(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [tokens, head_dim / 2] of the rotation angles, in fp32, once per layer. Computed
     for every element inside the rotation kernel (and all sizes dynamic), RoPE took 27 ms of a
-    0.6B step on an H200; from this table (and static head sizes), 3.8."""
-    angle = positions.float()[:, None] * inv_freq
+    0.6B step on an H200; from this table (and static head sizes), 3.8. `positions`: [tokens], or
+    [tokens, head_dim / 2] where each frequency has its own position (multimodal RoPE)."""
+    angle = (positions.float() if positions.dim() == 2 else positions.float()[:, None]) * inv_freq
     return angle.cos(), angle.sin()
+
+
+def mrope_axes(section: tuple[int, ...], interleaved: bool = False) -> torch.Tensor:
+    """Which position (0 temporal, 1 height, 2 width) each of the head_dim / 2 frequencies
+    rotates by, the same in both halves of the rotate-half form (transformers'
+    recomposition_frequencies): Qwen2.5-VL gives consecutive sections to each axis; Qwen3-VL
+    (`interleaved`) gives frequency j to height when j % 3 == 1 and j < 3 * section[1], to width
+    when j % 3 == 2 and j < 3 * section[2], else to time."""
+    if not interleaved:
+        return torch.repeat_interleave(torch.arange(len(section)), torch.tensor(section))
+    axes = torch.zeros(sum(section), dtype=torch.long)
+    for axis in (1, 2):
+        axes[axis : 3 * section[axis] : 3] = axis
+    return axes
 
 
 @compiled_on_cuda
@@ -132,6 +147,8 @@ class SDPAttention(MegatronModule):
         cp_comm_type: str | None = None,
         pg_collection: ProcessGroupCollection | None = None,
         rotary_base: float = 10000.0,
+        mrope_section: tuple[int, ...] = (),
+        mrope_interleaved: bool = False,
     ):
         super().__init__(config=config)
         _refuse_unsupported_attention(config, attn_mask_type, attention_dropout)
@@ -145,6 +162,7 @@ class SDPAttention(MegatronModule):
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
         dim = config.kv_channels  # transformers' inverse frequencies, computed as it does (fp32)
         self.inv_freq = 1.0 / (rotary_base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        self.mrope_axes = mrope_axes(mrope_section, mrope_interleaved) if mrope_section else None
 
     def forward(
         self,
@@ -160,6 +178,8 @@ class SDPAttention(MegatronModule):
         if attention_bias is not None:
             raise ValueError("SDPAttention: attention_bias is not supported")
         if packed_seq_params is None:
+            if self.mrope_axes is not None:
+                raise ValueError("SDPAttention: multimodal RoPE runs on packed sequences (MropePackedSeqParams)")
             positions = torch.arange(query.shape[0], device=query.device)
             query, key = self._rotate(query, key, positions)
             return self._unpacked(query, key, value)
@@ -169,13 +189,26 @@ class SDPAttention(MegatronModule):
             )
         cu = packed_seq_params.cu_seqlens_q_padded
         cu = packed_seq_params.cu_seqlens_q if cu is None else cu
-        query, key = self._rotate(query, key, document_positions(cu, query.shape[0]))
+        query, key = self._rotate(query, key, self._positions(packed_seq_params, cu, query.shape[0]))
         if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and _varlen_attn is not None:
             max_len = packed_seq_params.max_seqlen_q
             if max_len is None:
                 raise ValueError("SDPAttention: packed sequences need max_seqlen_q (the longest document)")
             return self._varlen(query, key, value, cu, max_len)
         return self._per_document(query, key, value, cu)
+
+    def _positions(self, params: PackedSeqParams, cu: torch.Tensor, total: int) -> torch.Tensor:
+        """Each packed token's position inside its document: [total], or with multimodal RoPE
+        [total, head_dim / 2] from the positions the packing metadata carries
+        (relax_hpc/models/megatron_vision.py, MropePackedSeqParams)."""
+        if self.mrope_axes is None:
+            return document_positions(cu, total)
+        positions = getattr(params, "mrope_positions", None)
+        if positions is None or positions.shape != (3, total):
+            raise ValueError(f"SDPAttention: multimodal RoPE needs mrope_positions [3, {total}] in packed_seq_params")
+        if self.mrope_axes.device != positions.device:
+            self.mrope_axes = self.mrope_axes.to(positions.device)
+        return positions.index_select(0, self.mrope_axes).T  # [total, head_dim / 2]
 
     def _rotate(
         self, query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor

@@ -13,13 +13,21 @@ which imports them from .venv-vllm):
   /start_weight_update, /update_weights, /finish_weight_update (which sets the weight version),
   /weight_info, /weight_checker.
 
-This module only builds bodies and reads answers; it imports no vLLM.
+`VllmClient` is the driver's adapter: an EngineClient whose `generate` takes the SGLang-style
+batch the driver builds (relax_hpc.protocol.requests.GenerateReqInput), sends one token-in,
+token-out request per prompt, all at once (vLLM batches concurrent requests itself), and answers
+in SGLang's shape, with each token's version in `meta_info.token_versions`. It imports no vLLM.
 """
 
 from __future__ import annotations
 
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
+
+from relax_hpc.protocol import requests as P
+from relax_hpc.protocol.client import EngineClient
 
 GENERATE = "/inference/v1/generate"
 PAUSE = "/pause"  # ?mode=...: a query parameter, not a body field
@@ -33,6 +41,8 @@ WEIGHT_INFO = "/weight_info"
 WEIGHT_CHECKER = "/weight_checker"
 
 PauseMode = Literal["abort", "wait", "keep"]
+# Set by the engine wrapper in the server's environment: each vLLM process then dies with its parent.
+DIE_WITH_PARENT = "RELAX_HPC_DIE_WITH_PARENT"
 # The engines' --weight-transfer-config backend: relax_hpc.weights.vllm_gloo, registered by its plugin.
 TRANSFER_BACKEND = "relax_gloo"
 
@@ -49,6 +59,8 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int = 0
     detokenize: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
 
 
 @dataclass
@@ -71,9 +83,12 @@ class Completion:
     token_versions: list[int] = field(default_factory=list)
 
 
-def generate_request(request_id: str, input_ids: list[int], sampling: dict[str, Any], seed: int) -> GenerateRequest:
+def generate_request(
+    request_id: str, input_ids: list[int], sampling: dict[str, Any], seed: int | None
+) -> GenerateRequest:
     """The request for one call, from the driver's SGLang-style sampling settings
-    (max_new_tokens, temperature, top_p, top_k: relax_hpc.rollout.rounds.sampling_params)."""
+    (max_new_tokens, temperature, top_p, top_k: relax_hpc.rollout.rounds.sampling_params; an
+    environment may add stop_token_ids and ignore_eos)."""
     top_k = int(sampling.get("top_k", -1))
     params = SamplingParams(
         max_tokens=int(sampling["max_new_tokens"]),
@@ -81,6 +96,8 @@ def generate_request(request_id: str, input_ids: list[int], sampling: dict[str, 
         top_p=float(sampling.get("top_p", 1.0)),
         top_k=0 if top_k < 0 else top_k,
         seed=seed,
+        stop_token_ids=[int(t) for t in sampling.get("stop_token_ids") or []],
+        ignore_eos=bool(sampling.get("ignore_eos", False)),
     )
     return GenerateRequest(request_id, list(input_ids), params)
 
@@ -113,3 +130,63 @@ def token_versions(choice: dict[str, Any], count: int) -> list[int]:
     if -1 in versions:
         raise ValueError(f"vLLM's weight_versions spans do not cover all {count} output tokens")
     return versions
+
+
+def sglang_answer(completion: Completion) -> dict[str, Any]:
+    """A completion as the driver reads SGLang's /generate answers (relax_hpc.rollout.engine_policy):
+    `token_versions` carries each token's version; `weight_version` is the newest of them (an
+    answer without tokens has none: -1, which no check reads)."""
+    return {
+        "output_ids": completion.token_ids,
+        "meta_info": {
+            "output_token_logprobs": [
+                [lp, t, None] for lp, t in zip(completion.logprobs, completion.token_ids, strict=True)
+            ],
+            "weight_version": str(max(completion.token_versions, default=-1)),
+            "token_versions": completion.token_versions,
+            "finish_reason": {"type": completion.finish_reason},
+        },
+    }
+
+
+# What a vLLM engine cannot answer from a /generate batch (refused at submit too: JobConfig._vllm).
+UNSUPPORTED = {
+    "image_data": "media",
+    "audio_data": "media",
+    "return_routed_experts": "routed experts (routing replay)",
+    "lora_path": "LoRA adapters",
+    "logprob_start_len": "input log-probabilities (teacher scoring)",
+}
+# Requests of all engines in flight at once: vLLM's scheduler batches them, so they must all be
+# there together; a driver sends at most a step's calls (prompts_per_step x group_size).
+_SENDERS = ThreadPoolExecutor(max_workers=256, thread_name_prefix="vllm-generate")
+
+
+def _is_set(value: Any) -> bool:
+    """A request field off its default (None or False); 0 is set (logprob_start_len=0)."""
+    return value is not None and value is not False
+
+
+class VllmClient(EngineClient):
+    """An EngineClient for a vLLM server: the version from /weight_info, SGLang-style /generate
+    batches as concurrent /inference/v1/generate requests (see the module docstring)."""
+
+    def weight_version(self) -> str:
+        return str(self.call("GET", WEIGHT_INFO, timeout_s=5.0)["weight_version"])
+
+    def generate(self, request: P.GenerateReqInput) -> Any:
+        refused = [what for name, what in UNSUPPORTED.items() if _is_set(getattr(request, name))]
+        if refused:
+            raise ValueError(f"a vLLM engine does not serve {', '.join(refused)} (rollout.engine=vllm)")
+        batch = isinstance(request.input_ids[0], list) if request.input_ids else False
+        prompts: list[list[int]] = request.input_ids if batch else [request.input_ids]  # type: ignore[assignment, list-item]
+        sampling = request.sampling_params or {}
+        params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        futures = [_SENDERS.submit(self._one, ids, s) for ids, s in zip(prompts, params, strict=True)]
+        answers = [f.result() for f in futures]
+        return answers if batch else answers[0]
+
+    def _one(self, ids: list[int], sampling: dict[str, Any]) -> dict[str, Any]:
+        seed = sampling.get("sampling_seed")
+        request = generate_request(uuid.uuid4().hex, ids, sampling, None if seed is None else int(seed))
+        return sglang_answer(parse_completion(self.call("POST", GENERATE, generate_body(request))))

@@ -70,7 +70,7 @@ class Driver:
         encode = prompt_encoder(cfg.model.path, self.processor)
         self.prompt_ids = [encode(r) for r in self.rows]  # tokenized once
         self.spool = Spool(paths.spool)
-        self.pool = EnginePool(paths, self.ro.request_timeout_s)
+        self.pool = EnginePool(paths, self.ro.request_timeout_s, self.ro.engine)
         self.stopping = False
         self.startup: StartupClock | None = None  # main's, until the first published batch
         self.position = 0  # the next batch to generate (for the heartbeat)

@@ -7,7 +7,9 @@ re-issued too, unless partial rollout is on: then an aborted answer (the engines
 flight when new weights arrive) keeps the tokens it has and continues from them on an engine with
 the new weights, with the rest of its token budget; each token keeps the version that sampled it.
 With LoRA adapter sync (relax_hpc.weights.adapters) a request names the adapter of its engine's
-version (lora_path), and its answer counts as that version.
+version (lora_path), and its answer counts as that version. A vLLM engine (rollout.engine vllm)
+is asked through relax_hpc.protocol.vllm.VllmClient, which answers in SGLang's shape with each
+token's own version.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from relax_hpc.protocol import requests as P
 from relax_hpc.protocol.client import EngineClient, EngineRequestError, EngineUnavailable
 from relax_hpc.protocol.registry import EngineRecord, read_records
 from relax_hpc.protocol.requests import adapter_name
+from relax_hpc.protocol.vllm import VllmClient
 
 log = logging.getLogger("relax_hpc.driver")
 
@@ -51,12 +54,13 @@ class Engine:
 
 class EnginePool:
     """The engines that answer, with the policy version each holds (re-read at most every
-    `every` seconds of refresh, 0.5 by default)."""
+    `every` seconds of refresh, 0.5 by default). `kind`: rollout.engine (which API they speak)."""
 
-    def __init__(self, paths: RunPaths, timeout_s: float) -> None:
+    def __init__(self, paths: RunPaths, timeout_s: float, kind: str = "torch") -> None:
         self.paths = paths
         self.api_key = paths.read_token()
         self.timeout_s = timeout_s
+        self.client_class = VllmClient if kind == "vllm" else EngineClient
         self.engines: list[Engine] = []
         self._last = 0.0
 
@@ -69,7 +73,7 @@ class EnginePool:
         for record in read_records(self.paths.engines):
             if record.engine_id in leaving:
                 continue
-            client = EngineClient(record.url, self.api_key, self.timeout_s)
+            client = self.client_class(record.url, self.api_key, self.timeout_s)
             try:
                 engines.append(Engine(record, client, int(client.weight_version())))
             except (EngineUnavailable, EngineRequestError, ValueError):
@@ -112,6 +116,15 @@ class _Progress:
             "sampling_seed": int.from_bytes(digest, "little") >> 2,
         }
         return GenerateCall(self.call.token_ids + self.tokens, sampling, self.call.media)
+
+
+def token_versions(output: dict) -> list[int]:
+    """The policy version of each output token: vLLM's answers give them per token, SGLang's one
+    version for the whole answer."""
+    meta = output["meta_info"]
+    if "token_versions" in meta:
+        return [int(v) for v in meta["token_versions"]]
+    return [int(meta["weight_version"])] * len(output["output_ids"])
 
 
 class EnginePolicy:
@@ -214,7 +227,7 @@ class EnginePolicy:
             if self.adapters:  # the answer is the named adapter's, whatever the engine loaded since
                 for o in outputs:
                     o["meta_info"]["weight_version"] = str(engine.version)
-            old = min(int(o["meta_info"]["weight_version"]) for o in outputs) < self.min_version
+            old = any(v < self.min_version for o in outputs for v in token_versions(o))
             aborted = any(o["meta_info"]["finish_reason"]["type"] == "abort" for o in outputs)
             if not old and (self.partial or not aborted):
                 return outputs
@@ -226,7 +239,6 @@ class EnginePolicy:
         meta = output["meta_info"]
         ids: list[int] = output["output_ids"]
         logprobs = [lp for lp, _, _ in meta.get("output_token_logprobs", [])]
-        version = int(meta["weight_version"])
         if p.prompt_ids is None and output.get("prompt_token_ids"):
             p.prompt_ids = output["prompt_token_ids"]
         if "routed_experts" in meta:  # int32 [positions, layers, top_k], flattened per position
@@ -235,7 +247,7 @@ class EnginePolicy:
             p.routed = choices.reshape(positions, -1)
         p.tokens += ids
         p.logprobs += logprobs[: len(ids)]
-        p.versions += [version] * len(ids)
+        p.versions += token_versions(output)
         p.segments += 1
         aborted = meta["finish_reason"]["type"] == "abort"
         if aborted and p.budget > 0:

@@ -9,13 +9,15 @@ import torch.distributed as dist
 from relax_hpc.config.schema import JobConfig, LoraConfig
 from relax_hpc.models.lora import write_adapter_folder
 from relax_hpc.paths import RunPaths
+from relax_hpc.protocol.vllm import PauseMode
 from relax_hpc.trainer.backend import Backend, BackendConfig
 from relax_hpc.weights.adapters import AdapterPublisher
-from relax_hpc.weights.channel import AdapterChannel, BroadcastChannel, ColocatedChannel, WeightChannel
+from relax_hpc.weights.channel import AdapterChannel, BroadcastChannel, ColocatedChannel, VllmChannel, WeightChannel
 from relax_hpc.weights.colocated import ColocatedSender
 from relax_hpc.weights.files import ClientSettings, FileChannel
 from relax_hpc.weights.layout import EngineLayout
 from relax_hpc.weights.sender import WeightSender
+from relax_hpc.weights.vllm_channel import VllmSender
 
 
 def build_backend(job: JobConfig, device: torch.device) -> Backend:
@@ -32,17 +34,21 @@ def build_backend(job: JobConfig, device: torch.device) -> Backend:
 
 def build_channel(job: JobConfig, paths: RunPaths, backend: Backend, device: torch.device) -> WeightChannel:
     """The weight channel of this trainer rank: adapter sync (trainer.lora.sync adapter), colocated
-    (launch.colocate: every rank serves the engines on its device), files (weights.channel file),
-    or rank 0's broadcast."""
+    (launch.colocate: every rank serves the engines on its device), vLLM's weight-transfer API
+    (rollout.engine vllm), files (weights.channel file), or rank 0's broadcast."""
     rank, world = dist.get_rank(), dist.get_world_size()
     token, timeout_s = paths.read_token(), job.weights.timeout_s
     if job.lora_adapters:  # its folders hold PEFT's names: no layout, no buckets
         assert job.trainer.lora is not None, "adapter sync is a LoRA run's"
         return AdapterChannel(_publisher(job.trainer.lora, job.model.path, paths, timeout_s) if rank == 0 else None)
-    # SGLang loads the HF checkpoint's layout; the built-in engine the trainer's own.
-    convert = backend.checkpoint_layout() if job.rollout.engine == "sglang" else None
+    # SGLang and vLLM load the HF checkpoint's layout; the built-in engine the trainer's own.
+    convert = backend.checkpoint_layout() if job.rollout.engine in ("sglang", "vllm") else None
     layout = EngineLayout(backend.parameter_specs(), convert)
     bucket_bytes = int(job.weights.bucket_mb * 2**20)
+    if job.rollout.engine == "vllm":  # partial rollout: in-flight requests return, the driver continues them
+        pause: PauseMode = "abort" if job.rollout.partial else "keep"
+        vllm = VllmSender(paths.engines, token, timeout_s, bucket_bytes, pause) if rank == 0 else None
+        return VllmChannel(vllm, layout, bucket_bytes)
     if job.launch.colocate:
         return ColocatedChannel(ColocatedSender(paths.engines, token, timeout_s, rank, world), layout, bucket_bytes)
     if job.weights.channel == "file":

@@ -16,6 +16,8 @@ with the torch backend. What differs is how a rank's share of the batch is compu
   (relax_hpc/algos/sft.py) in the objective's place, at temperature 1 (the data's distribution);
 - with algo.off_policy.routing_replay, every forward of an MoE model routes each token through the
   experts the engine chose for it (relax_hpc/models/megatron_routing.py);
+- a vision-language model (Qwen2.5-VL, Qwen3-VL: relax_hpc/models/megatron_vision.py) gets each
+  micro-batch's images and the multimodal RoPE positions transformers computes for the batch;
 - gae's critic is the policy's GPTModel with a scalar head in place of its output layer
   (relax_hpc/models/megatron.py, ValueHead), loaded from model.path, with its own megatron
   optimizer; its value loss is summed over micro-batches like the policy loss;
@@ -37,7 +39,6 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.optimizer import MegatronOptimizer
-from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from transformers import AutoConfig, PretrainedConfig
 
@@ -46,13 +47,16 @@ from relax_hpc.algos.objective import Advantages, Objective
 from relax_hpc.algos.sft import sft_loss
 from relax_hpc.algos.stats import Stats
 from relax_hpc.config.schema import Aggregation, MegatronConfig
+from relax_hpc.data.processor import concat_inputs
 from relax_hpc.metrics.timing import PhaseTimer
+from relax_hpc.models.arch import arch_of
 from relax_hpc.models.hf import torch_dtype
 from relax_hpc.models.hf_export import export_hf
 from relax_hpc.models.hf_loading import load_hf_weights
 from relax_hpc.models.hf_mapping import hf_specs
 from relax_hpc.models.megatron import as_value_model, build_model
 from relax_hpc.models.megatron_routing import replaying
+from relax_hpc.models.megatron_vision import MropePackedSeqParams, VisionGPTModel, mrope_positions, rope_index_model
 from relax_hpc.trainer import megatron_state, packing
 from relax_hpc.trainer.backend import BackendConfig, DistComm, NonFiniteLossError, StepResult
 from relax_hpc.trainer.batching import TrainBatch
@@ -67,6 +71,14 @@ LossOutput = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
 
 def _loss_output(loss: torch.Tensor) -> LossOutput:
     return loss, torch.ones((), dtype=torch.int, device=loss.device), {"loss": loss.detach()}
+
+
+def _pad_token_id(hf_config: PretrainedConfig) -> int:
+    """The pad token (a vision-language config keeps it in its text_config), 0 where none."""
+    pad = getattr(hf_config, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(getattr(hf_config, "text_config", None), "pad_token_id", None)
+    return pad if pad is not None else 0
 
 
 def init_parallel(par: MegatronConfig, seed: int) -> None:
@@ -94,6 +106,8 @@ def _build(config: BackendConfig, hf_config: PretrainedConfig, path: str, traina
     if not trainable:
         model.requires_grad_(False)
         model.eval()
+    elif config.trainer.freeze_encoder and isinstance(model, VisionGPTModel):
+        model.vision.requires_grad_(False)  # before DDP and the optimizer: neither takes it
     return model
 
 
@@ -108,7 +122,10 @@ class MegatronBackend:
         self.temperature = config.temperature
         self.hf_config = AutoConfig.from_pretrained(config.model.path)
         self.dtype = torch_dtype(config.model.dtype)
-        self.pad_token_id = self.hf_config.pad_token_id if self.hf_config.pad_token_id is not None else 0
+        self.pad_token_id = _pad_token_id(self.hf_config)
+        # A vision-language model: the weightless HF model whose RoPE index gives the positions.
+        self.arch = arch_of(self.hf_config)
+        self.rope_index = rope_index_model(self.hf_config) if self.arch.vision else None
         self.dp_group = parallel_state.get_data_parallel_group()
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
@@ -131,7 +148,7 @@ class MegatronBackend:
             self.critic, self.critic_optimizer = self._build_critic(config)
 
     def _build_critic(self, config: BackendConfig) -> tuple[DistributedDataParallel, MegatronOptimizer]:
-        if self.hf_config.tie_word_embeddings and self.par.pipeline_parallel > 1:
+        if self.arch.tied and self.par.pipeline_parallel > 1:
             # megatron would tie the value head to the first stage's embedding (its gradients, its
             # checkpoint entry) as it ties the output layer.
             raise ValueError(
@@ -169,17 +186,28 @@ class MegatronBackend:
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.dp_group)
         bins += [[] for _ in range(int(count) - len(bins))]
         multiple = self.tp_size * (2 * self.par.context_parallel if self.par.context_parallel > 1 else 1)
-        return packing.pack_all(batch, bins, lengths, self.pad_token_id, multiple)
+        return packing.pack_all(batch, bins, lengths, self.pad_token_id, multiple, self._mrope(batch))
+
+    def _mrope(self, batch: TrainBatch) -> torch.Tensor | None:
+        """A vision-language model's [3, n, width] multimodal RoPE positions of the batch (images
+        or not: text rows get theirs too), as the HF model computes them; None for a text model."""
+        if self.rope_index is None:
+            return None
+        grids = [{"image_grid_thw": m["image_grid_thw"]} for m in batch.media if "image_grid_thw" in m]
+        media = {k: v.to(self.device) for k, v in concat_inputs(grids).items()}  # not the pixels: only their grids
+        return mrope_positions(self.rope_index, batch.input_ids, batch.attention_mask, media)
 
     def _forward(self, model: torch.nn.Module, mb: packing.Microbatch) -> torch.Tensor:
         """The model's output on a packed micro-batch; through the engine's experts where the
         batch carries them (routing replay)."""
         cu = mb.cu_seqlens
-        params = PackedSeqParams(
-            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen
-        )
+        longest = mb.max_seqlen
+        params = MropePackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest,
+            mrope_positions=mb.mrope,  # a vision-language model's multimodal RoPE (None: a text model's)
+        )  # fmt: skip
         with nullcontext() if mb.routed is None else replaying(model, mb.routed):
-            return model(mb.input_ids, mb.position_ids, None, packed_seq_params=params)
+            return model(mb.input_ids, mb.position_ids, None, packed_seq_params=params, **mb.media)
 
     def _token_logprobs(
         self, logits: torch.Tensor, mb: packing.Microbatch, entropy_grad: bool, temperature: float
@@ -193,7 +221,7 @@ class MegatronBackend:
             group=self.tp_group if self.tp_size > 1 else None,
             entropy_grad=entropy_grad,
             temperature=temperature,
-            vocab_size=self.hf_config.vocab_size,  # columns padded for tensor parallelism are no token
+            vocab_size=self.arch.vocab,  # columns padded for tensor parallelism are no token
         )
         return mb.unpack(lp), mb.unpack(ent)
 
@@ -439,13 +467,18 @@ class MegatronBackend:
         """(HF name, full tensor) in parameter_specs() order: on every rank when the run is
         colocated (each rank pushes to the engines on its own device), else on global rank 0 alone
         (None elsewhere: rank 0 broadcasts to the engines). A collective: every rank must iterate."""
-        return export_hf(self.model.module, self.hf_config, every_rank=self.colocated)
+        exported = export_hf(self.model.module, self.hf_config, every_rank=self.colocated)
+        return ((name, tensor) for name, tensor in exported if not self._frozen(name))
 
     def checkpoint_layout(self) -> None:
         return None  # relax_hpc.models.hf_mapping names and shapes them as the HF checkpoint does
 
     def parameter_specs(self) -> list[tuple[str, torch.Size, torch.dtype]]:
-        return hf_specs(self.hf_config, self.dtype)
+        return [spec for spec in hf_specs(self.hf_config, self.dtype) if not self._frozen(spec[0])]
+
+    def _frozen(self, hf_name: str) -> bool:
+        """A tensor of the vision tower under trainer.freeze_encoder: the engines keep theirs."""
+        return self.cfg.freeze_encoder and self.arch.vision and hf_name.startswith(self.arch.hf_vision_prefix)
 
     def save_checkpoint(self, folder: Path) -> None:
         megatron_state.save(self.model, self.optimizer, folder)

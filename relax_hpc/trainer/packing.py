@@ -10,11 +10,12 @@ packing (and gradients flow through the scatter).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from relax_hpc.data.processor import concat_inputs
 from relax_hpc.trainer.batching import TrainBatch
 
 
@@ -30,6 +31,10 @@ class Microbatch:
     real_tokens: int  # the rows' tokens, before the padding document
     grid: torch.Tensor  # long [real_tokens]: each of them's position in the [k, width] layout
     routed: torch.Tensor | None = None  # long [T, layers * top_k]: the engine's experts (-1: none), replay only
+    # A vision-language model's: multimodal RoPE positions (long [3, T]) and the processor tensors
+    # of the packed rows' images, in token order (pixel_values, image_grid_thw).
+    mrope: torch.Tensor | None = None
+    media: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -66,13 +71,20 @@ def pack(batch: TrainBatch, rows: list[int], pad_id: int, multiple: int = 1) -> 
 
 
 def pack_all(
-    batch: TrainBatch, bins: list[list[int]], lengths: np.ndarray, pad_id: int, multiple: int = 1
+    batch: TrainBatch,
+    bins: list[list[int]],
+    lengths: np.ndarray,
+    pad_id: int,
+    multiple: int = 1,
+    mrope: torch.Tensor | None = None,
 ) -> list[Microbatch]:
     """Each bin's rows packed into one row, padded with a dummy document (no loss) to a multiple of
     `multiple` tokens (tensor parallelism with sequence parallelism needs it); an empty bin gives
     padding alone (a rank without samples still joins the collectives). `lengths`: every row's
     token count, on the host. The indices are worked out there and reach the device in one copy:
-    per bin, syncs and launches would leave the GPU waiting between micro-batches."""
+    per bin, syncs and launches would leave the GPU waiting between micro-batches. `mrope`: the
+    batch's [3, n, width] multimodal RoPE positions, packed like the tokens (the padding document
+    at 0); the batch's media go with their rows."""
     device, width = batch.input_ids.device, batch.input_ids.shape[1]
     filler = batch.input_ids.numel()  # the index of a pad token appended to the flattened batch
     plans = [_plan_bin(np.asarray(rows, dtype=np.int64), lengths, width, filler, multiple) for rows in bins]
@@ -83,8 +95,9 @@ def pack_all(
     if batch.routed is not None:
         choices = batch.routed.shape[-1]
         routed = torch.cat([batch.routed.reshape(-1, choices), batch.routed.new_full((1, choices), -1)])
+    flat_mrope = None if mrope is None else torch.cat([mrope.reshape(3, -1), mrope.new_zeros(3, 1)], dim=1)
     out, at = [], 0
-    for p in plans:
+    for p, rows in zip(plans, bins, strict=True):
         idx, source, positions, grid, cu = moved[at : at + p.size].split([len(a) for a in p.arrays])
         at += p.size
         out.append(
@@ -99,9 +112,18 @@ def pack_all(
                 real_tokens=p.real_tokens,
                 grid=grid,
                 routed=None if routed is None else routed[source],
+                mrope=None if flat_mrope is None else flat_mrope[:, source],
+                media=_media(batch, rows, device),
             )
         )
     return out
+
+
+def _media(batch: TrainBatch, rows: list[int], device: torch.device) -> dict[str, torch.Tensor]:
+    """The processor tensors of `rows` (in order: their image tokens' order in the packed row)."""
+    if not batch.media:
+        return {}
+    return {k: v.to(device) for k, v in concat_inputs([batch.media[r] for r in rows]).items()}
 
 
 @dataclass(frozen=True, slots=True)

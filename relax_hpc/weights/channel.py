@@ -3,11 +3,14 @@
 - `BroadcastChannel`: rank 0 broadcasts flat buckets to every engine over a side group (sender);
 - `ColocatedChannel`: every rank hands its engines the weights by reference on its own device,
   the engines releasing their memory around each step (colocated);
-- `AdapterChannel`: only LoRA adapters travel, as PEFT folders the engines load (adapters).
+- `AdapterChannel`: only LoRA adapters travel, as PEFT folders the engines load (adapters);
+- `VllmChannel`: rank 0 pushes through vLLM's own weight-transfer routes (vllm_channel);
+- `FileChannel` (relax_hpc.weights.files, which builds on this module): every rank writes its
+  buckets as safetensors that the engines load from disk, with weights.delta only what changed.
 
 The trainer holds one channel, chosen once from the config (relax_hpc.trainer.build), and calls
-only this interface, so a new transport (sharded, delta, file) is a new class here, not a branch
-in the trainer. A channel is exact: after a push every engine it reports holds the trainer's
+only this interface, so a new transport (the sharded push next) is a new class, not a branch in
+the trainer. A channel is exact: after a push every engine it reports holds the trainer's
 weights bit for bit.
 """
 
@@ -26,6 +29,7 @@ from relax_hpc.weights.buckets import BucketPlan, plan_buckets
 from relax_hpc.weights.colocated import ColocatedSender
 from relax_hpc.weights.layout import EngineLayout
 from relax_hpc.weights.sender import WeightSender, push
+from relax_hpc.weights.vllm_channel import VllmSender
 
 # The backend's full parameters, a fresh stream per call (Backend.full_parameters).
 FullParameters = Callable[[], Iterable[tuple[str, torch.Tensor | None]]]
@@ -134,3 +138,25 @@ class AdapterChannel(_Quiet):
     def engines_changed(self, delivered: int) -> bool:
         assert self.publisher is not None, "rank 0 decides"
         return self.publisher.engine_set_changed()
+
+
+class VllmChannel(_Quiet):
+    """Rank 0 pushes to vLLM engines through vLLM's weight-transfer API (relax_hpc.weights.
+    vllm_channel) in the HF checkpoint's layout, which vLLM's load_weights takes; every rank takes
+    part in the parameters' gathers. `sender` is None on the other ranks."""
+
+    def __init__(self, sender: VllmSender | None, layout: EngineLayout, bucket_bytes: int) -> None:
+        self.sender, self.layout = sender, layout
+        self.buckets: list[BucketPlan] = plan_buckets(layout.specs(), bucket_bytes)
+
+    def push(self, full_parameters: FullParameters, version: int) -> int:
+        params = iter(self.layout.tensors(full_parameters()))
+        try:
+            return 0 if self.sender is None else self.sender.push(params, self.buckets, version)
+        finally:
+            for _ in params:  # every rank gathers every parameter, also after a failure: keep the collectives matched
+                pass
+
+    def engines_changed(self, delivered: int) -> bool:
+        assert self.sender is not None, "rank 0 decides"
+        return self.sender.engine_set_changed()

@@ -17,6 +17,9 @@ relax_hpc.weights.vllm_channel, which imports no vLLM.
 
 from __future__ import annotations
 
+import ctypes
+import os
+import signal
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +27,7 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+from relax_hpc.protocol.vllm import DIE_WITH_PARENT
 from relax_hpc.protocol.vllm import TRANSFER_BACKEND as BACKEND
 from relax_hpc.weights.buckets import BucketPlan, unpack
 from relax_hpc.weights.group import SideGroup
@@ -33,6 +37,20 @@ def register() -> None:
     """The vllm.general_plugins entry point. vLLM may call it more than once in a process."""
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, GlooWeightTransferEngine)
+    if os.environ.get(DIE_WITH_PARENT) == "1":
+        die_with_parent()
+
+
+def die_with_parent() -> None:
+    """SIGKILL this process when its parent dies. relax_hpc's engine wrapper gives the API server
+    this (PR_SET_PDEATHSIG) when it starts it; vLLM's engine core and workers, which the server
+    starts, get it here, the only relax_hpc code they run. Without it a killed engine (kill -9 of
+    the wrapper) left its engine core and workers running as orphans, and the restarted engine's
+    server hung in its start-up beside them."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the parent died before the line above
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 @dataclass(kw_only=True)

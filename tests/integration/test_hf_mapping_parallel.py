@@ -1,5 +1,7 @@
 """HF <-> megatron mapping across real process groups: two torchrun ranks on CPU (gloo; on a
-machine with two GPUs, NCCL) with TP=2, PP=2, EP=2 or data parallel alone. Every rank loads an HF
+machine with two GPUs, NCCL) with TP=2, PP=2, EP=2 or data parallel alone (TP=2 also for the
+shipped tiny Qwen2.5-VL: its language model sharded, its vision tower replicated, and its
+log-probabilities on a prompt with a picture those of transformers' model within 1e-5). Every rank loads an HF
 folder, holds exactly the block of every tensor that an independent, naive computation expects, and
 export_hf run on all ranks gives rank 0 the HF checkpoint bit for bit (the other rank gets the same
 names with None); with every_rank (colocated ranks) both ranks get it bit for bit.
@@ -21,6 +23,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
+VISION = REPO / "assets/tiny-qwen2.5-vl-shapes"
 LAYOUTS: dict[str, dict[str, Any]] = {  # MegatronConfig's parallel sizes
     "tp2": {"tensor_parallel": 2},
     "pp2": {"pipeline_parallel": 2},
@@ -31,7 +34,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {  # MegatronConfig's parallel sizes
 # GPUs only (megatron moves the last stage's copy of the embedding to CUDA while building).
 TIED_PP = ["qwen3-tied"] if torch.cuda.is_available() else []
 MODELS = {
-    "tp2": (["qwen2", "qwen3-tied", "qwen3-moe"], 2),
+    "tp2": (["qwen2", "qwen3-tied", "qwen3-moe", "qwen2.5-vl"], 2),
     "pp2": (["qwen2", "qwen3", "qwen3-moe", *TIED_PP], 4),
     "ep2": (["qwen3-moe"], 2),
     "dp2": (["qwen2"], 2),
@@ -56,8 +59,9 @@ def reports(tmp_path_factory) -> dict:
     for layout, (kinds, num_layers) in MODELS.items():
         configs = tiny_configs(num_layers)
         for seed, kind in enumerate(kinds):
-            folder = root / layout / kind
-            save_random_hf(configs[kind], folder, seed=seed)
+            folder = VISION if kind == "qwen2.5-vl" else root / layout / kind
+            if kind != "qwen2.5-vl":
+                save_random_hf(configs[kind], folder, seed=seed)
             folders.setdefault(layout, {})[kind] = str(folder)
     (root / "folders.json").write_text(json.dumps(folders))
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
@@ -87,6 +91,8 @@ def test_two_ranks_hold_their_shards_and_export_the_checkpoint(layout, reports):
             # rank 0 receives every tensor; the other rank iterates the same names with None
             assert facts["exported"] == facts["specs"] and facts["tensors"] == (facts["specs"] if rank == 0 else 0)
             assert facts["every_rank"] == facts["specs"]  # every_rank: this rank got every tensor, checked
+            if kind == "qwen2.5-vl":  # fp32, sums in another order (measured 1e-6)
+                assert facts["vision_logprob_gap"] < 1e-5
 
 
 # ---------------------------------------------------------------- the worker
@@ -107,6 +113,9 @@ def _expected_shards(model, hf: dict, groups: int, tp: tuple[int, int], etp: tup
             continue
         if name == "decoder.final_layernorm.weight":
             expected[name] = hf["model.norm.weight"]
+            continue
+        if name.startswith("vision."):  # the vision tower: whole on every rank
+            expected[name] = hf["visual." + name.removeprefix("vision.")]
             continue
         match = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name)
         assert match is not None, name
@@ -183,7 +192,7 @@ def _run_model(folder: str, layout: str) -> dict:
         hf = read_safetensors(Path(folder))
         tp = (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
         etp = (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size())
-        facts = _expected_shards(model, hf, config.num_key_value_heads, tp, etp)
+        facts = _expected_shards(model, hf, config.get_text_config().num_key_value_heads, tp, etp)
         params = dict(model.named_parameters())
         for name, block in facts["expected"].items():
             assert params[name].shape == block.shape and torch.equal(params[name].cpu(), block), name
@@ -197,7 +206,10 @@ def _run_model(folder: str, layout: str) -> dict:
         assert [name for name, _ in everywhere] == specs
         for name, full in everywhere:
             assert full is not None and torch.equal(full.cpu(), hf[name]), name
+        vision = getattr(config, "vision_config", None) is not None
+        gap = {"vision_logprob_gap": _vision_logprob_gap(model, folder, config)} if vision else {}
         return {
+            **gap,
             "layers": facts["layers"],
             "experts": facts["experts"],
             "params": len(params),
@@ -209,6 +221,48 @@ def _run_model(folder: str, layout: str) -> dict:
         }
     finally:
         ps.destroy_model_parallel()
+
+
+def _vision_logprob_gap(model, folder: str, config) -> float:
+    """max |megatron - transformers| log-probability of every next token of a prompt with a
+    picture (the tower's embeddings at the image tokens, multimodal RoPE, vocabulary-parallel
+    log-probabilities over the TP group)."""
+    from megatron.core import parallel_state as ps
+    from transformers import AutoModelForImageTextToText
+
+    from relax_hpc.data.processor import MediaProcessor
+    from relax_hpc.data.prompts import PromptRow
+    from relax_hpc.models.megatron_vision import MropePackedSeqParams, mrope_positions, rope_index_model
+    from relax_hpc.trainer.vocab_parallel import logprobs_and_entropy
+
+    processor = MediaProcessor(folder)
+    picture = ("image", (REPO / "assets/shapes/0001.png").read_bytes())
+    prompt = processor.process(processor.prompt_ids(PromptRow(0, "<image>how many?", "")), [picture])
+    ids = torch.tensor([prompt.input_ids])
+    grids = {"image_grid_thw": prompt.tensors["image_grid_thw"]}
+    positions = mrope_positions(rope_index_model(config), ids, torch.ones_like(ids), grids)  # [3, 1, length]
+    length, pad = ids.shape[1], ids.shape[1] % 2  # TP=2 takes an even packed length: one pad token
+    device = next(model.parameters()).device
+    cu = torch.tensor([0, length, length + pad][: 3 if pad else 2], dtype=torch.int32, device=device)
+    params = MropePackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=length, max_seqlen_kv=length,
+        mrope_positions=torch.cat([positions[:, 0], positions.new_zeros(3, pad)], 1).to(device),
+    )  # fmt: skip
+    packed = torch.cat([ids, ids.new_zeros(1, pad)], 1).to(device)
+    inputs = {k: v.to(device) for k, v in prompt.tensors.items()}
+    targets = ids[0, 1:]
+    with torch.no_grad():
+        logits = model(packed, None, None, packed_seq_params=params, **inputs).reshape(length + pad, -1)
+        got, _ = logprobs_and_entropy(
+            logits[: length - 1].float(), targets.to(device),
+            vocab_start=ps.get_tensor_model_parallel_rank() * logits.shape[-1],
+            group=ps.get_tensor_model_parallel_group(), entropy_grad=False, temperature=1.0,
+            vocab_size=config.get_text_config().vocab_size,
+        )  # fmt: skip
+        hf = AutoModelForImageTextToText.from_pretrained(folder).eval()
+        out = hf(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=positions, **prompt.tensors)
+        expected = torch.log_softmax(out.logits[0, :-1].float(), -1).gather(1, targets[:, None])[:, 0]
+    return float((got.cpu() - expected).abs().max())
 
 
 def _worker(folders_json: str, out_dir: str) -> None:

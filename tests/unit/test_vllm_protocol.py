@@ -1,13 +1,23 @@
-"""relax_hpc.protocol.vllm's reading of answers: what the driver cannot train on is refused by name.
+"""relax_hpc.protocol.vllm's reading of answers: what the driver cannot train on is refused by name,
+and the driver's view of an answer keeps each token's version. What vLLM engines cannot do is
+refused outside the config too: by the adapter before a request is sent, by elastic scaling.
 (The fields themselves are checked against vLLM's classes in test_vllm_contract.py.)"""
 
 from __future__ import annotations
 
+import argparse
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from relax_hpc.config import load_config
+from relax_hpc.paths import RunPaths
+from relax_hpc.protocol import requests as P
 from relax_hpc.protocol import vllm as V
+from relax_hpc.rollout.engine_policy import token_versions
+from relax_hpc.scale import ScaleError, scale_out
+from relax_hpc.submit import freeze
 
 
 def choice(**fields: Any) -> dict[str, Any]:
@@ -47,3 +57,38 @@ def test_top_k_off_is_vllms_zero_and_the_seed_is_the_calls() -> None:
         3,
     )
     assert V.generate_request("r", [1], {"max_new_tokens": 3, "top_k": 5}, seed=9).sampling_params.top_k == 5
+
+
+def test_the_drivers_view_of_an_answer_keeps_each_tokens_version() -> None:
+    """VllmClient answers in SGLang's shape; the driver takes each token's version from it (a
+    request that spanned a push under pause mode keep has two)."""
+    answer = V.sglang_answer(V.parse_completion(choice(finish_reason="abort")))
+    assert answer["output_ids"] == [4, 5]
+    assert answer["meta_info"]["output_token_logprobs"] == [[-0.5, 4, None], [-1.5, 5, None]]
+    assert answer["meta_info"]["finish_reason"] == {"type": "abort"}
+    assert token_versions(answer) == [3, 4]
+    sglang = {"output_ids": [7, 8, 9], "meta_info": {"weight_version": "5"}}
+    assert token_versions(sglang) == [5, 5, 5]  # SGLang: one version per answer
+
+
+@pytest.mark.parametrize(
+    ("field", "what"),
+    [
+        ({"return_routed_experts": True}, "routed experts"),
+        ({"lora_path": "v3"}, "LoRA adapters"),
+        ({"image_data": [["data:image/png;base64,AAAA"]]}, "media"),
+        ({"logprob_start_len": 0}, "input log-probabilities"),
+    ],
+)
+def test_what_a_vllm_engine_cannot_answer_is_refused_before_sending(field: dict[str, Any], what: str) -> None:
+    client = V.VllmClient("http://127.0.0.1:9", "token", 1.0)  # nothing listens: nothing is sent
+    with pytest.raises(ValueError, match=what):
+        client.generate(P.GenerateReqInput(input_ids=[[1, 2]], **field))
+
+
+def test_elastic_scaling_refuses_a_run_on_vllm_engines(tmp_path: Path) -> None:
+    paths = RunPaths(tmp_path / "run")
+    freeze(load_config(None, [f"run.dir={paths.root}", "rollout.engine=vllm"]), paths)
+    args = argparse.Namespace(id=None, url=None, engines=1, overrides=[], dry_run=True)
+    with pytest.raises(ScaleError, match="elastic scaling does not take them yet"):
+        scale_out(paths, args)

@@ -1,0 +1,192 @@
+"""The tiny Qwen2.5-VL (the shipped asset) and a tiny Qwen3-VL (built for the test: interleaved
+multimodal RoPE, DeepStack features) on the megatron backend, on the CPU (megatron's GPU code
+redirected as in test_megatron_checkpoint.py): the real MegatronBackend, loaded from the HF
+folder, against the torch backend (transformers' own model) on the same weights and one batch of
+rows with zero, one and two pictures, packed several to a micro-batch.
+
+- per-token log-probabilities agree: the megatron GPT language model, the HF vision tower's
+  embeddings scattered at the image tokens and the multimodal RoPE reproduce transformers'
+  forward (fp32; 1e-5 absolute, measured 5e-7: the two compute the same sums in other orders,
+  fused q/k/v and [gate; up] matmuls, per-document attention. One-dimensional RoPE in place of
+  the multimodal one gave 1.6e-3 on this tiny model, leaving the images out 5.8e-2);
+- one GRPO step gives the same loss and gradient norm (1e-4 relative: the gradient's size), and
+  the same weights after it (every HF tensor, vision tower included; WEIGHT_ATOL below: its sign);
+- the weights export to the HF checkpoint exactly, and so does a megatron checkpoint of them,
+  which a fresh backend resumes from exactly.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from PIL import Image, ImageDraw
+from safetensors.torch import load_file
+
+from relax_hpc.config.load import load_config
+from relax_hpc.data.processor import MediaProcessor
+from relax_hpc.data.prompts import PromptRow
+from relax_hpc.models.hf import empty_policy, module_names
+from relax_hpc.models.hf_checkpoint import megatron_checkpoint_to_hf
+from relax_hpc.trainer.backend import BackendConfig
+from relax_hpc.trainer.batching import TrainBatch, pad_samples, token_logprobs_and_entropy
+from relax_hpc.trainer.megatron_backend import MegatronBackend
+from relax_hpc.trainer.torch_backend import TorchBackend
+from tests.integration.test_megatron_checkpoint import megatron_on_cpu
+from tests.models.qwen3_family import build_qwen3_vl
+
+__all__ = ["megatron_on_cpu"]  # the fixture, requested by name
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU form of the megatron backend's tests"),
+]
+REPO = Path(__file__).resolve().parents[2]
+ATOL = 1e-5
+LR = 1e-3
+# Adam's first step moves a weight by lr * g / (|g| + eps), about lr * sign(g): a gradient of the
+# wrong sign, or a weight left out, differs by lr to 2 lr; rounding-level differences of a gradient
+# within rounding of zero move it by a small fraction of lr (measured: 7e-6 and 1.1e-5).
+WEIGHT_ATOL = 0.05 * LR
+OVERRIDES = ["trainer.num_ranks=1", "model.dtype=float32", f"trainer.lr={LR}"]
+MEGATRON = [
+    "trainer.backend=megatron",
+    "trainer.megatron.attention=sdpa",
+    "trainer.megatron.max_tokens_per_microbatch=96",
+]
+
+
+@pytest.fixture(scope="module", params=["qwen2.5-vl", "qwen3-vl"])
+def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if request.param == "qwen2.5-vl":
+        return REPO / "assets/tiny-qwen2.5-vl-shapes"
+    return build_qwen3_vl(tmp_path_factory.mktemp("qwen3-vl"))
+
+
+def _config(model: Path, *overrides: str) -> BackendConfig:
+    cfg = load_config(
+        REPO / "configs/tiny-vision-grpo.yaml", [*OVERRIDES, f"model.path={model}", *overrides], base_dir=REPO
+    )
+    return BackendConfig.of(cfg)
+
+
+@pytest.fixture
+def reference(request: pytest.FixtureRequest, model: Path, tmp_path: Path) -> Iterator[TorchBackend]:
+    """The torch backend, built before megatron's CPU patches apply (test_megatron_sft.py says why)."""
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    backend = TorchBackend(_config(model), torch.device("cpu"))
+    request.getfixturevalue("megatron_on_cpu")
+    yield backend
+    if started:
+        dist.destroy_process_group()
+
+
+def _batch(model: Path) -> TrainBatch:
+    """Two groups of two rows: one picture, two pictures, one wide picture, none (0, 4 and 8
+    image tokens, grids of two shapes); prompts of several lengths, completions of 2 to 5 tokens."""
+    processor = MediaProcessor(str(model))
+    pictures = [("image", (REPO / f"assets/shapes/{i:04d}.png").read_bytes()) for i in range(3)]
+    prompts = [
+        ("<image>how many shapes?", pictures[:1]),
+        ("<image><image>how many in both?", pictures[1:3]),
+        ("<image>count them", [("image", _wide_picture())]),  # another grid: its tokens in one row
+        ("how many?", []),
+    ]
+    sequences, masks, media = [], [], []
+    for i, (text, items) in enumerate(prompts):
+        processed = processor.process(processor.prompt_ids(PromptRow(i, text, "")), items)
+        completion = processor.tokenizer(str(i) * (2 + i), add_special_tokens=False)["input_ids"]
+        sequences.append(processed.input_ids + completion)
+        masks.append([0] * len(processed.input_ids) + [1] * len(completion))
+        media.append(processed.tensors)
+    return pad_samples(
+        sequences, masks, [[0.0] * len(s) for s in sequences], [1.0, 0.0, 1.0, 0.0], [0, 0, 1, 1],
+        processor.tokenizer.pad_token_id, tuple(media),
+    )  # fmt: skip
+
+
+def _wide_picture() -> bytes:
+    """A 112 x 28 picture of stripes: a 1 x 4 grid of merged tokens where the others have 2 x 2."""
+    image = Image.new("RGB", (112, 28), (255, 255, 255))
+    ImageDraw.Draw(image).rectangle([30, 4, 80, 24], fill=(200, 40, 40))
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+def _torch_logprobs(backend: TorchBackend, batch: TrainBatch) -> torch.Tensor:
+    with torch.no_grad():
+        return token_logprobs_and_entropy(backend.model, batch)[0]
+
+
+def _megatron(model: Path) -> MegatronBackend:
+    return MegatronBackend(_config(model, *MEGATRON), torch.device("cpu"))
+
+
+def _hf_weights(backend: TorchBackend | MegatronBackend) -> dict[str, torch.Tensor]:
+    """The backend's weights under the HF checkpoint's names (the torch backend's are the
+    transformers module's: model.language_model.*, model.visual.*)."""
+    tensors = {name: t.detach().clone() for name, t in backend.full_parameters() if t is not None}
+    convert = backend.checkpoint_layout()
+    return convert(tensors) if convert is not None else tensors
+
+
+def test_megatron_logprobs_and_step_are_the_torch_backends(model, reference, tmp_path):
+    batch = _batch(model)
+    megatron = _megatron(model)
+    mbs = megatron._microbatches(batch)
+    assert len(mbs) > 1 and any(len(mb.rows) > 1 and "pixel_values" in mb.media for mb in mbs)
+    expected = _torch_logprobs(reference, batch)
+    got = megatron._frozen_logprobs(megatron.model, batch)
+    assert got is not None
+    mask = batch.loss_mask.bool()
+    assert (got[mask] - expected[mask]).abs().max() < ATOL
+    # every real token, the prompts' included (its image tokens' successors among them)
+    real = batch.attention_mask.bool()
+    assert (got[real] - expected[real]).abs().max() < ATOL
+
+    batch.rollout_logprobs = expected * batch.loss_mask  # on-policy: ratios 1, as after sampling
+    want, result = reference.train_step(batch, 0), megatron.train_step(batch, 0)
+    assert result.loss == pytest.approx(want.loss, rel=1e-4, abs=1e-6)
+    assert result.grad_norm == pytest.approx(want.grad_norm, rel=1e-4)
+    source = load_file(model / "model.safetensors")
+    before, after, torch_after = source, _hf_weights(megatron), _hf_weights(reference)
+    assert after.keys() == torch_after.keys() == source.keys()
+    assert all(not torch.equal(after[n], before[n]) for n in after if "visual.blocks.0.attn" in n)
+    for name in after:
+        assert torch.allclose(after[name], torch_after[name], atol=WEIGHT_ATOL, rtol=0), name
+    # the trained weights through a megatron checkpoint (tools/dcp_to_hf.py's reading), exactly
+    megatron.save_checkpoint(tmp_path / "ckpt")
+    resumed = _megatron(model)  # the source weights, an optimizer that never stepped
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    assert all(torch.equal(t, after[n]) for n, t in _hf_weights(resumed).items())
+    converted = megatron_checkpoint_to_hf(tmp_path / "ckpt", megatron.hf_config)
+    assert converted.keys() == after.keys()
+    assert all(torch.equal(converted[n], after[n]) for n in after)
+    # and into transformers' model as tools/dcp_to_hf.py loads them (module names; the tied head aside)
+    policy = empty_policy(str(model), torch.float32)
+    missing, unexpected = policy.load_state_dict(module_names(policy, converted), strict=False, assign=True)
+    assert unexpected == [] and missing == ["lm_head.weight"]
+
+
+def test_megatron_loads_and_exports_the_hf_weights_exactly(model, megatron_on_cpu):
+    megatron = _megatron(model)
+    source = load_file(model / "model.safetensors")
+    exported = _hf_weights(megatron)
+    assert [(n, tuple(shape)) for n, shape, _ in megatron.parameter_specs()] == [
+        (n, tuple(t.shape)) for n, t in exported.items()
+    ]
+    assert exported.keys() == source.keys()
+    assert all(torch.equal(exported[n], source[n]) for n in source)
+    # trainer.freeze_encoder: the tower neither trains nor goes to the engines
+    frozen = MegatronBackend(_config(model, *MEGATRON, "trainer.freeze_encoder=true"), torch.device("cpu"))
+    tower = [n for n in source if "visual." in n]
+    assert tower and {n for n, _, _ in frozen.parameter_specs()} == set(source) - set(tower)
+    assert set(_hf_weights(frozen)) == set(source) - set(tower)
+    trained = {n for n, p in frozen.model.module.named_parameters() if p.requires_grad}
+    assert trained and not any(n.startswith("vision.") for n in trained)
