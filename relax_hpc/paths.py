@@ -8,6 +8,7 @@ RUN_DIR/
   spool/ready|claimed|quarantine|orphaned   sample batches (SpoolDirs, relax_hpc.exchange.spool)
   weights/version                       the policy version the engines hold, and how many
   weights/lora/vN                       the last versions' PEFT adapter folders (trainer.lora.sync adapter)
+  weights/files/vN  vN-delta            a version's safetensors, whole or as a delta (weights.channel file)
   ckpt/step-N  ckpt/latest              checkpoints (CkptDirs, relax_hpc.ckpt)
   metrics/train|rollout|eval.jsonl      the record of the run (reward_failures.jsonl: failed rewards;
                                         startup.jsonl: each process's start-up, metrics/startup.py)
@@ -60,6 +61,11 @@ class RunPaths:
     def lora_adapters(self) -> Path:
         """The PEFT adapter folders the engines load (trainer.lora.sync adapter), vN per version."""
         return self.weights / "lora"
+
+    @property
+    def weight_files(self) -> Path:
+        """Each version's safetensors the engines load from disk (weights.channel file)."""
+        return self.weights / "files"
 
     @property
     def ckpt(self) -> Path:

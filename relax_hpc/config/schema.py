@@ -530,6 +530,20 @@ class WeightsConfig(Section):
     """Collective backend of the trainer-to-engine group: auto = nccl on GPUs, gloo on CPU."""
     timeout_s: float = Field(default=60.0, gt=0)
     """Forming the group or sending a bucket fails after this long (a dead engine is dropped)."""
+    channel: Literal["broadcast", "file"] = "broadcast"
+    """How each version reaches the engines. `broadcast`: rank 0 broadcasts flat buckets over a
+    collective group the engines join (NCCL or gloo: the engines must reach the trainer's rank 0).
+    `file`: the trainer ranks write the version as safetensors to RUN_DIR/weights/files/vN, each
+    its share of the buckets, and every engine loads it with /update_weights_from_disk: for engines
+    that share no NCCL or gloo path with the trainer, only the run's filesystem. Not with
+    launch.colocate (which hands the weights over by reference), trainer.lora or rollout.engine
+    vllm (not wired)."""
+    delta: bool = False
+    """With weights.channel=file: write only what changed since the version the engines hold, per
+    bucket the changed elements (index and bits) or the whole bucket, whichever is smaller; exact,
+    and an engine that holds another version loads the whole one. The built-in engine only (SGLang's
+    disk loader takes whole tensors). Each trainer rank keeps its buckets of the last version in
+    host memory."""
 
 
 class CheckpointConfig(Section):
@@ -966,6 +980,35 @@ class JobConfig(Section):
                 "algo.off_policy.routing_replay with trainer.backend=megatron: the recomputed forward of "
                 "the backward pass would route anew; set trainer.megatron.recompute=false"
             )
+
+    @model_validator(mode="after")
+    def _weight_channel(self) -> JobConfig:
+        w = self.weights
+        if w.delta and w.channel != "file":
+            raise ValueError("weights.delta is a mode of the file channel: set weights.channel=file")
+        if w.channel != "file":
+            return self
+        if self.launch.colocate:
+            raise ValueError(
+                "weights.channel=file with launch.colocate: colocated engines take the weights by reference "
+                "on the trainer's devices; unset one of the two"
+            )
+        if self.trainer.lora is not None:
+            raise ValueError(
+                "weights.channel=file with trainer.lora: the file channel writes whole weights, LoRA sends "
+                "adapters (trainer.lora.sync); use weights.channel=broadcast"
+            )
+        if self.rollout.engine == "vllm":
+            raise ValueError(
+                "weights.channel=file with rollout.engine=vllm: not wired (vLLM's route would be "
+                "/collective_rpc reload_weights, docs/DESIGN.md); use weights.channel=broadcast"
+            )
+        if w.delta and self.rollout.engine == "sglang":
+            raise ValueError(
+                "weights.delta with rollout.engine=sglang: SGLang's update_weights_from_disk loads whole "
+                "tensors, not a delta's changed elements; unset weights.delta (the whole version is written)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _lora(self) -> JobConfig:

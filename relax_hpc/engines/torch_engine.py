@@ -53,6 +53,7 @@ from relax_hpc.protocol import requests as P
 from relax_hpc.protocol import routes as R
 from relax_hpc.protocol.registry import EngineRecord, remove_record, write_record
 from relax_hpc.weights.buckets import BucketPlan
+from relax_hpc.weights.files import DELTA_FORMAT, load_folder
 from relax_hpc.weights.group import SideGroup
 from relax_hpc.weights.lora import AdapterMerger
 from relax_hpc.weights.receiver import BucketReceiver
@@ -445,6 +446,28 @@ class TorchEngine:
             self.weight_version = req.weight_version
             return True
 
+    def update_from_disk(self, req: P.UpdateWeightFromDiskReqInput) -> bool:
+        """Load a version's folder (weights.channel file): whole, or a delta of the version held
+        (load_format relax_delta), read and checked in full before any weight changes, then
+        copied in between batches. Returns whether it changed the weight version."""
+        if req.load_format not in (None, "safetensors", DELTA_FORMAT):
+            raise P.ProtocolError(
+                f"load_format {req.load_format!r}: the torch engine takes None, safetensors or {DELTA_FORMAT}"
+            )
+        if self.lora.adapter or self.released:
+            raise P.ProtocolError("update_weights_from_disk loads whole weights: not with LoRA or released memory")
+        if req.abort_all_requests:
+            self.abort(P.AbortReq(abort_all=True))
+        folder = Path(req.model_path)
+        if not folder.is_dir():
+            raise P.ProtocolError(f"no folder {folder}")
+        with self._model_lock, torch.no_grad():  # between batches: a completion never mixes two versions
+            load_folder(folder, self.params, req.load_format == DELTA_FORMAT, self.weight_version).apply(self.params)
+            if req.weight_version is None:
+                return False
+            self.weight_version = req.weight_version
+            return True
+
     def release_memory(self, req: P.ReleaseMemoryOccupationReqInput) -> None:
         """Free the weights' memory while the trainer trains on the same device (colocation): the
         engine must be idle; a released engine refuses /generate until resumed and updated."""
@@ -629,6 +652,9 @@ _ACTIONS: dict[R.Route, _Action] = {
     ),
     R.GET_WEIGHTS_BY_NAME: _Action(TorchEngine.weights_by_name),
     R.UPDATE_WEIGHTS_FROM_TENSOR: _Action(TorchEngine.update_from_tensor, _UPDATED),
+    R.UPDATE_WEIGHTS_FROM_DISK: _Action(
+        TorchEngine.update_from_disk, _message({"success": True, "message": "Succeeded to update model weights."})
+    ),
     R.RELEASE_MEMORY_OCCUPATION: _Action(TorchEngine.release_memory, _message(None)),
     R.RESUME_MEMORY_OCCUPATION: _Action(TorchEngine.resume_memory, _message(None)),
     R.UPDATE_WEIGHTS_FROM_DISTRIBUTED: _Action(TorchEngine.update_from_distributed, _UPDATED),

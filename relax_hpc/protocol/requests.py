@@ -107,6 +107,20 @@ class UpdateWeightsFromTensorReqInput:
 
 
 @dataclass
+class UpdateWeightFromDiskReqInput:
+    """POST /update_weights_from_disk: load the safetensors files of the folder `model_path` (a
+    path on the engine's machine) into the weights; SGLang waits for the requests in flight (or
+    aborts them), the built-in engine loads between batches. load_format None: the server's own
+    (SGLang: safetensors); "relax_delta": a delta folder (weights.delta; the built-in engine only)."""
+
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    flush_cache: bool = True
+
+
+@dataclass
 class ReleaseMemoryOccupationReqInput:
     """POST /release_memory_occupation: free the engine's GPU memory (tags: kv_cache, weights,
     cuda_graph; None: all) while it is idle (colocated training)."""

@@ -35,6 +35,7 @@ END_WEIGHT_UPDATE = Route("POST", "/end_weight_update", P.EndWeightUpdateReqInpu
 UPDATE_WEIGHTS_FROM_DISTRIBUTED = Route(
     "POST", "/update_weights_from_distributed", P.UpdateWeightsFromDistributedReqInput
 )
+UPDATE_WEIGHTS_FROM_DISK = Route("POST", "/update_weights_from_disk", P.UpdateWeightFromDiskReqInput)
 UPDATE_WEIGHTS_FROM_TENSOR = Route("POST", "/update_weights_from_tensor", P.UpdateWeightsFromTensorReqInput)
 GET_WEIGHTS_BY_NAME = Route("POST", "/get_weights_by_name", P.GetWeightsByNameReqInput)
 RELEASE_MEMORY_OCCUPATION = Route("POST", "/release_memory_occupation", P.ReleaseMemoryOccupationReqInput)

@@ -14,6 +14,7 @@ from relax_hpc.trainer.backend import Backend, BackendConfig
 from relax_hpc.weights.adapters import AdapterPublisher
 from relax_hpc.weights.channel import AdapterChannel, BroadcastChannel, ColocatedChannel, VllmChannel, WeightChannel
 from relax_hpc.weights.colocated import ColocatedSender
+from relax_hpc.weights.files import ClientSettings, FileChannel
 from relax_hpc.weights.layout import EngineLayout
 from relax_hpc.weights.sender import WeightSender
 from relax_hpc.weights.vllm_channel import VllmSender
@@ -34,7 +35,7 @@ def build_backend(job: JobConfig, device: torch.device) -> Backend:
 def build_channel(job: JobConfig, paths: RunPaths, backend: Backend, device: torch.device) -> WeightChannel:
     """The weight channel of this trainer rank: adapter sync (trainer.lora.sync adapter), colocated
     (launch.colocate: every rank serves the engines on its device), vLLM's weight-transfer API
-    (rollout.engine vllm), or rank 0's broadcast."""
+    (rollout.engine vllm), files (weights.channel file), or rank 0's broadcast."""
     rank, world = dist.get_rank(), dist.get_world_size()
     token, timeout_s = paths.read_token(), job.weights.timeout_s
     if job.lora_adapters:  # its folders hold PEFT's names: no layout, no buckets
@@ -50,6 +51,13 @@ def build_channel(job: JobConfig, paths: RunPaths, backend: Backend, device: tor
         return VllmChannel(vllm, layout, bucket_bytes)
     if job.launch.colocate:
         return ColocatedChannel(ColocatedSender(paths.engines, token, timeout_s, rank, world), layout, bucket_bytes)
+    if job.weights.channel == "file":
+        # Every rank of the torch backend holds each full tensor in turn and writes its share; the
+        # megatron backend gives rank 0 alone the full tensors (Backend.full_parameters): it writes all.
+        writers = world if job.trainer.backend == "torch" else 1
+        client = ClientSettings(token, timeout_s, job.rollout.partial)
+        registry = paths.engines if rank == 0 else None
+        return FileChannel(paths.weight_files, layout, bucket_bytes, writers, registry, client, job.weights.delta)
     auto = "nccl" if device.type == "cuda" else "gloo"
     group_backend = job.weights.backend if job.weights.backend != "auto" else auto
     sender = WeightSender(paths.engines, token, group_backend, timeout_s, job.rollout.partial) if rank == 0 else None

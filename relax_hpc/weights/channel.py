@@ -4,11 +4,13 @@
 - `ColocatedChannel`: every rank hands its engines the weights by reference on its own device,
   the engines releasing their memory around each step (colocated);
 - `AdapterChannel`: only LoRA adapters travel, as PEFT folders the engines load (adapters);
-- `VllmChannel`: rank 0 pushes through vLLM's own weight-transfer routes (vllm_channel).
+- `VllmChannel`: rank 0 pushes through vLLM's own weight-transfer routes (vllm_channel);
+- `FileChannel` (relax_hpc.weights.files, which builds on this module): every rank writes its
+  buckets as safetensors that the engines load from disk, with weights.delta only what changed.
 
 The trainer holds one channel, chosen once from the config (relax_hpc.trainer.build), and calls
-only this interface, so a new transport (sharded, delta, file) is a new class here, not a branch
-in the trainer. A channel is exact: after a push every engine it reports holds the trainer's
+only this interface, so a new transport (the sharded push next) is a new class, not a branch in
+the trainer. A channel is exact: after a push every engine it reports holds the trainer's
 weights bit for bit.
 """
 

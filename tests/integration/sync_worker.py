@@ -3,13 +3,21 @@ channel (relax_hpc.weights.channel) the path names, record what to expect.
 
 argv: run dir, output file, version, and the path: "broadcast" (rank 0 broadcasts to every engine),
 "colocated" (each rank releases its own engines' memory first, then hands them the weights by
-reference) or "adapter" (trainer.lora.sync adapter: rank 0 writes PEFT folders the engines load;
-two versions, the first one's greedy answers recorded too). With trainer.lora in the run's config
-only the adapters are perturbed and sent, and what to expect is the base with the adapters merged
-(relax_hpc.weights.lora)."""
+reference), "adapter" (trainer.lora.sync adapter: rank 0 writes PEFT folders the engines load;
+two versions, the first one's greedy answers recorded too) or "file" (weights.channel file, the
+run's config says whether with weights.delta: then six versions, the second engine missing one
+and killed during another, see push_files). With
+trainer.lora in the run's config only the adapters are perturbed and sent, and what to expect is
+the base with the adapters merged (relax_hpc.weights.lora)."""
 
 import json
+import os
+import signal
+import subprocess
 import sys
+import threading
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -19,18 +27,23 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from relax_hpc.config.load import read_frozen
 from relax_hpc.config.schema import JobConfig
 from relax_hpc.engines.sampling import SamplingSpec, sample
+from relax_hpc.launch.commands import local_commands
+from relax_hpc.launch.supervisor import child_env
 from relax_hpc.metrics.timing import PhaseTimer
 from relax_hpc.models.lora import write_adapter_folder
 from relax_hpc.models.tiny import addition_problems
 from relax_hpc.paths import RunPaths
 from relax_hpc.protocol.client import EngineClient, EngineUnavailable
+from relax_hpc.protocol.registry import EngineRecord, read_records
 from relax_hpc.protocol.requests import GenerateReqInput
 from relax_hpc.trainer.backend import BackendConfig
+from relax_hpc.trainer.build import build_channel
 from relax_hpc.trainer.torch_backend import TorchBackend
 from relax_hpc.weights.adapters import AdapterPublisher
 from relax_hpc.weights.buckets import plan_buckets
 from relax_hpc.weights.channel import AdapterChannel, BroadcastChannel, ColocatedChannel, WeightChannel
 from relax_hpc.weights.colocated import ColocatedSender
+from relax_hpc.weights.files import FileChannel
 from relax_hpc.weights.layout import EngineLayout
 from relax_hpc.weights.lora import merge_all
 from relax_hpc.weights.sender import WeightSender
@@ -48,9 +61,12 @@ def main() -> None:
     buckets = plan_buckets(backend.parameter_specs(), int(cfg.weights.bucket_mb * 2**20))
     channel = make_channel(path, cfg, paths, backend, rank)
     timer, refused, previous = PhaseTimer(), None, None
+    pushed_files = push_files(channel, cfg, paths, backend, version) if path == "file" else Pushed()
+    served = pushed_files.served
+    engines = served[-1] if served else 0
     # Adapter and colocated: two versions of different weights; the engine holds the second
     # exactly, and (adapter) a request naming the first is answered with it after the second's load.
-    for pushed in (version - 1, version) if path in ("adapter", "colocated") else (version,):
+    for pushed in (version - 1, version) if path in ("adapter", "colocated") else () if path == "file" else (version,):
         if pushed == version and path in ("adapter", "colocated"):
             previous = dict(backend.full_parameters()) if path == "adapter" else None
             perturb(backend.model)
@@ -65,6 +81,9 @@ def main() -> None:
             json.dumps(
                 {
                     "engines": engines,
+                    "served": served,
+                    "restarted": pushed_files.restarted,
+                    "folders": sorted(p.name for p in paths.weight_files.iterdir()) if path == "file" else None,
                     "refused_while_released": refused,
                     "buckets": len(buckets),
                     "bytes": sum(b.nbytes for b in buckets),
@@ -78,10 +97,87 @@ def main() -> None:
     dist.destroy_process_group()
 
 
+@dataclass
+class Pushed:
+    served: list[int] = field(default_factory=list)  # engines each push served
+    restarted: int | None = None  # the pid of the engine started again
+
+
+def push_files(channel: WeightChannel, cfg: JobConfig, paths: RunPaths, backend: TorchBackend, version: int) -> Pushed:
+    """Two versions through the file channel; with weights.delta six, each a sparse change of the
+    one before: the second engine is stopped during the third push (it misses it) and killed as the
+    fifth is written and loaded, then started again (as the launcher would) for the sixth."""
+    second = None
+    if dist.get_rank() == 0 and cfg.weights.delta:
+        second = sorted(read_records(paths.engines), key=lambda r: r.engine_id)[1]
+    out = Pushed()
+    for pushed in range(version - (5 if cfg.weights.delta else 1), version + 1):
+        if out.served:
+            perturb(backend.model, share=0.02)
+        if second is not None and pushed == version - 3:
+            os.kill(second.pid, signal.SIGSTOP)
+        killer = None
+        if second is not None and pushed == version - 1:
+            assert isinstance(channel, FileChannel), "the file path builds a FileChannel"
+            killer = kill_after_decision(channel, second.pid)
+        out.served.append(channel.push(backend.full_parameters, pushed))
+        if second is not None and pushed == version - 3:
+            os.kill(second.pid, signal.SIGCONT)
+        if second is not None and killer is not None:
+            killer.join()
+            out.restarted = restart(cfg, paths, second)
+        dist.barrier()
+    return out
+
+
+def kill_after_decision(channel: FileChannel, pid: int) -> threading.Thread:
+    """Once the push has asked the engines which version they hold (the engine is in it), stop
+    the engine (its load then waits) and kill it while the push writes and loads; the thread ends
+    with the kill. A fault injected at that point, not a stand-in: the channel runs as it is."""
+    decided = threading.Event()
+    decide = channel._decide
+
+    def deciding(version: int) -> object:
+        decision = decide(version)
+        os.kill(pid, signal.SIGSTOP)
+        decided.set()
+        channel._decide = decide  # type: ignore[method-assign]  # once
+        return decision
+
+    def kill() -> None:
+        decided.wait()
+        time.sleep(0.5)
+        os.kill(pid, signal.SIGKILL)
+
+    channel._decide = deciding  # type: ignore[method-assign]
+    thread = threading.Thread(target=kill)
+    thread.start()
+    return thread
+
+
+def restart(cfg: JobConfig, paths: RunPaths, record: EngineRecord) -> int:
+    """Start the engine again from the launcher's command line; its pid once it answers."""
+    log = (paths.root / f"{record.engine_id}-restarted.log").open("ab")
+    proc = subprocess.Popen(
+        local_commands(cfg, paths)[record.engine_id], stdout=log, stderr=subprocess.STDOUT, env=child_env(cfg)
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        new = [
+            r for r in read_records(paths.engines) if r.engine_id == record.engine_id and r.instance != record.instance
+        ]
+        if new and EngineClient(new[0].url, paths.read_token(), 5.0).healthy():
+            return proc.pid
+        time.sleep(0.2)
+    raise TimeoutError(f"{record.engine_id} did not come back")
+
+
 def make_channel(path: str, cfg: JobConfig, paths: RunPaths, backend: TorchBackend, rank: int) -> WeightChannel:
     """The channel `path` names, built as relax_hpc.trainer.build builds it for a run."""
     token, bucket_bytes = paths.read_token(), int(cfg.weights.bucket_mb * 2**20)
     layout = EngineLayout(backend.parameter_specs(), None)
+    if path == "file":  # as a run builds it: the run's config says whether with weights.delta
+        return build_channel(cfg, paths, backend, torch.device("cpu"))
     if path == "adapter":
         lora = cfg.trainer.lora
         assert lora is not None, "the adapter path is a LoRA run's"
@@ -112,11 +208,12 @@ def expected(model_path: str, lora: bool, full: dict) -> tuple[dict, list[list[i
     return full, [c.output_ids for c in greedy]
 
 
-def perturb(model: torch.nn.Module) -> None:
+def perturb(model: torch.nn.Module, share: float = 1.0) -> None:
+    """Change every trainable element, or about `share` of them."""
     with torch.no_grad():
         for p in model.parameters():
             if p.requires_grad:  # LoRA: the adapters (B starts at zero), never the frozen base
-                p.add_(0.3 * torch.randn_like(p))
+                p.add_(0.3 * torch.randn_like(p) * (torch.rand_like(p) < share))
 
 
 def refuses_generation(url: str, token: str) -> bool:

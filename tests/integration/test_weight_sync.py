@@ -1,6 +1,8 @@
 """Weight sync round trip: torchrun ranks (FSDP2, gloo) -> two engine processes over HTTP + gloo."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
 
@@ -15,12 +17,20 @@ pytestmark = pytest.mark.integration
 
 
 LORA = ("trainer.lora.rank=4", "trainer.lora.target_modules=[q_proj,v_proj,down_proj]")
+FILE = ("weights.channel=file",)
 
 
 @pytest.mark.parametrize(
     "path, overrides",
-    [("broadcast", ()), ("colocated", ()), ("broadcast", LORA), ("adapter", (*LORA, "trainer.lora.sync=adapter"))],
-    ids=["broadcast", "colocated", "lora", "lora-adapter"],
+    [
+        ("broadcast", ()),
+        ("colocated", ()),
+        ("broadcast", LORA),
+        ("adapter", (*LORA, "trainer.lora.sync=adapter")),
+        ("file", FILE),
+        ("file", (*FILE, "weights.delta=true")),
+    ],
+    ids=["broadcast", "colocated", "lora", "lora-adapter", "file", "file-delta"],
 )
 def test_engines_hold_the_trainer_weights_after_a_push(tmp_path, engines, path, overrides):
     """Broadcast: rank 0 sends every engine each bucket over a gloo group. Colocated: each rank
@@ -28,7 +38,9 @@ def test_engines_hold_the_trainer_weights_after_a_push(tmp_path, engines, path, 
     buckets by reference (shared memory on the CPU, CUDA IPC on a GPU). LoRA: only the adapters
     travel, and each engine's weights are then bit for bit the base with the trainer's adapters
     merged. LoRA adapter sync: the engines load each version's PEFT folder and merge the adapter
-    a request names, the newest or the one before (still loaded)."""
+    a request names, the newest or the one before (still loaded). File (and delta): four versions
+    written by both ranks and loaded from disk; the second engine misses the third and then loads
+    the whole fourth while the first loads its delta; the folders of older versions are gone."""
     # 0.05 MiB buckets: the 1.2 MB model travels in many buckets, as a large model would.
     cfg, paths = make_run(tmp_path / "run", "weights.bucket_mb=0.05", *overrides)
     group = engines(cfg, paths, 2)
@@ -43,28 +55,39 @@ def test_engines_hold_the_trainer_weights_after_a_push(tmp_path, engines, path, 
         )  # fmt: skip
     assert result.returncode == 0, log.read_text()[-3000:]
     expected = json.loads(out.read_text())
-    assert expected["engines"] == 2
-    # LoRA sends the adapters alone: a few percent of the model's 1.2 MB
-    assert expected["buckets"] > 5 if not overrides else expected["bytes"] < 0.1 * 1.2e6
-    assert expected["refused_while_released"] is (True if path == "colocated" else None)
-    token = paths.read_token()
-    prompts = [[int(t) for t in row] for row in _prompts()]
-    greedy = {"max_new_tokens": 4, "temperature": 0.0}
-    for record in group.wait_registered(2):
-        client = EngineClient(record.url, token, 30)
-        assert client.weight_version() == "7"
-        named = adapter_name(7) if path == "adapter" else None  # the engines merge what a request names
-        outputs = client.generate(P.GenerateReqInput(input_ids=prompts, sampling_params=greedy, lora_path=named))
-        assert [o["output_ids"] for o in outputs] == expected["greedy"]
-        assert all(o["meta_info"]["weight_version"] == "7" for o in outputs)
-        for name, rows in expected["weights"].items():
-            got = client.post("/get_weights_by_name", P.GetWeightsByNameReqInput(name=name, truncate_size=2))
-            assert got == rows, name  # bit-exact: float32 -> JSON -> float32 round trip
+    try:
+        assert expected["engines"] == 2
+        # LoRA sends the adapters alone: a few percent of the model's 1.2 MB
+        assert expected["buckets"] > 5 if path in ("broadcast", "colocated", "file") else True
+        assert expected["bytes"] < 0.1 * 1.2e6 if "trainer.lora.rank=4" in overrides else True
+        if path == "file" and "weights.delta=true" in overrides:  # the second engine stopped, then killed
+            assert expected["served"] == [2, 2, 1, 2, 1, 2]
+            assert expected["folders"] == ["v7", "v7-delta"]
+        elif path == "file":
+            assert expected["served"] == [2, 2]
+            assert expected["folders"] == ["v7"]
+        assert expected["refused_while_released"] is (True if path == "colocated" else None)
+        token = paths.read_token()
+        prompts = [[int(t) for t in row] for row in _prompts()]
+        greedy = {"max_new_tokens": 4, "temperature": 0.0}
+        for record in group.wait_registered(2):
+            client = EngineClient(record.url, token, 30)
+            assert client.weight_version() == "7"
+            named = adapter_name(7) if path == "adapter" else None  # the engines merge what a request names
+            outputs = client.generate(P.GenerateReqInput(input_ids=prompts, sampling_params=greedy, lora_path=named))
+            assert [o["output_ids"] for o in outputs] == expected["greedy"]
+            assert all(o["meta_info"]["weight_version"] == "7" for o in outputs)
+            for name, rows in expected["weights"].items():
+                got = client.post("/get_weights_by_name", P.GetWeightsByNameReqInput(name=name, truncate_size=2))
+                assert got == rows, name  # bit-exact: float32 -> JSON -> float32 round trip
+            if path == "adapter":
+                older = client.generate(P.GenerateReqInput(input_ids=prompts, sampling_params=greedy, lora_path="v6"))
+                assert [o["output_ids"] for o in older] == expected["previous_greedy"] != expected["greedy"]
         if path == "adapter":
-            older = client.generate(P.GenerateReqInput(input_ids=prompts, sampling_params=greedy, lora_path="v6"))
-            assert [o["output_ids"] for o in older] == expected["previous_greedy"] != expected["greedy"]
-    if path == "adapter":
-        assert sorted(p.name for p in paths.lora_adapters.iterdir()) == ["v6", "v7"]
+            assert sorted(p.name for p in paths.lora_adapters.iterdir()) == ["v6", "v7"]
+    finally:  # the second engine, started again by the worker (file)
+        if expected["restarted"]:
+            os.kill(expected["restarted"], signal.SIGKILL)
 
 
 def _prompts():

@@ -260,3 +260,27 @@ def test_visible_gpus_are_counted_without_torch():
     assert visible_gpu_count({"CUDA_VISIBLE_DEVICES": "2,3"}) == 2
     assert visible_gpu_count({"CUDA_VISIBLE_DEVICES": ""}) == 0
     assert visible_gpu_count({"CUDA_VISIBLE_DEVICES": "-1"}) == 0
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["weights.delta=true"], "weights.delta is a mode of the file channel"),
+        (
+            ["weights.channel=file", "launch.colocate=true", "rollout.max_staleness=0"],
+            "weights.channel=file with launch.colocate",
+        ),
+        (["weights.channel=file", "trainer.lora.rank=4"], "weights.channel=file with trainer.lora"),
+        (["weights.channel=file", "weights.delta=true", "rollout.engine=sglang"], "weights.delta with rollout.engine"),
+        (["weights.channel=file", "rollout.engine=vllm"], "weights.channel=file with rollout.engine=vllm"),
+    ],
+    ids=["delta-without-files", "colocated", "lora", "delta-sglang", "vllm"],
+)
+def test_weight_channel_combinations_that_cannot_work_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, overrides)
+
+
+def test_the_file_channel_with_delta_is_accepted():
+    cfg = load_config(None, ["weights.channel=file", "weights.delta=true"])
+    assert (cfg.weights.channel, cfg.weights.delta) == ("file", True)

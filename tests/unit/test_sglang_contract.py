@@ -25,6 +25,7 @@ import argparse
 import base64
 import binascii
 import dataclasses
+import glob
 import importlib.metadata
 import importlib.util
 import inspect
@@ -55,6 +56,7 @@ from relax_hpc.rollout.engine_policy import EnginePolicy
 from relax_hpc.rollout.rounds import sampling_params
 from relax_hpc.rollout.teacher import scoring_request
 from relax_hpc.weights.buckets import BucketPlan, pack
+from relax_hpc.weights.files import write_dense
 from relax_hpc.weights.tensors import bucket_records, deserialize, serialize, serialize_bucket
 from tests.sglang_import import import_sglang
 
@@ -131,6 +133,8 @@ def sent_requests(cfg) -> list[Any]:
             serialized_named_tensors=colocated_payload(1), load_format="flattened_bucket", weight_version="7"
         ),
         P.UpdateWeightsFromTensorReqInput(serialized_named_tensors=serialize(COLOCATED_NAMED)),  # in place (bench)
+        # the file channel (relax_hpc/weights/files.py): a whole version from the run's folder
+        P.UpdateWeightFromDiskReqInput(model_path="/runs/r/weights/files/v7", weight_version="7"),
         P.AbortReq(abort_all=True),
         P.AbortReq(rid="r-1"),
         P.GetWeightsByNameReqInput(name="lm_head.weight", truncate_size=2),
@@ -357,6 +361,22 @@ def assert_sent(named: list) -> None:
     assert [n for n, _ in named] == [n for n, _ in COLOCATED_NAMED]
     for (_, got), (_, sent) in zip(named, COLOCATED_NAMED, strict=True):
         assert got.dtype == sent.dtype and torch.equal(got, sent)
+
+
+def test_sglangs_disk_loader_reads_a_version_folder_as_the_sent_tensors(sglang, tmp_path):
+    """/update_weights_from_disk (the file channel): SGLang's DefaultModelLoader takes every
+    *.safetensors of a local folder without an index file (filter_duplicate_safetensors_files)
+    and iterates their tensors (safetensors_weights_iterator); the bucket files the trainer
+    ranks write give exactly the sent tensors."""
+    (weights,) = import_sglang("sglang.srt.model_loader.weight_utils")
+    names = [n for n, _ in COLOCATED_NAMED]
+    for k, (name, tensor) in enumerate(COLOCATED_NAMED):  # one bucket file per dtype, as plan_buckets splits them
+        plan = BucketPlan([name], [str(tensor.dtype).removeprefix("torch.")], [list(tensor.shape)])
+        write_dense(tmp_path / f"b{k:05d}.safetensors", pack([tensor]), plan)
+    files = weights.filter_duplicate_safetensors_files(
+        glob.glob(str(tmp_path / "*.safetensors")), str(tmp_path), "model.safetensors.index.json"
+    )
+    assert_sent(sorted(weights.safetensors_weights_iterator(files), key=lambda nt: names.index(nt[0])))
 
 
 def test_every_request_class_is_sent_above():
