@@ -14,7 +14,11 @@ from tests.integration.conftest import REPO, make_run
 pytestmark = pytest.mark.integration
 
 
-LORA = ("trainer.lora.rank=4", "trainer.lora.target_modules=[q_proj,v_proj,down_proj]")
+# With modules trained whole (the final norm, the tied embedding): they travel beside the adapters.
+LORA = (
+    "trainer.lora.rank=4", "trainer.lora.target_modules=[q_proj,v_proj,down_proj]",
+    "trainer.lora.modules_to_save=[model.norm,embed_tokens]",
+)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -26,9 +30,10 @@ def test_engines_hold_the_trainer_weights_after_a_push(tmp_path, engines, path, 
     """Broadcast: rank 0 sends every engine each bucket over a gloo group. Colocated: each rank
     releases its own engine's memory (the engine then refuses to generate), then hands it the
     buckets by reference (shared memory on the CPU, CUDA IPC on a GPU). LoRA: only the adapters
-    travel, and each engine's weights are then bit for bit the base with the trainer's adapters
-    merged. LoRA adapter sync: the engines load each version's PEFT folder and merge the adapter
-    a request names, the newest or the one before (still loaded)."""
+    and the modules trained whole travel, and each engine's weights are then bit for bit the base
+    with the trainer's adapters merged and the trainer's final norm and embedding. LoRA adapter
+    sync: the engines load each version's PEFT folder and merge the adapter a request names (and
+    set its modules), the newest or the one before (still loaded)."""
     # 0.05 MiB buckets: the 1.2 MB model travels in many buckets, as a large model would.
     cfg, paths = make_run(tmp_path / "run", "weights.bucket_mb=0.05", *overrides)
     group = engines(cfg, paths, 2)
@@ -44,7 +49,7 @@ def test_engines_hold_the_trainer_weights_after_a_push(tmp_path, engines, path, 
     assert result.returncode == 0, log.read_text()[-3000:]
     expected = json.loads(out.read_text())
     assert expected["engines"] == 2
-    # LoRA sends the adapters alone: a few percent of the model's 1.2 MB
+    # LoRA sends the adapters and two small modules: a few percent of the model's 1.2 MB
     assert expected["buckets"] > 5 if not overrides else expected["bytes"] < 0.1 * 1.2e6
     assert expected["refused_while_released"] is (True if path == "colocated" else None)
     token = paths.read_token()
