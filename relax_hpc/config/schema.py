@@ -479,6 +479,13 @@ class LoraConfig(Section):
     target_modules: list[str] = Field(default=["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1)
     """Linear modules that get an adapter, by name suffix (PEFT's target_modules), e.g. q_proj,
     v_proj, gate_proj, up_proj, down_proj of Qwen/Llama-style decoders."""
+    modules_to_save: list[str] = Field(default=[])
+    """Modules trained whole beside the adapters (PEFT's modules_to_save), matched as PEFT matches
+    them: every module whose name ends with the string, e.g. `model.norm` (the final RMSNorm),
+    `norm` (every RMSNorm), `embed_tokens` (with tied embeddings, the output embedding too). Their
+    weights travel with the adapters at every weight sync, are in the checkpoints and in both HF
+    exports. A small model needs them: the adapters cannot move the final norm or the output
+    embedding, which bound the sampled reward (BENCHMARKS.md, "LoRA on the embedded default")."""
     sync: Literal["auto", "merge", "adapter"] = "auto"
     """How the engines get each version. `merge`: the adapters travel through the weight-sync
     group and the built-in engine merges them into its base weights. `adapter`: rank 0 writes the
@@ -517,9 +524,10 @@ class TrainerConfig(Section):
     """Multimodal models: keep the vision and audio encoders as loaded (not trained, not sent to
     the engines at weight sync); the language model (and Qwen2-Audio's projector) train."""
     lora: LoraConfig | None = None
-    """Train LoRA adapters (PEFT) instead of the whole model: the base stays frozen, weight sync
-    sends only the adapters (the built-in engine merges them into its base weights), checkpoints
-    hold the adapters and their optimizer state. Unset: full fine-tuning. torch backend only (not
+    """Train LoRA adapters (PEFT) instead of the whole model: the base stays frozen (but for
+    trainer.lora.modules_to_save), weight sync sends only the adapters and those modules (the
+    built-in engine merges the adapters into its base weights), checkpoints hold them and their
+    optimizer state. Unset: full fine-tuning. torch backend only (not
     colocated); SGLang engines load each version as an adapter (trainer.lora.sync)."""
 
 
@@ -1020,6 +1028,11 @@ class JobConfig(Section):
             raise ValueError(
                 "trainer.lora.sync=merge with rollout.engine=sglang: SGLang's weight update takes only the "
                 "model's own weight names, not adapters to merge; use trainer.lora.sync=adapter (or auto)"
+            )
+        if self.rollout.engine == "sglang" and self.trainer.lora.modules_to_save:
+            raise ValueError(
+                "trainer.lora.modules_to_save with rollout.engine=sglang: SGLang's LoRA serving takes "
+                "adapters only, not the modules trained whole; use the built-in engine or unset modules_to_save"
             )
         if self.launch.colocate:
             raise ValueError(

@@ -288,8 +288,9 @@ class TorchBackend:
 
     def state_dict(self) -> dict:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.state_options)
-        if self.cfg.lora is not None:  # a tied lm_head survives ignore_frozen_params (named under the embedding)
-            model_sd = {k: v for k, v in model_sd.items() if lora.is_adapter_parameter(k)}
+        if self.cfg.lora is not None:  # a frozen tied lm_head survives ignore_frozen_params (named under the embedding)
+            trained = set(self.synced)
+            model_sd = {k: v for k, v in model_sd.items() if k in trained}
         state = {"model": model_sd, "optim": optim_sd}
         if self.critic is not None:
             assert self.critic_optimizer is not None, "built with the critic"

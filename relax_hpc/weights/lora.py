@@ -2,7 +2,9 @@
 
 A LoRA push (trainer.lora) sends, through the same buckets as a full one, every adapter's A and B
 (named `<module>.lora_A.weight`, `<module>.lora_B.weight`, as in a PEFT adapter file without its
-`base_model.model.` prefix) and one float32 tensor `lora_scaling` (alpha / rank). The engine keeps
+`base_model.model.` prefix), one float32 tensor `lora_scaling` (alpha / rank) and the weights of
+the modules trained whole (trainer.lora.modules_to_save) under their own names, which the engine
+receives into its parameters as a full push's (and a PEFT file holds them so too). The engine keeps
 a copy of each target module's base weight, taken before its first merge, and sets the weight to
 `merged(base, A, B, scaling)` after the last bucket of a version: every version is merged onto
 the base, never onto the previous version, so the engine's weights are exactly the trainer's
@@ -33,20 +35,32 @@ def merged(
     return torch.addmm(base, b.to(base.dtype), a.to(base.dtype), alpha=scaling, out=out)
 
 
+def replaced_weight(name: str) -> str | None:
+    """The model weight an adapter tensor sets: a target's weight for its A, the tensor's own
+    name for a module trained whole (trainer.lora.modules_to_save); None for B and the scaling."""
+    if name.endswith(_A):
+        return f"{name[: -len(_A)]}.weight"
+    return None if is_adapter_tensor(name) else name
+
+
 def merge_all(
     base: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor], out: Mapping[str, torch.Tensor] | None = None
 ) -> dict[str, torch.Tensor]:
-    """The merged weight of every module `adapter` (sync names, SCALING included) targets, keyed
-    by the base weight's name (into `out`'s tensors when given)."""
+    """The weight of every module `adapter` (sync names, SCALING included) sets, keyed by its
+    name (into `out`'s tensors when given): a target's merged weight, a module's trained whole as
+    trained."""
     scaling = float(adapter[SCALING])  # one number per version (a host sync on a GPU, once)
-    merged_weights = {}
-    for name, a in adapter.items():
+    weights = {}
+    for name, tensor in adapter.items():
+        weight = replaced_weight(name)
+        if weight is None:
+            continue
+        target = None if out is None else out[weight]
         if name.endswith(_A):
-            module = name[: -len(_A)]
-            weight = f"{module}.weight"
-            target = None if out is None else out[weight]
-            merged_weights[weight] = merged(base[weight], a, adapter[module + _B], scaling, target)
-    return merged_weights
+            weights[weight] = merged(base[weight], tensor, adapter[name[: -len(_A)] + _B], scaling, target)
+        else:
+            weights[weight] = tensor if target is None else target.copy_(tensor)
+    return weights
 
 
 class AdapterMerger:
@@ -65,10 +79,11 @@ class AdapterMerger:
 
     @torch.no_grad()
     def merge(self) -> None:
-        """After a version's last bucket: every target weight becomes base + scaling x B A."""
+        """After a version's last bucket: every target weight becomes base + scaling x B A (and
+        a module trained whole, when the adapter holds it, its trained weight)."""
         for name in self.adapter:
-            if name.endswith(_A):
-                weight = f"{name[: -len(_A)]}.weight"
+            weight = replaced_weight(name)
+            if weight is not None:
                 self.base.setdefault(weight, self.params[weight].detach().clone())
         merge_all(self.base, self.adapter, out=self.params)
 

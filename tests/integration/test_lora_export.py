@@ -1,7 +1,7 @@
-"""The HF export of a LoRA run (trainer.lora): its checkpoint holds only the adapters; the export
-writes them as a PEFT adapter folder that peft loads onto the base (ckpt.export_lora=adapter), or
-the base with them merged as the engines merge them (merged). Both compute what the trained
-policy computes."""
+"""The HF export of a LoRA run (trainer.lora): its checkpoint holds only the adapters and the
+modules trained whole (the shipped config's final norm); the export writes them as a PEFT adapter
+folder that peft loads onto the base (ckpt.export_lora=adapter), or the base with them merged as
+the engines merge them (merged). Both compute what the trained policy computes."""
 
 import subprocess
 import sys
@@ -67,4 +67,6 @@ def test_the_merged_export_holds_what_the_engines_hold(trained, tmp_path):
     engines = merge_all(base, dict(run.backend.full_parameters()))  # what a push makes of them
     weights = exported.state_dict()
     assert engines and all(torch.equal(weights[name], t) for name, t in engines.items())
+    # The shipped config trains the final norm whole (trainer.lora.modules_to_save): exported as trained.
+    assert not torch.equal(weights["model.norm.weight"], base["model.norm.weight"])
     torch.testing.assert_close(_logits(exported, run), _logits(run.backend.model, run), rtol=0, atol=1e-5)

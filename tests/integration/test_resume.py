@@ -56,6 +56,7 @@ def test_async_resume_loses_and_repeats_nothing(tmp_path):
 LORA_STEPS = 8
 LORA = (
     *COMMON, f"trainer.total_steps={LORA_STEPS}", "rollout.max_staleness=0", "trainer.lora.rank=4", "trainer.lr=5e-3",
+    "trainer.lora.modules_to_save=[model.norm]",
 )  # fmt: skip
 
 
@@ -69,16 +70,18 @@ def lora_reference(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("sync", ["merge", "adapter"])
 def test_lora_resume_reproduces_the_uninterrupted_run(tmp_path, lora_reference, sync):
-    """trainer.lora: the checkpoint holds the adapters and their optimizer state, not the frozen
-    base; after kill -9 (engines included: they restart with the base and get the current adapter
-    at the next push) the run goes on exactly as the uninterrupted one. adapter: the engines load
-    each version's PEFT folder (rewritten from the checkpoint after the kill) and the requests name
-    it, which reproduces the reference's merged run exactly too. Shortened: 8 steps, one kill."""
+    """trainer.lora: the checkpoint holds the adapters, the final norm (trained whole) and their
+    optimizer state, not the frozen base; after kill -9 (engines included: they restart with the
+    base and get the current adapter at the next push) the run goes on exactly as the
+    uninterrupted one. adapter: the engines load each version's PEFT folder (rewritten from the
+    checkpoint after the kill) and the requests name it, which reproduces the reference's merged
+    run exactly too. Shortened: 8 steps, one kill."""
     resumed = tmp_path / "resumed"
     run_with_kills(resumed, 1, random.Random(7), *LORA, f"trainer.lora.sync={sync}", steps=LORA_STEPS)
     assert_reproduces(lora_reference, resumed, LORA_STEPS)
     tensors = dcp.FileSystemReader(str(resumed / "ckpt" / "latest")).read_metadata().state_dict_metadata
     model = [k for k in tensors if k.startswith("model.")]
-    assert model and all(".lora_A." in k or ".lora_B." in k for k in model), model[:5]
+    assert "model.model.norm.weight" in model  # the module trained whole, beside the adapters
+    assert all(".lora_A." in k or ".lora_B." in k or k == "model.model.norm.weight" for k in model), model[:5]
     if sync == "adapter":  # the last versions' folders only
         assert sorted(p.name for p in RunPaths(resumed).lora_adapters.iterdir()) == ["v5", "v6", "v7", "v8"]

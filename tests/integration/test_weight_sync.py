@@ -16,7 +16,11 @@ from tests.integration.conftest import REPO, make_run
 pytestmark = pytest.mark.integration
 
 
-LORA = ("trainer.lora.rank=4", "trainer.lora.target_modules=[q_proj,v_proj,down_proj]")
+# With modules trained whole (the final norm, the tied embedding): they travel beside the adapters.
+LORA = (
+    "trainer.lora.rank=4", "trainer.lora.target_modules=[q_proj,v_proj,down_proj]",
+    "trainer.lora.modules_to_save=[model.norm,embed_tokens]",
+)  # fmt: skip
 FILE = ("weights.channel=file",)
 
 
@@ -36,9 +40,10 @@ def test_engines_hold_the_trainer_weights_after_a_push(tmp_path, engines, path, 
     """Broadcast: rank 0 sends every engine each bucket over a gloo group. Colocated: each rank
     releases its own engine's memory (the engine then refuses to generate), then hands it the
     buckets by reference (shared memory on the CPU, CUDA IPC on a GPU). LoRA: only the adapters
-    travel, and each engine's weights are then bit for bit the base with the trainer's adapters
-    merged. LoRA adapter sync: the engines load each version's PEFT folder and merge the adapter
-    a request names, the newest or the one before (still loaded). File (and delta): four versions
+    and the modules trained whole travel, and each engine's weights are then bit for bit the base
+    with the trainer's adapters merged and the trainer's final norm and embedding. LoRA adapter
+    sync: the engines load each version's PEFT folder and merge the adapter a request names (and
+    set its modules), the newest or the one before (still loaded). File (and delta): four versions
     written by both ranks and loaded from disk; the second engine misses the third and then loads
     the whole fourth while the first loads its delta; the folders of older versions are gone."""
     # 0.05 MiB buckets: the 1.2 MB model travels in many buckets, as a large model would.
@@ -57,7 +62,7 @@ def test_engines_hold_the_trainer_weights_after_a_push(tmp_path, engines, path, 
     expected = json.loads(out.read_text())
     try:
         assert expected["engines"] == 2
-        # LoRA sends the adapters alone: a few percent of the model's 1.2 MB
+        # LoRA sends the adapters and two small modules: a few percent of the model's 1.2 MB
         assert expected["buckets"] > 5 if path in ("broadcast", "colocated", "file") else True
         assert expected["bytes"] < 0.1 * 1.2e6 if "trainer.lora.rank=4" in overrides else True
         if path == "file" and "weights.delta=true" in overrides:  # the second engine stopped, then killed

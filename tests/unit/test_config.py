@@ -73,6 +73,10 @@ def test_every_shipped_config_validates_and_its_inputs_exist(path):
         ("trainer.lora.rank=8 trainer.backend=megatron", "trainer.lora: the megatron backend trains full models"),
         ("trainer.lora.rank=8 rollout.engine=sglang trainer.lora.sync=merge", "use trainer.lora.sync=adapter"),
         ("trainer.lora.rank=8 launch.colocate=true rollout.max_staleness=0", "an adapter alone cannot restore"),
+        (
+            "trainer.lora.modules_to_save=[model.norm] rollout.engine=sglang",
+            "SGLang's LoRA serving takes adapters only",
+        ),
         ("rollout.mask_stale_tokens=true", "without rollout.partial every token of a sample has one version"),
     ],
 )

@@ -1,5 +1,6 @@
 """The highest sampled reward a LoRA policy can reach when the final norm and the output embedding
-stay frozen (trainer.lora adapts only linear projections), on a question/answer task.
+stay frozen (trainer.lora's adapters on linear projections, without modules_to_save), on a
+question/answer task.
 
     python tools/bench/lora_reward_bound.py [--model assets/tiny-qwen3-addition] [--data assets/addition.jsonl]
 
