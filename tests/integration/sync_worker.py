@@ -149,7 +149,7 @@ def kill_after_decision(channel: FileChannel, pid: int) -> threading.Thread:
         time.sleep(0.5)
         os.kill(pid, signal.SIGKILL)
 
-    channel._decide = deciding  # type: ignore[method-assign]
+    channel._decide = deciding  # type: ignore[method-assign,assignment]
     thread = threading.Thread(target=kill)
     thread.start()
     return thread

@@ -230,13 +230,14 @@ def _vision_logprob_gap(model, folder: str, config) -> float:
     from megatron.core import parallel_state as ps
     from transformers import AutoModelForImageTextToText
 
+    from relax_hpc.config.schema import MediaKind
     from relax_hpc.data.processor import MediaProcessor
     from relax_hpc.data.prompts import PromptRow
     from relax_hpc.models.megatron_vision import MropePackedSeqParams, mrope_positions, rope_index_model
     from relax_hpc.trainer.vocab_parallel import logprobs_and_entropy
 
     processor = MediaProcessor(folder)
-    picture = ("image", (REPO / "assets/shapes/0001.png").read_bytes())
+    picture: tuple[MediaKind, bytes] = ("image", (REPO / "assets/shapes/0001.png").read_bytes())
     prompt = processor.process(processor.prompt_ids(PromptRow(0, "<image>how many?", "")), [picture])
     ids = torch.tensor([prompt.input_ids])
     grids = {"image_grid_thw": prompt.tensors["image_grid_thw"]}

@@ -28,6 +28,7 @@ from PIL import Image, ImageDraw
 from safetensors.torch import load_file
 
 from relax_hpc.config.load import load_config
+from relax_hpc.config.schema import MediaKind
 from relax_hpc.data.processor import MediaProcessor
 from relax_hpc.data.prompts import PromptRow
 from relax_hpc.models.hf import empty_policy, module_names
@@ -90,8 +91,10 @@ def _batch(model: Path) -> TrainBatch:
     """Two groups of two rows: one picture, two pictures, one wide picture, none (0, 4 and 8
     image tokens, grids of two shapes); prompts of several lengths, completions of 2 to 5 tokens."""
     processor = MediaProcessor(str(model))
-    pictures = [("image", (REPO / f"assets/shapes/{i:04d}.png").read_bytes()) for i in range(3)]
-    prompts = [
+    pictures: list[tuple[MediaKind, bytes]] = [
+        ("image", (REPO / f"assets/shapes/{i:04d}.png").read_bytes()) for i in range(3)
+    ]
+    prompts: list[tuple[str, list[tuple[MediaKind, bytes]]]] = [
         ("<image>how many shapes?", pictures[:1]),
         ("<image><image>how many in both?", pictures[1:3]),
         ("<image>count them", [("image", _wide_picture())]),  # another grid: its tokens in one row
