@@ -6,6 +6,7 @@ across the restart as one run, `status`, `plot`, the pruned spool and the HF exp
 from __future__ import annotations
 
 import json
+import re
 import signal
 import stat
 import subprocess
@@ -65,8 +66,11 @@ def test_each_edge_of_the_run_says_what_happened(watched):
 
 
 def test_a_clean_stop_leaves_no_traceback_at_the_end_of_the_trainer_s_log(watched):
-    last = (watched["run_dir"] / "logs" / "0" / "trainer.log").read_text().splitlines()[-1]
-    assert "checkpoint step" in last and "saved" in last, last  # torchrun left by itself, no SignalException
+    lines = (watched["run_dir"] / "logs" / "0" / "trainer.log").read_text().splitlines()
+    saved = max(i for i, line in enumerate(lines) if "checkpoint step" in line and "saved" in line)
+    # The ranks left by themselves: after the stop's checkpoint only the other rank's own log
+    # lines may come (its output reaches the file when it does), no traceback, no SignalException.
+    assert all(re.match(r"\d{4}-\d\d-\d\d [\d:,]+ trainer\[\d+\] ", line) for line in lines[saved + 1 :]), lines[saved:]
 
 
 def test_the_trainer_logs_each_step_and_where_its_time_went(watched):
