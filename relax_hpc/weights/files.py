@@ -368,6 +368,9 @@ def _partial(root: Path, version: int, delta: bool) -> Path:
 
 def _publish(root: Path, version: int, delta: bool) -> None:
     """Rename the complete partial folder into place (replacing one a trainer before a restart wrote)."""
+    # Fresh: the push decided under the lease seconds ago, and this replaces a version folder that
+    # a newer generation may have written since.
+    fence.check(f"weight files v{version}", fresh=True)
     final = version_folder(root, version, delta)
     shutil.rmtree(final, ignore_errors=True)
     _partial(root, version, delta).rename(final)
