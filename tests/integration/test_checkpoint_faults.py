@@ -5,7 +5,6 @@ import subprocess
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from relax_hpc.ckpt.layout import latest_dir, read_trainer_state
@@ -24,18 +23,11 @@ def small_disk(tmp_path):
     subprocess.run(["umount", str(mount)], check=True)
 
 
-@pytest.fixture
-def process_group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def _writer(state: dict):
     return lambda folder: dcp.save(state, checkpoint_id=str(folder))
 
 
-def test_full_disk_keeps_the_previous_checkpoint(small_disk, process_group):
+def test_full_disk_keeps_the_previous_checkpoint(small_disk, one_rank):
     ckpt = Checkpointer(small_disk, keep=2)
     small = {"w": torch.arange(1000, dtype=torch.float32)}
     assert ckpt.save(1, _writer(small), {"rng": torch.get_rng_state()}, {"step": 1, "version": 1})
