@@ -43,6 +43,11 @@ def path_fields(section: BaseModel, prefix: str = "") -> Iterator[PathField]:
         if isinstance(value, BaseModel):
             yield from path_fields(value, f"{prefix}{name}.")
             continue
+        if isinstance(value, list):  # a list of sections (eval.models): eval.models.0.path, ...
+            for i, item in enumerate(value):
+                if isinstance(item, BaseModel):
+                    yield from path_fields(item, f"{prefix}{name}.{i}.")
+            continue
         marks = [m for m in field.metadata if isinstance(m, PathOption)]
         if marks:
             yield PathField(f"{prefix}{name}", section, name, marks[0])
