@@ -54,6 +54,7 @@ class EvalJob:
 
     def __init__(self, cfg: JobConfig, paths: RunPaths, out: TextIO = sys.stdout) -> None:
         self.cfg, self.paths, self.out = cfg, paths, out
+        self.interrupts = Interrupts()  # the engines, in sessions of their own, end with the job
 
     def say(self, line: str) -> None:
         print(line, file=self.out, flush=True)
@@ -73,7 +74,6 @@ class EvalJob:
         pairs = len(ev.models) * len(ev.datasets)
         self.say(f"run dir: {paths.root}\nlogs:    {logs}/\n{len(todo)} of {pairs} model x dataset pairs to score")
         results = JsonlWriter(paths.eval_results)
-        signal.signal(signal.SIGTERM, _interrupt)  # the engines, in sessions of their own, end with the job
         try:
             for model in ev.models:
                 datasets = [d for m, d in todo if m is model]
@@ -107,13 +107,14 @@ class EvalJob:
         commands = local_commands(served, paths, place_local(served, visible_gpu_count()))
         (logs / model.name).mkdir()
         roles = [Role(name, argv, logs / model.name / f"{name}.log", 0) for name, argv in commands.items()]
-        for role in roles:
-            role.start({**env, **lease.grant(role.name)})
         dead = lambda: [r for r in roles if not r.alive()]  # noqa: E731
         decode = PreTrainedTokenizerFast.from_pretrained(model.path).decode
         pool = EnginePool(paths, cfg.rollout.request_timeout_s)
         policy = EnginePolicy(pool, lambda ids: decode(ids, skip_special_tokens=True), stopping=lambda: bool(dead()))
         try:
+            with self.interrupts.held():  # every started engine is known to the cleanup below
+                for role in roles:
+                    role.start({**env, **lease.grant(role.name)})
             while len(pool.engines) < len(roles):  # every engine up before the clock of a dataset starts
                 if dead():
                     raise Stopping
@@ -126,13 +127,14 @@ class EvalJob:
             why = f"{role.name} serving {model.name} exited ({role.returncode}):\n{role.log_tail()}"
             raise EvalError(why) from None
         finally:
-            for role in roles:
-                role.signal(signal.SIGTERM)
-            for role in roles:
-                if role.proc is not None:
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        role.proc.wait(timeout=10)
-                role.kill()  # a no-op once it exited
+            with self.interrupts.held():
+                for role in roles:
+                    role.signal(signal.SIGTERM)
+                for role in roles:
+                    if role.proc is not None:
+                        with contextlib.suppress(subprocess.TimeoutExpired):
+                            role.proc.wait(timeout=10)
+                    role.kill()  # a no-op once it exited
 
     async def score(self, model: EvalModelConfig, dataset: EvalDatasetConfig, policy: EnginePolicy) -> dict[str, Any]:
         """One model x dataset: a greedy episode per prompt (and k sampled ones when k > 1), their
@@ -175,5 +177,29 @@ class EvalJob:
         return record
 
 
-def _interrupt(*_: object) -> None:
-    raise KeyboardInterrupt
+class Interrupts:
+    """SIGINT and SIGTERM raise KeyboardInterrupt where the job is, except within `held()`, whose
+    end raises it (an interrupt in the middle of starting or ending engines would lose some). A
+    flag, not a signal mask: a mask is per thread (the policy's threads would take the signal) and
+    is inherited by the engines started within."""
+
+    def __init__(self) -> None:
+        self.holding = self.pending = False
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, *_: object) -> None:
+        if not self.holding:
+            raise KeyboardInterrupt
+        self.pending = True
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        self.holding = True
+        try:
+            yield
+        finally:
+            self.holding = False
+        if self.pending:
+            self.pending = False
+            raise KeyboardInterrupt
