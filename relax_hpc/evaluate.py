@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -79,9 +80,10 @@ class EvalJob:
                 datasets = [d for m, d in todo if m is model]
                 if not datasets:
                     continue
-                with self.serving(model, logs) as policy:
+                folder = self.model_folder(model)
+                with self.serving(model, folder, logs) as policy:
                     for dataset in datasets:
-                        results.log(asyncio.run(self.score(model, dataset, policy)))
+                        results.log(asyncio.run(self.score(model, folder, dataset, policy)))
                         paths.eval_table.write_text(table(read_jsonl(paths.eval_results)))
         except EvalError as e:
             self.say(f"eval failed: {e}")
@@ -94,11 +96,31 @@ class EvalJob:
         self.say(f"every pair scored: {paths.eval_results}\n\n{paths.eval_table.read_text()}")
         return 0
 
+    def model_folder(self, model: EvalModelConfig) -> str:
+        """The HF folder that serves a model: its path, or its checkpoint's export (made once, in
+        RUN_DIR/eval/models/NAME, renamed into place when complete)."""
+        if model.checkpoint is None:
+            return str(model.path)
+        out = self.paths.eval_models / model.name
+        if not (out / "config.json").is_file():
+            from relax_hpc.ckpt.export import ExportError, convert  # torch's checkpoint reader: only here
+
+            checkpoint = Path(model.checkpoint)
+            partial = out.with_name(f".{out.name}.tmp")
+            shutil.rmtree(partial, ignore_errors=True)
+            self.say(f"{model.name}: exporting {checkpoint} to {out}")
+            try:
+                convert(checkpoint.parent.parent, partial, int(checkpoint.name.removeprefix("step-")), "merged")
+            except ExportError as e:
+                raise EvalError(f"{model.name}: {e}") from None
+            partial.rename(out)
+        return str(out)
+
     @contextlib.contextmanager
-    def serving(self, model: EvalModelConfig, logs: Path) -> Iterator[EnginePolicy]:
-        """The engines of one model, as a policy; they end with the block."""
+    def serving(self, model: EvalModelConfig, folder: str, logs: Path) -> Iterator[EnginePolicy]:
+        """The engines of one model (served from `folder`), as a policy; they end with the block."""
         cfg, paths = self.cfg, self.paths
-        served = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": model.path})})
+        served = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": folder})})
         for stale in paths.engines.glob("*.json"):  # an earlier start's engines, killed before their exit
             stale.unlink()
         lease = Lease(paths.root)
@@ -108,7 +130,7 @@ class EvalJob:
         (logs / model.name).mkdir()
         roles = [Role(name, argv, logs / model.name / f"{name}.log", 0) for name, argv in commands.items()]
         dead = lambda: [r for r in roles if not r.alive()]  # noqa: E731
-        decode = PreTrainedTokenizerFast.from_pretrained(model.path).decode
+        decode = PreTrainedTokenizerFast.from_pretrained(folder).decode
         pool = EnginePool(paths, cfg.rollout.request_timeout_s)
         policy = EnginePolicy(pool, lambda ids: decode(ids, skip_special_tokens=True), stopping=lambda: bool(dead()))
         try:
@@ -120,7 +142,7 @@ class EvalJob:
                     raise Stopping
                 time.sleep(0.2)
                 pool.refresh(force=True)
-            self.say(f"{model.name}: {len(roles)} engine(s) serving {model.path}")
+            self.say(f"{model.name}: {len(roles)} engine(s) serving {folder}")
             yield policy
         except Stopping:
             role = dead()[0]
@@ -136,13 +158,15 @@ class EvalJob:
                             role.proc.wait(timeout=10)
                     role.kill()  # a no-op once it exited
 
-    async def score(self, model: EvalModelConfig, dataset: EvalDatasetConfig, policy: EnginePolicy) -> dict[str, Any]:
+    async def score(
+        self, model: EvalModelConfig, folder: str, dataset: EvalDatasetConfig, policy: EnginePolicy
+    ) -> dict[str, Any]:
         """One model x dataset: a greedy episode per prompt (and k sampled ones when k > 1), their
         rewards, the figures."""
         cfg, ev = self.cfg, self.cfg.eval
         rows = load_prompts(dataset.path, dataset.prompt_key, dataset.answer_key)[: dataset.limit]
-        encode = prompt_encoder(model.path)
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(model.path)
+        encode = prompt_encoder(folder)
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
         rounds = Rounds(cfg, rows, [encode(r) for r in rows], tokenizer, policy, make_scorer(cfg.reward))
         sampling = {**sampling_params(cfg.rollout), "max_new_tokens": ev.max_new_tokens, "temperature": ev.temperature}
         greedy_sampling = {**sampling, "temperature": 0.0}
@@ -167,7 +191,8 @@ class EvalJob:
             self.say(f"{model.name} x {dataset.name}: {len(greedy)}/{len(rows)} prompts, greedy {accuracy:.3f}")
         seconds = time.monotonic() - started
         record = {
-            "model": model.name, "dataset": dataset.name, "model_path": model.path, "dataset_path": dataset.path,
+            "model": model.name, "dataset": dataset.name, "model_path": folder, "checkpoint": model.checkpoint,
+            "dataset_path": dataset.path,
             "k": ev.k, "temperature": ev.temperature if k else 0.0, "max_new_tokens": ev.max_new_tokens,
             "problems": len(rows), "samples": len(rows) * (1 + k), "seconds": round(seconds, 3),
             **figures(greedy, samples, ev.pass_threshold),

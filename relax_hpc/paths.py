@@ -14,6 +14,7 @@ RUN_DIR/
                                         startup.jsonl: each process's start-up, metrics/startup.py)
   logs/RESTART/ROLE.log                 one folder per start of the launcher
   eval/results.jsonl  eval/table.md     an eval job's record (kind=eval) and its tables
+  eval/models/NAME                      the checkpoints it scores, exported as HF folders
   slurm/                                submitit's folder (submission file, job output), job_id
   control/stop                          asks the trainer to checkpoint and stop
   fence/lease.json  fence/refused/      fencing: the current generation and role processes; refused writes
@@ -196,6 +197,11 @@ class RunPaths:
     def eval_results(self) -> Path:
         """An eval job's record (kind=eval): one line per model x dataset scored."""
         return self.root / "eval" / "results.jsonl"
+
+    @property
+    def eval_models(self) -> Path:
+        """An eval job's checkpoints exported as HF folders, one per model name."""
+        return self.root / "eval" / "models"
 
     @property
     def eval_table(self) -> Path:

@@ -35,9 +35,10 @@ class PathOption:
     containers bind them.
 
     kind: `run_dir` (created if missing), `hf_model` (a folder with config.json), `file`, `image`
-    (a container image: checked, never bound). `hint`: what to do when it is missing."""
+    (a container image: checked, never bound), `checkpoint` (a run's RUN_DIR/ckpt/step-N; `latest`
+    is resolved to the step it names at load). `hint`: what to do when it is missing."""
 
-    kind: Literal["run_dir", "hf_model", "file", "image"]
+    kind: Literal["run_dir", "hf_model", "file", "image", "checkpoint"]
     hint: str = ""
 
 
@@ -801,14 +802,28 @@ class PathItem(Section):
 
 
 class EvalModelConfig(PathItem):
-    path: Annotated[str, PathOption("hf_model")]
+    path: Annotated[str | None, PathOption("hf_model")] = None
     """An HF model folder, or a RUN_DIR (it stands for the HF folder that run exported, RUN_DIR/hf)."""
+    checkpoint: Annotated[str | None, PathOption("checkpoint")] = None
+    """Instead of path: a run's checkpoint, RUN_DIR/ckpt/step-N (or ckpt/latest, the step it names at
+    submit), exported as tools/dcp_to_hf.py does (LoRA merged) into this job's RUN_DIR/eval/models/NAME."""
     name: str = ""
-    """The model's name in the results and tables (default: its folder's name; a run's, for RUN_DIR/hf)."""
+    """The model's name in the results and tables (default: its folder's name; a run's, for RUN_DIR/hf;
+    RUN-step-N for a checkpoint)."""
 
     @model_validator(mode="after")
-    def _default_name(self) -> EvalModelConfig:
-        if not self.name:
+    def _one_source(self) -> EvalModelConfig:
+        if (self.path is None) == (self.checkpoint is None):
+            raise ValueError(
+                "an eval model names both a path and a checkpoint: keep one"
+                if self.path
+                else "an eval model needs a path (an HF folder or a RUN_DIR) or a checkpoint"
+            )
+        if not self.name and self.checkpoint is not None:  # RUN_DIR/ckpt/step-00000200: RUN-step-200
+            parts = self.checkpoint.rstrip("/").split("/")
+            step = re.sub(r"^step-0*(?=\d)", "step-", parts[-1])
+            self.name = f"{parts[-3]}-{step}" if len(parts) > 2 else step
+        elif not self.name and self.path is not None:
             parts = self.path.rstrip("/").split("/")
             self.name = parts[-2] if parts[-1] == "hf" and len(parts) > 1 else parts[-1]
         return self

@@ -95,6 +95,18 @@ def test_a_run_dir_stands_for_its_export_and_is_named_after_the_run(tmp_path):
         check_inputs(cfg)
 
 
+def test_a_checkpoint_is_named_after_its_run_and_step_and_must_be_one(tmp_path):
+    step = tmp_path / "grpo-run" / "ckpt" / "step-00000200"
+    step.mkdir(parents=True)
+    models = f"eval.models=[{{checkpoint: {step}}}]"
+    cfg = load_config(None, ["kind=eval", models, f"eval.datasets=[{DATA}]"], base_dir=REPO)
+    assert (cfg.eval.models[0].name, cfg.eval.models[0].path) == ("grpo-run-step-200", None)
+    with pytest.raises(ConfigError, match=r"eval.models.0.checkpoint: .*step-00000200 is not a run's checkpoint"):
+        check_inputs(cfg)  # no RUN_DIR/config.yaml beside ckpt/
+    (tmp_path / "grpo-run" / "config.yaml").write_text("kind: rl\n")
+    check_inputs(cfg)
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -105,6 +117,8 @@ def test_a_run_dir_stands_for_its_export_and_is_named_after_the_run(tmp_path):
         (["eval.temperature=0"], r"eval.temperature: Input should be greater than 0"),
         (["eval.datasets=[{path: x.jsonl, limit: 0}]"], r"eval.datasets.0.limit: Input should be greater"),
         (["eval.models=[{pth: x}]"], "eval.models.0.pth: unknown key; did you mean 'path'"),
+        ([f"eval.models=[{{path: {POLICY}, checkpoint: x}}]"], "names both a path and a checkpoint: keep one"),
+        (["eval.models=[{name: x}]"], r"needs a path \(an HF folder or a RUN_DIR\) or a checkpoint"),
         (["rollout.engine=sglang"], "rollout.engine must be torch"),
         (["reward.name=judge"], "reward.name=judge needs judge engines"),
         (["launch.executor=slurm"], "launch.executor must be local"),
