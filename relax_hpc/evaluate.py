@@ -37,7 +37,7 @@ from relax_hpc.launch.gpus import place_local, visible_gpu_count
 from relax_hpc.launch.supervisor import Role, child_env
 from relax_hpc.metrics.evaluation import figures, finished, table
 from relax_hpc.metrics.jsonl import JsonlWriter, drop_records, read_jsonl
-from relax_hpc.paths import RunPaths
+from relax_hpc.paths import RunPaths, write_atomic
 from relax_hpc.rewards import RewardError, make_scorer
 from relax_hpc.rollout.engine_policy import EnginePolicy, EnginePool, Stopping
 from relax_hpc.rollout.plan import sample_seed
@@ -69,7 +69,7 @@ class EvalJob:
         todo = [(m, d) for m in ev.models for d in ev.datasets if (m.name, d.name) not in done]
         if not todo:
             self.say(f"{paths.root} is already complete: every model x dataset is scored; nothing to run.")
-            self.say(paths.eval_table.read_text())
+            self.say(self.write_table())
             return 0
         logs = paths.new_logs()
         pairs = len(ev.models) * len(ev.datasets)
@@ -84,7 +84,7 @@ class EvalJob:
                 with self.serving(model, folder, logs) as policy:
                     for dataset in datasets:
                         results.log(asyncio.run(self.score(model, folder, dataset, policy)))
-                        paths.eval_table.write_text(table(read_jsonl(paths.eval_results)))
+                        self.write_table()
         except EvalError as e:
             self.say(f"eval failed: {e}")
             return 1
@@ -93,8 +93,14 @@ class EvalJob:
             return 130
         finally:
             results.close()
-        self.say(f"every pair scored: {paths.eval_results}\n\n{paths.eval_table.read_text()}")
+        self.say(f"every pair scored: {paths.eval_results}\n\n{self.write_table()}")
         return 0
+
+    def write_table(self) -> str:
+        """RUN_DIR/eval/table.md from the record as it is now; returns it."""
+        text = table(read_jsonl(self.paths.eval_results))
+        write_atomic(self.paths.eval_table, text.encode())
+        return text
 
     def model_folder(self, model: EvalModelConfig) -> str:
         """The HF folder that serves a model: its path, or its checkpoint's export (made once, in
