@@ -34,7 +34,7 @@ from relax_hpc.envs.base import EnvError
 from relax_hpc.fence import Lease
 from relax_hpc.launch.commands import local_commands
 from relax_hpc.launch.gpus import place_local, visible_gpu_count
-from relax_hpc.launch.supervisor import Role, child_env
+from relax_hpc.launch.supervisor import EXIT_STOPPED, Role, child_env
 from relax_hpc.metrics.evaluation import figures, finished, table
 from relax_hpc.metrics.jsonl import JsonlWriter, drop_records, read_jsonl
 from relax_hpc.paths import RunPaths, write_atomic
@@ -56,13 +56,18 @@ class EvalJob:
     def __init__(self, cfg: JobConfig, paths: RunPaths, out: TextIO = sys.stdout) -> None:
         self.cfg, self.paths, self.out = cfg, paths, out
         self.interrupts = Interrupts()  # the engines, in sessions of their own, end with the job
+        self.log: TextIO | None = None  # RUN_DIR/logs/N/eval.log, once this start has its folder
 
     def say(self, line: str) -> None:
-        print(line, file=self.out, flush=True)
+        """A line of progress, to the terminal and to this start's eval.log."""
+        for out in (self.out, self.log):
+            if out is not None:
+                print(line, file=out, flush=True)
 
     def run(self) -> int:
         """0 when every pair is scored (at once, when results.jsonl holds them all), 1 on failure,
-        130 when interrupted (SIGINT, SIGTERM)."""
+        75 when interrupted (SIGINT, SIGTERM), as a run's launcher; each start and end is an event
+        (RUN_DIR/metrics/events.jsonl), which `status` reads."""
         paths, ev = self.paths, self.cfg.eval
         drop_records(paths.eval_results, lambda _: False)  # the torn last line of a killed job, if any
         done = finished(paths)
@@ -72,11 +77,22 @@ class EvalJob:
             self.say(self.write_table())
             return 0
         logs = paths.new_logs()
+        self.log = (logs / "eval.log").open("a")
         pairs = len(ev.models) * len(ev.datasets)
-        self.say(f"run dir: {paths.root}\nlogs:    {logs}/\n{len(todo)} of {pairs} model x dataset pairs to score")
-        results = JsonlWriter(paths.eval_results)
+        self.say(f"run dir: {paths.root}\nlogs:    {logs}/  (tail -F {logs}/eval.log)")
+        self.say(f"{len(todo)} of {pairs} model x dataset pairs to score")
+        results, events = JsonlWriter(paths.eval_results), JsonlWriter(paths.events_metrics)
+        events.log({"event": "start", "logs": logs.name, "pairs_to_score": len(todo)})
+        code = self.score_all(todo, results, logs)
+        events.log({"event": "end", "exit": code})
+        for writer in (results, events, self.log):
+            writer.close()
+        return code
+
+    def score_all(self, todo: list[tuple[EvalModelConfig, EvalDatasetConfig]], results: JsonlWriter, logs: Path) -> int:
+        """Every pair of `todo`, model after model; the exit status."""
         try:
-            for model in ev.models:
+            for model in self.cfg.eval.models:
                 datasets = [d for m, d in todo if m is model]
                 if not datasets:
                     continue
@@ -90,10 +106,8 @@ class EvalJob:
             return 1
         except KeyboardInterrupt:
             self.say("interrupted: run the same command to resume at the first pair not scored")
-            return 130
-        finally:
-            results.close()
-        self.say(f"every pair scored: {paths.eval_results}\n\n{self.write_table()}")
+            return EXIT_STOPPED
+        self.say(f"every pair scored: {self.paths.eval_results}\n\n{self.write_table()}")
         return 0
 
     def write_table(self) -> str:

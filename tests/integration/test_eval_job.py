@@ -19,6 +19,7 @@ from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
 from relax_hpc.config.load import load_config
 from relax_hpc.engines.sampling import SamplingSpec, sample
 from relax_hpc.metrics.jsonl import read_jsonl
+from relax_hpc.status import collect, render
 from tests.integration.conftest import REPO
 from tests.runs import train_and_checkpoint
 
@@ -72,8 +73,10 @@ def test_an_eval_job_scores_two_models_resumes_after_an_interruption_and_then_do
         time.sleep(0.05)
     job.send_signal(signal.SIGTERM)
     code, out = finish(job)
-    assert code == 130 and "interrupted" in out, out[-3000:]
+    assert code == 75 and "interrupted" in out, out[-3000:]
     assert processes_of(run_dir) == [], out  # its engines ended with it
+    facts = collect(run_dir)
+    assert (facts["state"], facts["pairs_scored"], facts["pairs"]) == ("stopped (resumable)", 1, 2)
     first = read_jsonl(results)
     assert [r["model"] for r in first] == ["policy"]
     assert first[0]["greedy_accuracy"] == greedy_accuracy(POLICY)  # the checkpoint exported and served
@@ -96,3 +99,6 @@ def test_an_eval_job_scores_two_models_resumes_after_an_interruption_and_then_do
     assert code == 0 and "already complete" in out and "| teacher |" in out, out[-3000:]
     assert read_jsonl(results) == records
     assert sorted(p.name for p in (run_dir / "logs").iterdir()) == ["0", "1"]  # no engine started
+    assert "1 of 2 model x dataset pairs to score" in (run_dir / "logs" / "1" / "eval.log").read_text()
+    shown = render(collect(run_dir))
+    assert "state:       complete" in shown and "2/2 model x dataset pairs scored" in shown and table in shown
