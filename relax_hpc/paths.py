@@ -13,6 +13,8 @@ RUN_DIR/
   metrics/train|rollout|eval.jsonl      the record of the run (reward_failures.jsonl: failed rewards;
                                         startup.jsonl: each process's start-up, metrics/startup.py)
   logs/RESTART/ROLE.log                 one folder per start of the launcher
+  eval/results.jsonl  eval/table.md     an eval job's record (kind=eval) and its tables
+  eval/models/NAME                      the checkpoints it scores, exported as HF folders
   slurm/                                submitit's folder (submission file, job output), job_id
   control/stop                          asks the trainer to checkpoint and stop
   fence/lease.json  fence/refused/      fencing: the current generation and role processes; refused writes
@@ -183,6 +185,28 @@ class RunPaths:
 
     def logs(self, restart: int) -> Path:
         return self.logs_root / str(restart)
+
+    def new_logs(self) -> Path:
+        """The log folder of a new start of the launcher (created): logs/0, logs/1, ..."""
+        self.logs_root.mkdir(exist_ok=True)
+        path = self.logs(len([p for p in self.logs_root.iterdir() if p.name.isdigit()]))
+        path.mkdir(parents=True)
+        return path
+
+    @property
+    def eval_results(self) -> Path:
+        """An eval job's record (kind=eval): one line per model x dataset scored."""
+        return self.root / "eval" / "results.jsonl"
+
+    @property
+    def eval_models(self) -> Path:
+        """An eval job's checkpoints exported as HF folders, one per model name."""
+        return self.root / "eval" / "models"
+
+    @property
+    def eval_table(self) -> Path:
+        """An eval job's results as markdown tables, one per dataset (made from eval_results)."""
+        return self.root / "eval" / "table.md"
 
     def probe(self, name: str) -> Path:
         """A file every node of an allocation must be able to read (is RUN_DIR shared?)."""

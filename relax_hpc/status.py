@@ -26,6 +26,7 @@ from relax_hpc.config.load import read_frozen
 from relax_hpc.fence import Lease, refused_writes
 from relax_hpc.launch.follow import ACTIVE, ENDED, queue_state
 from relax_hpc.launch.follow import slurm_state as ended_state
+from relax_hpc.metrics.evaluation import finished, table
 from relax_hpc.metrics.jsonl import read_jsonl
 from relax_hpc.metrics.summary import completed_steps, guard_reason, step_records
 from relax_hpc.paths import RunPaths
@@ -110,7 +111,16 @@ def collect(run_dir: Path) -> dict[str, Any]:
         facts["eval"] = {"version": evals[-1]["version"], "greedy_accuracy": evals[-1]["greedy_accuracy"]}
     if steps:
         facts.update(_rates(steps, total))
+    if cfg.kind == "eval":
+        facts.update(_eval_facts(paths, {(m.name, d.name) for m in cfg.eval.models for d in cfg.eval.datasets}))
+        facts["state"] = "complete" if facts["pairs_scored"] == facts["pairs"] else facts["state"]
     return facts
+
+
+def _eval_facts(paths: RunPaths, wanted: set[tuple[str, str]]) -> dict[str, Any]:
+    """An eval job's progress: the model x dataset pairs its record holds, and its tables."""
+    records = read_jsonl(paths.eval_results)
+    return {"pairs": len(wanted), "pairs_scored": len(finished(paths) & wanted), "eval_table": table(records)}
 
 
 def _rates(steps: list[dict[str, Any]], total: int) -> dict[str, Any]:
@@ -146,6 +156,8 @@ def render(facts: dict[str, Any]) -> str:
     """The facts as a few aligned lines."""
     lines = [f"run:         {facts['run_dir']}", f"state:       {facts['state']}"]
     progress = f"step {facts['step']}/{facts['total_steps']}"
+    if "pairs" in facts:  # an eval job
+        progress = f"{facts['pairs_scored']}/{facts['pairs']} model x dataset pairs scored"
     if "eta_s" in facts and facts["state"] == "running":
         progress += f", ETA {_duration(facts['eta_s'])} at {facts['seconds_per_step']:.2f} s/step"
     lines.append(f"progress:    {progress}")
@@ -192,6 +204,8 @@ def render(facts: dict[str, Any]) -> str:
         lines.append(f"slurm:       job {facts['slurm_job']}: {known}")
     if facts["guard"]:
         lines.append(f"guard:       {facts['guard']}")
+    if facts.get("eval_table"):
+        lines.append("\n" + facts["eval_table"])
     return "\n".join(lines)
 
 

@@ -20,11 +20,12 @@ from pathlib import Path
 
 from relax_hpc.config.load import ConfigError, load_config, read_frozen, to_yaml
 from relax_hpc.config.path_options import path_problems
-from relax_hpc.config.schema import RESUMABLE_CHANGES, JobConfig
+from relax_hpc.config.schema import RESUMABLE_CHANGES, EvalConfig, JobConfig, SftConfig
 from relax_hpc.data.processor import media_kinds, sampling_rate
 from relax_hpc.data.prompts import DatasetError, load_prompts
 from relax_hpc.launch.allocation import AllocationError
 from relax_hpc.launch.gpus import NO_GPU, place_local, span, visible_gpu_count
+from relax_hpc.metrics.evaluation import finished as finished_evaluations
 from relax_hpc.metrics.startup import StartupClock
 from relax_hpc.metrics.summary import completed_steps, run_summary
 from relax_hpc.models.arch import check_megatron_job
@@ -47,7 +48,12 @@ def check_inputs(cfg: JobConfig, in_allocation: bool = False) -> None:
     the machines."""
     problems = path_problems(cfg)
     if not problems:
-        problems += dataset_problems(cfg) if cfg.kind == "rl" else sft_data_problems(cfg)
+        if cfg.kind == "rl":
+            problems += dataset_problems(cfg)
+        elif cfg.kind == "sft":
+            problems += sft_data_problems(cfg.sft, cfg.model.path)
+        else:
+            problems += eval_data_problems(cfg.eval)
         if cfg.trainer.backend == "megatron":
             problems += check_megatron_job(cfg.model.path, cfg.trainer.megatron, cfg.rollout.engine)
             problems += megatron_gpu_problems(cfg, in_allocation)
@@ -81,7 +87,18 @@ def dataset_problems(cfg: JobConfig) -> list[str]:
     return []
 
 
-def sft_data_problems(cfg: JobConfig) -> list[str]:
+def eval_data_problems(ev: EvalConfig) -> list[str]:
+    """kind=eval: every dataset's rows read as rollout reads them (an empty file is refused)."""
+    problems = []
+    for i, d in enumerate(ev.datasets):
+        try:
+            load_prompts(d.path, d.prompt_key, d.answer_key)
+        except DatasetError as e:
+            problems.append(f"eval.datasets.{i} ({d.name}): {e}")
+    return problems
+
+
+def sft_data_problems(sft: SftConfig, model: str) -> list[str]:
     """kind=sft: every row tokenizes into an example, with the model's tokenizer (and chat
     template), as the trainer will make it; the first bad row is named."""
     from transformers import AutoTokenizer
@@ -89,7 +106,7 @@ def sft_data_problems(cfg: JobConfig) -> list[str]:
     from relax_hpc.data.sft import configured_examples
 
     try:
-        configured_examples(cfg.sft, AutoTokenizer.from_pretrained(cfg.model.path))
+        configured_examples(sft, AutoTokenizer.from_pretrained(model))
     except DatasetError as e:
         return [f"sft.data: {e}"]
     return []
@@ -199,6 +216,11 @@ def main(argv: list[str] | None = None) -> int:
             submission.preflight(cfg, paths)
         if args.dry_run:
             return dry_run(cfg, paths, slurm)
+        if cfg.kind == "eval":  # results.jsonl says what is left to score: nothing, once it is complete
+            freeze(cfg, paths)  # refuses a changed job as any resume would
+            from relax_hpc.evaluate import EvalJob  # heavy imports after validation
+
+            return EvalJob(cfg, paths).run()
         if paths.config.exists() and completed_steps(paths) >= cfg.trainer.total_steps:
             freeze(cfg, paths)  # refuses a changed experiment as any resume would
             print(f"{paths.root} is already complete at step {completed_steps(paths)}; nothing to run.")
@@ -227,6 +249,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def dry_run(cfg: JobConfig, paths: RunPaths, slurm: bool) -> int:
     print(to_yaml(cfg))
+    if cfg.kind == "eval":  # its engines serve each model in turn: their commands are made then
+        done = finished_evaluations(paths)
+        for m in cfg.eval.models:
+            for d in cfg.eval.datasets:
+                print(f"{m.name} x {d.name}: {'scored' if (m.name, d.name) in done else 'to score'}")
+        return 0
     if slurm:
         from relax_hpc.launch import submission
         from relax_hpc.launch.allocation import example_allocation

@@ -39,6 +39,14 @@ def _optional_section(annotation: object) -> type[BaseModel] | None:
     return None
 
 
+def list_section(annotation: object) -> type[BaseModel] | None:
+    """X of a `list[X]` option whose X is a section (eval.models)."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is list and isinstance(args[0], type) and issubclass(args[0], BaseModel):
+        return args[0]
+    return None
+
+
 def _section(defaults: BaseModel, prefix: str) -> list[str]:
     """One table per section; defaults come from the instance, since a nested section's default
     may differ from its class's (launch.slurm.rollout.nodes is 0, trainer.nodes 1)."""
@@ -55,12 +63,18 @@ def _section(defaults: BaseModel, prefix: str) -> list[str]:
             nested.append((getattr(defaults, name), f"{prefix}{name}."))
             continue
         doc = " ".join((field.description or "").split())
+        item = list_section(annotation)
+        if item is not None:  # its items' keys are listed below it, as `key[].option`
+            lines.append(f"| `{prefix}{name}` | list of sections | `{getattr(defaults, name)!r}` | {doc} |")
+            nested.append((item.model_construct(), f"{prefix}{name}[]."))
+            continue
         optional = _optional_section(annotation)
         if optional is not None:  # unset by default; its keys are listed with their defaults once set
             lines.append(f"| `{prefix}{name}` | section \\| None | `None` | {doc} |")
             nested.append((optional(), f"{prefix}{name}."))
             continue
-        lines.append(f"| `{prefix}{name}` | {_type_name(annotation)} | `{getattr(defaults, name)!r}` | {doc} |")
+        default = "required" if field.is_required() else f"`{getattr(defaults, name)!r}`"
+        lines.append(f"| `{prefix}{name}` | {_type_name(annotation)} | {default} | {doc} |")
     if len(lines) == 3:
         lines = []
     for sub, sub_prefix in nested:

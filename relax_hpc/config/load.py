@@ -52,10 +52,14 @@ def _section_model(location: tuple[str, ...]) -> type[BaseModel] | None:
     """The schema class that the dotted location points into, or None if it is not a section."""
     model: type[BaseModel] = JobConfig
     for key in location:
+        if key.isdigit():  # an item of a list of sections (eval.models.0): its class is the list's
+            continue
         field = model.model_fields.get(key)
         annotation = field.annotation if field else None
         if typing.get_origin(annotation) in (typing.Union, types.UnionType):  # an optional section (X | None)
             annotation = next((a for a in typing.get_args(annotation) if a is not type(None)), None)
+        if typing.get_origin(annotation) is list:
+            annotation = typing.get_args(annotation)[0]
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             return None
         model = annotation
@@ -114,7 +118,10 @@ def _refuse_other_kinds_sections(tree: dict[str, Any]) -> None:
     kind = tree.get("kind", "rl")
     given = sorted(name for name in unused_sections(kind) if tree.get(name))
     if given:
-        why = "has no rollout, reward, algorithm or weight sync" if kind == "sft" else "is not kind=sft"
+        why = {
+            "sft": "has no rollout, reward, algorithm or weight sync",
+            "eval": "trains nothing and reads its prompts from eval.datasets",
+        }.get(kind, "is not kind=sft or kind=eval")
         raise ConfigError(f"invalid config:\n  {', '.join(given)}: a kind={kind} job {why}; remove these sections")
 
 

@@ -4,6 +4,7 @@ from the mark: absolute paths at load, existence checks before a job starts, con
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -42,6 +43,11 @@ def path_fields(section: BaseModel, prefix: str = "") -> Iterator[PathField]:
         value = getattr(section, name)
         if isinstance(value, BaseModel):
             yield from path_fields(value, f"{prefix}{name}.")
+            continue
+        if isinstance(value, list):  # a list of sections (eval.models): eval.models.0.path, ...
+            for i, item in enumerate(value):
+                if isinstance(item, BaseModel):
+                    yield from path_fields(item, f"{prefix}{name}.{i}.")
             continue
         marks = [m for m in field.metadata if isinstance(m, PathOption)]
         if marks:
@@ -89,9 +95,22 @@ def path_problems(config: BaseModel) -> list[str]:
             )
         elif f.option.kind == "file" and not path.is_file():
             problems.append(f"{f.key}: {path} does not exist or is not a file{hint}")
+        elif f.option.kind == "checkpoint" and not checkpoint_folder(path):
+            problems.append(
+                f"{f.key}: {path} is not a run's checkpoint (RUN_DIR/ckpt/step-N, beside RUN_DIR/config.yaml)"
+            )
         elif f.option.kind == "image" and not path.exists():
             problems.append(f"{f.key}: {path} does not exist{hint}")
     return problems
+
+
+def checkpoint_folder(path: Path) -> bool:
+    """Whether `path` is a run's complete checkpoint (a step folder exists once complete)."""
+    return (
+        path.is_dir()
+        and re.fullmatch(r"step-\d+", path.name) is not None
+        and (path.parent.parent / "config.yaml").is_file()
+    )
 
 
 def tiny_policy_hint(key: str, path: Path) -> str:

@@ -35,9 +35,10 @@ class PathOption:
     containers bind them.
 
     kind: `run_dir` (created if missing), `hf_model` (a folder with config.json), `file`, `image`
-    (a container image: checked, never bound). `hint`: what to do when it is missing."""
+    (a container image: checked, never bound), `checkpoint` (a run's RUN_DIR/ckpt/step-N; `latest`
+    is resolved to the step it names at load). `hint`: what to do when it is missing."""
 
-    kind: Literal["run_dir", "hf_model", "file", "image"]
+    kind: Literal["run_dir", "hf_model", "file", "image", "checkpoint"]
     hint: str = ""
 
 
@@ -791,21 +792,106 @@ class SftConfig(Section):
     """An example longer than this (prompt + response tokens) is refused at submit, naming its row."""
 
 
-# Sections an sft job does not read: a config file that sets them is refused, and they are left out
-# of its frozen config (an RL config's defaults would otherwise be checked and bound for nothing).
+class PathItem(Section):
+    """An item of a list option that may be written as its path alone (`x` for `{path: x}`)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _path_alone(cls, data: Any) -> Any:
+        return {"path": data} if isinstance(data, str) else data
+
+
+class EvalModelConfig(PathItem):
+    path: Annotated[str | None, PathOption("hf_model")] = None
+    """An HF model folder, or a RUN_DIR (it stands for the HF folder that run exported, RUN_DIR/hf)."""
+    checkpoint: Annotated[str | None, PathOption("checkpoint")] = None
+    """Instead of path: a run's checkpoint, RUN_DIR/ckpt/step-N (or ckpt/latest, the step it names at
+    submit), exported as tools/dcp_to_hf.py does (LoRA merged) into this job's RUN_DIR/eval/models/NAME."""
+    name: str = ""
+    """The model's name in the results and tables (default: its folder's name; a run's, for RUN_DIR/hf;
+    RUN-step-N for a checkpoint)."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EvalModelConfig:
+        if (self.path is None) == (self.checkpoint is None):
+            raise ValueError(
+                "an eval model names both a path and a checkpoint: keep one"
+                if self.path
+                else "an eval model needs a path (an HF folder or a RUN_DIR) or a checkpoint"
+            )
+        if not self.name and self.checkpoint is not None:  # RUN_DIR/ckpt/step-00000200: RUN-step-200
+            parts = self.checkpoint.rstrip("/").split("/")
+            step = re.sub(r"^step-0*(?=\d)", "step-", parts[-1])
+            self.name = f"{parts[-3]}-{step}" if len(parts) > 2 else step
+        elif not self.name and self.path is not None:
+            parts = self.path.rstrip("/").split("/")
+            self.name = parts[-2] if parts[-1] == "hf" and len(parts) > 1 else parts[-1]
+        return self
+
+
+class EvalDatasetConfig(PathItem):
+    path: Annotated[str, PathOption("file")]
+    """A JSONL prompt dataset, rows as rollout reads them (data.path): a prompt string and an answer."""
+    name: str = ""
+    """The dataset's name in the results and tables (default: the file's name without .jsonl)."""
+    prompt_key: str = "prompt"
+    """Field of each row that holds the prompt (a string)."""
+    answer_key: str = "answer"
+    """Field of each row that holds the reference answer the reward compares against."""
+    limit: int | None = Field(default=None, ge=1)
+    """Score the first N rows only (None: every row)."""
+
+    @model_validator(mode="after")
+    def _default_name(self) -> EvalDatasetConfig:
+        if not self.name:
+            self.name = self.path.rstrip("/").split("/")[-1].removesuffix(".jsonl")
+        return self
+
+
+class EvalConfig(Section):
+    models: list[EvalModelConfig] = []
+    """kind=eval: the policies to score, in this order, each an HF folder or a RUN_DIR (its HF
+    export): `[assets/tiny-qwen3-addition, {path: runs/tiny-grpo, name: grpo}]`. Each is served in
+    turn by rollout.num_engines engines of rollout.engine's kind (the built-in `torch` engine, at
+    model.dtype), through rollout.env, scored by the reward section: what an RL run would do."""
+    datasets: list[EvalDatasetConfig] = []
+    """kind=eval: the held-out prompt sets, each scored on every model (`[{path: x.jsonl, name: x}]`
+    or paths alone); rows are text prompts (no media)."""
+    k: int = Field(default=1, ge=1)
+    """Samples per prompt. Every prompt gets one greedy completion (greedy accuracy); with k > 1
+    also k completions at eval.temperature, reported as mean@k (their mean reward) and pass@k (the
+    unbiased estimator of Chen et al. 2021, also at every power of two below k)."""
+    temperature: float = Field(default=1.0, gt=0.0)
+    """Sampling temperature of the k samples (k > 1; the greedy completion is at 0)."""
+    max_new_tokens: int = Field(default=4, ge=1)
+    """Completion length limit."""
+    pass_threshold: float = 1.0
+    """A sample counts as solved for pass@k when its reward is at least this."""
+
+
+# Sections a job of each kind does not read: a config file that sets them is refused, and they are
+# left out of its frozen config (an RL config's defaults would otherwise be checked and bound for
+# nothing).
 RL_ONLY_SECTIONS = ("data", "rollout", "reward", "algo", "weights")
+UNUSED_SECTIONS = {
+    "rl": {"sft", "eval"},
+    "sft": {*RL_ONLY_SECTIONS, "eval"},
+    "eval": {"sft", "data", "trainer", "algo", "weights", "ckpt"},
+}
 
 
 def unused_sections(kind: str) -> set[str]:
     """Top-level sections a job of this kind does not read."""
-    return set(RL_ONLY_SECTIONS) if kind == "sft" else {"sft"}
+    return UNUSED_SECTIONS.get(kind, set())
 
 
 class JobConfig(Section):
-    kind: Literal["rl", "sft"] = "rl"
+    kind: Literal["rl", "sft", "eval"] = "rl"
     """What the file describes: `rl`, an RL post-training job (rollout engines, a driver, the
     trainer); `sft`, supervised fine-tuning on a JSONL of examples (the trainer alone; see the
-    `sft` section), whose exported model an RL job can start from (`model.path: RUN_DIR`)."""
+    `sft` section), whose exported model an RL job can start from (`model.path: RUN_DIR`); `eval`,
+    scoring models on held-out datasets with the run's engines and reward (see the `eval`
+    section; results in RUN_DIR/eval)."""
     run: RunConfig = RunConfig()
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
@@ -820,6 +906,8 @@ class JobConfig(Section):
     launch: LaunchConfig = LaunchConfig()
     sft: SftConfig = SftConfig()
     """Supervised fine-tuning (kind=sft): the data, its format, the batch."""
+    eval: EvalConfig = EvalConfig()
+    """Evaluation as a job (kind=eval): the models, the datasets, the samples per prompt."""
 
     def unused_sections(self) -> set[str]:
         """Top-level sections this kind of job does not read."""
@@ -842,6 +930,36 @@ class JobConfig(Section):
             raise ValueError("kind=sft: " + "; ".join(problems))
         if self.launch.executor == "slurm" and self.launch.slurm.rollout.nodes:
             raise ValueError("kind=sft runs no rollout engines: set launch.slurm.rollout.nodes=0")
+        return self
+
+    @model_validator(mode="after")
+    def _eval(self) -> JobConfig:
+        if self.kind != "eval":
+            return self
+        ev = self.eval
+        duplicates = {
+            what: sorted({n for n in names if names.count(n) > 1})
+            for what, names in (("models", [m.name for m in ev.models]), ("datasets", [d.name for d in ev.datasets]))
+        }
+        refused = {
+            "eval.models": ("is required: the HF folders or RUN_DIRs to score", not ev.models),
+            "eval.datasets": ("is required: the JSONL prompt sets to score them on", not ev.datasets),
+            "eval.models names": (f"must differ (name them: {{path: ..., name: ...}}): {duplicates['models']}",
+                                  bool(duplicates["models"])),
+            "eval.datasets names": (f"must differ: {duplicates['datasets']}", bool(duplicates["datasets"])),
+            "rollout.engine": ("must be torch (SGLang and vLLM engines serving each model: not wired yet)",
+                               self.rollout.engine != "torch"),
+            "reward.name=judge": ("needs judge engines, which an eval job does not start (not wired yet)",
+                                  self.reward.name == "judge"),
+            "launch.executor": ("must be local: an eval job runs where it is submitted (Slurm: not wired yet)",
+                                self.launch.executor != "local"),
+            "launch.colocate": ("shares a trainer's devices, and an eval job has no trainer", self.launch.colocate),
+            "metrics.tensorboard and metrics.clearml": ("are not fed by an eval job yet (RUN_DIR/eval is its record)",
+                                                        self.metrics.tensorboard or self.metrics.clearml.enabled),
+        }  # fmt: skip
+        problems = [f"{key} {why}" for key, (why, bad) in refused.items() if bad]
+        if problems:
+            raise ValueError("kind=eval: " + "; ".join(problems))
         return self
 
     @property

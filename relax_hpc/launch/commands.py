@@ -9,7 +9,8 @@
     driver    python -m relax_hpc.rollout.driver
     metrics   python -m relax_hpc.metrics.sinks              (only with metrics.tensorboard or metrics.clearml)
 
-A kind=sft job runs the trainer (and the metrics role) only: no engines, no driver.
+A kind=sft job runs the trainer (and the metrics role) only: no engines, no driver. A kind=eval
+job's engines are started by the eval job itself, one model at a time (relax_hpc.evaluate).
     trainer   torchrun ... -m relax_hpc.trainer.main      (one torchrun per trainer node; a trainer
               on this machine's CPU: python -m relax_hpc.trainer.main --nproc-per-node N, which
               forks its ranks after importing torch and transformers once: relax_hpc.trainer.ranks)
@@ -101,6 +102,8 @@ def local_commands(cfg: JobConfig, paths: RunPaths, devices: LocalDevices | None
         commands["driver"] = [py, *driver_args(paths)]
     if wants_sinks(cfg):
         commands["metrics"] = [py, *sinks_args(paths)]
+    if cfg.kind == "eval":  # the engines alone
+        return {name: wrap_in_container(cfg, argv) for name, argv in commands.items()}
     ranks = cfg.trainer.num_ranks
     if devices.trainer == NO_GPU:  # ranks forked after one import (torchrun's ranks import everything again)
         trainer = ["-m", "relax_hpc.trainer.main", "--run-dir", str(paths.root), "--nproc-per-node", str(ranks)]

@@ -94,13 +94,13 @@ def place_local(cfg: JobConfig, visible: int) -> LocalDevices:
     engines after the rollout ones); otherwise everything runs on the CPU (a trainer on GPUs would push weights over
     NCCL, which an engine on the CPU cannot join).
     launch.local_trainer_gpus and launch.local_engine_gpus, when set, decide instead."""
-    ranks = cfg.trainer.num_ranks
+    ranks = 0 if cfg.kind == "eval" else cfg.trainer.num_ranks  # an eval job has engines only
     count = engine_count(cfg)
     if cfg.launch.colocate:
         return _colocated(ranks, count, visible)
     sizes = sglang_sizes(cfg) or [1] * count
     enough = visible >= ranks + sum(sizes)
-    trainer = cfg.launch.local_trainer_gpus or (f"0-{ranks - 1}" if enough else NO_GPU)
+    trainer = cfg.launch.local_trainer_gpus or (f"0-{ranks - 1}" if enough and ranks else NO_GPU)
     if cfg.launch.local_engine_gpus:
         engines: list[str | None] = list(cfg.launch.local_engine_gpus)
     elif enough:

@@ -203,7 +203,7 @@ class Supervisor:
         # Superseded before recovery rewrites the record: an older process writes nothing after it.
         generation = self.lease.new_generation()
         recovery = recover(self.paths)
-        logs = self._next_log_dir()
+        logs = self.paths.new_logs()
         env = child_env(self.cfg)
         ro = self.cfg.rollout
         roles = {
@@ -248,14 +248,6 @@ class Supervisor:
         finally:
             monitor.close()
             self._stop_all(roles.values())
-
-    def _next_log_dir(self) -> Path:
-        root = self.paths.logs_root
-        root.mkdir(exist_ok=True)
-        restart = len([p for p in root.iterdir() if p.name.isdigit()])
-        path = self.paths.logs(restart)
-        path.mkdir(parents=True)
-        return path
 
     def _act_on_health(self, roles: dict[str, Role], monitor: HealthMonitor) -> None:
         """Kill what hangs: the next round of the loop handles it like a role that died."""

@@ -79,8 +79,12 @@ class Rounds:
         self.sampling = sampling_params(cfg.rollout)
         self.stats = RoundStats()
 
-    def _contexts(self, indices: Sequence[int], seeds: Sequence[int], evaluation: bool) -> list[EpisodeContext]:
-        sampling = {**self.sampling, "temperature": 0.0} if evaluation else self.sampling
+    def _contexts(
+        self, indices: Sequence[int], seeds: Sequence[int], evaluation: bool, sampling: dict[str, Any] | None = None
+    ) -> list[EpisodeContext]:
+        """`sampling`: the evaluation's (default: rollout's, greedy for an evaluation)."""
+        if sampling is None:
+            sampling = {**self.sampling, "temperature": 0.0} if evaluation else self.sampling
         settings = self.cfg.rollout.env.settings
         return [
             EpisodeContext(
@@ -167,7 +171,15 @@ class Rounds:
     async def evaluate(self, indices: Sequence[int]) -> float:
         """Greedy accuracy over rows `indices`: one episode each at temperature 0; a failed
         reward counts as wrong."""
-        episodes = await run_episodes(self.env, self._contexts(indices, [0] * len(indices), True))
+        rewards = await self.evaluation_rewards(indices, [0] * len(indices))
+        return sum(rewards) / max(len(indices), 1)
+
+    async def evaluation_rewards(
+        self, indices: Sequence[int], seeds: Sequence[int], sampling: dict[str, Any] | None = None
+    ) -> list[float]:
+        """The reward of one evaluation episode per row of `indices` (its first trajectory's), each
+        with its seed, at `sampling` (default: greedy); a failed reward counts as 0 (wrong)."""
+        episodes = await run_episodes(self.env, self._contexts(indices, seeds, True, sampling))
         inputs = [
             RewardInput(ts[0].response, self.rows[i].answer, self.rows[i], ts[0].metrics)
             for i, ts in zip(indices, episodes, strict=True)
@@ -175,8 +187,7 @@ class Rounds:
         own = [ts[0].reward for ts in episodes]
         scored = await self.scorer.score([item for item, r in zip(inputs, own, strict=True) if r is None])
         it = iter(scored)
-        rewards = [r if r is not None else (next(it).reward or 0.0) for r in own]
-        return sum(rewards) / max(len(indices), 1)
+        return [r if r is not None else (next(it).reward or 0.0) for r in own]
 
     def take_stats(self) -> dict[str, float]:
         """The statistics since the last call (one batch's), for rollout.jsonl."""

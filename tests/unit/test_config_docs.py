@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from relax_hpc.config.docs import render
+from relax_hpc.config.docs import list_section, render
 from relax_hpc.config.schema import JobConfig, Section
 
 
@@ -17,6 +17,8 @@ def test_every_option_is_documented():
             if isinstance(field.annotation, type) and issubclass(field.annotation, Section):
                 yield from walk(field.annotation, f"{prefix}{name}.")
             else:
+                if (item := list_section(field.annotation)) is not None:  # eval.models[].path, ...
+                    yield from walk(item, f"{prefix}{name}[].")
                 yield f"{prefix}{name}", field.description
 
     undocumented = [key for key, doc in walk(JobConfig) if not doc]

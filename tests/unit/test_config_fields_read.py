@@ -9,6 +9,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from relax_hpc.config.docs import list_section
 from relax_hpc.config.schema import JobConfig
 
 PACKAGE = Path(__file__).resolve().parents[2] / "relax_hpc"
@@ -24,6 +25,8 @@ def _leaves(model: type[BaseModel], parent: str = "") -> list[tuple[str, tuple[s
         else:
             section = parent.rstrip(".").rsplit(".", 1)[-1]
             out.append((f"{parent}{name}", (section, model.__name__), name))
+            if (item := list_section(annotation)) is not None:  # the items' options too (eval.models.path)
+                out += _leaves(item, f"{parent}{name}.")
     return out
 
 

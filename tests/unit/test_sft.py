@@ -167,7 +167,7 @@ def test_an_sft_config_refuses_rl_sections_and_what_makes_no_sense():
         load_config(None, ["kind=sft"], base_dir=REPO)
     with pytest.raises(ConfigError, match=r"sft\.batch_size must be at least trainer\.num_ranks"):
         load_config(SFT, ["sft.batch_size=1"], base_dir=REPO)
-    with pytest.raises(ConfigError, match="sft: a kind=rl job is not kind=sft"):
+    with pytest.raises(ConfigError, match="sft: a kind=rl job is not kind=sft or kind=eval"):
         load_config(None, ["sft.batch_size=8"], base_dir=REPO)
 
 
