@@ -53,6 +53,7 @@ def test_vllm_engine_steps_continue_aborted_generations_across_pushes(slurm_clus
     spans = 0
     for h5 in sorted((run_dir / "spool" / "claimed").glob("step-*/b*.h5")):
         b = read_batch(h5)
+        assert b.token_versions is not None and b.newest_version is not None  # set on reading
         for i in range(b.num_samples):
             versions = b.token_versions[b.offsets[i] : b.offsets[i + 1]]
             sampled = versions[versions >= 0]
