@@ -2,15 +2,15 @@
 both (a vLLM start is most of its time, so one engine and one job).
 
 The engine step is the same wrapper command as on the local executor; it runs vLLM in
-rollout.vllm.python (.venv-vllm). On the long-tail task, with the driver allowed 8 batches ahead,
-pushes land while long generations are in flight: each push aborts them (/pause?mode=abort) and
-the driver continues them on the new weights, every token keeping the version that sampled it.
+rollout.vllm.python (.venv-vllm). On the long-tail task a push aborts the generations in flight
+(/pause?mode=abort) and the driver continues them on the new weights, every token keeping the
+version that sampled it.
 
-Why 12 steps: the first push forms the weight-transfer group and takes 5-10 s, during which the
-driver fills its 8 batches ahead at version 0; the batches trained from about step 7 on are the
-first generated while steps and pushes follow each other (a step is under a second, a batch of
-56-token generations about as long: half of them long, groups of 2, so that generating is slow
-against training and pushes land mid-batch).
+A push lands mid-batch when generating a batch takes longer than a trainer step, so the engine
+serves one sequence at a time (--max-num-seqs 1: 1.4-2 s a batch here, against a step of 0.4-0.7
+s idle). The driver runs at most 2 batches ahead: during the first step (group formation, first
+push: 3-6 s) it fills its whole lead at version 0, and with 8 ahead the six trained batches were
+all version 0 (measured); with 2, batches 1-5 straddled pushes.
 """
 
 from __future__ import annotations
@@ -28,11 +28,12 @@ from tests.slurm.jobs import CONFIG, REPO, describe, job_id, job_state, sacct, s
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-STEPS = 12
+STEPS = 6
 PARTIAL_ON_VLLM = (
-    "rollout.engine=vllm", "rollout.vllm.max_model_len=64", "rollout.num_engines=1", "rollout.partial=true",
+    "rollout.engine=vllm", "rollout.num_engines=1", "rollout.vllm.max_model_len=64",
+    "rollout.vllm.extra_args=['--max-num-seqs','1']", "rollout.partial=true", "rollout.max_staleness=2",
     "rollout.env.name=long_tail", "rollout.env.settings={long_share: 0.5, long_tokens: 56}",
-    "rollout.max_new_tokens=56", "rollout.max_staleness=8", "rollout.prompts_per_step=9", "rollout.group_size=2",
+    "rollout.max_new_tokens=56", "rollout.prompts_per_step=9", "rollout.group_size=2",
     f"trainer.total_steps={STEPS}", "ckpt.keep_trained_batches=true",
 )  # fmt: skip
 
