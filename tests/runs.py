@@ -87,6 +87,21 @@ def assert_nothing_lost_or_repeated(run_dir: Path, steps: int) -> None:
     assert orphaned <= set(seen_files) | {s for s, _ in waiting}
 
 
+def vllm_processes(run_dir: Path) -> list[int]:
+    """The run's vLLM processes: their environment holds the run token (the wrapper's VLLM_API_KEY)."""
+    key = f"VLLM_API_KEY={RunPaths(run_dir).read_token()}".encode()
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            title = (proc / "cmdline").read_bytes()
+            env = (proc / "environ").read_bytes()
+        except OSError:
+            continue
+        if (b"VLLM::" in title or b"vllm.entrypoints" in title) and key in env:
+            found.append(int(proc.name))
+    return found
+
+
 def train_and_checkpoint(cfg: JobConfig, steps: int = 3) -> tuple[InProcessRun, RunPaths]:
     """`steps` GRPO steps of the single-process loop in cfg.run.dir, then a checkpoint at that
     step (what the export tests convert)."""

