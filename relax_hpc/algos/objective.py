@@ -164,7 +164,7 @@ class Objective:
             per_token, loss_mask, p.aggregation, Normalizer(norm.tokens, norm.sequences, self.agg_constant)
         )
         log_ratio = (logprobs - old_logprobs).detach().clamp(-p.log_ratio_clamp, p.log_ratio_clamp)
-        stats.sums["tokens"] = float(mask.sum())
+        stats.add_sum("tokens", mask.sum())
         stats.mean_of("pg_loss", terms.loss * weight, mask)
         stats.mean_of("entropy", entropy, mask)
         # A token with a zero advantage has no policy gradient to clip: every loss counts the others only.

@@ -25,5 +25,5 @@ def sft_loss(
     stats = Stats()
     stats.mean_of("nll", nll, mask)
     stats.range_of("nll", nll, mask)
-    stats.sums["tokens"] = float(mask.sum())
+    stats.add_sum("tokens", mask.sum())
     return aggregate(nll, mask, mode, norm), stats

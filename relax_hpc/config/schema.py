@@ -464,7 +464,10 @@ class MegatronConfig(Section):
     (sdpa for a vision-language model, whose multimodal RoPE te does not apply)."""
     max_tokens_per_microbatch: int = Field(default=16384, ge=1)
     """Sequence packing: samples are packed into micro-batches of at most this many tokens (a
-    longer sample travels alone); the batch's gradient is accumulated over them."""
+    longer sample travels alone); the batch's gradient is accumulated over them. Larger
+    micro-batches hide the host's per-layer work behind the GPU's: a 0.6B model on an H200 waits
+    for the host 22% of a step at 16384 and 3% at 32768 (76 GiB peak; BENCHMARKS.md, "The GPU
+    step's host work"); raise it as far as memory allows."""
     recompute: bool = False
     """Recompute each layer's activations in the backward pass (less memory, one more forward pass
     of every layer)."""

@@ -64,9 +64,10 @@ class RMSNorm(torch.nn.Module):
 
 
 def rope_table(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [tokens, head_dim / 2] of the rotation angles, in fp32, once per layer. Computed
+    """cos and sin [tokens, head_dim / 2] of the rotation angles, in fp32. Computed
     for every element inside the rotation kernel (and all sizes dynamic), RoPE took 27 ms of a
-    0.6B step on an H200; from this table (and static head sizes), 3.8. `positions`: [tokens], or
+    0.6B step on an H200; from this table (and static head sizes), 3.8. Made once per packed
+    micro-batch and shared by its layers (`SDPAttention._rotate_packed`). `positions`: [tokens], or
     [tokens, head_dim / 2] where each frequency has its own position (multimodal RoPE)."""
     angle = (positions.float() if positions.dim() == 2 else positions.float()[:, None]) * inv_freq
     return angle.cos(), angle.sin()
@@ -163,6 +164,7 @@ class SDPAttention(MegatronModule):
         dim = config.kv_channels  # transformers' inverse frequencies, computed as it does (fp32)
         self.inv_freq = 1.0 / (rotary_base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         self.mrope_axes = mrope_axes(mrope_section, mrope_interleaved) if mrope_section else None
+        self.rope_key = (rotary_base, dim, mrope_section, mrope_interleaved)  # layers alike share tables
 
     def forward(
         self,
@@ -189,7 +191,7 @@ class SDPAttention(MegatronModule):
             )
         cu = packed_seq_params.cu_seqlens_q_padded
         cu = packed_seq_params.cu_seqlens_q if cu is None else cu
-        query, key = self._rotate(query, key, self._positions(packed_seq_params, cu, query.shape[0]))
+        query, key = self._rotate_packed(query, key, packed_seq_params, cu)
         if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and _varlen_attn is not None:
             max_len = packed_seq_params.max_seqlen_q
             if max_len is None:
@@ -210,11 +212,29 @@ class SDPAttention(MegatronModule):
             self.mrope_axes = self.mrope_axes.to(positions.device)
         return positions.index_select(0, self.mrope_axes).T  # [total, head_dim / 2]
 
+    def _rotate_packed(
+        self, query: torch.Tensor, key: torch.Tensor, params: PackedSeqParams, cu: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE on a packed micro-batch, from cos/sin tables made once per micro-batch: every
+        layer receives the same packing metadata, and remaking positions and tables per layer
+        cost 28 x 6 launches of a 0.6B model's micro-batch (BENCHMARKS.md, the GPU step's host work)."""
+        tables: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = params.__dict__.setdefault(
+            "rope_tables", {}
+        )
+        if self.rope_key not in tables:
+            self._move_inv_freq(query.device)
+            tables[self.rope_key] = rope_table(self._positions(params, cu, query.shape[0]), self.inv_freq)
+        cos, sin = tables[self.rope_key]
+        return _rope(query, cos, sin), _rope(key, cos, sin)
+
+    def _move_inv_freq(self, device: torch.device) -> None:
+        if self.inv_freq.device != device:  # moved once (not a buffer: it stays fp32)
+            self.inv_freq = self.inv_freq.to(device)
+
     def _rotate(
         self, query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.inv_freq.device != query.device:  # moved once (not a buffer: it stays fp32)
-            self.inv_freq = self.inv_freq.to(query.device)
+        self._move_inv_freq(query.device)
         cos, sin = rope_table(positions, self.inv_freq)
         return _rope(query, cos, sin), _rope(key, cos, sin)
 

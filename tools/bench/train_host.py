@@ -85,6 +85,22 @@ def profiled_step(backend: Backend, batch: SampleBatch, pad: int, out: Path | No
     return {"profiled_wall_s": round(wall, 4), "gpu_busy_s": round(busy, 4), "host_fraction": round(1 - busy / wall, 3)}
 
 
+def host_profile(backend: Backend, batch: SampleBatch, pad: int, out: Path) -> None:
+    """--cprofile: one step under cProfile, the host's Python by own and by cumulative time (a
+    sync shows as the time of the call that waits, e.g. `item`)."""
+    import cProfile
+    import pstats
+
+    out.mkdir(parents=True, exist_ok=True)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    one_step(backend, batch, 98, pad)
+    profiler.disable()
+    with (out / "host_profile.txt").open("w") as f:
+        for key in ("tottime", "cumulative"):
+            pstats.Stats(profiler, stream=f).sort_stats(key).print_stats(60)
+
+
 def host_paths(args: argparse.Namespace) -> None:
     """--host-only: share_of, then plan + pack + unpack of its micro-batches, on the CPU (where the
     device's work is host work too), CPU seconds, median of 3. Runs against an older checkout's
@@ -121,8 +137,12 @@ def main() -> None:
     parser.add_argument("--completion", type=int, default=256)
     parser.add_argument("--group", type=int, default=16)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument(
+        "--microbatch-tokens", type=int, default=16384, help="trainer.megatron.max_tokens_per_microbatch"
+    )
     parser.add_argument("--out", type=Path, help="write the profiled step's kernel table (and trace) here")
     parser.add_argument("--trace", action="store_true", help="profile the host too and write a timeline")
+    parser.add_argument("--cprofile", action="store_true", help="one more step under cProfile (needs --out)")
     parser.add_argument("--host-only", action="store_true", help="time share_of and packing alone, on the CPU")
     args = parser.parse_args()
     if args.host_only:
@@ -139,7 +159,12 @@ def main() -> None:
             {
                 "model": {"path": model, "dtype": args.dtype},
                 "rollout": {"max_staleness": 0, "max_new_tokens": args.completion, "group_size": args.group},
-                "trainer": {"backend": "megatron", "num_ranks": 1, "lr": 1e-6},
+                "trainer": {
+                    "backend": "megatron",
+                    "num_ranks": 1,
+                    "lr": 1e-6,
+                    "megatron": {"max_tokens_per_microbatch": args.microbatch_tokens},
+                },
             }
         )
         backend = build_backend(job, torch.device("cuda", 0))
@@ -152,15 +177,19 @@ def main() -> None:
         "benchmark": "train_host",
         "model": args.model or args.size,
         "samples": args.samples,
+        "microbatch_tokens": args.microbatch_tokens,
         "tokens": args.samples * (args.prompt + args.completion),
         "first_step_s": round(first, 3),
         "step_s": round(statistics.median(walls), 4),
         "steps_s": [round(w, 4) for w in walls],
+        "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
         "gpu": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
     }
     print(json.dumps(result), flush=True)  # the timings first: a run cut short by a time limit keeps them
     print(json.dumps(result | profiled_step(backend, batch, pad, args.out, args.trace)), flush=True)
+    if args.cprofile and args.out is not None:
+        host_profile(backend, batch, pad, args.out)
     dist.destroy_process_group()
 
 
