@@ -105,14 +105,17 @@ class EngineParameters(Mapping[str, torch.nn.Parameter]):
     as `model.language_model.*` and `model.visual.*`. Iterates over the module names only."""
 
     def __init__(self, model: PreTrainedModel) -> None:
+        self._model = model
         self._params = dict(model.named_parameters())
-        self._rename = module_name(model)
+        self._rename: Callable[[str], str] | None = None  # built at the first name not a module's
         self._resolved: dict[str, str] = {}
 
     def _module_name(self, name: str) -> str:
         if name in self._params:
             return name
         if name not in self._resolved:
+            if self._rename is None:
+                self._rename = module_name(self._model)
             self._resolved[name] = self._rename(name)
         return self._resolved[name]
 
