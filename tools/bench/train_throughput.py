@@ -100,10 +100,11 @@ def make_model(size: str, folder: Path, device: str = "cuda") -> None:
             text_config=text, vision_config={**VISION[size], "patch_size": PATCH, "spatial_merge_size": MERGE,
             "temporal_patch_size": TEMPORAL}, image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN,
             vision_start_token_id=VISION_START, vision_end_token_id=VISION_END, tie_word_embeddings=True,
+            dtype=dtype,
         )  # fmt: skip
         model_class: Any = Qwen3VLForConditionalGeneration
     else:
-        config, model_class = Qwen3Config(**SHAPES[size], **COMMON), Qwen3ForCausalLM
+        config, model_class = Qwen3Config(**SHAPES[size], **COMMON, dtype=dtype), Qwen3ForCausalLM
     with torch.device(device):
         model = model_class(config).to(dtype)
     model.save_pretrained(folder)
@@ -118,7 +119,8 @@ def random_batch(args: argparse.Namespace) -> Any:
 
     g = torch.Generator().manual_seed(0)
     half = args.seq // 2
-    seqs = torch.randint(1, VISION_START, (args.batch, args.seq), generator=g).tolist()
+    high = VISION_START if args.size in VISION else COMMON["vocab_size"]  # a text model: the same batch as before
+    seqs = torch.randint(1, high, (args.batch, args.seq), generator=g).tolist()
     media: tuple[dict[str, torch.Tensor], ...] = ()
     if args.size in VISION:
         side = int(args.image_tokens**0.5) * MERGE  # patches per side of a square picture

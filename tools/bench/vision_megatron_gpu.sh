@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 29 item 1's one-GPU proof (vision-language models in the megatron backend), in one go:
-#   OUT=results [STEPS=100] [WHL=dir] [CPU=1] bash tools/bench/vision_megatron_gpu.sh [equal] [learn] [throughput]
+#   OUT=results [STEPS=120] [WHL=dir] [CPU=1] bash tools/bench/vision_megatron_gpu.sh [equal] [learn] [throughput]
+# (each part fits a 10-minute call: on the device machine run them one call each, same OUT)
 # equal:      tests/gpu/test_megatron_vision_gpu.py: the tiny Qwen2.5-VL and Qwen3-VL, megatron against
 #             the torch backend on CUDA in fp32 and bf16 (log-probabilities, one GRPO step, the export);
 #             each test's MEASURED line, and the pytest outcome
@@ -23,11 +24,12 @@ OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 CPU=${CPU:-}
-STEPS=${STEPS:-$([ -n "$CPU" ] && echo 3 || echo 100)}
+STEPS=${STEPS:-$([ -n "$CPU" ] && echo 3 || echo 120)}
 export PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
-if [ -n "${WHL:-}" ] && ! $PY -c 'import megatron.core' 2>/dev/null; then
-  $PY -m pip install --quiet --no-index --no-deps --target /tmp/relax-whl "$WHL"/*.whl >"$OUT/whl.log" 2>&1
+if [ -n "${WHL:-}" ]; then
   export PYTHONPATH=$PYTHONPATH:/tmp/relax-whl
+  $PY -c 'import megatron.core' 2>/dev/null ||
+    $PY -m pip install --quiet --no-index --no-deps --target /tmp/relax-whl "$WHL"/*.whl >>"$OUT/whl.log" 2>&1
 fi
 record() { echo "$1" | tee -a "$OUT/results.jsonl"; }
 
@@ -48,7 +50,7 @@ learn() {
   for b in "${backends[@]}"; do
     rm -rf "/tmp/vg-$b"
     local start=$SECONDS
-    timeout 300 $PY -m relax_hpc.submit --config configs/gpu-tiny-vision-colocated.yaml run.dir="/tmp/vg-$b" \
+    timeout 280 $PY -m relax_hpc.submit --config configs/gpu-tiny-vision-colocated.yaml run.dir="/tmp/vg-$b" \
       trainer.backend="$b" trainer.total_steps="$STEPS" ckpt.every_steps=1000 >"$OUT/learn-$b.log" 2>&1
     echo "$? $((SECONDS - start))" >"$OUT/learn-$b.status"
     cp "/tmp/vg-$b/metrics/train.jsonl" "$OUT/learn-$b.jsonl" 2>/dev/null || : >"$OUT/learn-$b.jsonl"
