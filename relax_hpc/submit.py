@@ -55,7 +55,7 @@ def check_inputs(cfg: JobConfig, in_allocation: bool = False) -> None:
         else:
             problems += eval_data_problems(cfg.eval)
         if cfg.trainer.backend == "megatron":
-            problems += check_megatron_job(cfg.model.path, cfg.trainer.megatron, cfg.rollout.engine)
+            problems += check_megatron_job(cfg.model.path, cfg.trainer.megatron)
             problems += megatron_gpu_problems(cfg, in_allocation)
         problems += missing_sinks(cfg)
         problems += notify_problems(cfg)

@@ -46,7 +46,7 @@ from relax_hpc.data.media import Kind, MediaError, MediaRef
 from relax_hpc.data.processor import Processed, ProcessorError, media_processor
 from relax_hpc.engines.sampling import Completion, SamplingSpec, input_logprobs, sample
 from relax_hpc.metrics.startup import StartupClock
-from relax_hpc.models.hf import load_policy, torch_dtype
+from relax_hpc.models.hf import EngineParameters, load_policy, torch_dtype
 from relax_hpc.models.lora import read_adapter_folder
 from relax_hpc.paths import RunPaths
 from relax_hpc.protocol import requests as P
@@ -135,7 +135,8 @@ class TorchEngine:
         self.model = model.to(self.device).eval()  # type: ignore[arg-type]  # transformers types .to() as taking a model
         # The model folder's processor expands media placeholders, as SGLang's does.
         self.processor = media_processor(model_path)
-        self.params = dict(self.model.named_parameters())
+        # Module names, and the checkpoint's names that the megatron backend sends (a VL model's differ).
+        self.params = EngineParameters(self.model)
         self.model_path = model_path
         self.weight_version = "0"
         self.updating = False  # between /begin_weight_update and /end_weight_update
@@ -146,7 +147,8 @@ class TorchEngine:
         self.on_weights: Callable[[], object] = lambda: None
         # LoRA runs (trainer.lora) send adapters, received beside the parameters and then merged.
         self.lora = AdapterMerger(self.params, self.device)
-        self.receiver = BucketReceiver(ChainMap(self.lora.adapter, self.params), self.device)
+        # (ChainMap writes its first map only: the parameters are read, never replaced.)
+        self.receiver = BucketReceiver(ChainMap(self.lora.adapter, self.params), self.device)  # type: ignore[arg-type]
         # Adapter sync: the folder of every adapter loaded so far (a request naming one unloaded
         # since loads it again, SGLang's rule), the loaded ones, the one merged into the weights.
         self.adapter_folders: dict[str, Path] = {}
@@ -412,7 +414,7 @@ class TorchEngine:
             group.cancel()
             threading.Thread(target=group.close, name="weights-drop", daemon=True).start()
 
-    def weights_by_name(self, req: P.GetWeightsByNameReqInput) -> list:
+    def weights_by_name(self, req: P.GetWeightsByNameReqInput) -> list[Any] | float:
         if req.name not in self.params:
             raise P.ProtocolError(f"no parameter named {req.name!r}")
         with self._model_lock:

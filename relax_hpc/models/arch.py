@@ -226,9 +226,8 @@ def _vision_problems(arch: Arch, par: MegatronConfig, te: bool) -> list[str]:
     return problems
 
 
-def check_megatron_job(model_dir: str, par: MegatronConfig, engine: str) -> list[str]:
-    """The checks of a megatron job that need only the model's config.json (what submit runs);
-    `engine`: rollout.engine."""
+def check_megatron_job(model_dir: str, par: MegatronConfig) -> list[str]:
+    """The checks of a megatron job that need only the model's config.json (what submit runs)."""
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError) as e:
@@ -238,12 +237,4 @@ def check_megatron_job(model_dir: str, par: MegatronConfig, engine: str) -> list
         te = use_transformer_engine(par.attention, arch)
     except (ValueError, AttributeError) as e:
         return [f"trainer.backend=megatron: {e}"]
-    problems = megatron_problems(arch, par, te)
-    if arch.vision and engine == "torch":
-        # The megatron backend sends a VL model's weights under the checkpoint's names; the
-        # built-in engine's HF model takes transformers' module names (model.language_model.*).
-        problems.append(
-            "a vision-language model trained by trainer.backend=megatron needs rollout.engine=sglang: the built-in "
-            "engine does not take the checkpoint's weight names the megatron backend sends (not built yet; issue 29)"
-        )
-    return problems
+    return megatron_problems(arch, par, te)

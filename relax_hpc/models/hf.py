@@ -4,6 +4,7 @@ exports load them: one loader, and where each kind keeps its decoder layers and 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -79,15 +80,56 @@ def checkpoint_layout(model: PreTrainedModel, tensors: dict[str, torch.Tensor]) 
     return converted
 
 
-def module_names(model: PreTrainedModel, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Checkpoint-named tensors under the model's own parameter names: transformers' renamings of
+def module_name(model: PreTrainedModel) -> Callable[[str], str]:
+    """A checkpoint's tensor name -> the model's own parameter name: transformers' renamings of
     its load (Qwen2.5-VL's `model.layers.*` -> `model.language_model.layers.*`, `visual.*` ->
-    `model.visual.*`), not its tensor conversions (fused MoE experts stay as named)."""
+    `model.visual.*`), not its tensor conversions (fused MoE experts stay as named). A module
+    name is its own."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightRenaming, rename_source_key
 
     renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
-    return {rename_source_key(name, renamings, [])[0]: tensor for name, tensor in tensors.items()}
+    return lambda name: rename_source_key(name, renamings, [])[0]
+
+
+def module_names(model: PreTrainedModel, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint-named tensors under the model's own parameter names (module_name)."""
+    rename = module_name(model)
+    return {rename(name): tensor for name, tensor in tensors.items()}
+
+
+class EngineParameters(Mapping[str, torch.nn.Parameter]):
+    """The built-in engine's parameters by module name, which also answer to the checkpoint's
+    names (module_name, resolved once per name): the megatron backend sends a vision-language
+    model's weights under those, as SGLang loads them, while transformers' module holds them
+    as `model.language_model.*` and `model.visual.*`. Iterates over the module names only."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self._model = model
+        self._params = dict(model.named_parameters())
+        self._rename: Callable[[str], str] | None = None  # built at the first name not a module's
+        self._resolved: dict[str, str] = {}
+
+    def _module_name(self, name: str) -> str:
+        if name in self._params:
+            return name
+        if name not in self._resolved:
+            if self._rename is None:
+                self._rename = module_name(self._model)
+            self._resolved[name] = self._rename(name)
+        return self._resolved[name]
+
+    def __getitem__(self, name: str) -> torch.nn.Parameter:
+        return self._params[self._module_name(name)]
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self._module_name(name) in self._params
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._params)
+
+    def __len__(self) -> int:
+        return len(self._params)
 
 
 def pad_token_id(model: PreTrainedModel) -> int:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,7 +101,7 @@ class Loaded:
     whole: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     patches: list[Patch] = field(default_factory=list)
 
-    def apply(self, params: dict[str, torch.Tensor]) -> None:
+    def apply(self, params: Mapping[str, torch.Tensor]) -> None:
         """Write it into `params` (call under the engine's model lock, without grad)."""
         if self.whole:
             device = next(iter(params.values())).device
@@ -110,7 +110,7 @@ class Loaded:
             patch.apply(params[patch.name])
 
 
-def load_folder(folder: Path, params: dict[str, torch.Tensor], delta: bool, held: str) -> Loaded:
+def load_folder(folder: Path, params: Mapping[str, torch.Tensor], delta: bool, held: str) -> Loaded:
     """What loading `folder` writes into `params`, read and checked whole before anything is
     written: a bad folder leaves the weights as they were. `held` is the version the parameters
     hold (a delta applies to its base only)."""
@@ -134,7 +134,7 @@ def load_folder(folder: Path, params: dict[str, torch.Tensor], delta: bool, held
     return out
 
 
-def _check(params: dict[str, torch.Tensor], named: list[tuple[str, torch.Size]]) -> None:
+def _check(params: Mapping[str, torch.Tensor], named: list[tuple[str, torch.Size]]) -> None:
     unknown = [n for n, _ in named if n not in params]
     if unknown:
         raise P.ProtocolError(f"unknown parameter names {unknown[:5]}")

@@ -66,7 +66,7 @@ def merge_all(
 class AdapterMerger:
     """Engine side: buffers the received adapter tensors and merges them into the parameters."""
 
-    def __init__(self, params: dict[str, torch.nn.Parameter], device: torch.device) -> None:
+    def __init__(self, params: Mapping[str, torch.nn.Parameter], device: torch.device) -> None:
         self.params, self.device = params, device
         self.adapter: dict[str, torch.Tensor] = {}  # where the receiver writes A, B and the scaling
         self.base: dict[str, torch.Tensor] = {}  # base weights of the modules merged so far

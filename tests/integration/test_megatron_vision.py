@@ -12,13 +12,18 @@ rows with zero, one and two pictures, packed several to a micro-batch.
 - one GRPO step gives the same loss and gradient norm (1e-4 relative: the gradient's size), and
   the same weights after it (every HF tensor, vision tower included; WEIGHT_ATOL below: its sign);
 - the weights export to the HF checkpoint exactly, and so does a megatron checkpoint of them,
-  which a fresh backend resumes from exactly.
+  which a fresh backend resumes from exactly;
+- the built-in engine takes the export under the checkpoint's names (what SGLang loads) over each
+  channel's receiving path: the broadcast (gloo side group), the colocated one (shared memory,
+  CUDA IPC's CPU form) and the file one; it then holds the trainer's weights bit for bit, and its
+  log-probabilities of what it samples for a prompt with a picture are the megatron backend's.
 """
 
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -29,14 +34,21 @@ from safetensors.torch import load_file
 
 from relax_hpc.config.load import load_config
 from relax_hpc.config.schema import MediaKind
-from relax_hpc.data.processor import MediaProcessor
+from relax_hpc.data.processor import MediaProcessor, up_to_media_token
 from relax_hpc.data.prompts import PromptRow
+from relax_hpc.engines.torch_engine import TorchEngine
 from relax_hpc.models.hf import empty_policy, module_names
 from relax_hpc.models.hf_checkpoint import megatron_checkpoint_to_hf
+from relax_hpc.protocol import requests as P
 from relax_hpc.trainer.backend import BackendConfig
 from relax_hpc.trainer.batching import TrainBatch, pad_samples, token_logprobs_and_entropy
 from relax_hpc.trainer.megatron_backend import MegatronBackend
 from relax_hpc.trainer.torch_backend import TorchBackend
+from relax_hpc.weights.buckets import BucketPlan, pack, plan_buckets
+from relax_hpc.weights.files import write_dense
+from relax_hpc.weights.group import SideGroup
+from relax_hpc.weights.sender import free_port
+from relax_hpc.weights.tensors import FLATTENED_BUCKET, bucket_records, serialize_bucket
 from tests.integration.test_megatron_checkpoint import megatron_on_cpu
 from tests.models.qwen3_family import build_qwen3_vl
 
@@ -193,3 +205,98 @@ def test_megatron_loads_and_exports_the_hf_weights_exactly(model, megatron_on_cp
     assert set(_hf_weights(frozen)) == set(source) - set(tower)
     trained = {n for n, p in frozen.model.module.named_parameters() if p.requires_grad}
     assert trained and not any(n.startswith("vision.") for n in trained)
+
+
+Push = Callable[[TorchEngine, list[BucketPlan], dict[str, torch.Tensor], Path], None]
+
+
+def _broadcast(engine: TorchEngine, plans: list[BucketPlan], tensors: dict[str, torch.Tensor], _: Path) -> None:
+    """As WeightSender's engines receive: a two-rank gloo side group, one flattened bucket each."""
+    port = free_port("127.0.0.1")
+    join = P.InitWeightsUpdateGroupReqInput("127.0.0.1", port, 1, 2, "vl", "gloo")
+    with ThreadPoolExecutor(1) as engine_side:
+        joined = engine_side.submit(engine.init_group, join)
+        trainer = SideGroup("127.0.0.1", port, 0, 2, "vl", "gloo", 30.0)
+        joined.result()
+        try:
+            for k, plan in enumerate(plans):
+                req = P.UpdateWeightsFromDistributedReqInput(
+                    plan.names, plan.dtypes, plan.shapes, "vl", load_format="flattened_bucket",
+                    weight_version="1" if k == len(plans) - 1 else None,
+                )  # fmt: skip
+                received = engine_side.submit(engine.update_from_distributed, req)
+                trainer.broadcast(pack([tensors[n] for n in plan.names]))
+                received.result()
+        finally:
+            trainer.close()
+
+
+def _colocated(engine: TorchEngine, plans: list[BucketPlan], tensors: dict[str, torch.Tensor], _: Path) -> None:
+    """As ColocatedSender hands buckets over: by reference (shared memory on the CPU)."""
+    for plan in plans:
+        payloads = serialize_bucket(pack([tensors[n] for n in plan.names]), bucket_records(plan))
+        engine.update_from_tensor(P.UpdateWeightsFromTensorReqInput(payloads, FLATTENED_BUCKET, weight_version="1"))
+
+
+def _file(engine: TorchEngine, plans: list[BucketPlan], tensors: dict[str, torch.Tensor], tmp: Path) -> None:
+    """As FileChannel writes a version's folder, one file per bucket, and the engine loads it."""
+    folder = tmp / "v1"
+    folder.mkdir()
+    for k, plan in enumerate(plans):
+        write_dense(folder / f"bucket-{k}.safetensors", pack([tensors[n] for n in plan.names]), plan)
+    engine.update_from_disk(P.UpdateWeightFromDiskReqInput(str(folder), weight_version="1"))
+
+
+@pytest.fixture
+def engine(request: pytest.FixtureRequest, model: Path) -> TorchEngine:
+    """The built-in engine, loaded before megatron's CPU patches apply (as `reference`)."""
+    built = TorchEngine(str(model), "float32")
+    request.getfixturevalue("megatron_on_cpu")
+    return built
+
+
+@pytest.mark.parametrize("push", [_broadcast, _colocated, _file], ids=["broadcast", "colocated", "file"])
+def test_the_built_in_engine_takes_the_megatron_export(model, engine, push: Push, tmp_path):
+    megatron = _megatron(model)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # weights the engine does not hold yet (it loads the same folder)
+        for p in megatron.model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    exported = {n: t.detach().clone() for n, t in megatron.full_parameters() if t is not None}
+    plans = plan_buckets(megatron.parameter_specs(), 2**16)  # several buckets, as a real push
+    expected = module_names(engine.model, exported)
+    assert expected.keys() == set(engine.params)  # every weight (the tied head is the embedding)
+    if model.name == "tiny-qwen2.5-vl-shapes":  # the checkpoint's names are not the module's
+        assert not any(n in set(engine.params) for n in exported if "visual." in n or ".layers." in n)
+    with torch.no_grad():
+        for p in engine.params.values():
+            p.zero_()
+    engine.begin_update(P.BeginWeightUpdateReqInput())
+    push(engine, plans, exported, tmp_path)
+    engine.end_update()
+    assert engine.weight_version == "1"
+    assert all(torch.equal(engine.params[n], t) for n, t in expected.items())
+
+    # the engine samples for a prompt with a picture; megatron scores the same tokens
+    processor = MediaProcessor(str(model))
+    picture = REPO / "assets/shapes/0000.png"
+    prompt = processor.prompt_ids(PromptRow(0, "<image>how many shapes?", ""))
+    sampling = {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 4}
+    request = P.GenerateReqInput(prompt, sampling, return_logprob=True, image_data=str(picture))
+    request.return_prompt_token_ids = True
+    out = engine.generate(request)
+    assert isinstance(out, dict)
+    keep = up_to_media_token(out["output_ids"], processor.media_token_ids)
+    assert keep > 1  # random weights may sample an image token: scored up to it
+    sampled = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"][:keep]]
+    processed = processor.process(prompt, [("image", picture.read_bytes())])
+    assert processed.input_ids == out["prompt_token_ids"]
+    sequence = processed.input_ids + out["output_ids"][:keep]
+    mask = [0] * len(processed.input_ids) + [1] * keep
+    batch = pad_samples(
+        [sequence], [mask], [[0.0] * len(sequence)], [1.0], [0], processor.tokenizer.pad_token_id,
+        (processed.tensors,),
+    )  # fmt: skip
+    got = megatron._frozen_logprobs(megatron.model, batch)
+    assert got is not None
+    assert (got[batch.loss_mask.bool()] - torch.tensor(sampled)).abs().max() < ATOL

@@ -34,21 +34,19 @@ def test_the_language_model_is_read_from_the_text_config_with_its_multimodal_rop
     )  # fmt: skip
     assert arch.qkv_bias and arch.tied and arch.vision and arch.mrope_section == (4, 6, 6)
     assert not use_transformer_engine("auto", arch)  # whether or not Transformer Engine is installed
-    assert check_megatron_job(str(MODEL), MegatronConfig(), "sglang") == []
-    refused = check_megatron_job(str(MODEL), MegatronConfig(), "torch")
-    assert len(refused) == 1 and "needs rollout.engine=sglang" in refused[0], refused
+    assert check_megatron_job(str(MODEL), MegatronConfig()) == []
 
 
 def test_qwen3_vl_reads_as_qwen3_with_interleaved_rope_and_deepstack(tmp_path):
     arch = arch_of(AutoConfig.from_pretrained(build_qwen3_vl(tmp_path)))
     assert arch.qk_norm and not arch.qkv_bias and arch.mrope_interleaved and arch.deepstack_layers == 2
     assert (arch.hf_prefix, arch.hf_vision_prefix) == ("model.language_model.", "model.visual.")
-    problems = check_megatron_job(str(tmp_path), MegatronConfig(recompute=True), "sglang")
+    problems = check_megatron_job(str(tmp_path), MegatronConfig(recompute=True))
     assert problems == ["Qwen3-VL's DeepStack features need trainer.megatron.recompute=false"]
 
 
 def test_a_layout_the_vision_model_cannot_take_is_refused_with_the_reason():
-    problems = check_megatron_job(str(MODEL), MegatronConfig(pipeline_parallel=2, context_parallel=2), "sglang")
+    problems = check_megatron_job(str(MODEL), MegatronConfig(pipeline_parallel=2, context_parallel=2))
     assert "a vision-language model needs trainer.megatron.pipeline_parallel=1" in problems
     assert "a vision-language model needs trainer.megatron.context_parallel=1" in problems
     config = AutoConfig.from_pretrained(MODEL)

@@ -23,7 +23,7 @@ from relax_hpc.engines.torch_engine import TorchEngine
 from relax_hpc.envs.base import Sampled, Trajectory
 from relax_hpc.envs.context import GenerateCall
 from relax_hpc.exchange.spool import read_batch, write_batch
-from relax_hpc.models.hf import load_policy
+from relax_hpc.models.hf import EngineParameters, load_policy
 from relax_hpc.models.tiny_multimodal import CELL, GRID
 from relax_hpc.protocol import requests as P
 from relax_hpc.rollout.engine_policy import EnginePolicy
@@ -177,3 +177,21 @@ def test_a_text_engine_refuses_media():
     engine = TorchEngine(str(ASSETS / "tiny-qwen3-addition"), "float32")
     with pytest.raises(P.ProtocolError, match=r"is a text model: it takes no image_data or audio_data"):
         engine.generate(P.GenerateReqInput(input_ids=[5, 6], image_data="data:image/png;base64,AA=="))
+
+
+def test_the_engines_parameters_answer_to_the_checkpoints_names_too():
+    """The megatron backend sends Qwen2.5-VL's weights as its checkpoint names them (SGLang's);
+    the engine's module holds them under transformers' names."""
+    model = load_policy(str(ASSETS / "tiny-qwen2.5-vl-shapes"), torch.float32)
+    params = EngineParameters(model)
+    module = dict(model.named_parameters())
+    assert (
+        params["model.layers.0.self_attn.q_proj.weight"]
+        is module["model.language_model.layers.0.self_attn.q_proj.weight"]
+    )
+    assert params["visual.blocks.0.attn.qkv.weight"] is module["model.visual.blocks.0.attn.qkv.weight"]
+    assert "model.language_model.norm.weight" in params and "model.norm.weight" in params
+    assert "model.layers.0.self_attn.no_such.weight" not in params  # still refused as unknown
+    with pytest.raises(KeyError):
+        params["visual.no_such.weight"]
+    assert list(params) == list(module) and len(params) == len(module)  # iterated by module name only

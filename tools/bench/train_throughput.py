@@ -1,18 +1,26 @@
 """Training throughput on one GPU: tokens/s and MFU of the megatron backend against the torch
 backend, on the same random Qwen3-shaped model and the same batch, measured in the same run.
 
-    python tools/bench/train_throughput.py [--sizes 0.6b,1.7b,4b] [--seq 4096] [--batch 4] [--steps 5]
+    python tools/bench/train_throughput.py [--sizes 0.6b,1.7b,4b,vl-2b] [--seq 4096] [--batch 4] [--steps 5]
                                            [--microbatch-tokens 16384] [--recompute]
-                                           [--profile-dir DIR]
+                                           [--image-tokens 256] [--profile-dir DIR] [--cpu]
+
+`vl-2b` is a Qwen3-VL-2B-shaped vision-language model (its language model is 1.7b's shape, with
+multimodal RoPE; a 24-block vision tower with DeepStack mergers): each sample opens with one
+picture of `image-tokens` merged tokens (4 patches of 16 x 16 pixels each), random pixels.
+`vl-tiny` is a toy of the same family, for checking the script on a CPU (`--cpu`: gloo, float32,
+the torch backend only, since the megatron backend needs CUDA; MFU is then meaningless).
 
 Each (size, backend) runs in its own process (one trainer rank under torchrun), on a batch of
 `batch` samples of `seq` tokens (prompt half, completion half) trained with the default
 objective (GRPO, PPO clip, entropy bonus) through the backend's own train_step. FLOPs per token
 count every matrix multiply (6 x parameters, the LM head included, the embedding lookup not)
-plus attention in full (12 x layers x seq x heads x head_dim, not halved for causality); MFU is
-against the H200's dense bf16 peak, 989 TFLOP/s. Prints one JSON object per size. With
---profile-dir, one more step runs under torch.profiler: its GPU time by kind of kernel goes into
-the JSON (`gpu_ms`) and the top kernels into DIR/SIZE-BACKEND.txt.
+plus attention in full (12 x layers x seq x heads x head_dim, not halved for causality), and for
+a vision-language model the tower's likewise per patch (attention over the picture's patches)
+and its mergers' per merged token; MFU is against the H200's dense bf16 peak, 989 TFLOP/s. Prints
+one JSON object per size. With --profile-dir, one more step runs under torch.profiler: its GPU
+time by kind of kernel goes into the JSON (`gpu_ms`) and the top kernels into
+DIR/SIZE-BACKEND.txt.
 
 Memory options: --recompute recomputes each layer's activations in the backward pass (megatron:
 trainer.megatron.recompute; torch: trainer.gradient_checkpointing); --microbatch-tokens bounds the
@@ -36,7 +44,19 @@ SHAPES: dict[str, dict[str, Any]] = {  # Qwen3-0.6B, 1.7B and 4B (tied embedding
     "0.6b": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16},
     "1.7b": {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28, "num_attention_heads": 16},
     "4b": {"hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36, "num_attention_heads": 32},
+    "vl-2b": {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28, "num_attention_heads": 16},
+    "vl-tiny": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 8},
 }
+# The vision towers of the vision-language shapes (Qwen3-VL-2B's config.json; a toy one).
+VISION: dict[str, dict[str, Any]] = {
+    "vl-2b": {"depth": 24, "hidden_size": 1024, "intermediate_size": 4096, "num_heads": 16, "out_hidden_size": 2048,
+              "deepstack_visual_indexes": [5, 11, 17], "num_position_embeddings": 2304},
+    "vl-tiny": {"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4, "out_hidden_size": 128,
+                "deepstack_visual_indexes": [0, 1], "num_position_embeddings": 64},
+}  # fmt: skip
+PATCH, MERGE, TEMPORAL = 16, 2, 2  # pixels per patch side, patches merged per side, frames per patch
+# Qwen3-VL's special tokens; the random text stays below them.
+IMAGE_TOKEN, VISION_START, VISION_END, VIDEO_TOKEN = 151655, 151652, 151653, 151656
 COMMON: dict[str, Any] = {
     "num_key_value_heads": 8,
     "head_dim": 128,
@@ -56,15 +76,65 @@ def flops_per_token(shape: dict, seq: int) -> float:
     return 6 * matmul_params + 12 * layers * seq * q
 
 
-def make_model(size: str, folder: Path) -> None:
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def vision_flops_per_sample(size: str, image_tokens: int) -> float:
+    """One picture through the tower and its mergers, forward and backward (0 for a text model)."""
+    if size not in VISION:
+        return 0.0
+    v = VISION[size]
+    h, patches, merged_h = v["hidden_size"], image_tokens * MERGE**2, v["hidden_size"] * MERGE**2
+    per_patch = 3 * TEMPORAL * PATCH**2 * h + v["depth"] * (4 * h * h + 2 * h * v["intermediate_size"])
+    per_merged = (1 + len(v["deepstack_visual_indexes"])) * (merged_h * merged_h + merged_h * v["out_hidden_size"])
+    return 6 * (patches * per_patch + image_tokens * per_merged) + 12 * v["depth"] * patches * patches * h
 
-    config = Qwen3Config(**SHAPES[size], **COMMON, dtype="bfloat16")
+
+def make_model(size: str, folder: Path, device: str = "cuda") -> None:
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Qwen3ForCausalLM(config).to(torch.bfloat16)  # type: ignore[arg-type]  # transformers types .to() as taking a model
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if size in VISION:
+        text = {**SHAPES[size], **COMMON, "rope_parameters": {"rope_type": "default", "rope_theta": 5e6,
+                "mrope_section": [24, 20, 20], "mrope_interleaved": True}}  # fmt: skip
+        config: Any = Qwen3VLConfig(
+            text_config=text, vision_config={**VISION[size], "patch_size": PATCH, "spatial_merge_size": MERGE,
+            "temporal_patch_size": TEMPORAL}, image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN,
+            vision_start_token_id=VISION_START, vision_end_token_id=VISION_END, tie_word_embeddings=True,
+            dtype=dtype,
+        )  # fmt: skip
+        model_class: Any = Qwen3VLForConditionalGeneration
+    else:
+        config, model_class = Qwen3Config(**SHAPES[size], **COMMON, dtype=dtype), Qwen3ForCausalLM
+    with torch.device(device):
+        model = model_class(config).to(dtype)
     model.save_pretrained(folder)
+
+
+def random_batch(args: argparse.Namespace) -> Any:
+    """`batch` samples of `seq` random tokens (prompt half, completion half); for a
+    vision-language model each prompt opens with one picture of `image_tokens` merged tokens."""
+    import torch
+
+    from relax_hpc.trainer.batching import pad_samples
+
+    g = torch.Generator().manual_seed(0)
+    half = args.seq // 2
+    high = VISION_START if args.size in VISION else COMMON["vocab_size"]  # a text model: the same batch as before
+    seqs = torch.randint(1, high, (args.batch, args.seq), generator=g).tolist()
+    media: tuple[dict[str, torch.Tensor], ...] = ()
+    if args.size in VISION:
+        side = int(args.image_tokens**0.5) * MERGE  # patches per side of a square picture
+        if side * side != args.image_tokens * MERGE**2 or args.image_tokens + 2 > half:
+            raise SystemExit(f"--image-tokens {args.image_tokens}: a square number below seq / 2 - 2")
+        picture = [VISION_START] + [IMAGE_TOKEN] * args.image_tokens + [VISION_END]
+        seqs = [picture + s[len(picture) :] for s in seqs]
+        pixels = (side * side, 3 * TEMPORAL * PATCH**2)
+        grid = torch.tensor([[1, side, side]])
+        media = tuple({"pixel_values": torch.randn(pixels, generator=g), "image_grid_thw": grid} for _ in seqs)
+    masks = [[0] * half + [1] * half] * args.batch
+    logps = [[-2.0] * args.seq] * args.batch
+    rewards = torch.rand(args.batch, generator=g).tolist()
+    return pad_samples(seqs, masks, logps, rewards, [i // 2 for i in range(args.batch)], 0, media)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -73,15 +143,17 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from relax_hpc.config.schema import JobConfig
-    from relax_hpc.trainer.batching import pad_samples
     from relax_hpc.trainer.build import build_backend
 
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
-    dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
+    device = torch.device("cpu") if args.cpu else torch.device("cuda", 0)
+    if args.cpu:
+        dist.init_process_group("gloo")
+    else:
+        torch.cuda.set_device(device)
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
     job = JobConfig.model_validate(
         {
-            "model": {"path": args.model, "dtype": "bfloat16"},
+            "model": {"path": args.model, "dtype": "float32" if args.cpu else "bfloat16"},
             "rollout": {"max_staleness": 0, "max_new_tokens": args.seq // 2, "group_size": 2},
             "trainer": {
                 "backend": args.backend,
@@ -93,29 +165,26 @@ def worker(args: argparse.Namespace) -> None:
         }
     )
     backend = build_backend(job, device)
-    g = torch.Generator().manual_seed(0)
-    half = args.seq // 2
-    seqs = torch.randint(1, COMMON["vocab_size"], (args.batch, args.seq), generator=g).tolist()
-    masks = [[0] * half + [1] * half] * args.batch
-    logps = [[-2.0] * args.seq] * args.batch
-    rewards = torch.rand(args.batch, generator=g).tolist()
-    batch = pad_samples(seqs, masks, logps, rewards, [i // 2 for i in range(args.batch)], 0)
+    batch = random_batch(args)
+    synchronize = torch.cuda.synchronize if not args.cpu else lambda: None
     for _ in range(2):  # warm-up: allocator, kernels' autotuning
         backend.train_step(batch, 0)
-    torch.cuda.synchronize()
+    synchronize()
     start = time.perf_counter()
     for step in range(args.steps):
         backend.train_step(batch, step)
-    torch.cuda.synchronize()
+    synchronize()
     seconds = (time.perf_counter() - start) / args.steps
     tokens_per_s = args.batch * args.seq / seconds
-    mfu = tokens_per_s * flops_per_token(SHAPES[args.size], args.seq) / PEAK_FLOPS
+    flops = (
+        flops_per_token(SHAPES[args.size], args.seq) + vision_flops_per_sample(args.size, args.image_tokens) / args.seq
+    )
     result = {
         "backend": args.backend,
         "step_s": round(seconds, 3),
         "tokens_per_s": round(tokens_per_s),
-        "mfu": round(mfu, 3),
-        "max_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
+        "mfu": round(tokens_per_s * flops / PEAK_FLOPS, 3),
+        "max_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if not args.cpu else None,
     }
     if args.profile_dir:
         result["gpu_ms"] = profile_step(
@@ -170,7 +239,9 @@ def run(size: str, backend: str, model: Path, args: argparse.Namespace) -> dict:
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", __file__,
             "--worker", "--size", size, "--backend", backend, "--model", str(model), "--seq", str(args.seq),
             "--batch", str(args.batch), "--steps", str(args.steps),
-            "--microbatch-tokens", str(args.microbatch_tokens)]  # fmt: skip
+            "--microbatch-tokens", str(args.microbatch_tokens), "--image-tokens", str(args.image_tokens)]  # fmt: skip
+    if args.cpu:
+        argv.append("--cpu")
     if args.profile_dir:
         argv += ["--profile-dir", args.profile_dir]
     if args.recompute:
@@ -194,6 +265,8 @@ def main() -> None:
     parser.add_argument("--backends", default="megatron,torch")
     parser.add_argument("--recompute", action="store_true", help="recompute each layer's activations in backward")
     parser.add_argument("--profile-dir", help="profile one more step; write each kernel table here")
+    parser.add_argument("--image-tokens", type=int, default=256, help="merged tokens of each sample's picture (vl-*)")
+    parser.add_argument("--cpu", action="store_true", help="check the script on a CPU (toy sizes, torch backend)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--size", help=argparse.SUPPRESS)
     parser.add_argument("--backend", help=argparse.SUPPRESS)
@@ -205,7 +278,7 @@ def main() -> None:
 
     for size in args.sizes.split(","):
         with tempfile.TemporaryDirectory() as tmp:
-            make_model(size, Path(tmp))
+            make_model(size, Path(tmp), "cpu" if args.cpu else "cuda")
             results = {b: run(size, b, Path(tmp), args) for b in args.backends.split(",")}
         print(
             json.dumps(
@@ -216,8 +289,10 @@ def main() -> None:
                     "batch": args.batch,
                     "microbatch_tokens": args.microbatch_tokens,
                     "recompute": args.recompute,
-                    "flops_per_token": flops_per_token(SHAPES[size], args.seq),
-                    "gpu": torch.cuda.get_device_name(0),
+                    "image_tokens": args.image_tokens if size in VISION else 0,
+                    "flops_per_token": flops_per_token(SHAPES[size], args.seq)
+                    + vision_flops_per_sample(size, args.image_tokens) / args.seq,
+                    "gpu": torch.cuda.get_device_name(0) if not args.cpu else "cpu",
                     "torch": torch.__version__,
                     **results,
                 }
