@@ -193,9 +193,12 @@ class MegatronBackend:
         or not: text rows get theirs too), as the HF model computes them; None for a text model."""
         if self.rope_index is None:
             return None
-        grids = [{"image_grid_thw": m["image_grid_thw"]} for m in batch.media if "image_grid_thw" in m]
-        media = {k: v.to(self.device) for k, v in concat_inputs(grids).items()}  # not the pixels: only their grids
-        return mrope_positions(self.rope_index, batch.input_ids, batch.attention_mask, media)
+        # On the CPU: transformers' rope index is per-sample Python over small tensors (on the GPU
+        # each of its steps would sync), and its inputs must share one device (a batch on the CPU
+        # with grids on the GPU failed on the H200). Only the result travels.
+        grids = [{"image_grid_thw": m["image_grid_thw"].cpu()} for m in batch.media if "image_grid_thw" in m]
+        cpu = (batch.input_ids.cpu(), batch.attention_mask.cpu())
+        return mrope_positions(self.rope_index, *cpu, concat_inputs(grids)).to(self.device)
 
     def _forward(self, model: torch.nn.Module, mb: packing.Microbatch) -> torch.Tensor:
         """The model's output on a packed micro-batch; through the engine's experts where the

@@ -13,6 +13,7 @@
 #             training step, megatron against torch in the same run (tokens/s, MFU)
 # Each part runs under its own timeout; every result is one line appended to $OUT/results.jsonl
 # (a part that fails or times out still writes a line, with its exit status), logs beside it.
+# EQUAL_TIMEOUT, LEARN_TIMEOUT (each backend), THROUGHPUT_TIMEOUT: seconds (500, 280, 580).
 # WHL: a folder of wheels (megatron-core, pydantic, ...) installed into /tmp/relax-whl first when
 # megatron-core is not importable. CPU=1 checks the script on a machine without a GPU: `equal` runs
 # the CPU form (tests/integration/test_megatron_vision.py), `learn` the torch backend alone for 3
@@ -36,7 +37,7 @@ record() { echo "$1" | tee -a "$OUT/results.jsonl"; }
 equal() {
   local tests=tests/gpu/test_megatron_vision_gpu.py marker=gpu
   [ -n "$CPU" ] && tests=tests/integration/test_megatron_vision.py marker=integration
-  timeout 500 $PY -m pytest "$tests" -m $marker -s -q -p no:cacheprovider >"$OUT/equal.log" 2>&1
+  timeout "${EQUAL_TIMEOUT:-500}" $PY -m pytest "$tests" -m $marker -s -q -p no:cacheprovider >"$OUT/equal.log" 2>&1
   local rc=$?
   grep '^MEASURED ' "$OUT/equal.log" | sed 's/^MEASURED //' | tee -a "$OUT/results.jsonl"
   local summary
@@ -50,7 +51,7 @@ learn() {
   for b in "${backends[@]}"; do
     rm -rf "/tmp/vg-$b"
     local start=$SECONDS
-    timeout 280 $PY -m relax_hpc.submit --config configs/gpu-tiny-vision-colocated.yaml run.dir="/tmp/vg-$b" \
+    timeout "${LEARN_TIMEOUT:-280}" $PY -m relax_hpc.submit --config configs/gpu-tiny-vision-colocated.yaml run.dir="/tmp/vg-$b" \
       trainer.backend="$b" trainer.total_steps="$STEPS" ckpt.every_steps=1000 >"$OUT/learn-$b.log" 2>&1
     echo "$? $((SECONDS - start))" >"$OUT/learn-$b.status"
     cp "/tmp/vg-$b/metrics/train.jsonl" "$OUT/learn-$b.jsonl" 2>/dev/null || : >"$OUT/learn-$b.jsonl"
@@ -78,7 +79,7 @@ EOF
 throughput() {
   local args=(--sizes vl-2b --seq 4096 --batch 4 --steps 5 --image-tokens 256)
   [ -n "$CPU" ] && args=(--cpu --sizes vl-tiny --backends torch --seq 64 --batch 2 --steps 1 --image-tokens 4)
-  timeout 580 $PY tools/bench/train_throughput.py "${args[@]}" >"$OUT/throughput.log" 2>&1
+  timeout "${THROUGHPUT_TIMEOUT:-580}" $PY tools/bench/train_throughput.py "${args[@]}" >"$OUT/throughput.log" 2>&1
   local rc=$?
   grep '^{' "$OUT/throughput.log" | tee -a "$OUT/results.jsonl"
   record "{\"part\": \"throughput\", \"rc\": $rc}"
