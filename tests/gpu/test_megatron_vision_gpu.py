@@ -58,7 +58,7 @@ def test_megatron_logprobs_and_step_are_the_torch_backends_on_cuda(model, dtype,
     batch = _batch(model)
     with torch.no_grad():
         expected = token_logprobs_and_entropy(reference.model, batch.to(torch.device("cuda", 0)))[0].float().cpu()
-    got = megatron._frozen_logprobs(megatron.model, batch)
+    got = megatron._frozen_logprobs(megatron.model, batch.to(torch.device("cuda", 0)))  # train_step's own move
     assert got is not None
     real = batch.attention_mask.bool()
     diff = (got.float().cpu()[real] - expected[real]).abs()
