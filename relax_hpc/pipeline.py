@@ -49,6 +49,8 @@ from relax_hpc.paths import RunPaths, write_atomic
 from relax_hpc.submit import eval_left, freeze, input_problems, refused_changes, slurm_function
 
 RECORD = "pipeline.json"
+# A stage's states that do not stop the pipeline (any other is its end without finishing).
+UNFINISHED = {"done", "not", "running", "pending", *(state.lower() for state in ACTIVE)}
 POLL_S = 2.0
 
 
@@ -170,7 +172,8 @@ def resolve(pc: PipelineConfig, base: Path) -> list[Stage]:
             slurm = cfg.launch.slurm
         else:
             source = (base / _substitute(sc.export, outputs, sc.name)).resolve()
-            stage = Stage(sc.name, "export", run_dir, source=source, step=sc.step, lora=sc.lora, slurm=slurm)
+            job_slurm = slurm.model_copy(update={"job_name": f"relax_hpc-{sc.name}"})
+            stage = Stage(sc.name, "export", run_dir, source=source, step=sc.step, lora=sc.lora, slurm=job_slurm)
         outputs[sc.name] = stage.outputs()
         stages.append(stage)
     return stages
@@ -258,7 +261,8 @@ def stage_state(stage: Stage, entry: dict[str, Any], executor: str) -> str:
             return "not started"
         state = queue_state(job)
         if state is None or state.split()[0] not in ACTIVE | {"UNKNOWN"}:
-            return "failed"
+            ended = slurm_state(job)  # a job cancelled for its dependency: "cancelled"
+            return ENDED.get(ended.split()[0], "failed") if ended else "failed"
         if state == "PENDING":
             return f"pending ({_pending_reason(job)})"
         return state.lower()
@@ -328,7 +332,7 @@ def facts(root: Path, stages: list[Stage], executor: str) -> dict[str, Any]:
     for stage in stages:
         entry = record["stages"].get(stage.name, {})
         state = stage_state(stage, entry, executor)
-        if state in ("failed", "stopped") and stopped is None:
+        if state.split()[0] not in UNFINISHED and stopped is None:
             stopped = failure(stage, entry, root, executor)
         rows.append({"stage": stage.name, "kind": stage.kind, "state": state, "job": entry.get("job"),
                      "progress": stage.progress(), "run_dir": str(stage.run_dir)})  # fmt: skip
