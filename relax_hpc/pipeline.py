@@ -46,7 +46,7 @@ from relax_hpc.launch.follow import ACTIVE, ENDED, queue_state, run_facts, slurm
 from relax_hpc.metrics.jsonl import read_jsonl
 from relax_hpc.metrics.summary import completed_steps, guard_reason
 from relax_hpc.paths import RunPaths, write_atomic
-from relax_hpc.submit import eval_left, freeze, input_problems, refused_changes, slurm_function
+from relax_hpc.submit import check_inputs, eval_left, freeze, refused_changes, slurm_function
 
 RECORD = "pipeline.json"
 # A stage's states that do not stop the pipeline (any other is its end without finishing).
@@ -88,7 +88,7 @@ class Stage:
         if not paths.config.is_file():
             return False
         if self.kind == "eval":
-            return eval_left(self.cfg, paths) == 0
+            return eval_left(self.cfg.eval, paths) == 0
         exported = not self.cfg.ckpt.export_hf or (paths.export / "config.json").is_file()
         return completed_steps(paths) >= self.cfg.trainer.total_steps and exported
 
@@ -98,7 +98,7 @@ class Stage:
             return f"{self.source} -> {paths.export}"
         if self.kind == "eval":
             pairs = len(cfg.eval.models) * len(cfg.eval.datasets)
-            left = eval_left(cfg, paths) if paths.config.is_file() else pairs
+            left = eval_left(cfg.eval, paths) if paths.config.is_file() else pairs
             return f"{pairs - left}/{pairs} model x dataset pairs scored"
         return f"step {completed_steps(paths)}/{cfg.trainer.total_steps}"
 
@@ -213,10 +213,14 @@ def stage_problems(stage: Stage, pending: dict[str, str | None]) -> list[str]:
         if f.value in pending:
             stand_in = pending[f.value]
             if stand_in is None:
-                ignored.append(f"{f.key}:")
+                ignored.append(f.key)
             else:
                 setattr(f.owner, f.name, stand_in)
-    problems = [p for p in input_problems(cfg) if not p.startswith(tuple(ignored))]
+    try:
+        check_inputs(cfg, ignored=tuple(ignored))
+        problems = []
+    except ConfigError as e:
+        problems = str(e).splitlines()
     changed = refused_changes(stage.cfg, stage.paths)
     return [f"stage {stage.name}: {p}" for p in [*problems, *([changed] if changed else [])]]
 
@@ -431,7 +435,7 @@ def submit_stage(stage: Stage, after: list[str]) -> str:
         job = submission.submit_with(executor, export_run(stage))
     else:
         freeze(stage.cfg, paths)
-        job = submission.submit(stage.cfg, paths, slurm_function(stage.cfg, paths), after)
+        job = submission.submit(stage.cfg, paths, slurm_function(stage.kind, paths), after)
     write_atomic(paths.slurm_job_id, f"{job.job_id}\n".encode())
     return str(job.job_id)
 

@@ -43,18 +43,12 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
     return out
 
 
-def check_inputs(cfg: JobConfig, in_allocation: bool = False) -> None:
+def check_inputs(cfg: JobConfig, in_allocation: bool = False, ignored: tuple[str, ...] = ()) -> None:
     """Fail before any process starts (and before anything is queued) when an input is unusable:
     every path option, the dataset's rows, and what the trainer backend needs of the model and
-    the machines."""
-    problems = input_problems(cfg, in_allocation)
-    if problems:
-        raise ConfigError("\n".join(problems))
-
-
-def input_problems(cfg: JobConfig, in_allocation: bool = False) -> list[str]:
-    """What check_inputs refuses, one message each, each starting with its option's key."""
-    problems = path_problems(cfg)
+    the machines; one problem a line, each starting with its option's key, except the options
+    `ignored` names (a pipeline's inputs that an earlier stage will write)."""
+    problems = [p for p in path_problems(cfg) if not p.startswith(tuple(f"{key}:" for key in ignored))]
     if not problems:
         if cfg.kind == "rl":
             problems += dataset_problems(cfg)
@@ -67,7 +61,8 @@ def input_problems(cfg: JobConfig, in_allocation: bool = False) -> list[str]:
             problems += megatron_gpu_problems(cfg, in_allocation)
         problems += missing_sinks(cfg)
         problems += notify_problems(cfg)
-    return problems
+    if problems:
+        raise ConfigError("\n".join(problems))
 
 
 def dataset_problems(cfg: JobConfig) -> list[str]:
@@ -231,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             submission.preflight(cfg, paths)
         if args.dry_run:
             return dry_run(cfg, paths, slurm)
-        if cfg.kind == "eval" and not (slurm and eval_left(cfg, paths)):
+        if cfg.kind == "eval" and not (slurm and eval_left(cfg.eval, paths)):
             # results.jsonl says what is left to score: nothing, once it is complete
             freeze(cfg, paths)  # refuses a changed job as any resume would
             from relax_hpc.evaluate import EvalJob  # heavy imports after validation
@@ -263,10 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     return run_local(cfg, paths)
 
 
-def eval_left(cfg: JobConfig, paths: RunPaths) -> int:
+def eval_left(ev: EvalConfig, paths: RunPaths) -> int:
     """kind=eval: how many model x dataset pairs results.jsonl lacks."""
     done = finished_evaluations(paths)
-    return len([1 for m in cfg.eval.models for d in cfg.eval.datasets if (m.name, d.name) not in done])
+    return len([1 for m in ev.models for d in ev.datasets if (m.name, d.name) not in done])
 
 
 def dry_run(cfg: JobConfig, paths: RunPaths, slurm: bool) -> int:
@@ -297,10 +292,10 @@ def dry_run(cfg: JobConfig, paths: RunPaths, slurm: bool) -> int:
     return 0
 
 
-def slurm_function(cfg: JobConfig, paths: RunPaths) -> Callable[[], object]:
+def slurm_function(kind: str, paths: RunPaths) -> Callable[[], object]:
     """What the Slurm job's batch shell runs: the supervisor of a run's roles, or an eval job."""
     run_dir = str(paths.root.resolve())
-    if cfg.kind == "eval":
+    if kind == "eval":
         from relax_hpc.evaluate import EvalRun
 
         return EvalRun(run_dir)
@@ -312,7 +307,7 @@ def slurm_function(cfg: JobConfig, paths: RunPaths) -> Callable[[], object]:
 def submit_to_slurm(cfg: JobConfig, paths: RunPaths, wait: bool) -> int:
     from relax_hpc.launch import submission
 
-    job = submission.submit(cfg, paths, slurm_function(cfg, paths))
+    job = submission.submit(cfg, paths, slurm_function(cfg.kind, paths))
     write_atomic(paths.slurm_job_id, f"{job.job_id}\n".encode())
     root = paths.root.resolve()
     print(

@@ -35,15 +35,17 @@ class StageConfig(Section):
     """A job config file (kind sft, rl or eval; relative to the working directory, as submit's
     --config) that this stage runs as one job."""
     overrides: dict[str, Any] = Field(default_factory=dict)
-    """Options set on top of `config`, dotted keys as on submit's command line, values as YAML:
-    `{trainer.total_steps: 20, model.path: ${stages.sft.hf}}`. A stage may not set run.dir or
+    """Options set on top of `config`, dotted keys as on submit's command line, values as YAML,
+    e.g. `trainer.total_steps: 20` and `model.path: ${stages.sft.hf}` (within a flow mapping
+    `{...}` quote a reference: `"${stages.sft.hf}"`). A stage may not set run.dir or
     launch.executor (the pipeline does)."""
     export: str | None = None
     """Instead of `config`: an export stage, a job that turns a run's checkpoint into an HF folder
     (what tools/dcp_to_hf.py does) in PIPELINE_DIR/NAME/hf. The run: `${stages.rl.run_dir}` or
     any RUN_DIR."""
     step: int | None = Field(default=None, ge=0)
-    """An export stage's checkpoint: the one after this many steps (default: the latest)."""
+    """An export stage's checkpoint: the one after this many steps (default: the latest). Checked
+    when the export runs (the run may not have reached it when the pipeline is submitted)."""
     lora: Literal["merged", "adapter"] | None = None
     """An export stage of a LoRA run: its adapters merged into the base, or a PEFT adapter
     folder (default: the run's ckpt.export_lora)."""
