@@ -95,7 +95,10 @@ class Stage:
     def progress(self) -> str:
         paths, cfg = self.paths, self.cfg
         if cfg is None:
-            return f"{self.source} -> {paths.export}"
+            source = self.source or Path()
+            shown = source.relative_to(self.run_dir.parent) if source.is_relative_to(self.run_dir.parent) else source
+            checkpoint = "the latest checkpoint" if self.step is None else f"checkpoint {self.step}"
+            return f"{checkpoint} of {shown} -> {self.name}/hf"
         if self.kind == "eval":
             pairs = len(cfg.eval.models) * len(cfg.eval.datasets)
             left = eval_left(cfg.eval, paths) if paths.config.is_file() else pairs
@@ -349,6 +352,7 @@ def render(f: dict[str, Any]) -> str:
     for r in f["stages"]:
         job = f"job {r['job']}" if r["job"] else "-"
         lines.append(f"  {r['stage']:<{width}}  {r['kind']:<6}  {r['state']:<24}  {job:<10}  {r['progress']}")
+    lines.append("each stage's RUN_DIR: PIPELINE_DIR/NAME (python -m relax_hpc.status PIPELINE_DIR/NAME: its details)")
     if f["stopped"]:
         lines.append(f["stopped"])
     return "\n".join(lines)

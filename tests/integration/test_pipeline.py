@@ -60,6 +60,6 @@ def test_the_tiny_pipeline_runs_stage_after_stage_then_runs_nothing_and_a_failin
     assert failed.stderr.strip() == line
     assert not (root / "after").exists()
     shown = render(status(root))
-    states = {row.split()[0]: row.split()[2] for row in shown.splitlines()[1:-1]}
+    states = {row.split()[0]: row.split()[2] for row in shown.splitlines()[1:-2]}
     assert states == {"sft": "done", "rl": "done", "halfway": "done", "eval": "done", "bad": "failed", "after": "not"}
     assert shown.splitlines()[-1] == line
