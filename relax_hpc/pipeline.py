@@ -260,14 +260,15 @@ def note(root: Path, record: dict[str, Any], stage: Stage, **facts: Any) -> None
 
 def stage_state(stage: Stage, entry: dict[str, Any], executor: str) -> str:
     """done, running, pending (REASON), failed, stopped, not started."""
-    if stage.done():
-        return "done"
     job = entry.get("job")
+    state = queue_state(job) if executor == "slurm" and job is not None else None
+    live = state is not None and state.split()[0] in ACTIVE | {"UNKNOWN"}
+    if stage.done():  # RUN_DIR is complete before its job has ended (an eval job's last writes, the exit)
+        return "done (job ending)" if live else "done"
     if executor == "slurm":
         if job is None:
             return "not started"
-        state = queue_state(job)
-        if state is None or state.split()[0] not in ACTIVE | {"UNKNOWN"}:
+        if state is None or not live:
             ended = slurm_state(job)  # a job cancelled for its dependency: "cancelled"
             return ENDED.get(ended.split()[0], "failed") if ended else "failed"
         if state == "PENDING":
