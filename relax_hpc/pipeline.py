@@ -330,7 +330,7 @@ def failure(stage: Stage, entry: dict[str, Any], root: Path, executor: str) -> s
         how = f"job {job} {ENDED.get(state.split()[0], state) if state else 'ended'}"
     else:
         how = f"exit {entry.get('exit')}" if "exit" in entry else "ended without a word (killed)"
-    return f"pipeline stopped: stage {stage.name} ({stage.kind}) failed, {how}: {cause(stage, root)}"
+    return f"pipeline stopped at stage {stage.name} ({stage.kind}): {how}: {cause(stage, root)}"
 
 
 def facts(root: Path, stages: list[Stage], executor: str) -> dict[str, Any]:
@@ -454,15 +454,20 @@ def submit_slurm(root: Path, stages: list[Stage], record: dict[str, Any]) -> Non
         if stage.cfg is not None and not stage.done():
             submission.preflight(stage.cfg, stage.paths)
     before: list[str] = []
+    renewed = False  # a stage was submitted anew: the later stages' old jobs wait for its old job
     for stage in stages:
         if stage.done():
             print(f"stage {stage.name} ({stage.kind}): finished; skipped")
             continue
         job = record["stages"].get(stage.name, {}).get("job")
         state = queue_state(job) if job else None
-        if state is not None and state.split()[0] in ACTIVE:
+        if state is not None and state.split()[0] in ACTIVE and not renewed:
             print(f"stage {stage.name} ({stage.kind}): job {job} is {state.lower()}; kept")
         else:
+            if state is not None and state.split()[0] in ACTIVE:
+                subprocess.run(["scancel", str(job)], check=False, timeout=60)
+                print(f"stage {stage.name} ({stage.kind}): cancelled job {job}, which waited for a job that ended")
+            renewed = True
             job = submit_stage(stage, before)
             note(root, record, stage, job=job)
             after = f", after job {before[0]}" if before else ""

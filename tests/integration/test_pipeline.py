@@ -54,7 +54,7 @@ def test_the_tiny_pipeline_runs_stage_after_stage_then_runs_nothing_and_a_failin
     failed = run_pipeline(path)
     assert failed.returncode == 1 and failed.stdout.count("finished; skipped") == 4, failed.stdout + failed.stderr
     line = (
-        "pipeline stopped: stage bad (export) failed, exit 1: output: error: no complete checkpoint for step 3 in "
+        "pipeline stopped at stage bad (export): exit 1: output: error: no complete checkpoint for step 3 in "
         f"{root / 'rl' / 'ckpt'}"
     )
     assert failed.stderr.strip() == line
