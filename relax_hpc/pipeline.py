@@ -31,7 +31,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Literal, TextIO
 
 import yaml
 from pydantic import ValidationError
@@ -49,6 +49,7 @@ from relax_hpc.paths import RunPaths, write_atomic
 from relax_hpc.submit import check_inputs, eval_left, freeze, refused_changes, slurm_function
 
 RECORD = "pipeline.json"
+LoraFormat = Literal["merged", "adapter"] | None
 # A stage's states that do not stop the pipeline (any other is its end without finishing).
 UNFINISHED = {"done", "not", "running", "pending", *(state.lower() for state in ACTIVE)}
 POLL_S = 2.0
@@ -64,7 +65,7 @@ class Stage:
     cfg: JobConfig | None = None
     source: Path | None = None
     step: int | None = None
-    lora: Any = None
+    lora: LoraFormat = None
     slurm: SlurmConfig = field(default_factory=SlurmConfig)  # an export's job: the last job stage's
 
     @property
@@ -274,7 +275,7 @@ def stage_state(stage: Stage, entry: dict[str, Any], executor: str) -> str:
         if state == "PENDING":
             return f"pending ({_pending_reason(job)})"
         return state.lower()
-    if "exit" not in entry:
+    if entry.get("exit") is None:
         alive = entry.get("pid") is not None and _alive(entry["pid"])
         return "running" if alive else "not started" if "pid" not in entry else "failed"
     return "stopped" if entry["exit"] == 75 else "failed"
@@ -329,7 +330,7 @@ def failure(stage: Stage, entry: dict[str, Any], root: Path, executor: str) -> s
         state = slurm_state(job)
         how = f"job {job} {ENDED.get(state.split()[0], state) if state else 'ended'}"
     else:
-        how = f"exit {entry.get('exit')}" if "exit" in entry else "ended without a word (killed)"
+        how = "ended without a word (killed)" if entry.get("exit") is None else f"exit {entry['exit']}"
     return f"pipeline stopped at stage {stage.name} ({stage.kind}): {how}: {cause(stage, root)}"
 
 
@@ -375,7 +376,7 @@ class ExportRun:
     """An export stage's job (tools/dcp_to_hf.py's conversion): the run's checkpoint as an HF
     folder, RUN_DIR/hf, which exists only once whole. Picklable for submitit."""
 
-    def __init__(self, source: str, out: str, step: int | None, lora: Any) -> None:
+    def __init__(self, source: str, out: str, step: int | None, lora: LoraFormat) -> None:
         self.source, self.out, self.step, self.lora = source, out, step, lora
 
     def __call__(self) -> str:
@@ -414,11 +415,11 @@ def run_local(root: Path, stages: list[Stage], record: dict[str, Any]) -> int:
         print(f"stage {stage.name} ({stage.kind}): running (tail -F {log})", flush=True)
         with log.open("a") as out:
             if stage.cfg is None:
-                note(root, record, stage, pid=os.getpid())
+                note(root, record, stage, pid=os.getpid(), exit=None)
                 code = export_here(stage, out)
             else:
                 proc = subprocess.Popen(local_argv(root, stage), stdout=out, stderr=subprocess.STDOUT)
-                note(root, record, stage, pid=proc.pid)
+                note(root, record, stage, pid=proc.pid, exit=None)
                 code = proc.wait()
         note(root, record, stage, exit=code)
         if code != 0 or not stage.done():
