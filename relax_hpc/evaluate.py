@@ -1,6 +1,9 @@
 """Evaluation as a job (kind=eval): models scored on held-out datasets with a run's engines and reward.
 
-    python -m relax_hpc.submit --config configs/tiny-eval.yaml      (submit runs `run_eval`)
+    python -m relax_hpc.submit --config configs/tiny-eval.yaml      (submit runs EvalJob)
+
+With launch.executor=slurm, submit hands EvalRun to Slurm instead: the job's batch shell runs the
+same EvalJob, its engines processes of the allocation's one node.
 
 Each model of eval.models in turn is served by rollout.num_engines engines, started from the
 launcher's own engine command lines (relax_hpc.launch.commands; logs in RUN_DIR/logs/N/). Every
@@ -16,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import shutil
 import signal
 import subprocess
 import sys
@@ -27,6 +29,7 @@ from typing import Any, TextIO
 
 from transformers import PreTrainedTokenizerFast
 
+from relax_hpc.config.load import read_frozen
 from relax_hpc.config.schema import EvalDatasetConfig, EvalModelConfig, JobConfig
 from relax_hpc.data.processor import prompt_encoder
 from relax_hpc.data.prompts import load_prompts
@@ -123,17 +126,14 @@ class EvalJob:
             return str(model.path)
         out = self.paths.eval_models / model.name
         if not (out / "config.json").is_file():
-            from relax_hpc.ckpt.export import ExportError, convert  # torch's checkpoint reader: only here
+            from relax_hpc.ckpt.export import ExportError, convert_into_place  # torch's checkpoint reader: only here
 
             checkpoint = Path(model.checkpoint)
-            partial = out.with_name(f".{out.name}.tmp")
-            shutil.rmtree(partial, ignore_errors=True)
             self.say(f"{model.name}: exporting {checkpoint} to {out}")
             try:
-                convert(checkpoint.parent.parent, partial, int(checkpoint.name.removeprefix("step-")), "merged")
+                convert_into_place(checkpoint.parent.parent, out, int(checkpoint.name.removeprefix("step-")), "merged")
             except ExportError as e:
                 raise EvalError(f"{model.name}: {e}") from None
-            partial.rename(out)
         return str(out)
 
     @contextlib.contextmanager
@@ -248,3 +248,27 @@ class Interrupts:
         if self.pending:
             self.pending = False
             raise KeyboardInterrupt
+
+
+class EvalRun:
+    """What `submit` hands to submitit for an eval job on Slurm: EvalJob in the batch shell, on the
+    frozen config. A time limit or a preemption notice requeues the job (submitit's checkpoint
+    protocol), and the next start scores the pairs results.jsonl lacks."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.run_dir = run_dir
+
+    def __call__(self) -> str:
+        paths = RunPaths(Path(self.run_dir))
+        code = EvalJob(read_frozen(paths.config), paths).run()
+        if code == 0:
+            return f"completed: {self.run_dir}"
+        if code == EXIT_STOPPED:
+            sys.exit(EXIT_STOPPED)  # no result file: submitit reports the job's real state (see SlurmRun)
+        raise RuntimeError(f"relax_hpc eval job failed; see {self.run_dir}/logs/")
+
+    def checkpoint(self) -> object:
+        """Called by submitit on USR2: results.jsonl is the checkpoint, so a fresh start resumes."""
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(EvalRun(self.run_dir))

@@ -78,7 +78,7 @@ def submit_elastic(cfg: JobConfig, paths: RunPaths, op: ScaleOp, dry_run: bool) 
         job_name=f"{sl.job_name}:{op.id}", time=sl.time_min, use_srun=False, stderr_to_stdout=True,
         setup=list(sl.setup) or None, wckey=None, signal_delay_s=sl.signal_lead_s,
         additional_parameters={"signal": f"B:USR2@{sl.signal_lead_s}", "requeue": True},
-        **_role_options(node, cfg, with_role_overrides=True),
+        **_role_options(node, cfg.launch.slurm, with_role_overrides=True),
     )  # fmt: skip
     if dry_run:
         return submission_text(executor)

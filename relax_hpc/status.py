@@ -3,6 +3,7 @@
     python -m relax_hpc.status RUN_DIR            # once
     python -m relax_hpc.status RUN_DIR --watch    # every 5 s until the run ends (--watch 30: every 30 s)
     python -m relax_hpc.status RUN_DIR --json     # the same facts for scripts
+    python -m relax_hpc.status PIPELINE_DIR       # a pipeline (relax_hpc.pipeline): every stage
 
 It works on a live run, a finished or stopped one, and one whose Slurm job is still pending: step
 and total, reward, the last evaluation, samples/s, staleness, where the time of a step goes, each
@@ -213,19 +214,27 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m relax_hpc.status", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("run_dir", type=Path, help="the run's RUN_DIR (run.dir)")
+    parser.add_argument("run_dir", type=Path, help="the run's RUN_DIR (run.dir), or a pipeline's directory")
     parser.add_argument(
         "--watch", type=float, nargs="?", const=5.0, metavar="SECONDS", help="repeat until the run ends"
     )
     parser.add_argument("--json", action="store_true", help="print the facts as JSON")
     args = parser.parse_args(argv)
+    from relax_hpc import pipeline
+
     while True:
-        facts = collect(args.run_dir)
-        text = json.dumps(facts, indent=1) if args.json else render(facts)
+        if pipeline.is_pipeline(args.run_dir):  # a PIPELINE_DIR: every stage
+            facts = pipeline.status(args.run_dir)
+            text = json.dumps(facts, indent=1) if args.json else pipeline.render(facts)
+            live = not facts["stopped"] and any(r["state"] != "done" for r in facts["stages"])
+        else:
+            facts = collect(args.run_dir)
+            text = json.dumps(facts, indent=1) if args.json else render(facts)
+            live = facts["state"] in ("running", "pending (Slurm)", "not started")
         if args.watch and sys.stdout.isatty():
             sys.stdout.write("\033[H\033[J")  # redraw in place
         print(text, flush=True)
-        if not args.watch or facts["state"] not in ("running", "pending (Slurm)", "not started"):
+        if not args.watch or not live:
             return 0
         time.sleep(args.watch)
 

@@ -16,6 +16,7 @@ import importlib.util
 import logging
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from relax_hpc.config.load import ConfigError, load_config, read_frozen, to_yaml
@@ -42,11 +43,12 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
     return out
 
 
-def check_inputs(cfg: JobConfig, in_allocation: bool = False) -> None:
+def check_inputs(cfg: JobConfig, in_allocation: bool = False, ignored: tuple[str, ...] = ()) -> None:
     """Fail before any process starts (and before anything is queued) when an input is unusable:
     every path option, the dataset's rows, and what the trainer backend needs of the model and
-    the machines."""
-    problems = path_problems(cfg)
+    the machines; one problem a line, each starting with its option's key, except the options
+    `ignored` names (a pipeline's inputs that an earlier stage will write)."""
+    problems = [p for p in path_problems(cfg) if not p.startswith(tuple(f"{key}:" for key in ignored))]
     if not problems:
         if cfg.kind == "rl":
             problems += dataset_problems(cfg)
@@ -170,19 +172,27 @@ def megatron_gpu_problems(cfg: JobConfig, in_allocation: bool) -> list[str]:
     return []
 
 
+def refused_changes(cfg: JobConfig, paths: RunPaths) -> str | None:
+    """Why RUN_DIR's run cannot be resumed with `cfg` (None: it can, or RUN_DIR holds no run)."""
+    if not paths.config.exists():
+        return None
+    old = _flatten(read_frozen(paths.config).model_dump(mode="json"))
+    new = _flatten(cfg.model_dump(mode="json"))
+    forbidden = [k for k in new if old.get(k) != new[k] and not k.startswith(RESUMABLE_CHANGES)]
+    if not forbidden:
+        return None
+    details = "\n  ".join(f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in forbidden)
+    return (
+        f"{paths.root} holds a run with a different config:\n  {details}\n"
+        "resume it with the same settings, or pick a new run.dir"
+    )
+
+
 def freeze(cfg: JobConfig, paths: RunPaths) -> None:
     """Write RUN_DIR/config.yaml, or check that a resume changes only what it may."""
-    if paths.config.exists():
-        old = _flatten(read_frozen(paths.config).model_dump(mode="json"))
-        new = _flatten(cfg.model_dump(mode="json"))
-        changed = [k for k in new if old.get(k) != new[k]]
-        forbidden = [k for k in changed if not k.startswith(RESUMABLE_CHANGES)]
-        if forbidden:
-            details = "\n  ".join(f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in forbidden)
-            raise ConfigError(
-                f"{paths.root} holds a run with a different config:\n  {details}\n"
-                "resume it with the same settings, or pick a new run.dir"
-            )
+    problem = refused_changes(cfg, paths)
+    if problem:
+        raise ConfigError(problem)
     paths.create()
     write_atomic(paths.config, to_yaml(cfg).encode())
 
@@ -216,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
             submission.preflight(cfg, paths)
         if args.dry_run:
             return dry_run(cfg, paths, slurm)
-        if cfg.kind == "eval":  # results.jsonl says what is left to score: nothing, once it is complete
+        if cfg.kind == "eval" and not (slurm and eval_left(cfg.eval, paths)):
+            # results.jsonl says what is left to score: nothing, once it is complete
             freeze(cfg, paths)  # refuses a changed job as any resume would
             from relax_hpc.evaluate import EvalJob  # heavy imports after validation
 
@@ -247,8 +258,18 @@ def main(argv: list[str] | None = None) -> int:
     return run_local(cfg, paths)
 
 
+def eval_left(ev: EvalConfig, paths: RunPaths) -> int:
+    """kind=eval: how many model x dataset pairs results.jsonl lacks."""
+    done = finished_evaluations(paths)
+    return len([1 for m in ev.models for d in ev.datasets if (m.name, d.name) not in done])
+
+
 def dry_run(cfg: JobConfig, paths: RunPaths, slurm: bool) -> int:
     print(to_yaml(cfg))
+    if slurm:
+        from relax_hpc.launch import submission
+
+        print("# submission file (sbatch)\n" + submission.submission_text(submission.make_executor(cfg, paths)))
     if cfg.kind == "eval":  # its engines serve each model in turn: their commands are made then
         done = finished_evaluations(paths)
         for m in cfg.eval.models:
@@ -256,11 +277,9 @@ def dry_run(cfg: JobConfig, paths: RunPaths, slurm: bool) -> int:
                 print(f"{m.name} x {d.name}: {'scored' if (m.name, d.name) in done else 'to score'}")
         return 0
     if slurm:
-        from relax_hpc.launch import submission
         from relax_hpc.launch.allocation import example_allocation
         from relax_hpc.launch.commands import step_commands
 
-        print("# submission file (sbatch)\n" + submission.submission_text(submission.make_executor(cfg, paths)))
         alloc = example_allocation(cfg)
         print(f"# job steps, for an allocation on nodes {alloc.groups}")
         commands = step_commands(cfg, paths, alloc)
@@ -273,10 +292,22 @@ def dry_run(cfg: JobConfig, paths: RunPaths, slurm: bool) -> int:
     return 0
 
 
+def slurm_function(kind: str, paths: RunPaths) -> Callable[[], object]:
+    """What the Slurm job's batch shell runs: the supervisor of a run's roles, or an eval job."""
+    run_dir = str(paths.root.resolve())
+    if kind == "eval":
+        from relax_hpc.evaluate import EvalRun
+
+        return EvalRun(run_dir)
+    from relax_hpc.launch.slurm import SlurmRun
+
+    return SlurmRun(run_dir)
+
+
 def submit_to_slurm(cfg: JobConfig, paths: RunPaths, wait: bool) -> int:
     from relax_hpc.launch import submission
 
-    job = submission.submit(cfg, paths)
+    job = submission.submit(cfg, paths, slurm_function(cfg.kind, paths))
     write_atomic(paths.slurm_job_id, f"{job.job_id}\n".encode())
     root = paths.root.resolve()
     print(

@@ -108,6 +108,18 @@ def convert(
     return folder
 
 
+def convert_into_place(
+    run_dir: Path, out: Path, step: int | None = None, lora_format: Literal["merged", "adapter"] | None = None
+) -> Path:
+    """convert() into a folder beside `out`, renamed into place once complete: `out` exists only
+    whole (what an eval job and a pipeline's export stage decide by). Returns the checkpoint folder."""
+    partial = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(partial, ignore_errors=True)
+    folder = convert(run_dir, partial, step, lora_format)
+    partial.rename(out)
+    return folder
+
+
 def _as_full_omni(out: Path, base: Path) -> None:
     """A trained Omni thinker as the full model's folder that SGLang serves and the thinker class
     loads: the base config.json (thinker, talker, code2wav), the thinker's tensors named thinker.*

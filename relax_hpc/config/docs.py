@@ -11,6 +11,7 @@ import typing
 
 from pydantic import BaseModel
 
+from relax_hpc.config.pipeline import PipelineConfig
 from relax_hpc.config.schema import RESUMABLE_CHANGES, JobConfig
 
 HEADER = """# Configuration reference
@@ -28,6 +29,9 @@ change only these options (a trailing dot means the whole section): {resumable}.
 def _type_name(annotation: object) -> str:
     if typing.get_origin(annotation) is typing.Literal:
         return " \\| ".join(f"`{a}`" for a in typing.get_args(annotation))
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if len(args) == 1 and typing.get_origin(args[0]) is typing.Literal:  # Literal[...] | None
+        return _type_name(args[0]) + " \\| None"
     return getattr(annotation, "__name__", str(annotation)).replace("|", "\\|")
 
 
@@ -47,12 +51,12 @@ def list_section(annotation: object) -> type[BaseModel] | None:
     return None
 
 
-def _section(defaults: BaseModel, prefix: str) -> list[str]:
+def _section(defaults: BaseModel, prefix: str, top: str = "top level") -> list[str]:
     """One table per section; defaults come from the instance, since a nested section's default
     may differ from its class's (launch.slurm.rollout.nodes is 0, trainer.nodes 1)."""
     model = type(defaults)
     lines = [
-        f"\n## `{prefix.rstrip('.')}`\n" if prefix else "\n## top level\n",
+        f"\n## `{prefix.rstrip('.')}`\n" if prefix else f"\n## {top}\n",
         "| key | type | default | meaning |",
         "|---|---|---|---|",
     ]
@@ -65,7 +69,8 @@ def _section(defaults: BaseModel, prefix: str) -> list[str]:
         doc = " ".join((field.description or "").split())
         item = list_section(annotation)
         if item is not None:  # its items' keys are listed below it, as `key[].option`
-            lines.append(f"| `{prefix}{name}` | list of sections | `{getattr(defaults, name)!r}` | {doc} |")
+            default = "required" if field.is_required() else f"`{getattr(defaults, name)!r}`"
+            lines.append(f"| `{prefix}{name}` | list of sections | {default} | {doc} |")
             nested.append((item.model_construct(), f"{prefix}{name}[]."))
             continue
         optional = _optional_section(annotation)
@@ -82,9 +87,28 @@ def _section(defaults: BaseModel, prefix: str) -> list[str]:
     return lines
 
 
+PIPELINE_HEADER = """
+# Pipeline files
+
+A pipeline file (`python -m relax_hpc.pipeline --config FILE`) lists stages, each a job config
+above with overrides, or an export of a run's checkpoint; a stage names an earlier stage's
+output as `${stages.NAME.run_dir}`, `${stages.NAME.hf}` or `${stages.NAME.ckpt}`. Unknown keys,
+references to a later or unknown stage and outputs a stage does not have are refused before
+anything runs. Example: `configs/tiny-pipeline.yaml`.
+"""
+
+
 def render() -> str:
     header = HEADER.format(resumable=", ".join(f"`{k}`" for k in RESUMABLE_CHANGES))
-    return header + "\n".join(_section(JobConfig.model_construct(), "")) + "\n"
+    pipeline = _section(PipelineConfig.model_construct(dir="", stages=[]), "", top="pipeline file")
+    return (
+        header
+        + "\n".join(_section(JobConfig.model_construct(), ""))
+        + "\n"
+        + PIPELINE_HEADER
+        + "\n".join(pipeline)
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,7 @@ def _migrate(tree: dict[str, Any]) -> dict[str, Any]:
     return tree
 
 
-def _suggest(word: str, choices: list[str]) -> str:
+def suggest(word: str, choices: list[str]) -> str:
     close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
     return f"; did you mean {close[0]!r}?" if close else f"; allowed: {', '.join(sorted(choices))}"
 
@@ -71,6 +71,16 @@ def apply_override(tree: dict[str, Any], override: str) -> None:
     if "=" not in override:
         raise ConfigError(f"override {override!r}: expected key=value, e.g. trainer.lr=3e-4")
     key, raw = override.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {key}: cannot parse value {raw!r} ({e})") from None
+    set_option(tree, key, value)
+
+
+def set_option(tree: dict[str, Any], key: str, value: Any) -> None:
+    """Set the dotted option `key` to `value` (already parsed) in the nested dict, after checking
+    that the schema has that key."""
     key = RENAMED.get(key.strip(), key)
     parts = key.strip().split(".")
     for depth, part in enumerate(parts):
@@ -80,17 +90,14 @@ def apply_override(tree: dict[str, Any], override: str) -> None:
         if part not in section.model_fields:
             where = ".".join(parts[:depth]) or "the top level"
             raise ConfigError(
-                f"override {key}: unknown key {part!r} in {where}{_suggest(part, list(section.model_fields))}"
+                f"override {key}: unknown key {part!r} in {where}{suggest(part, list(section.model_fields))}"
             )
     node = tree
     for part in parts[:-1]:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ConfigError(f"override {key}: {part} is a value in the YAML, not a section")
-    try:
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as e:
-        raise ConfigError(f"override {key}: cannot parse value {raw!r} ({e})") from None
+    node[parts[-1]] = value
 
 
 def _describe(error: ErrorDetails) -> str:
@@ -98,7 +105,7 @@ def _describe(error: ErrorDetails) -> str:
     key = ".".join(loc)
     if error["type"] == "extra_forbidden":
         section = _section_model(loc[:-1])
-        hint = _suggest(loc[-1], list(section.model_fields)) if section else ""
+        hint = suggest(loc[-1], list(section.model_fields)) if section else ""
         return f"{key}: unknown key{hint}"
     if error["type"] == "value_error":  # a cross-field check: its message names the options
         where = f"{key}: " if key else ""
@@ -132,10 +139,16 @@ def validate(tree: dict[str, Any]) -> JobConfig:
         raise ConfigError("invalid config:\n  " + "\n  ".join(_describe(err) for err in e.errors())) from None
 
 
-def load_config(path: str | Path | None, overrides: Sequence[str] = (), base_dir: Path | None = None) -> JobConfig:
-    """Read `path` (or start from the defaults when None), apply overrides, validate (which also
-    resolves the settings that depend on others), and make the path options absolute against
-    `base_dir` (default: the working directory)."""
+def load_config(
+    path: str | Path | None,
+    overrides: Sequence[str] = (),
+    base_dir: Path | None = None,
+    options: Mapping[str, Any] | None = None,
+) -> JobConfig:
+    """Read `path` (or start from the defaults when None), apply overrides (`key=value` strings,
+    then `options`, dotted keys with parsed values), validate (which also resolves the settings
+    that depend on others), and make the path options absolute against `base_dir` (default: the
+    working directory)."""
     tree: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -149,6 +162,8 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (), base_dir
             raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(tree).__name__}")
     for override in overrides:
         apply_override(tree, override)
+    for key, value in (options or {}).items():
+        set_option(tree, key, value)
     _refuse_other_kinds_sections(tree)
     config = validate(tree)
     make_absolute(config, base_dir or Path.cwd())

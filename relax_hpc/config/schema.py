@@ -856,7 +856,9 @@ class EvalConfig(Section):
     """kind=eval: the policies to score, in this order, each an HF folder or a RUN_DIR (its HF
     export): `[assets/tiny-qwen3-addition, {path: runs/tiny-grpo, name: grpo}]`. Each is served in
     turn by rollout.num_engines engines of rollout.engine's kind (the built-in `torch` engine, at
-    model.dtype), through rollout.env, scored by the reward section: what an RL run would do."""
+    model.dtype), through rollout.env, scored by the reward section: what an RL run would do. With
+    launch.executor=slurm the job is one Slurm job of one node (launch.slurm.trainer: its GPUs and
+    partition; rollout.nodes 0) whose batch shell runs the engines as its own processes."""
     datasets: list[EvalDatasetConfig] = []
     """kind=eval: the held-out prompt sets, each scored on every model (`[{path: x.jsonl, name: x}]`
     or paths alone); rows are text prompts (no media)."""
@@ -954,8 +956,8 @@ class JobConfig(Section):
                                self.rollout.engine != "torch"),
             "reward.name=judge": ("needs judge engines, which an eval job does not start (not wired yet)",
                                   self.reward.name == "judge"),
-            "launch.executor": ("must be local: an eval job runs where it is submitted (Slurm: not wired yet)",
-                                self.launch.executor != "local"),
+            "launch.slurm": ("must ask for one node (trainer.nodes 1, rollout.nodes 0, not heterogeneous)",
+                             self.launch.executor == "slurm" and self._eval_nodes() != (1, 0, False)),
             "launch.colocate": ("shares a trainer's devices, and an eval job has no trainer", self.launch.colocate),
             "metrics.tensorboard and metrics.clearml": ("are not fed by an eval job yet (RUN_DIR/eval is its record)",
                                                         self.metrics.tensorboard or self.metrics.clearml.enabled),
@@ -964,6 +966,10 @@ class JobConfig(Section):
         if problems:
             raise ValueError("kind=eval: " + "; ".join(problems))
         return self
+
+    def _eval_nodes(self) -> tuple[int, int, bool]:
+        sl = self.launch.slurm
+        return sl.trainer.nodes, sl.rollout.nodes, sl.heterogeneous
 
     @property
     def lora_adapters(self) -> bool:

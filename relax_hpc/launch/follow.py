@@ -110,6 +110,9 @@ def outcome(paths: RunPaths, job_id: str) -> Outcome:
     ends = [r for r in read_jsonl(paths.train_metrics) if r.get("event") == "end"]
     if ends and ends[-1].get("completed"):
         return Outcome(0, f"job {job_id} completed: step {ends[-1].get('step')}")
+    launcher = [r for r in read_jsonl(paths.events_metrics) if r.get("event") == "end"]
+    if paths.eval_results.is_file() and launcher and launcher[-1].get("exit") == 0:  # an eval job
+        return Outcome(0, f"job {job_id} completed: every model x dataset scored ({paths.eval_table})")
     state = slurm_state(job_id)
     how = f" ({ENDED.get(state.split()[0], state)}: Slurm says {state})" if state else ""
     return Outcome(1, f"job {job_id} did not complete{how}: {run_facts(paths)}")

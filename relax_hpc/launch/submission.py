@@ -13,13 +13,14 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import submitit
 
 from relax_hpc.config.load import ConfigError
-from relax_hpc.config.schema import JobConfig, SlurmRoleConfig
+from relax_hpc.config.schema import JobConfig, SlurmConfig, SlurmRoleConfig
 from relax_hpc.launch.guard import time_limit_problem
 from relax_hpc.launch.slurm import SlurmRun
 from relax_hpc.paths import RunPaths
@@ -67,8 +68,7 @@ def _sbatch_line(key: str, value: Any) -> str:
     return f"#SBATCH --{key}" if value is True or value == "" else f"#SBATCH --{key}={shlex.quote(str(value))}"
 
 
-def _role_options(role: SlurmRoleConfig, cfg: JobConfig, *, with_role_overrides: bool) -> dict[str, Any]:
-    sl = cfg.launch.slurm
+def _role_options(role: SlurmRoleConfig, sl: SlurmConfig, *, with_role_overrides: bool) -> dict[str, Any]:
     options = {
         "nodes": role.nodes,
         "ntasks_per_node": 1,
@@ -84,11 +84,17 @@ def _role_options(role: SlurmRoleConfig, cfg: JobConfig, *, with_role_overrides:
     return {k: v for k, v in options.items() if v is not None}
 
 
-def make_executor(cfg: JobConfig, paths: RunPaths) -> HetSlurmExecutor:
+def dependency(after: list[str]) -> dict[str, Any]:
+    """sbatch options that start a job once every job of `after` has completed with exit 0, and
+    cancel it when one of them cannot (failed, cancelled), instead of leaving it pending forever."""
+    return {"dependency": "afterok:" + ":".join(after), "kill_on_invalid_dep": "yes"} if after else {}
+
+
+def make_executor(cfg: JobConfig, paths: RunPaths, after: list[str] | None = None) -> HetSlurmExecutor:
     sl = cfg.launch.slurm
     if sl.heterogeneous:
-        first = _role_options(sl.trainer, cfg, with_role_overrides=True)
-        components = [_role_options(sl.rollout, cfg, with_role_overrides=True)]
+        first = _role_options(sl.trainer, sl, with_role_overrides=True)
+        components = [_role_options(sl.rollout, sl, with_role_overrides=True)]
     else:
         both = SlurmRoleConfig(
             nodes=sl.trainer.nodes + sl.rollout.nodes,
@@ -97,7 +103,7 @@ def make_executor(cfg: JobConfig, paths: RunPaths) -> HetSlurmExecutor:
                 sl.rollout.gpus_per_node,
             ),
         )
-        first, components = _role_options(both, cfg, with_role_overrides=False), []
+        first, components = _role_options(both, sl, with_role_overrides=False), []
     executor = HetSlurmExecutor(paths.slurm, components, sl.max_timeouts)
     executor.update_parameters(
         job_name=sl.job_name,
@@ -111,10 +117,23 @@ def make_executor(cfg: JobConfig, paths: RunPaths) -> HetSlurmExecutor:
             # B: the batch shell (the launcher) gets the notice; submitit's default reaches job steps only.
             "signal": f"B:USR2@{sl.signal_lead_s}",
             "requeue": True,
+            **dependency(after or []),
             **{k: (True if v == "" else v) for k, v in sl.extra_sbatch.items()},
         },
         **first,
     )
+    return executor
+
+
+def make_single_executor(sl: SlurmConfig, folder: Path, after: list[str]) -> HetSlurmExecutor:
+    """A one-node, one-process job without GPUs and without requeue (a pipeline's export stage),
+    charged and placed as `sl` says."""
+    executor = HetSlurmExecutor(folder, [], max_num_timeout=0)
+    options = _role_options(SlurmRoleConfig(nodes=1, gpus_per_node=0), sl, with_role_overrides=False)
+    executor.update_parameters(
+        job_name=sl.job_name, time=sl.time_min, use_srun=False, stderr_to_stdout=True, wckey=None,
+        setup=list(sl.setup) or None, additional_parameters=dependency(after), **options,
+    )  # fmt: skip
     return executor
 
 
@@ -180,9 +199,16 @@ def ask_slurm(executor: HetSlurmExecutor) -> str:
     return message
 
 
-def submit(cfg: JobConfig, paths: RunPaths) -> submitit.Job:
-    executor = make_executor(cfg, paths)
+def submit(
+    cfg: JobConfig, paths: RunPaths, function: Callable[[], object] | None = None, after: list[str] | None = None
+) -> submitit.Job:
+    """Submit the run (its batch shell runs `function`, by default SlurmRun's supervisor), to start
+    once every job of `after` has completed."""
+    return submit_with(make_executor(cfg, paths, after), function or SlurmRun(str(paths.root.resolve())))
+
+
+def submit_with(executor: HetSlurmExecutor, function: Callable[[], object]) -> submitit.Job:
     try:
-        return executor.submit(SlurmRun(str(paths.root.resolve())))
+        return executor.submit(function)
     except subprocess.CalledProcessError as e:
         raise ConfigError(f"sbatch failed: {(e.stderr or b'').decode(errors='replace').strip()}") from None

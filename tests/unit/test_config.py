@@ -12,6 +12,7 @@ from relax_hpc.config.load import read_frozen, to_yaml
 from relax_hpc.config.path_options import SHIPPED_ASSETS, path_problems, tiny_policy_hint
 from relax_hpc.launch.gpus import visible_gpu_count
 from relax_hpc.paths import RunPaths
+from relax_hpc.pipeline import check, read_pipeline, resolve
 from relax_hpc.submit import check_inputs, freeze
 
 REPO = Path(__file__).resolve().parents[2]
@@ -21,7 +22,15 @@ REPO = Path(__file__).resolve().parents[2]
 TOOL_RUN = {"tiny-sft-format.yaml"}  # tools/make_tiny_policy.py: the initial model and the warm-up data
 
 
-@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+PIPELINES = sorted((REPO / "configs").glob("*-pipeline.yaml"))  # pipeline files (relax_hpc.pipeline)
+
+
+@pytest.mark.parametrize("path", PIPELINES, ids=lambda p: p.name)
+def test_every_shipped_pipeline_validates_and_its_inputs_exist(path):
+    check(resolve(read_pipeline(path), REPO))
+
+
+@pytest.mark.parametrize("path", sorted(set((REPO / "configs").glob("*.yaml")) - set(PIPELINES)), ids=lambda p: p.name)
 def test_every_shipped_config_validates_and_its_inputs_exist(path):
     cfg = load_config(path, base_dir=REPO)
     if path.name in TOOL_RUN:

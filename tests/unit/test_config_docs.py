@@ -3,6 +3,7 @@
 from pathlib import Path
 
 from relax_hpc.config.docs import list_section, render
+from relax_hpc.config.pipeline import PipelineConfig
 from relax_hpc.config.schema import JobConfig, Section
 
 
@@ -21,5 +22,5 @@ def test_every_option_is_documented():
                     yield from walk(item, f"{prefix}{name}[].")
                 yield f"{prefix}{name}", field.description
 
-    undocumented = [key for key, doc in walk(JobConfig) if not doc]
+    undocumented = [key for model in (JobConfig, PipelineConfig) for key, doc in walk(model) if not doc]
     assert undocumented == []

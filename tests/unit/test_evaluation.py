@@ -10,7 +10,8 @@ import pytest
 
 from relax_hpc.config import ConfigError, load_config
 from relax_hpc.metrics.evaluation import budgets, figures, pass_at_k, table
-from relax_hpc.submit import check_inputs
+from relax_hpc.paths import RunPaths
+from relax_hpc.submit import check_inputs, dry_run, slurm_function
 
 REPO = Path(__file__).resolve().parents[2]
 POLICY, TEACHER = "assets/tiny-qwen3-addition", "assets/tiny-qwen3-addition-teacher"
@@ -121,7 +122,8 @@ def test_a_checkpoint_is_named_after_its_run_and_step_and_must_be_one(tmp_path):
         (["eval.models=[{name: x}]"], r"needs a path \(an HF folder or a RUN_DIR\) or a checkpoint"),
         (["rollout.engine=sglang"], "rollout.engine must be torch"),
         (["reward.name=judge"], "reward.name=judge needs judge engines"),
-        (["launch.executor=slurm"], "launch.executor must be local"),
+        (["launch.executor=slurm", "launch.slurm.rollout.nodes=1"], r"launch.slurm must ask for one node"),
+        (["launch.executor=slurm", "launch.slurm.trainer.nodes=2"], r"launch.slurm must ask for one node"),
         (["metrics.tensorboard=true"], "are not fed by an eval job yet"),
         (["data.path=x.jsonl"], "data: a kind=eval job trains nothing"),
         (["trainer.lr=0.1"], "trainer: a kind=eval job trains nothing"),
@@ -143,3 +145,14 @@ def test_missing_models_and_empty_datasets_are_refused_at_submit(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(ConfigError, match=r"eval.datasets.0 \(empty\): .*holds no rows"):
         check_inputs(eval_config(datasets=f"[{tmp_path / 'empty.jsonl'}]"))
+
+
+def test_an_eval_job_on_slurm_is_one_node_whose_batch_shell_runs_it(tmp_path, capsys):
+    cfg = eval_config("launch.executor=slurm", f"run.dir={tmp_path / 'eval'}", "launch.slurm.trainer.gpus_per_node=1")
+    assert dry_run(cfg, RunPaths(tmp_path / "eval"), slurm=True) == 0
+    out = capsys.readouterr().out
+    assert "#SBATCH --nodes=1\n" in out and "#SBATCH --gpus-per-node=1\n" in out and "hetjob" not in out
+    assert "tiny-qwen3-addition x addition: to score\nteacher x addition: to score" in out
+    from relax_hpc.evaluate import EvalRun  # transformers: only this test
+
+    assert isinstance(slurm_function(cfg.kind, RunPaths(tmp_path / "eval")), EvalRun)

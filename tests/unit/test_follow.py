@@ -103,3 +103,14 @@ def test_a_job_that_never_started_says_so(tmp_path, monkeypatch):
         1,
         "job 9 did not complete (cancelled: Slurm says CANCELLED): the run never started",
     )
+
+
+def test_an_eval_job_that_scored_everything_is_a_success(tmp_path, monkeypatch):
+    fake_slurm(tmp_path, monkeypatch, ["RUNNING"], "COMPLETED")
+    paths = run_dir(tmp_path)
+    JsonlWriter(paths.eval_results).log({"model": "m", "dataset": "d", "greedy_accuracy": 0.5})
+    JsonlWriter(paths.events_metrics).log({"event": "end", "exit": 1})
+    assert follow("7", paths, poll_s=0, sleep=lambda _: None).code == 1  # a failed start: no success
+    JsonlWriter(paths.events_metrics).log({"event": "end", "exit": 0})
+    result = follow("7", paths, poll_s=0, sleep=lambda _: None)
+    assert result.code == 0 and result.message == f"job 7 completed: every model x dataset scored ({paths.eval_table})"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "relax_hpc"
 ROLES = {"engines", "rollout", "trainer", "launch"}
-ENTRY_POINTS = {"submit", "inprocess", "status", "plot", "scale", "evaluate", "__init__"}
+ENTRY_POINTS = {"submit", "inprocess", "status", "plot", "scale", "evaluate", "pipeline", "__init__"}
 # The shared layers, lowest first: a layer imports only layers of a lower rank.
 RANKS = [
     {"paths", "config"},

@@ -1,0 +1,104 @@
+"""Pipelines on a real Slurm cluster: configs/tiny-pipeline.yaml (sft -> rl -> export -> eval), each
+stage its own job waiting for the one before it (afterok); a stage cancelled on its way stops
+the pipeline, and submitting it again resumes there (the finished stage skipped, a running one
+kept) and, once done, submits nothing; a stage that fails cancels the rest and is reported in
+one line."""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from relax_hpc.metrics.jsonl import read_jsonl
+from relax_hpc.pipeline import render, status
+from tests.slurm.jobs import REPO, sacct, slurm, wait_until
+
+pytestmark = [pytest.mark.slurm]
+
+SLURM = {"launch.slurm.cpus_per_node": 2, "launch.slurm.time_min": 10}
+STAGES = ("sft", "rl", "halfway", "eval")
+
+
+def pipeline_file(tmp_path: Path, name: str, **changes: object) -> Path:
+    tree = yaml.safe_load((REPO / "configs" / "tiny-pipeline.yaml").read_text())
+    tree.update({"dir": str(tmp_path / name), "executor": "slurm", "overrides": SLURM, **changes})
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(tree, sort_keys=False))
+    return path
+
+
+def run_pipeline(path: Path, *args: str) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "relax_hpc.pipeline", "--config", str(path), *args]
+    return subprocess.run(argv, check=False, cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def submitted(out: subprocess.CompletedProcess) -> dict[str, str]:
+    """Stage -> the job this submission gave it."""
+    lines = [line for line in out.stdout.splitlines() if "submitted job " in line]
+    return {line.split()[1]: line.split("submitted job ")[1].split(",")[0] for line in lines}
+
+
+def test_the_tiny_pipeline_chained_by_afterok_resumes_at_a_cancelled_stage_and_then_submits_nothing(
+    slurm_cluster, tmp_path
+):
+    path, root = pipeline_file(tmp_path, "tiny"), tmp_path / "tiny"
+    out = run_pipeline(path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    first = submitted(out)
+    jobs = [first[stage] for stage in STAGES]
+    queued = slurm("squeue", "-h", "-j", ",".join(jobs[1:]), "-o", "%i %E").splitlines()
+    dependencies = dict(line.split(" ", 1) for line in queued)
+    assert dependencies[jobs[-1]] == f"afterok:{jobs[-2]}(unfulfilled)", queued  # eval waits for the export
+    for before, job in itertools.pairwise(jobs):  # a stage already started shows no dependency
+        assert dependencies.get(job, f"afterok:{before}").startswith(f"afterok:{before}"), queued
+
+    slurm("scancel", first["rl"])  # the second stage does not finish: the pipeline stops there
+    stopped = wait_until(lambda: render(status(root)).splitlines()[-1].startswith("pipeline stopped"), 60, "a stop")
+    assert stopped and render(status(root)).splitlines()[-1].startswith(
+        f"pipeline stopped at stage rl (rl): job {first['rl']} cancelled: "
+    )
+    resumed = run_pipeline(path, "--wait")  # sft kept (or skipped, once done); rl on from there
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    again = submitted(resumed)
+    assert sorted(again) == ["eval", "halfway", "rl"], resumed.stdout
+    jobs = [first["sft"], *(again[stage] for stage in STAGES[1:])]
+    rows = [r for job in jobs for r in sacct(job, "JobID,JobName,State,Start,End") if r["JobID"] == job]
+    assert [r["JobName"] for r in rows] == [f"relax_hpc-{stage}" for stage in STAGES]
+    assert {r["State"] for r in rows} == {"COMPLETED"}
+    assert all(later["Start"] >= earlier["End"] for earlier, later in itertools.pairwise(rows)), rows
+    old = [r["State"].split()[0] for s in STAGES[1:] for r in sacct(first[s], "JobID,State") if r["JobID"] == first[s]]
+    assert old == ["CANCELLED"] * 3
+    records = read_jsonl(root / "eval" / "eval" / "results.jsonl")
+    assert [r["model"] for r in records] == ["sft", "rl-step-2", "rl"]
+
+    known = slurm("sacct", "-n", "-X", "-o", "JobID").split()
+    out = run_pipeline(path)
+    assert out.returncode == 0 and out.stdout.count("finished; skipped") == 4, out.stdout + out.stderr
+    assert slurm("sacct", "-n", "-X", "-o", "JobID").split() == known  # no job submitted
+    shown = subprocess.run(
+        [sys.executable, "-m", "relax_hpc.status", str(root)], capture_output=True, text=True, check=True
+    ).stdout
+    for stage, job in zip(STAGES, jobs, strict=True):
+        row = next(line for line in shown.splitlines() if line.startswith(f"  {stage} "))
+        assert " done " in row and f"job {job}" in row, shown
+
+
+def test_a_failing_stage_cancels_the_rest_and_is_reported_in_one_line(slurm_cluster, tmp_path):
+    failing = {"launch.slurm.setup": ["echo 'no licence on this node' >&2; exit 3"]}
+    stages = [
+        {"name": "bad", "config": "configs/tiny-eval.yaml", "overrides": failing},
+        {"name": "after", "config": "configs/tiny-eval.yaml"},
+    ]
+    out = run_pipeline(pipeline_file(tmp_path, "failing", stages=stages), "--wait")
+    assert out.returncode == 1, out.stdout + out.stderr
+    bad, after = submitted(out)["bad"], submitted(out)["after"]
+    assert out.stderr.strip() == (
+        f"pipeline stopped at stage bad (eval): job {bad} failed: the run never started; "
+        "output: no licence on this node"
+    )
+    assert [r["State"] for r in sacct(after, "JobID,State") if r["JobID"] == after] == ["CANCELLED"]
