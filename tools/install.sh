@@ -15,14 +15,19 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 export PIP_CONSTRAINT="$PWD/constraints.txt" PIP_DISABLE_PIP_VERSION_CHECK=1
-.venv/bin/python -m pip install --quiet --upgrade "pip>=24"
-.venv/bin/python -m pip install --quiet torch==2.13.0
-.venv/bin/python -m pip install --quiet -e ".[test,megatron,dev,sinks,notify]"
+# uv installs; pip only bootstraps it, at the version constraints.txt pins. It fetches and unpacks
+# in parallel: vLLM's environment took 17 s from a cold cache, against about 120 with pip
+# (BENCHMARKS.md, "CI"). tools/uv_env.sh hands it the machine's pip settings.
+.venv/bin/python -m pip install --quiet uv
+source tools/uv_env.sh
+install() { .venv/bin/uv pip install --python .venv/bin/python --quiet -c constraints.txt "$@"; }
+install torch==2.13.0
+install -e ".[test,megatron,dev,sinks,notify]"
 # SGLang without its dependencies (they pin torch 2.14.1 and GPU kernels), plus the light packages
 # its request classes and argument parser import: the section of constraints.txt between the
 # sglang markers, which also pins them. The contract and launcher tests import it; nothing runs it.
 SGLANG_PKGS=$(sed -n '/^# >>> sglang/,/^# <<< sglang/p' constraints.txt | grep -v '^#' | sed 's/==.*//')
-.venv/bin/python -m pip install --quiet --no-deps --no-warn-conflicts $SGLANG_PKGS
+install --no-deps $SGLANG_PKGS
 .venv/bin/python -c "import relax_hpc, torch, transformers, h5py; print(f'relax_hpc {relax_hpc.__version__} ready (torch {torch.__version__}, transformers {transformers.__version__}, h5py {h5py.__version__})')"
 if [ "$WITH_VLLM" = 1 ]; then
   bash tools/install_vllm.sh
