@@ -1,0 +1,170 @@
+"""Engine-to-engine catch-up (rollout.catch_up engine): a new or restarted built-in engine copies
+the current weights from a healthy engine of the run (the seed) before it registers, instead of
+waiting for the trainer's next push.
+
+The seed serves its weights over HTTP (`SNAPSHOT`, relax_hpc's own route: SGLang and vLLM have no
+such route, see docs/DESIGN.md), one bucket per request, each bucket a safetensors blob of its
+tensors by name, stamped with the seed's weight version and its weight epoch: a counter the
+engine advances under its model lock at every write into its weights. A bucket is read under
+that lock too, so it is never torn; a copy is whole when every bucket carries the same epoch.
+A push that lands on the seed between two buckets changes the epoch: the copy is thrown away
+and taken again (the seed then holds the newer version). A seed whose weights are not one
+version (an update in progress, or one abandoned half-way) refuses to serve (503).
+
+The new engine stages the buckets in host memory and checks them whole (every parameter, the
+shapes) before anything is written into its weights, as the file channel's load does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load, save
+
+from relax_hpc.protocol.client import EngineClient, EngineRequestError, EngineUnavailable
+from relax_hpc.protocol.registry import EngineRecord, read_records
+from relax_hpc.weights.buckets import BucketPlan, plan_buckets
+
+log = logging.getLogger("relax_hpc.weights")
+
+SNAPSHOT = "/relax/weights_snapshot"  # POST SnapshotReq -> one bucket (safetensors bytes)
+_META = "relax_snapshot"  # the blob's metadata key: version, epoch, bucket count
+
+
+@dataclass
+class SnapshotReq:
+    """POST /relax/weights_snapshot: bucket `bucket` of the seed's weights in buckets of at most
+    `bucket_bytes` (the seed plans them from its own parameters, in their order)."""
+
+    bucket: int
+    bucket_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Stamp:
+    """What a bucket was read at: the seed's version, its weight epoch, its bucket count."""
+
+    version: str
+    epoch: int
+    buckets: int
+
+
+class SeedMoved(RuntimeError):
+    """The seed's weights changed between two buckets of a copy: take it again."""
+
+
+def plan_of(params: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[BucketPlan]:
+    return plan_buckets(((n, p.shape, p.dtype) for n, p in params.items()), bucket_bytes)
+
+
+def read_bucket(params: Mapping[str, torch.Tensor], plan: BucketPlan) -> dict[str, torch.Tensor]:
+    """The bucket's tensors, copied to the host (call under the seed's model lock: the copy is
+    what makes the bucket one version once the lock is let go)."""
+    return {name: params[name].detach().to("cpu", copy=True) for name in plan.names}
+
+
+def encode(tensors: dict[str, torch.Tensor], stamp: Stamp) -> bytes:
+    meta = json.dumps({"version": stamp.version, "epoch": stamp.epoch, "buckets": stamp.buckets})
+    return save(tensors, metadata={_META: meta})
+
+
+def decode(blob: bytes) -> tuple[dict[str, torch.Tensor], Stamp]:
+    """A bucket's tensors and stamp (safetensors: 8 bytes of header length, the JSON header with
+    the metadata, then the data)."""
+    try:
+        size = int.from_bytes(blob[:8], "little")
+        meta = json.loads(json.loads(blob[8 : 8 + size])["__metadata__"][_META])
+        return load(blob), Stamp(str(meta["version"]), int(meta["epoch"]), int(meta["buckets"]))
+    except (ValueError, KeyError, TypeError) as e:  # safetensors raises its own ValueError subclass
+        raise EngineUnavailable(f"a seed's bucket is not a snapshot blob: {e}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class CaughtUp:
+    """A finished copy: from which engine, which version, how many bytes, how long, tries."""
+
+    seed: str
+    version: str
+    nbytes: int
+    seconds: float
+    attempts: int
+
+
+def copy_once(
+    client: EngineClient, params: Mapping[str, torch.Tensor], bucket_bytes: int
+) -> tuple[Stamp, list[tuple[str, torch.Tensor]]]:
+    """Every bucket of one seed at one epoch, staged on the host and checked against `params`
+    (names and shapes, every parameter once). Raises SeedMoved when the epoch changed."""
+    staged: list[tuple[str, torch.Tensor]] = []
+    first: Stamp | None = None
+    k = 0
+    while first is None or k < first.buckets:
+        tensors, stamp = decode(client.fetch(SNAPSHOT, SnapshotReq(k, bucket_bytes)))
+        if first is not None and stamp != first:
+            raise SeedMoved(f"the seed went from version {first.version} to {stamp.version} during the copy")
+        first = first or stamp
+        staged.extend(tensors.items())
+        k += 1
+    _check_whole(params, staged)
+    return first, staged
+
+
+def _check_whole(params: Mapping[str, torch.Tensor], staged: list[tuple[str, torch.Tensor]]) -> None:
+    names = [n for n, _ in staged]
+    if sorted(names) != sorted(params):
+        missing, extra = sorted(set(params) - set(names))[:5], sorted(set(names) - set(params))[:5]
+        raise EngineRequestError(f"the seed's parameters differ: missing {missing}, extra {extra}")
+    wrong = [n for n, t in staged if t.shape != params[n].shape or t.dtype != params[n].dtype]
+    if wrong:
+        raise EngineRequestError(f"the seed's shapes or dtypes differ for {wrong[:5]}")
+
+
+def seeds(registry: Path, own_id: str, api_key: str) -> list[EngineRecord]:
+    """The run's other engines that answer /health, highest weight version first (a record whose
+    version is not a number, an SGLang server's "default", is left out)."""
+    others = [r for r in read_records(registry) if r.engine_id != own_id and r.weight_version.isdigit()]
+    alive = [r for r in others if EngineClient(r.url, api_key, 2.0).healthy()]
+    return sorted(alive, key=lambda r: -int(r.weight_version))
+
+
+def catch_up(
+    registry: Path,
+    own_id: str,
+    api_key: str,
+    params: Mapping[str, torch.Tensor],
+    bucket_bytes: int,
+    timeout_s: float,
+    tries: int = 5,
+) -> tuple[CaughtUp | None, list[tuple[str, torch.Tensor]], str]:
+    """Copy the weights of the healthiest seed at the highest version: (what was copied, the
+    staged tensors to write into `params`, "") or (None, [], why not). A seed that moves on or is
+    busy updating is asked again (`tries` times, half a second apart); one that fails, or
+    refuses, gives way to the next."""
+    start = time.monotonic()
+    candidates = seeds(registry, own_id, api_key)
+    if not candidates:
+        return None, [], "no healthy engine to copy from"
+    why = ""
+    for seed in candidates:
+        client = EngineClient(seed.url, api_key, timeout_s)
+        for attempt in range(1, tries + 1):
+            try:
+                stamp, staged = copy_once(client, params, bucket_bytes)
+            except (SeedMoved, EngineUnavailable) as e:  # a push landed, or the seed is mid-update (503)
+                why = f"{seed.engine_id}: {e}"
+                log.info("catch-up from %s, try %d: %s", seed.engine_id, attempt, e)
+                time.sleep(0.5)
+                continue
+            except EngineRequestError as e:  # refused (LoRA, released weights, another model): the next seed
+                why = f"{seed.engine_id}: {e}"
+                break
+            nbytes = sum(t.numel() * t.element_size() for _, t in staged)
+            done = CaughtUp(seed.engine_id, stamp.version, nbytes, time.monotonic() - start, attempt)
+            return done, staged, ""
+    return None, [], why
