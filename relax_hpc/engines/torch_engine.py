@@ -27,6 +27,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import uuid
 from collections import ChainMap
 from collections.abc import Callable
@@ -415,12 +416,11 @@ class TorchEngine:
         plans = plan_of(self.params, req.bucket_bytes)
         if not 0 <= req.bucket < len(plans):
             raise P.ProtocolError(f"bucket {req.bucket}: the weights are {len(plans)} buckets")
-        with self._model_lock:
+        with self._model_lock:  # the bucket is serialised under it: one version
             if self.released or not self.whole:
                 raise EngineBusy("the weights are being updated or are released; ask again")
-            tensors = read_bucket(self.params, plans[req.bucket])
             stamp = Stamp(self.weight_version, self.weights_epoch, len(plans))
-        return encode(tensors, stamp)
+            return encode(read_bucket(self.params, plans[req.bucket]), stamp)
 
     def catch_up(self, registry: Path, engine_id: str, api_key: str, bucket_bytes: int) -> tuple[CaughtUp | None, str]:
         """At start, before the engine registers: copy the weights of the engine at the highest
@@ -780,19 +780,21 @@ def serve(args: argparse.Namespace, startup: StartupClock) -> None:
 def _catch_up(engine: TorchEngine, paths: RunPaths, args: argparse.Namespace) -> None:
     """Copy the current weights from a healthy engine (rollout.catch_up engine), or say why the
     engine waits for the trainer's push instead; either way an event in the run's events."""
+    start = time.monotonic()
     bucket_bytes = int(args.catch_up_bucket_mb * 2**20)
     done, why = engine.catch_up(paths.registry(args.pool), args.engine_id, paths.read_token(), bucket_bytes)
-    event: dict[str, Any] = {"event": "catch_up", "engine": args.engine_id}
+    seconds = round(time.monotonic() - start, 3)  # finding the seed, the copy, the load into the weights
+    event: dict[str, Any] = {"event": "catch_up", "engine": args.engine_id, "seconds": seconds}
     if done is None:
         log.info("engine %s did not catch up (%s): it waits for the trainer's push", args.engine_id, why)
         event.update(outcome="fallback", why=why)
     else:
         log.info(
             "engine %s caught up from %s: version %s, %.1f MB in %.2f s",
-            args.engine_id, done.seed, done.version, done.nbytes / 1e6, done.seconds,
+            args.engine_id, done.seed, done.version, done.nbytes / 1e6, seconds,
         )  # fmt: skip
         event.update(outcome="copied", seed=done.seed, version=done.version, bytes=done.nbytes)
-        event.update(seconds=round(done.seconds, 3), attempts=done.attempts)
+        event["attempts"] = done.attempts
     writer = JsonlWriter(paths.events_metrics)
     writer.log(event)
     writer.close()

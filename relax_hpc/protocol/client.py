@@ -91,12 +91,22 @@ class _Connection:
         """The next answer on this connection, decoded, or the error it means."""
         return decode_answer(f"{self.url}{route}", *self.raw_answer(route))
 
-    def raw_answer(self, route: str) -> tuple[int, bytes]:
-        """The next answer's status and body, as sent."""
+    def raw_answer(self, route: str) -> tuple[int, bytearray]:
+        """The next answer's status and body, as sent (read into one buffer, no copy: a binary
+        answer's tensors are views of it)."""
         response = http.client.HTTPResponse(self._stream)  # type: ignore[arg-type]  # needs only makefile()
         try:
             response.begin()
-            return response.status, response.read()
+            body = bytearray(response.length or 0)
+            view, got = memoryview(body), 0
+            while got < len(body):
+                read = response.readinto(view[got:])
+                if not read:
+                    raise http.client.IncompleteRead(bytes(view[:got]), len(body) - got)
+                got += read
+            if response.length is None:  # no Content-Length: to the end of the stream
+                body += response.read()
+            return response.status, body
         except (OSError, ValueError, http.client.HTTPException) as e:
             raise EngineUnavailable(f"{self.url}{route}: {str(e) or type(e).__name__}") from None
 
@@ -111,7 +121,7 @@ class _Connection:
         self._sock.close()
 
 
-def check_status(where: str, status: int, body: bytes) -> None:
+def check_status(where: str, status: int, body: bytes | bytearray) -> None:
     """Raise the error an answer's status means (the one place that decides)."""
     if 400 <= status < 500:
         raise EngineRequestError(f"{where}: HTTP {status}: {body[:500].decode(errors='replace')}")
@@ -119,7 +129,7 @@ def check_status(where: str, status: int, body: bytes) -> None:
         raise EngineUnavailable(f"{where}: HTTP {status}: {body[:500].decode(errors='replace')}")
 
 
-def decode_answer(where: str, status: int, body: bytes) -> Any:
+def decode_answer(where: str, status: int, body: bytes | bytearray) -> Any:
     """The JSON value of an answer, or the error its status means."""
     check_status(where, status, body)
     try:
@@ -147,7 +157,7 @@ class EngineClient:
     def post(self, route: str, request: object, timeout_s: float | None = None) -> Any:
         return self.call("POST", route, P.to_json(request), timeout_s)
 
-    def fetch(self, route: str, request: object) -> bytes:
+    def fetch(self, route: str, request: object) -> bytearray:
         """POST `request` and return the answer's body as sent (a binary answer, not JSON)."""
         connection = _Connection(self.url, self.api_key, self.timeout_s)
         try:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load, save
+from safetensors.torch import save
 
 from relax_hpc.protocol.client import EngineClient, EngineRequestError, EngineUnavailable
 from relax_hpc.protocol.registry import EngineRecord, read_records
@@ -64,9 +64,9 @@ def plan_of(params: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[Bucke
 
 
 def read_bucket(params: Mapping[str, torch.Tensor], plan: BucketPlan) -> dict[str, torch.Tensor]:
-    """The bucket's tensors, copied to the host (call under the seed's model lock: the copy is
-    what makes the bucket one version once the lock is let go)."""
-    return {name: params[name].detach().to("cpu", copy=True) for name in plan.names}
+    """The bucket's tensors on the host (on the CPU, the parameters themselves: encode them under
+    the seed's model lock, so that the bucket is one version)."""
+    return {name: params[name].detach().to("cpu") for name in plan.names}
 
 
 def encode(tensors: dict[str, torch.Tensor], stamp: Stamp) -> bytes:
@@ -74,25 +74,42 @@ def encode(tensors: dict[str, torch.Tensor], stamp: Stamp) -> bytes:
     return save(tensors, metadata={_META: meta})
 
 
-def decode(blob: bytes) -> tuple[dict[str, torch.Tensor], Stamp]:
-    """A bucket's tensors and stamp (safetensors: 8 bytes of header length, the JSON header with
-    the metadata, then the data)."""
+# safetensors' dtype names (the format's spec) of the dtypes engines hold.
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}  # fmt: skip
+
+
+def decode(blob: bytearray) -> tuple[dict[str, torch.Tensor], Stamp]:
+    """A bucket's tensors, views of `blob` (no copy), and its stamp. safetensors' layout: 8 bytes
+    of header length, the JSON header (each tensor's dtype, shape, byte range; the metadata),
+    then the data."""
     try:
         size = int.from_bytes(blob[:8], "little")
-        meta = json.loads(json.loads(blob[8 : 8 + size])["__metadata__"][_META])
-        return load(blob), Stamp(str(meta["version"]), int(meta["epoch"]), int(meta["buckets"]))
-    except (ValueError, KeyError, TypeError) as e:  # safetensors raises its own ValueError subclass
+        header = json.loads(blob[8 : 8 + size])
+        meta = json.loads(header.pop("__metadata__")[_META])
+        tensors = {name: _view(blob, 8 + size, info) for name, info in header.items()}
+        return tensors, Stamp(str(meta["version"]), int(meta["epoch"]), int(meta["buckets"]))
+    except (ValueError, KeyError, TypeError) as e:
         raise EngineUnavailable(f"a seed's bucket is not a snapshot blob: {e}") from None
+
+
+def _view(blob: bytearray, base: int, info: dict) -> torch.Tensor:
+    dtype = _DTYPES[info["dtype"]]
+    start, end = info["data_offsets"]
+    if end == start:  # frombuffer takes no empty range
+        return torch.empty(info["shape"], dtype=dtype)
+    flat = torch.frombuffer(blob, dtype=dtype, count=(end - start) // dtype.itemsize, offset=base + start)
+    return flat.view(info["shape"])
 
 
 @dataclass(frozen=True, slots=True)
 class CaughtUp:
-    """A finished copy: from which engine, which version, how many bytes, how long, tries."""
+    """A finished copy: from which engine, which version, how many bytes, in how many tries."""
 
     seed: str
     version: str
     nbytes: int
-    seconds: float
     attempts: int
 
 
@@ -142,11 +159,10 @@ def catch_up(
     timeout_s: float,
     tries: int = 5,
 ) -> tuple[CaughtUp | None, list[tuple[str, torch.Tensor]], str]:
-    """Copy the weights of the healthiest seed at the highest version: (what was copied, the
+    """Copy the weights of a healthy seed at the highest version: (what was copied, the
     staged tensors to write into `params`, "") or (None, [], why not). A seed that moves on or is
     busy updating is asked again (`tries` times, half a second apart); one that fails, or
     refuses, gives way to the next."""
-    start = time.monotonic()
     candidates = seeds(registry, own_id, api_key)
     if not candidates:
         return None, [], "no healthy engine to copy from"
@@ -161,10 +177,9 @@ def catch_up(
                 log.info("catch-up from %s, try %d: %s", seed.engine_id, attempt, e)
                 time.sleep(0.5)
                 continue
-            except EngineRequestError as e:  # refused (LoRA, released weights, another model): the next seed
+            except EngineRequestError as e:  # refused (LoRA adapters, another model): the next seed
                 why = f"{seed.engine_id}: {e}"
                 break
             nbytes = sum(t.numel() * t.element_size() for _, t in staged)
-            done = CaughtUp(seed.engine_id, stamp.version, nbytes, time.monotonic() - start, attempt)
-            return done, staged, ""
+            return CaughtUp(seed.engine_id, stamp.version, nbytes, attempt), staged, ""
     return None, [], why
