@@ -55,7 +55,7 @@ from relax_hpc.protocol import requests as P
 from relax_hpc.protocol import routes as R
 from relax_hpc.protocol.registry import EngineRecord, remove_record, write_record
 from relax_hpc.weights.buckets import BucketPlan
-from relax_hpc.weights.catchup import SNAPSHOT, CaughtUp, SnapshotReq, Stamp, catch_up, encode, plan_of, read_bucket
+from relax_hpc.weights.catchup import SNAPSHOT, CaughtUp, SnapshotReq, Stamp, catch_up, encode, plan_of
 from relax_hpc.weights.files import DELTA_FORMAT, Loaded, load_folder
 from relax_hpc.weights.group import SideGroup
 from relax_hpc.weights.lora import AdapterMerger
@@ -406,7 +406,7 @@ class TorchEngine:
         """Under the model lock, once the weights are all of `version`."""
         self.weight_version, self.whole = version, True
 
-    def weights_snapshot(self, req: SnapshotReq) -> bytes:
+    def weights_snapshot(self, req: SnapshotReq) -> bytearray:
         """One bucket of the weights for an engine catching up, stamped with the version and
         epoch it was read at (relax_hpc.weights.catchup)."""
         if self.adapter_folders or self.lora.adapter:
@@ -419,8 +419,7 @@ class TorchEngine:
         with self._model_lock:  # the bucket is serialised under it: one version
             if self.released or not self.whole:
                 raise EngineBusy("the weights are being updated or are released; ask again")
-            stamp = Stamp(self.weight_version, self.weights_epoch, len(plans))
-            return encode(read_bucket(self.params, plans[req.bucket]), stamp)
+            return encode(self.params, plans[req.bucket], Stamp(self.weight_version, self.weights_epoch, len(plans)))
 
     def catch_up(self, registry: Path, engine_id: str, api_key: str, bucket_bytes: int) -> tuple[CaughtUp | None, str]:
         """At start, before the engine registers: copy the weights of the engine at the highest
@@ -597,7 +596,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _reply(self, status: int, body: Any) -> None:
         self._send(status, json.dumps(body).encode(), "application/json")
 
-    def _send(self, status: int, data: bytes, content_type: str) -> None:
+    def _send(self, status: int, data: bytes | bytearray, content_type: str) -> None:
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
