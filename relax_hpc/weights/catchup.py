@@ -160,9 +160,11 @@ def _check_whole(params: Mapping[str, torch.Tensor], staged: list[tuple[str, tor
 
 
 def seeds(registry: Path, own_id: str, api_key: str) -> list[EngineRecord]:
-    """The run's other engines that answer /health, highest weight version first (a record whose
-    version is not a number, an SGLang server's "default", is left out)."""
+    """The run's other engines that answer /health, highest weight version first. Left out: those
+    at version 0 (the model's own weights, which the new engine loaded too: the engines of a run's
+    first start would copy them from each other) and those whose version is not a number."""
     others = [r for r in read_records(registry) if r.engine_id != own_id and r.weight_version.isdigit()]
+    others = [r for r in others if int(r.weight_version) > 0]
     alive = [r for r in others if EngineClient(r.url, api_key, 2.0).healthy()]
     return sorted(alive, key=lambda r: -int(r.weight_version))
 
@@ -182,7 +184,7 @@ def catch_up(
     refuses, gives way to the next."""
     candidates = seeds(registry, own_id, api_key)
     if not candidates:
-        return None, [], "no healthy engine to copy from"
+        return None, [], "no healthy engine past version 0 to copy from"
     why = ""
     for seed in candidates:
         client = EngineClient(seed.url, api_key, timeout_s)

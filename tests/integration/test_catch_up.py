@@ -5,6 +5,7 @@ mixes two versions. (A restarted engine's copy against the trainer's own weights
 test_weight_sync's broadcast case.)"""
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from safetensors.torch import save_file
 from relax_hpc.metrics.jsonl import read_jsonl
 from relax_hpc.protocol import requests as P
 from relax_hpc.protocol.client import EngineClient, EngineUnavailable
+from relax_hpc.protocol.registry import read_records
 from relax_hpc.weights.catchup import SNAPSHOT, SnapshotReq, catch_up, decode
 from relax_hpc.weights.channel import BroadcastChannel
 from relax_hpc.weights.layout import EngineLayout
@@ -51,7 +53,7 @@ def test_copies_are_one_version_while_pushes_land(tmp_path, engines):
     # The first engine of a run has no one to copy from: it waits for the trainer's push, and says so.
     [event] = [e for e in read_jsonl(paths.events_metrics) if e["event"] == "catch_up"]
     assert (event["engine"], event["outcome"], seed.weight_version) == ("engine-0", "fallback", "0")
-    assert "no healthy engine" in event["why"]
+    assert "no healthy engine past version 0" in event["why"]
 
     token = paths.read_token()
     client = EngineClient(seed.url, token, 30)
@@ -63,9 +65,12 @@ def test_copies_are_one_version_while_pushes_land(tmp_path, engines):
     with pytest.raises(EngineUnavailable, match="503"):
         client.fetch(SNAPSHOT, SnapshotReq(0, SMALL))
 
-    # A push every 0.3 s (versions 1, 2, ...: folder a, b, a, ...) while copies run: about as long
-    # as a copy, so some copies see a push land and take it again.
-    stop, pushed = threading.Event(), [0]
+    # Version 1 (a), then a push every 0.3 s (versions 2, 3, ...: folder b, a, ...) while copies
+    # run: about as long as a copy, so some copies see a push land and take it again.
+    _load(client, folders[0][0], "1")
+    while read_records(paths.engines)[0].weight_version != "1":  # the record is rewritten off the answer's path
+        time.sleep(0.05)
+    stop, pushed = threading.Event(), [1]
 
     def push() -> None:
         while not stop.wait(0.3):
@@ -88,7 +93,13 @@ def test_copies_are_one_version_while_pushes_land(tmp_path, engines):
     finally:
         stop.set()
         pusher.join()
-    assert retried >= 3 and pushed[0] > 3
+    assert retried >= 3 and pushed[0] > 4
+
+    # A seed whose parameters differ from the new engine's is refused: the engine waits for the trainer.
+    done, staged, why = catch_up(
+        paths.engines, "engine-new", token, {**params, "extra.weight": params[next(iter(params))]}, SMALL, 30.0
+    )
+    assert (done, staged) == (None, []) and "parameters differ" in why and "extra.weight" in why
 
     # The trainer's side: an engine at the delivered version (one that caught up) needs no push;
     # without catch-up, an engine set the group has not seen does.
