@@ -24,7 +24,7 @@ from tests.integration.conftest import make_run
 
 pytestmark = pytest.mark.integration
 
-SMALL = 50_000  # bytes per bucket: the 1.2 MB model in about 25 buckets, so pushes land between them
+SMALL = 20_000  # bytes per bucket: the 1.2 MB model in about 60 buckets, so pushes land between them
 
 
 def _folder(root: Path, params: dict[str, torch.Tensor], shift: float) -> tuple[Path, dict[str, torch.Tensor]]:
@@ -81,19 +81,19 @@ def test_copies_are_one_version_while_pushes_land(tmp_path, engines):
     pusher.start()
     retried = 0
     try:
-        for _ in range(30):  # until a push has landed mid-copy a few times
+        for _ in range(60):  # until a push has landed mid-copy a few times (about 1 copy in 4)
             done, staged, why = catch_up(paths.engines, "engine-new", token, params, SMALL, 30.0, tries=20)
             assert done is not None, why
             assert (done.seed, done.nbytes) == ("engine-0", sum(t.numel() * t.element_size() for t in params.values()))
             expected = folders[int(done.version) % 2 - 1][1]
             assert all(torch.equal(_bits(t), _bits(expected[n])) for n, t in staged), done.version
             retried += done.attempts > 1
-            if retried >= 3:
+            if retried >= 2:
                 break
     finally:
         stop.set()
         pusher.join()
-    assert retried >= 3 and pushed[0] > 4
+    assert retried >= 2 and pushed[0] > 3
 
     # A seed whose parameters differ from the new engine's is refused: the engine waits for the trainer.
     done, staged, why = catch_up(
