@@ -184,6 +184,14 @@ class RolloutConfig(Section):
     """Restarts of each engine process before the run gives up."""
     eval_every: int = Field(default=25, ge=0)
     """Greedy accuracy over the whole dataset every N policy versions (0 = only at the end)."""
+    catch_up: Literal["engine", "trainer"] = "engine"
+    """How a new or restarted rollout engine gets the current weights. `engine`: at start it
+    copies them from the healthy engine at the highest version (over HTTP, checked whole and
+    consistent: a push landing mid-copy makes it copy again), registers with that version, and
+    the trainer sends it nothing until the next step; with no such engine, or a failed copy, it
+    waits for the trainer's push, as `trainer` does (an event in metrics/events.jsonl says
+    which). The built-in engine only: SGLang and vLLM engines, LoRA runs and launch.colocate
+    always wait for the trainer's push (docs/DESIGN.md, "Engine-to-engine catch-up")."""
 
 
 class RemoteRewardConfig(Section):
@@ -975,6 +983,15 @@ class JobConfig(Section):
     def lora_adapters(self) -> bool:
         """The engines serve the trained LoRA adapters as adapters (trainer.lora.sync adapter)."""
         return self.trainer.lora is not None and self.trainer.lora.sync == "adapter"
+
+    @property
+    def engine_catch_up(self) -> bool:
+        """New policy engines copy the weights from a healthy engine (rollout.catch_up engine),
+        where that is built: the built-in engine, whole weights, engines that keep their memory."""
+        ro = self.rollout
+        return (
+            ro.catch_up == "engine" and ro.engine == "torch" and self.trainer.lora is None and not self.launch.colocate
+        )
 
     def served_model(self, pool: str) -> str:
         """The HF folder an engine of `pool` serves: the policy, the judge or the teacher."""

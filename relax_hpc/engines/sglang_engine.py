@@ -191,6 +191,12 @@ class Wrapper:
         log.info("%s: starting %s", self.args.engine_id, redact(command, self.api_key))
         self.proc = start_server(command, self.environment())
         log.info("%s: %s server pid %d", self.args.engine_id, self.KIND, self.proc.pid)
+        if self.cfg.rollout.catch_up == "engine" and self.args.pool == "policy":  # built-in engine only
+            log.info(
+                "%s: rollout.catch_up=engine is built for the built-in engine only; this %s engine waits for "
+                "the trainer's push (docs/DESIGN.md, engine-to-engine catch-up)",
+                self.args.engine_id, self.KIND,
+            )  # fmt: skip
         if self.stopping.is_set():  # the signal came while the server was being started
             self._forward()
         try:

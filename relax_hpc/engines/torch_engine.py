@@ -27,6 +27,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import uuid
 from collections import ChainMap
 from collections.abc import Callable
@@ -45,6 +46,7 @@ from relax_hpc import fence
 from relax_hpc.data.media import Kind, MediaError, MediaRef
 from relax_hpc.data.processor import Processed, ProcessorError, media_processor
 from relax_hpc.engines.sampling import Completion, SamplingSpec, input_logprobs, sample
+from relax_hpc.metrics.jsonl import JsonlWriter
 from relax_hpc.metrics.startup import StartupClock
 from relax_hpc.models.hf import EngineParameters, load_policy, torch_dtype
 from relax_hpc.models.lora import read_adapter_folder
@@ -53,7 +55,8 @@ from relax_hpc.protocol import requests as P
 from relax_hpc.protocol import routes as R
 from relax_hpc.protocol.registry import EngineRecord, remove_record, write_record
 from relax_hpc.weights.buckets import BucketPlan
-from relax_hpc.weights.files import DELTA_FORMAT, load_folder
+from relax_hpc.weights.catchup import SNAPSHOT, CaughtUp, SnapshotReq, Stamp, catch_up, encode, plan_of
+from relax_hpc.weights.files import DELTA_FORMAT, Loaded, load_folder
 from relax_hpc.weights.group import SideGroup
 from relax_hpc.weights.lora import AdapterMerger
 from relax_hpc.weights.receiver import BucketReceiver
@@ -139,6 +142,11 @@ class TorchEngine:
         self.params = EngineParameters(self.model)
         self.model_path = model_path
         self.weight_version = "0"
+        # Catch-up (relax_hpc.weights.catchup): every write into the weights advances the epoch,
+        # and `whole` says the weights are all of weight_version (not mid-update, not abandoned
+        # half-way); both change under the model lock.
+        self.weights_epoch = 0
+        self.whole = True
         self.updating = False  # between /begin_weight_update and /end_weight_update
         self.released: dict[str, tuple[torch.Size, torch.dtype]] = {}  # weights freed for the trainer
         self.groups: dict[str, SideGroup] = {}
@@ -388,6 +396,42 @@ class TorchEngine:
 
     # -- weights --------------------------------------------------------------------------------
 
+    def _writing(self) -> None:
+        """Under the model lock, before a write into the weights: a copy under way is stale, and
+        the weights are not one version until `_holds`."""
+        self.weights_epoch += 1
+        self.whole = False
+
+    def _holds(self, version: str) -> None:
+        """Under the model lock, once the weights are all of `version`."""
+        self.weight_version, self.whole = version, True
+
+    def weights_snapshot(self, req: SnapshotReq) -> bytearray:
+        """One bucket of the weights for an engine catching up, stamped with the version and
+        epoch it was read at (relax_hpc.weights.catchup)."""
+        if self.adapter_folders or self.lora.adapter:
+            raise P.ProtocolError("catch-up copies whole weights; this engine serves LoRA adapters")
+        if req.bucket_bytes <= 0:
+            raise P.ProtocolError(f"bucket_bytes must be positive, got {req.bucket_bytes}")
+        plans = plan_of(self.params, req.bucket_bytes)
+        if not 0 <= req.bucket < len(plans):
+            raise P.ProtocolError(f"bucket {req.bucket}: the weights are {len(plans)} buckets")
+        with self._model_lock:  # the bucket is serialised under it: one version
+            if self.released or not self.whole:
+                raise EngineBusy("the weights are being updated or are released; ask again")
+            return encode(self.params, plans[req.bucket], Stamp(self.weight_version, self.weights_epoch, len(plans)))
+
+    def catch_up(self, registry: Path, engine_id: str, api_key: str, bucket_bytes: int) -> tuple[CaughtUp | None, str]:
+        """At start, before the engine registers: copy the weights of the engine at the highest
+        version (what was copied, or None and why not; the engine then keeps its own)."""
+        done, staged, why = catch_up(registry, engine_id, api_key, self.params, bucket_bytes, self.weights_timeout_s)
+        if done is not None:
+            with self._model_lock, torch.no_grad():
+                self._writing()
+                Loaded(whole=staged).apply(self.params)
+                self._holds(done.version)
+        return done, why
+
     def model_info(self) -> dict[str, Any]:
         info = {"model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True}
         return {**info, "weight_version": self.weight_version}
@@ -440,12 +484,13 @@ class TorchEngine:
         if unknown:
             raise P.ProtocolError(f"unknown parameter names {unknown[:5]}")
         with self._model_lock, torch.no_grad():
+            self._writing()
             torch._foreach_copy_([self.params[n] for n, _ in named], [t.to(self.device) for _, t in named])
             if self.device.type == "cuda":  # the answer says the bytes are copied: the sender reuses the buffer
                 torch.cuda.current_stream(self.device).synchronize()
             if req.weight_version is None:
                 return False
-            self.weight_version = req.weight_version
+            self._holds(req.weight_version)
             return True
 
     def update_from_disk(self, req: P.UpdateWeightFromDiskReqInput) -> bool:
@@ -464,10 +509,12 @@ class TorchEngine:
         if not folder.is_dir():
             raise P.ProtocolError(f"no folder {folder}")
         with self._model_lock, torch.no_grad():  # between batches: a completion never mixes two versions
-            load_folder(folder, self.params, req.load_format == DELTA_FORMAT, self.weight_version).apply(self.params)
+            loaded = load_folder(folder, self.params, req.load_format == DELTA_FORMAT, self.weight_version)
+            self._writing()
+            loaded.apply(self.params)
             if req.weight_version is None:
                 return False
-            self.weight_version = req.weight_version
+            self._holds(req.weight_version)
             return True
 
     def release_memory(self, req: P.ReleaseMemoryOccupationReqInput) -> None:
@@ -492,6 +539,7 @@ class TorchEngine:
         tags = set(req.tags or MEMORY_TAGS)
         with self._model_lock:
             if "weights" in tags and self.released:
+                self._writing()  # no values until the next update
                 for name, (shape, dtype) in self.released.items():
                     self.params[name].data = torch.empty(shape, dtype=dtype, device=self.device)
                 self.released = {}
@@ -520,6 +568,7 @@ class TorchEngine:
         # Checked now, raised once received (see BucketReceiver.receive).
         unknown = self.receiver.unknown_names(plan)
         with self._model_lock:  # between batches: a completion never mixes two versions
+            self._writing()
             self.receiver.receive(group, plan, flattened=req.load_format == "flattened_bucket", copy=not unknown)
             if unknown:
                 raise P.ProtocolError(f"unknown parameter names {unknown[:5]}")
@@ -528,7 +577,7 @@ class TorchEngine:
             self.receiver.settle(wait=True)  # the engine reports the new version only once it holds it
             if self.lora.adapter:
                 self.lora.merge()
-            self.weight_version = req.weight_version
+            self._holds(req.weight_version)
             return True
 
 
@@ -545,9 +594,11 @@ class _Handler(BaseHTTPRequestHandler):
             log.debug("%s %s", self.address_string(), fmt % args)
 
     def _reply(self, status: int, body: Any) -> None:
-        data = json.dumps(body).encode()
+        self._send(status, json.dumps(body).encode(), "application/json")
+
+    def _send(self, status: int, data: bytes | bytearray, content_type: str) -> None:
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
@@ -582,6 +633,10 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             length = int(self.headers.get("Content-Length") or 0)
             body = json.loads(self.rfile.read(length) or b"{}")
+            if self.path == SNAPSHOT:  # relax_hpc's own route (catch-up): binary, outside SGLang's table
+                blob = self.engine.weights_snapshot(P.parse(SnapshotReq, body))
+                self._send(HTTPStatus.OK, blob, "application/octet-stream")
+                return
             route = R.ROUTES.get(("POST", self.path))
             if route is None:
                 self._reply(HTTPStatus.NOT_FOUND, {"error": f"no route {self.path}"})
@@ -699,6 +754,9 @@ def serve(args: argparse.Namespace, startup: StartupClock) -> None:
     handler = type("Handler", (_Handler,), {"engine": engine, "api_key": paths.read_token()})
     server.RequestHandlerClass = handler
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
+    if args.catch_up_bucket_mb:
+        _catch_up(engine, paths, args)
+        startup.mark("catch_up")
     announce()
     startup.mark("registered")
     log.info(
@@ -718,6 +776,29 @@ def serve(args: argparse.Namespace, startup: StartupClock) -> None:
         log.info("engine %s stopped", args.engine_id)
 
 
+def _catch_up(engine: TorchEngine, paths: RunPaths, args: argparse.Namespace) -> None:
+    """Copy the current weights from a healthy engine (rollout.catch_up engine), or say why the
+    engine waits for the trainer's push instead; either way an event in the run's events."""
+    start = time.monotonic()
+    bucket_bytes = int(args.catch_up_bucket_mb * 2**20)
+    done, why = engine.catch_up(paths.registry(args.pool), args.engine_id, paths.read_token(), bucket_bytes)
+    seconds = round(time.monotonic() - start, 3)  # finding the seed, the copy, the load into the weights
+    event: dict[str, Any] = {"event": "catch_up", "engine": args.engine_id, "seconds": seconds}
+    if done is None:
+        log.info("engine %s did not catch up (%s): it waits for the trainer's push", args.engine_id, why)
+        event.update(outcome="fallback", why=why)
+    else:
+        log.info(
+            "engine %s caught up from %s: version %s, %.1f MB in %.2f s",
+            args.engine_id, done.seed, done.version, done.nbytes / 1e6, seconds,
+        )  # fmt: skip
+        event.update(outcome="copied", seed=done.seed, version=done.version, bytes=done.nbytes)
+        event["attempts"] = done.attempts
+    writer = JsonlWriter(paths.events_metrics)
+    writer.log(event)
+    writer.close()
+
+
 def main() -> None:
     startup = StartupClock()
     parser = argparse.ArgumentParser(
@@ -735,6 +816,12 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--weights-timeout-s", type=float, default=60.0)
+    parser.add_argument(
+        "--catch-up-bucket-mb",
+        type=float,
+        default=0.0,
+        help="copy the current weights from a healthy engine at start, in buckets of this many MiB (0: do not)",
+    )
     parser.add_argument(
         "--pool",
         choices=("policy", "judge", "teacher", "none"),

@@ -63,6 +63,7 @@ def engine_args(
         "--model-path", model, "--dtype", cfg.model.dtype, "--host", host,
         "--port", str(port), "--threads", str(cfg.launch.threads_per_process),
         "--weights-timeout-s", str(cfg.weights.timeout_s), "--pool", pool, *(["--device", device] if device else []),
+        *(["--catch-up-bucket-mb", str(cfg.weights.bucket_mb)] if pool == "policy" and cfg.engine_catch_up else []),
     ]  # fmt: skip
 
 

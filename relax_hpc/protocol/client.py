@@ -89,13 +89,26 @@ class _Connection:
 
     def answer(self, route: str) -> Any:
         """The next answer on this connection, decoded, or the error it means."""
+        return decode_answer(f"{self.url}{route}", *self.raw_answer(route))
+
+    def raw_answer(self, route: str) -> tuple[int, bytearray]:
+        """The next answer's status and body, as sent (read into one buffer, no copy: a binary
+        answer's tensors are views of it)."""
         response = http.client.HTTPResponse(self._stream)  # type: ignore[arg-type]  # needs only makefile()
         try:
             response.begin()
-            body = response.read()
+            body = bytearray(response.length or 0)
+            view, got = memoryview(body), 0
+            while got < len(body):
+                read = response.readinto(view[got:])
+                if not read:
+                    raise http.client.IncompleteRead(bytes(view[:got]), len(body) - got)
+                got += read
+            if response.length is None:  # no Content-Length: to the end of the stream
+                body += response.read()
+            return response.status, body
         except (OSError, ValueError, http.client.HTTPException) as e:
             raise EngineUnavailable(f"{self.url}{route}: {str(e) or type(e).__name__}") from None
-        return decode_answer(f"{self.url}{route}", response.status, body)
 
     def close(self) -> None:
         """Safe from another thread while one reads: shutdown wakes that read with end-of-stream
@@ -108,12 +121,17 @@ class _Connection:
         self._sock.close()
 
 
-def decode_answer(where: str, status: int, body: bytes) -> Any:
-    """The JSON value of an answer, or the error its status means (the one place that decides)."""
+def check_status(where: str, status: int, body: bytes | bytearray) -> None:
+    """Raise the error an answer's status means (the one place that decides)."""
     if 400 <= status < 500:
         raise EngineRequestError(f"{where}: HTTP {status}: {body[:500].decode(errors='replace')}")
     if status >= 300:
         raise EngineUnavailable(f"{where}: HTTP {status}: {body[:500].decode(errors='replace')}")
+
+
+def decode_answer(where: str, status: int, body: bytes | bytearray) -> Any:
+    """The JSON value of an answer, or the error its status means."""
+    check_status(where, status, body)
     try:
         return json.loads(body or b"null")
     except json.JSONDecodeError as e:
@@ -138,6 +156,17 @@ class EngineClient:
 
     def post(self, route: str, request: object, timeout_s: float | None = None) -> Any:
         return self.call("POST", route, P.to_json(request), timeout_s)
+
+    def fetch(self, route: str, request: object) -> bytearray:
+        """POST `request` and return the answer's body as sent (a binary answer, not JSON)."""
+        connection = _Connection(self.url, self.api_key, self.timeout_s)
+        try:
+            connection.send("POST", route, P.to_json(request))
+            status, body = connection.raw_answer(route)
+        finally:
+            connection.close()
+        check_status(f"{self.url}{route}", status, body)
+        return body
 
     def healthy(self, timeout_s: float = 2.0) -> bool:
         try:

@@ -61,7 +61,7 @@ def build_channel(job: JobConfig, paths: RunPaths, backend: Backend, device: tor
     auto = "nccl" if device.type == "cuda" else "gloo"
     group_backend = job.weights.backend if job.weights.backend != "auto" else auto
     sender = WeightSender(paths.engines, token, group_backend, timeout_s, job.rollout.partial) if rank == 0 else None
-    return BroadcastChannel(sender, layout, bucket_bytes)
+    return BroadcastChannel(sender, layout, bucket_bytes, job.engine_catch_up)
 
 
 def _publisher(lora: LoraConfig, base: str, paths: RunPaths, timeout_s: float) -> AdapterPublisher:

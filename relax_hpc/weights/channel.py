@@ -78,17 +78,26 @@ class _Quiet:
 
 class BroadcastChannel(_Quiet):
     """Rank 0 broadcasts the buckets to every engine (relax_hpc.weights.sender); every rank takes
-    part in the parameters' gathers. `sender` is None on the other ranks."""
+    part in the parameters' gathers. `sender` is None on the other ranks. With `catch_up`, a new
+    engine copies the weights from another engine at its start (relax_hpc.weights.catchup)."""
 
-    def __init__(self, sender: WeightSender | None, layout: EngineLayout, bucket_bytes: int) -> None:
-        self.sender, self.layout = sender, layout
+    def __init__(
+        self, sender: WeightSender | None, layout: EngineLayout, bucket_bytes: int, catch_up: bool = False
+    ) -> None:
+        self.sender, self.layout, self.catch_up = sender, layout, catch_up
         self.buckets: list[BucketPlan] = plan_buckets(layout.specs(), bucket_bytes)
 
     def push(self, full_parameters: FullParameters, version: int) -> int:
         return push(self.sender, self.buckets, lambda: self.layout.tensors(full_parameters()), version)
 
     def engines_changed(self, delivered: int) -> bool:
+        """An engine started, restarted or left. With catch-up, only when an engine that answers
+        holds another version: one that caught up holds `delivered` and needs no push (the group
+        takes it in at the next push). Version 0 is the trainer's to push: an engine that did not
+        catch up reports 0 too."""
         assert self.sender is not None, "rank 0 decides"
+        if self.catch_up and delivered > 0:
+            return any(r.weight_version != str(delivered) for r in self.sender.live_engines())
         return self.sender.engine_set_changed()
 
 

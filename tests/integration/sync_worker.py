@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from relax_hpc.config.load import read_frozen
@@ -77,6 +78,8 @@ def main() -> None:
     full = dict(backend.full_parameters())
     if rank == 0:
         full, greedy = expected(cfg.model.path, cfg.trainer.lora is not None, full)
+        # Every weight, bit for bit: what an engine that catches up later must hold (broadcast).
+        save_file({n: t.detach().clone() for n, t in full.items()}, str(out.with_suffix(".safetensors")))
         out.write_text(
             json.dumps(
                 {

@@ -1,5 +1,5 @@
 """An engine that dies mid-generation: its prompts are re-issued to another engine, and a killed
-engine in a running job is restarted and receives the current weights."""
+engine in a running job is restarted and copies the current weights from the other engine."""
 
 import json
 import os
@@ -11,6 +11,7 @@ import pytest
 
 from relax_hpc.config.load import read_frozen
 from relax_hpc.envs.context import GenerateCall
+from relax_hpc.metrics.jsonl import read_jsonl
 from relax_hpc.protocol import requests as P
 from relax_hpc.protocol.client import EngineClient
 from relax_hpc.rollout.driver import Driver
@@ -55,7 +56,8 @@ def test_a_killed_engine_is_restarted_and_rejoins_weight_sync(tmp_path):
     record_path = job.run_dir / "registry" / "engines" / "engine-0.json"
     killed = json.loads(record_path.read_text())
     os.kill(killed["pid"], signal.SIGKILL)
-    # The launcher restarts it; the trainer notices the new instance and pushes the current weights.
+    # The launcher restarts it; it copies the current weights from engine-1 (rollout.catch_up
+    # engine), and the trainer's next push takes it into the group.
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         record = json.loads(record_path.read_text()) if record_path.exists() else killed
@@ -72,4 +74,8 @@ def test_a_killed_engine_is_restarted_and_rejoins_weight_sync(tmp_path):
     assert int(record["weight_version"]) >= steps_at_rejoin - 1
     trainer_log = (job.run_dir / "logs" / "0" / "trainer.log").read_text()
     assert trainer_log.count("formed with 2 engine(s)") >= 2  # the group was re-formed with the new engine
+    caught = [e for e in read_jsonl(job.run_dir / "metrics" / "events.jsonl") if e["event"] == "catch_up"]
+    restarted = [e for e in caught if e["engine"] == "engine-0"][-1]
+    assert (restarted["outcome"], restarted["seed"]) == ("copied", "engine-1"), caught
+    assert int(restarted["version"]) > 0 and restarted["bytes"] > 1e6
     assert [s["step"] for s in job.steps()] == list(range(1, job.steps()[-1]["step"] + 1))

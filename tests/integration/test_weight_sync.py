@@ -5,12 +5,18 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
+from relax_hpc.metrics.jsonl import read_jsonl
 from relax_hpc.protocol import requests as P
 from relax_hpc.protocol.client import EngineClient
+from relax_hpc.protocol.registry import read_records
 from relax_hpc.protocol.requests import adapter_name
+from relax_hpc.weights.catchup import SNAPSHOT, SnapshotReq, decode
 from tests.integration.conftest import REPO, make_run
 
 pytestmark = pytest.mark.integration
@@ -45,7 +51,9 @@ def test_engines_hold_the_trainer_weights_after_a_push(tmp_path, engines, path, 
     sync: the engines load each version's PEFT folder and merge the adapter a request names (and
     set its modules), the newest or the one before (still loaded). File (and delta): four versions
     written by both ranks and loaded from disk; the second engine misses the third and then loads
-    the whole fourth while the first loads its delta; the folders of older versions are gone."""
+    the whole fourth while the first loads its delta; killed and started again, it copies the
+    version before the last from the first engine (catch-up) and then loads the last one's delta
+    too; the folders of older versions are gone."""
     # 0.05 MiB buckets: the 1.2 MB model travels in many buckets, as a large model would.
     cfg, paths = make_run(tmp_path / "run", "weights.bucket_mb=0.05", *overrides)
     group = engines(cfg, paths, 2)
@@ -67,7 +75,9 @@ def test_engines_hold_the_trainer_weights_after_a_push(tmp_path, engines, path, 
         assert expected["bytes"] < 0.1 * 1.2e6 if lora else expected["buckets"] > 5
         if path == "file" and "weights.delta=true" in overrides:  # the second engine stopped, then killed
             assert expected["served"] == [2, 2, 1, 2, 1, 2]
-            assert expected["folders"] == ["v7", "v7-delta"]
+            assert expected["folders"] == ["v7-delta"]  # the restarted engine copied v6: no whole v7
+            copied = [e for e in read_jsonl(paths.events_metrics) if e["event"] == "catch_up" and "seed" in e]
+            assert [(e["engine"], e["seed"], e["version"]) for e in copied] == [("engine-1", "engine-0", "6")]
         elif path == "file":
             assert expected["served"] == [2, 2]
             assert expected["folders"] == ["v7"]
@@ -90,9 +100,41 @@ def test_engines_hold_the_trainer_weights_after_a_push(tmp_path, engines, path, 
                 assert [o["output_ids"] for o in older] == expected["previous_greedy"] != expected["greedy"]
         if path == "adapter":
             assert sorted(p.name for p in paths.lora_adapters.iterdir()) == ["v6", "v7"]
+        if path == "broadcast" and not lora:  # LoRA runs do not catch up (the weights hold the merged adapter)
+            _restarted_engine_catches_up(group, paths, out.with_suffix(".safetensors"))
     finally:  # the second engine, started again by the worker (file)
         if expected["restarted"]:
             os.kill(expected["restarted"], signal.SIGKILL)
+
+
+def _restarted_engine_catches_up(group, paths, trainer_weights) -> None:
+    """engine-0 killed (-9) and started again, as the launcher restarts it: with no trainer left to
+    push, it holds version 7, copied from engine-1 (rollout.catch_up engine, the default), bit
+    for bit the trainer's weights and engine-1's, and says so in the run's events."""
+    killed = {r.engine_id: r for r in read_records(paths.engines)}["engine-0"]
+    group.procs["engine-0"].kill()
+    group.procs["engine-0"].wait()
+    group.start("engine-0")
+    deadline = time.monotonic() + 120
+    while (record := _record(paths, "engine-0")) is None or record.instance == killed.instance:
+        assert time.monotonic() < deadline and group.procs["engine-0"].poll() is None, "engine-0 did not come back"
+        time.sleep(0.2)
+    assert record.weight_version == "7"
+    trainer = load_file(str(trainer_weights))
+    nbytes = sum(t.numel() * t.element_size() for t in trainer.values())
+    copied = [e for e in read_jsonl(paths.events_metrics) if e["event"] == "catch_up" and e["outcome"] == "copied"]
+    assert [(e["engine"], e["seed"], e["version"], e["bytes"]) for e in copied][-1:] == [
+        ("engine-0", "engine-1", "7", nbytes)
+    ]
+    token = paths.read_token()
+    for engine in read_records(paths.engines):
+        held, stamp = decode(EngineClient(engine.url, token, 30).fetch(SNAPSHOT, SnapshotReq(0, 2**40)))
+        assert stamp.version == "7" and sorted(held) == sorted(trainer), engine.engine_id
+        assert all(torch.equal(held[n].view(torch.uint8), t.view(torch.uint8)) for n, t in trainer.items())
+
+
+def _record(paths, engine_id: str):
+    return {r.engine_id: r for r in read_records(paths.engines)}.get(engine_id)
 
 
 def _prompts():

@@ -79,11 +79,11 @@ def random_qwen3(folder: Path, hidden: int, layers: int) -> Qwen3ForCausalLM:
 
 
 @contextlib.contextmanager
-def two_engines(paths: RunPaths, model_dir: Path) -> Iterator[WeightSender]:
+def two_engines(paths: RunPaths, model_dir: Path, dtype: str = "float32") -> Iterator[WeightSender]:
     """Two built-in engines on the model, registered in `paths`; yields a sender to them."""
     engines = [
         subprocess.Popen([sys.executable, "-m", "relax_hpc.engines.torch_engine", "--run-dir", str(paths.root),
-                          "--engine-id", f"engine-{i}", "--model-path", str(model_dir)],
+                          "--engine-id", f"engine-{i}", "--model-path", str(model_dir), "--dtype", dtype],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
         for i in range(2)
