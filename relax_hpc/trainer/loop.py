@@ -286,7 +286,8 @@ class Trainer:
         self.state.step += 1
         self.state.version += 1
         self.state.trained_samples += stats["num_samples"]
-        if not self.held_for_eval(self.state.version):  # else pushed once checkpointed (run)
+        # An eval point's version is pushed only once run() has checkpointed it (a sync command).
+        if not self.held_for_eval(self.state.version):
             with self.timer.phase("push"):
                 self.sync()
         if peak.on:
