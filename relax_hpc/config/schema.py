@@ -574,10 +574,10 @@ class CheckpointConfig(Section):
     export_version: Literal["last", "best"] = "last"
     """Which version the HF export (RUN_DIR/hf) holds: `last`, the final weights; `best`, the
     evaluated version with the highest `export_metric` (a tie goes to the later version). With
-    `best` (kind=rl, rollout.eval_every > 0) the trainer checkpoints every evaluated version
-    before the engines get it and waits for its evaluation before training on, the best
-    checkpoint is never pruned, and RUN_DIR/hf/EXPORT.json (and the run's summary) says which
-    version was exported and why."""
+    `best` (kind=rl, 0 < rollout.eval_every < trainer.total_steps) the trainer checkpoints every
+    evaluated version before the engines get it and waits for its evaluation before training on,
+    the best checkpoint is never pruned, and RUN_DIR/hf/EXPORT.json (and the run's summary) says
+    which version was exported and why."""
     export_metric: Literal["greedy_accuracy"] = "greedy_accuracy"
     """export_version=best: the driver's eval metric (RUN_DIR/metrics/eval.jsonl) that picks the
     best version; higher is better."""
@@ -956,10 +956,12 @@ class JobConfig(Section):
                 f"ckpt.export_version=best needs the rollout driver's evaluations, which a kind={self.kind} job "
                 "does not make: use ckpt.export_version=last"
             )
-        if self.rollout.eval_every == 0:
+        every, total = self.rollout.eval_every, self.trainer.total_steps
+        if every == 0 or every >= total:
             raise ValueError(
-                "ckpt.export_version=best with rollout.eval_every=0: only the last version is evaluated, so the "
-                "best is the last; set rollout.eval_every (e.g. 25) or ckpt.export_version=last"
+                f"ckpt.export_version=best with rollout.eval_every={every} and trainer.total_steps={total}: only the "
+                "last version is evaluated, so the best is the last; set rollout.eval_every below "
+                "trainer.total_steps or ckpt.export_version=last"
             )
         return self
 
