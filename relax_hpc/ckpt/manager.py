@@ -8,6 +8,9 @@
         rank-R.pt                  that rank's RNG states and LR-scheduler state
     ckpt/latest -> step-00000050   moved (atomically) only after a checkpoint is complete
 
+Once a checkpoint is complete, the older ones beyond the newest `keep` are deleted, except the one
+`protect()` names (ckpt.export_version=best: the best evaluated version, relax_hpc.ckpt.best).
+
 A checkpoint is written to ckpt/.step-N.tmp and renamed when every rank has finished, so a crash
 or a full disk mid-save leaves the previous checkpoint as `latest`. Resuming needs no arguments:
 if `latest` exists, the trainer loads it.
@@ -27,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from relax_hpc import fence
+from relax_hpc.ckpt.best import complete_steps, prunable
 from relax_hpc.ckpt.layout import STATE_FILE, latest_dir
 from relax_hpc.paths import CkptDirs, fsync_dir, write_atomic
 
@@ -40,10 +44,11 @@ def _any_rank(flag: bool) -> bool:
 
 
 class Checkpointer:
-    def __init__(self, ckpt_root: Path, keep: int) -> None:
+    def __init__(self, ckpt_root: Path, keep: int, protect: Callable[[], int | None] = lambda: None) -> None:
         self.root = ckpt_root
         self.dirs = CkptDirs(ckpt_root)
         self.keep = keep
+        self.protect = protect  # the step pruning keeps beyond the newest `keep` (None: none)
         self.rank = dist.get_rank()
 
     def save(self, step: int, write_model: Callable[[Path], None], rank_state: dict, trainer_state: dict) -> bool:
@@ -107,6 +112,7 @@ class Checkpointer:
         return rank_state, json.loads((target / STATE_FILE).read_text())
 
     def _prune(self) -> None:
-        complete = [p for p in self.dirs.steps() if (p / STATE_FILE).is_file()]
-        for old in complete[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        # Computed afresh from the files at every save: a crash between a save and its prune
+        # leaves extra checkpoints that the next save prunes, and a resumed run protects the same one.
+        for old in prunable(complete_steps(self.root), self.keep, self.protect()):
+            shutil.rmtree(self.dirs.step(old), ignore_errors=True)

@@ -577,8 +577,18 @@ class CheckpointConfig(Section):
     small manifests saying what each step trained stay (they number the batches; about 5 KB of
     JSON per step for the tiny default, a folder each)."""
     export_hf: bool = Field(default=True)
-    """When training completes, write the final weights as an HF folder to RUN_DIR/hf (what
-    tools/dcp_to_hf.py writes; ClearML registers it as an artifact)."""
+    """When training completes, write the weights of the version `export_version` names as an
+    HF folder to RUN_DIR/hf (what tools/dcp_to_hf.py writes; ClearML registers it as an artifact)."""
+    export_version: Literal["last", "best"] = "last"
+    """Which version the HF export (RUN_DIR/hf) holds: `last`, the final weights; `best`, the
+    evaluated version with the highest `export_metric` (a tie goes to the later version). With
+    `best` (kind=rl, 0 < rollout.eval_every < trainer.total_steps) the trainer checkpoints every
+    evaluated version before the engines get it and waits for its evaluation before training on,
+    the best checkpoint is never pruned, and RUN_DIR/hf/EXPORT.json (and the run's summary) says
+    which version was exported and why."""
+    export_metric: Literal["greedy_accuracy"] = "greedy_accuracy"
+    """export_version=best: the driver's eval metric (RUN_DIR/metrics/eval.jsonl) that picks the
+    best version; higher is better."""
     export_lora: Literal["merged", "adapter"] = "merged"
     """With trainer.lora, what the HF export writes: `merged`, the base model with the adapters
     merged into its weights (loads like any HF model); `adapter`, a PEFT adapter folder
@@ -943,6 +953,24 @@ class JobConfig(Section):
             raise ValueError("kind=sft: " + "; ".join(problems))
         if self.launch.executor == "slurm" and self.launch.slurm.rollout.nodes:
             raise ValueError("kind=sft runs no rollout engines: set launch.slurm.rollout.nodes=0")
+        return self
+
+    @model_validator(mode="after")
+    def _export_best(self) -> JobConfig:
+        if self.ckpt.export_version != "best":
+            return self
+        if self.kind != "rl":
+            raise ValueError(
+                f"ckpt.export_version=best needs the rollout driver's evaluations, which a kind={self.kind} job "
+                "does not make: use ckpt.export_version=last"
+            )
+        every, total = self.rollout.eval_every, self.trainer.total_steps
+        if every == 0 or every >= total:
+            raise ValueError(
+                f"ckpt.export_version=best with rollout.eval_every={every} and trainer.total_steps={total}: only the "
+                "last version is evaluated, so the best is the last; set rollout.eval_every below "
+                "trainer.total_steps or ckpt.export_version=last"
+            )
         return self
 
     @model_validator(mode="after")

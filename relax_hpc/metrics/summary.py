@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from relax_hpc.ckpt.best import best_version, complete_steps, read_record
 from relax_hpc.ckpt.layout import latest_dir, read_trainer_state
 from relax_hpc.metrics.jsonl import read_jsonl
 from relax_hpc.paths import RunPaths
@@ -19,6 +20,18 @@ def step_records(paths: RunPaths) -> list[dict[str, Any]]:
 def completed_steps(paths: RunPaths) -> int:
     """Trainer steps the latest checkpoint holds (0 before the first)."""
     return int((read_trainer_state(paths.ckpt) or {"step": 0})["step"])
+
+
+def eval_scores(paths: RunPaths, metric: str) -> dict[int, float]:
+    """Per version the driver evaluated, its `metric` (a version evaluated twice: the later record)."""
+    return {
+        int(r["version"]): float(r[metric]) for r in read_jsonl(paths.eval_metrics) if metric in r and "version" in r
+    }
+
+
+def best_checkpoint(paths: RunPaths, metric: str) -> int | None:
+    """The best evaluated version that has a complete checkpoint (ckpt.export_version=best)."""
+    return best_version(eval_scores(paths, metric), complete_steps(paths.ckpt))
 
 
 def guard_reason(paths: RunPaths) -> str | None:
@@ -48,7 +61,7 @@ def run_summary(paths: RunPaths, total_steps: int) -> str:
     if checkpoint is not None:
         lines.append(f"checkpoint: {checkpoint}")
     if (paths.export / "config.json").is_file():
-        lines.append(f"HF model:   {paths.export}")
+        lines.append(f"HF model:   {paths.export}{exported_version(paths)}")
     elif checkpoint is not None:
         lines.append(f"HF export:  python tools/dcp_to_hf.py --run-dir {paths.root} --out FOLDER")
     lines.append(f"plots:      python -m relax_hpc.plot {paths.root}")
@@ -56,3 +69,9 @@ def run_summary(paths: RunPaths, total_steps: int) -> str:
     if reason:
         lines.append(reason)
     return "\n".join(lines)
+
+
+def exported_version(paths: RunPaths) -> str:
+    """Which version RUN_DIR/hf holds and why (its EXPORT.json), for the summary's HF line."""
+    record = read_record(paths.export)
+    return "" if record is None else f" (version {record['version']}: {record['why']})"

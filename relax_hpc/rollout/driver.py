@@ -10,7 +10,9 @@ waits for the weights of step seq). The episodes' generate calls go to the engin
 when an engine dies). The driver resumes from the spool (Spool.next_seq), so a restart neither
 skips nor repeats a batch. With teacher engines (algo.teacher.num_engines) the teacher scores every
 batch before it is published (relax_hpc.rollout.teacher). It also measures greedy accuracy over
-the whole dataset every `rollout.eval_every` versions and at the last one, then exits.
+the whole dataset every `rollout.eval_every` versions and at the last one, then exits. With
+ckpt.export_version=best the trainer holds each of those versions until it is evaluated
+(relax_hpc.trainer.loop), so the newest version at an eval point is exactly the eval point.
 """
 
 from __future__ import annotations

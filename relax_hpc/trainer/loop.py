@@ -5,9 +5,13 @@ requests) and drives the other ranks with one small broadcast command per iterat
 
     wait   nothing to train yet            sync   push the current weights to the engines
     train  a claimed batch (path, ids)     stop   checkpoint and leave
+    end    trained (and evaluated) to the end: checkpoint, export and leave
 
 so every collective (FSDP gathers for weight sync, DCP saves) happens on all ranks in the same
 order. The loop: claim -> train_step -> push weights (version + 1) -> checkpoint every N steps.
+With ckpt.export_version=best, an eval point's version is checkpointed before it is pushed, and
+the trainer waits until the driver has evaluated it (relax_hpc.ckpt.best): the engines hold
+exactly that version while it is evaluated, so every evaluated version has a checkpoint.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from relax_hpc.algos.stats import Stats
+from relax_hpc.ckpt.best import choose_export, is_eval_version, write_record
 from relax_hpc.ckpt.manager import Checkpointer
 from relax_hpc.config.schema import JobConfig
 from relax_hpc.data.processor import media_processor
@@ -35,6 +40,7 @@ from relax_hpc.metrics.heartbeat import Heartbeat, StepClock
 from relax_hpc.metrics.jsonl import JsonlWriter
 from relax_hpc.metrics.poll import Poll
 from relax_hpc.metrics.startup import StartupClock
+from relax_hpc.metrics.summary import best_checkpoint, eval_scores
 from relax_hpc.metrics.timing import PeakMemory, PhaseTimer
 from relax_hpc.paths import RunPaths, write_atomic
 from relax_hpc.trainer.backend import Backend
@@ -99,6 +105,7 @@ class Do(Enum):
     SYNC = "sync"
     TRAIN = "train"
     STOP = "stop"
+    END = "end"
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +156,12 @@ class Trainer:
         self.processor = media_processor(cfg.model.path)  # rebuilds the model inputs of media batches
         # Partial rollout with stale tokens masked: a sample's age is its newest token's.
         self.per_token = cfg.rollout.partial and cfg.rollout.mask_stale_tokens
-        self.ckpt = Checkpointer(paths.ckpt, cfg.ckpt.keep)
+        self.best = cfg.ckpt.export_version == "best"
+        metric = cfg.ckpt.export_metric
+        self.ckpt = Checkpointer(
+            paths.ckpt, cfg.ckpt.keep, (lambda: best_checkpoint(paths, metric)) if self.best else (lambda: None)
+        )
+        self.evaluated = -1  # with export_version=best: the newest version rank 0 saw evaluated
         self.channel = build_channel(cfg, paths, self.backend, device)  # weights to the engines
         # launch.colocate_offload: the optimizer state waits in host memory while the engines generate.
         self.offload = OptimizerOffload(
@@ -185,10 +197,28 @@ class Trainer:
 
     # -- the loop -------------------------------------------------------------------------------
 
+    def held_for_eval(self, version: int) -> bool:
+        """export_version=best: `version` is an eval point, checkpointed before it is pushed and
+        trained past only once the driver has evaluated it."""
+        return self.best and is_eval_version(version, self.total, self.cfg.rollout.eval_every)
+
+    def awaiting_eval(self) -> bool:
+        """Rank 0: the current version waits for the driver's evaluation (RUN_DIR/metrics/eval.jsonl)."""
+        version = self.state.version
+        if not self.held_for_eval(version) or self.evaluated >= version:
+            return False
+        if version in eval_scores(self.paths, self.cfg.ckpt.export_metric):
+            self.evaluated = version
+            return False
+        return True
+
     def decide(self) -> Command:
         """Rank 0: what all ranks do next."""
         if self.stop.requested():
             return Command(Do.STOP)
+        awaiting = self.awaiting_eval()
+        if self.state.step >= self.total and not awaiting:
+            return Command(Do.END)
         # Push when the engines lack the current version or their set changed; at most every
         # 0.5 s while no engine takes it (none started yet, all restarting).
         if time.monotonic() - self.last_engine_check > 0.5 and (
@@ -196,6 +226,8 @@ class Trainer:
         ):
             self.last_engine_check = time.monotonic()
             return Command(Do.SYNC)
+        if awaiting:
+            return Command(Do.WAIT)
         ro = self.cfg.rollout
         claim = claim_next(self.spool, self.state.step, self.state.version, ro.max_staleness, self.per_token)
         if claim is None:
@@ -254,8 +286,10 @@ class Trainer:
         self.state.step += 1
         self.state.version += 1
         self.state.trained_samples += stats["num_samples"]
-        with self.timer.phase("push"):
-            self.sync()
+        # An eval point's version is pushed only once run() has checkpointed it (a sync command).
+        if not self.held_for_eval(self.state.version):
+            with self.timer.phase("push"):
+                self.sync()
         if peak.on:
             memory["mem_push_gb"] = peak.take()
         if self.rank != 0:
@@ -319,8 +353,10 @@ class Trainer:
         total = self.total
         poll = Poll()
         step_started = time.monotonic()
-        while self.state.step < total:
+        while True:
             command = broadcast_command(self.decide() if self.rank == 0 else None)
+            if command.do is Do.END:
+                break
             if command.do is Do.STOP:
                 log.info("stop requested at step %d", self.state.step)
                 break
@@ -339,7 +375,8 @@ class Trainer:
                     self.startup.finish(self.paths.metrics, f"trainer-{self.rank}", "first_step")
                 if record is None:
                     continue
-                if self.state.step % self.cfg.ckpt.every_steps == 0 and self.state.step < total:
+                periodic = self.state.step % self.cfg.ckpt.every_steps == 0 and self.state.step < total
+                if periodic or self.held_for_eval(self.state.step):
                     self.save_and_prune()
                 record.update(self.offload.after_step(self.timer))  # parked until the next step
                 if self.rank == 0:
@@ -349,7 +386,7 @@ class Trainer:
         self.save_and_prune()
         completed = self.state.step >= total
         if completed and self.cfg.ckpt.export_hf:
-            export(self.paths, self.state.step)
+            export(self.paths, self.cfg.ckpt.export_version, self.cfg.ckpt.export_metric, self.state.step)
         if self.rank == 0:
             self.stop.served()
             self.metrics.log({"event": "end", "step": self.state.step, "completed": completed})
@@ -419,13 +456,22 @@ def log_start(metrics: JsonlWriter, step: int, world: int) -> None:
     )
 
 
-def export(paths: RunPaths, step: int) -> None:
-    """Collective: the final weights as an HF folder in RUN_DIR/hf (rank 0 converts the checkpoint
-    just written; the others wait, so that no rank leaves before it is done)."""
+def export(paths: RunPaths, export_version: str, metric: str, step: int) -> None:
+    """Collective: the weights of the last step (export_version=last) or of the best evaluated one
+    as an HF folder in RUN_DIR/hf, with EXPORT.json saying which version and why (rank 0 converts
+    the checkpoint; the others wait, so that no rank leaves before it is done)."""
     if dist.get_rank() == 0:
         from relax_hpc.ckpt.export import convert
 
         started = time.monotonic()
-        convert(paths.root, paths.export)
-        log.info("exported step %d to %s in %.1f s", step, paths.export, time.monotonic() - started)
+        choice = choose_export(eval_scores(paths, metric), paths.ckpt, export_version, metric, step)
+        convert(paths.root, paths.export, choice.version)
+        write_record(paths.export, choice)
+        log.info(
+            "exported version %d to %s in %.1f s: %s",
+            choice.version,
+            paths.export,
+            time.monotonic() - started,
+            choice.why,
+        )
     dist.barrier()

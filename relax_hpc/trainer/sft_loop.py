@@ -153,7 +153,7 @@ class SftTrainer:
         self.save()
         completed = self.state.step >= self.total
         if completed and self.cfg.ckpt.export_hf:
-            export(self.paths, self.state.step)
+            export(self.paths, self.cfg.ckpt.export_version, self.cfg.ckpt.export_metric, self.state.step)
         if self.rank == 0:
             self.stop.served()
         if self.metrics is not None:

@@ -1,6 +1,7 @@
 """configs/tiny-pipeline.yaml with the local executor: sft -> rl -> export -> eval stage after stage;
 the same pipeline again runs nothing; a stage added after them that fails stops the pipeline
-with its cause in one line, and the stage after it never runs."""
+with its cause in one line, and the stage after it never runs. Its rl stage exports its best
+evaluated version (ckpt.export_version=best): the HF folder holds that checkpoint's weights."""
 
 from __future__ import annotations
 
@@ -10,8 +11,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from safetensors.torch import load_file
 
+from relax_hpc.ckpt.best import best_version, read_record
+from relax_hpc.ckpt.export import torch_backend_tensors
 from relax_hpc.metrics.jsonl import read_jsonl
+from relax_hpc.metrics.summary import eval_scores, run_summary
+from relax_hpc.paths import CkptDirs, RunPaths
 from relax_hpc.pipeline import render, status
 from tests.integration.conftest import REPO
 
@@ -27,6 +33,7 @@ def test_the_tiny_pipeline_runs_stage_after_stage_then_runs_nothing_and_a_failin
     tree = yaml.safe_load((REPO / "configs" / "tiny-pipeline.yaml").read_text())
     root = tmp_path / "pipeline"
     tree["dir"] = str(root)
+    tree["stages"][1]["overrides"] |= {"rollout.eval_every": 2, "ckpt.export_version": "best"}
     path = tmp_path / "pipeline.yaml"
     path.write_text(yaml.safe_dump(tree, sort_keys=False))
     out = run_pipeline(path)
@@ -40,6 +47,7 @@ def test_the_tiny_pipeline_runs_stage_after_stage_then_runs_nothing_and_a_failin
         ("sft", str(root / "sft" / "hf")), ("rl-step-2", str(root / "halfway" / "hf")), ("rl", str(root / "rl" / "hf")),
     ]  # fmt: skip
     assert (root / "halfway" / "hf" / "model.safetensors").is_file()
+    assert_exports_the_best(RunPaths(root / "rl"), steps=4)
     logs = sorted(str(p) for p in root.glob("*/logs/*"))
 
     again = run_pipeline(path)
@@ -63,3 +71,20 @@ def test_the_tiny_pipeline_runs_stage_after_stage_then_runs_nothing_and_a_failin
     states = {row.split()[0]: row.split()[2] for row in shown.splitlines()[1:-2]}
     assert states == {"sft": "done", "rl": "done", "halfway": "done", "eval": "done", "bad": "failed", "after": "not"}
     assert shown.splitlines()[-1] == line
+
+
+def assert_exports_the_best(paths: RunPaths, steps: int) -> None:
+    """Every evaluated version was checkpointed (eval_every 2: versions 2 and 4, besides the base
+    model's 0), RUN_DIR/hf holds the best one's weights bit for bit, and EXPORT.json and the
+    summary name it."""
+    scored = eval_scores(paths, "greedy_accuracy")
+    assert sorted(scored) == [0, 2, steps]
+    best = best_version(scored, [2, steps])
+    assert best is not None and (CkptDirs(paths.ckpt).step(best) / "trainer_state.json").is_file()
+    record = read_record(paths.export)
+    assert record is not None and (record["version"], record["value"]) == (best, scored[best]), record
+    exported = load_file(paths.export / "model.safetensors")
+    checkpoint = torch_backend_tensors(CkptDirs(paths.ckpt).step(best))
+    assert exported.keys() <= checkpoint.keys()
+    assert all(exported[k].equal(checkpoint[k]) for k in exported)
+    assert f"HF model:   {paths.export} (version {best}: {record['why']})" in run_summary(paths, steps)

@@ -87,6 +87,10 @@ def test_every_shipped_config_validates_and_its_inputs_exist(path):
             "SGLang's LoRA serving takes adapters only",
         ),
         ("rollout.mask_stale_tokens=true", "without rollout.partial every token of a sample has one version"),
+        ("ckpt.export_version=best rollout.eval_every=0", "only the last version is evaluated"),
+        ("ckpt.export_version=best rollout.eval_every=8 trainer.total_steps=8", "set rollout.eval_every below"),
+        ("kind=sft sft.data=x.jsonl ckpt.export_version=best", "a kind=sft job does not make"),
+        ("ckpt.export_version=best ckpt.export_metric=loss", "ckpt.export_metric: Input should be 'greedy_accuracy'"),
     ],
 )
 def test_bad_overrides_are_named(override, message):
