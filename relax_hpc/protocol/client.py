@@ -181,6 +181,22 @@ class EngineClient:
     def generate(self, request: P.GenerateReqInput) -> Any:
         return self.post(R.GENERATE.path, request)
 
+    def load_adapter(self, name: str, folder: str) -> None:
+        """Serve the PEFT adapter folder `folder` (a path on the engine's machine) as `name`; one of
+        that name already loaded (by a trainer before a restart, which may have trained that
+        version differently) is unloaded and loaded again from the new folder."""
+        request = P.LoadLoRAAdapterReqInput(lora_name=name, lora_path=folder)
+        try:
+            self.post(R.LOAD_LORA_ADAPTER.path, request)
+        except EngineRequestError as e:
+            if "already loaded" not in str(e):
+                raise
+            self.unload_adapter(name)
+            self.post(R.LOAD_LORA_ADAPTER.path, request)
+
+    def unload_adapter(self, name: str) -> None:
+        self.post(R.UNLOAD_LORA_ADAPTER.path, P.UnloadLoRAAdapterReqInput(name))
+
 
 class RequestPipeline:
     """Requests to one engine over one keep-alive connection, sent without waiting for answers.

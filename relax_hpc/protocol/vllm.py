@@ -8,6 +8,8 @@ which imports them from .venv-vllm):
   answer's choices carry `token_ids`, `logprobs.content[i].logprob` and `weight_versions`, spans
   [start, end) of output tokens sampled by one weight version (vllm.outputs.WeightVersionSpan):
   per-token versions, which partial rollout needs;
+- a LoRA adapter is chosen by the request's `model` (its name, as loaded through
+  /v1/load_lora_adapter: vllm/entrypoints/serve/lora, served with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1);
 - the RL routes (vllm/entrypoints/rl/online/api_router.py, served with VLLM_SERVER_DEV_MODE=1):
   /pause?mode=abort|wait|keep, /resume, /abort_requests, /init_weight_transfer_engine,
   /start_weight_update, /update_weights, /finish_weight_update (which sets the weight version),
@@ -39,6 +41,8 @@ UPDATE_WEIGHTS = "/update_weights"
 FINISH_WEIGHT_UPDATE = "/finish_weight_update"
 WEIGHT_INFO = "/weight_info"
 WEIGHT_CHECKER = "/weight_checker"
+LOAD_LORA_ADAPTER = "/v1/load_lora_adapter"  # served with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1
+UNLOAD_LORA_ADAPTER = "/v1/unload_lora_adapter"
 
 PauseMode = Literal["abort", "wait", "keep"]
 # Set by the engine wrapper in the server's environment: each vLLM process then dies with its parent.
@@ -71,6 +75,24 @@ class GenerateRequest:
     token_ids: list[int]
     sampling_params: SamplingParams
     output_mode: Literal["tokens"] = "tokens"
+    model: str | None = None  # a loaded LoRA adapter's name (adapter sync); None: the base model
+
+
+@dataclass
+class LoadLoRAAdapterRequest:
+    """POST /v1/load_lora_adapter (vllm/entrypoints/serve/lora/protocol.py); answered in plain text.
+    `load_inplace`: replace an adapter of that name (vLLM refuses the name otherwise)."""
+
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False
+
+
+@dataclass
+class UnloadLoRAAdapterRequest:
+    """POST /v1/unload_lora_adapter; answered in plain text."""
+
+    lora_name: str
 
 
 @dataclass
@@ -84,7 +106,7 @@ class Completion:
 
 
 def generate_request(
-    request_id: str, input_ids: list[int], sampling: dict[str, Any], seed: int | None
+    request_id: str, input_ids: list[int], sampling: dict[str, Any], seed: int | None, adapter: str | None = None
 ) -> GenerateRequest:
     """The request for one call, from the driver's SGLang-style sampling settings
     (max_new_tokens, temperature, top_p, top_k: relax_hpc.rollout.rounds.sampling_params; an
@@ -99,7 +121,7 @@ def generate_request(
         stop_token_ids=[int(t) for t in sampling.get("stop_token_ids") or []],
         ignore_eos=bool(sampling.get("ignore_eos", False)),
     )
-    return GenerateRequest(request_id, list(input_ids), params)
+    return GenerateRequest(request_id, list(input_ids), params, model=adapter)
 
 
 def generate_body(request: GenerateRequest) -> dict[str, Any]:
@@ -154,7 +176,6 @@ UNSUPPORTED = {
     "image_data": "media",
     "audio_data": "media",
     "return_routed_experts": "routed experts (routing replay)",
-    "lora_path": "LoRA adapters",
     "logprob_start_len": "input log-probabilities (teacher scoring)",
 }
 # Requests of all engines in flight at once: vLLM's scheduler batches them, so they must all be
@@ -182,11 +203,20 @@ class VllmClient(EngineClient):
         prompts: list[list[int]] = request.input_ids if batch else [request.input_ids]  # type: ignore[assignment, list-item]
         sampling = request.sampling_params or {}
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
-        futures = [_SENDERS.submit(self._one, ids, s) for ids, s in zip(prompts, params, strict=True)]
+        adapter = request.lora_path
+        futures = [_SENDERS.submit(self._one, ids, s, adapter) for ids, s in zip(prompts, params, strict=True)]
         answers = [f.result() for f in futures]
         return answers if batch else answers[0]
 
-    def _one(self, ids: list[int], sampling: dict[str, Any]) -> dict[str, Any]:
+    def _one(self, ids: list[int], sampling: dict[str, Any], adapter: str | None) -> dict[str, Any]:
         seed = sampling.get("sampling_seed")
-        request = generate_request(uuid.uuid4().hex, ids, sampling, None if seed is None else int(seed))
+        request = generate_request(uuid.uuid4().hex, ids, sampling, None if seed is None else int(seed), adapter)
         return sglang_answer(parse_completion(self.call("POST", GENERATE, generate_body(request))))
+
+    def load_adapter(self, name: str, folder: str) -> None:
+        """One of that name (loaded by a trainer before a restart) is replaced in place."""
+        self.fetch(LOAD_LORA_ADAPTER, LoadLoRAAdapterRequest(name, folder, load_inplace=True))
+
+    def unload_adapter(self, name: str) -> None:
+        """vLLM forgets the name at once; requests in flight keep the adapter they resolved."""
+        self.fetch(UNLOAD_LORA_ADAPTER, UnloadLoRAAdapterRequest(name))

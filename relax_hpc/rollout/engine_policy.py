@@ -7,9 +7,10 @@ re-issued too, unless partial rollout is on: then an aborted answer (the engines
 flight when new weights arrive) keeps the tokens it has and continues from them on an engine with
 the new weights, with the rest of its token budget; each token keeps the version that sampled it.
 With LoRA adapter sync (relax_hpc.weights.adapters) a request names the adapter of its engine's
-version (lora_path), and its answer counts as that version. A vLLM engine (rollout.engine vllm)
-is asked through relax_hpc.protocol.vllm.VllmClient, which answers in SGLang's shape with each
-token's own version.
+version (lora_path), and its answer counts as that version, every token of it (vLLM stamps tokens
+with the engine's version, which a push moves while the old adapter answers). A vLLM engine
+(rollout.engine vllm) is asked through relax_hpc.protocol.vllm.VllmClient, which answers in
+SGLang's shape with each token's own version.
 """
 
 from __future__ import annotations
@@ -225,8 +226,9 @@ class EnginePolicy:
             finally:
                 self._load[engine.record.instance] -= 1
             if self.adapters:  # the answer is the named adapter's, whatever the engine loaded since
-                for o in outputs:
+                for o in outputs:  # (vLLM's per-token versions follow the base weights' version)
                     o["meta_info"]["weight_version"] = str(engine.version)
+                    o["meta_info"].pop("token_versions", None)
             old = any(v < self.min_version for o in outputs for v in token_versions(o))
             aborted = any(o["meta_info"]["finish_reason"]["type"] == "abort" for o in outputs)
             if not old and (self.partial or not aborted):

@@ -9,7 +9,8 @@ import torch.distributed as dist
 from relax_hpc.config.schema import JobConfig, LoraConfig
 from relax_hpc.models.lora import write_adapter_folder
 from relax_hpc.paths import RunPaths
-from relax_hpc.protocol.vllm import PauseMode
+from relax_hpc.protocol.client import EngineClient
+from relax_hpc.protocol.vllm import PauseMode, VllmClient
 from relax_hpc.trainer.backend import Backend, BackendConfig
 from relax_hpc.weights.adapters import AdapterPublisher
 from relax_hpc.weights.channel import AdapterChannel, BroadcastChannel, ColocatedChannel, VllmChannel, WeightChannel
@@ -40,7 +41,9 @@ def build_channel(job: JobConfig, paths: RunPaths, backend: Backend, device: tor
     token, timeout_s = paths.read_token(), job.weights.timeout_s
     if job.lora_adapters:  # its folders hold PEFT's names: no layout, no buckets
         assert job.trainer.lora is not None, "adapter sync is a LoRA run's"
-        return AdapterChannel(_publisher(job.trainer.lora, job.model.path, paths, timeout_s) if rank == 0 else None)
+        speaks = VllmClient if job.rollout.engine == "vllm" else EngineClient  # the engines' adapter routes
+        publisher = _publisher(job.trainer.lora, job.model.path, paths, timeout_s, speaks) if rank == 0 else None
+        return AdapterChannel(publisher)
     # SGLang and vLLM load the HF checkpoint's layout; the built-in engine the trainer's own.
     convert = backend.checkpoint_layout() if job.rollout.engine in ("sglang", "vllm") else None
     layout = EngineLayout(backend.parameter_specs(), convert)
@@ -64,7 +67,9 @@ def build_channel(job: JobConfig, paths: RunPaths, backend: Backend, device: tor
     return BroadcastChannel(sender, layout, bucket_bytes, job.engine_catch_up)
 
 
-def _publisher(lora: LoraConfig, base: str, paths: RunPaths, timeout_s: float) -> AdapterPublisher:
+def _publisher(
+    lora: LoraConfig, base: str, paths: RunPaths, timeout_s: float, client: type[EngineClient]
+) -> AdapterPublisher:
     """Rank 0's adapter publisher: each version goes out as a PEFT folder the engines load."""
     write = lambda out, adapter: write_adapter_folder(out, lora, base, adapter)  # noqa: E731
-    return AdapterPublisher(paths.engines, paths.lora_adapters, write, paths.read_token(), timeout_s)
+    return AdapterPublisher(paths.engines, paths.lora_adapters, write, paths.read_token(), timeout_s, client)

@@ -13,6 +13,8 @@ Each push also asks the engines to unload vN-2, without waiting: the engine answ
 in flight uses it (SGLang's rule; the next load waits behind it). vN-1 stays loaded, for requests
 built from a version the driver read before this push; a request naming an unloaded adapter makes
 the engine load it again from its folder, and the folders of the last KEEP_FOLDERS versions stay.
+A vLLM engine speaks through relax_hpc.protocol.vllm.VllmClient (vLLM's /v1 adapter routes; its
+unload forgets the name at once, and its filesystem resolver reloads a named adapter from here).
 """
 
 from __future__ import annotations
@@ -77,17 +79,24 @@ class AdapterPublisher:
     """Rank 0's side: makes every live engine serve a version's adapter folder."""
 
     def __init__(
-        self, registry: Path, folders: Path, write: Callable[[Path, Adapter], None], api_key: str, timeout_s: float
+        self,
+        registry: Path,
+        folders: Path,
+        write: Callable[[Path, Adapter], None],
+        api_key: str,
+        timeout_s: float,
+        client_class: type[EngineClient] = EngineClient,
     ) -> None:
         """`write(folder, adapter)` writes a PEFT adapter folder (relax_hpc.models.lora), in
-        `folders` (RUN_DIR/weights/lora)."""
+        `folders` (RUN_DIR/weights/lora); `client_class` speaks the engines' API (VllmClient for
+        rollout.engine vllm, whose adapter routes are vLLM's)."""
         self.registry, self.folders, self.write = registry, folders, write
-        self.api_key, self.timeout_s = api_key, timeout_s
+        self.api_key, self.timeout_s, self.client_class = api_key, timeout_s, client_class
         self.members: list[tuple[str, str]] = []  # (engine id, instance) served by the last push
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="adapters")
 
     def _client(self, record: EngineRecord) -> EngineClient:
-        return EngineClient(record.url, self.api_key, self.timeout_s)
+        return self.client_class(record.url, self.api_key, self.timeout_s)
 
     def _live(self) -> list[EngineRecord]:
         return answering(read_records(self.registry), self._pool, self._client)
@@ -113,7 +122,7 @@ class AdapterPublisher:
         client, name = self._client(record), adapter_name(version)
         try:
             if name is not None and folder is not None:
-                self._load(client, name, folder)
+                client.load_adapter(name, str(folder))
             client.post(R.UPDATE_WEIGHT_VERSION.path, P.UpdateWeightVersionReqInput(str(version), False))
         except (EngineUnavailable, EngineRequestError) as e:
             log.warning("engine %s did not take adapter %s: %s", record.engine_id, name, e)
@@ -124,20 +133,7 @@ class AdapterPublisher:
         return True
 
     @staticmethod
-    def _load(client: EngineClient, name: str, folder: Path) -> None:
-        """Load `folder` as `name`; a name already loaded (by a trainer before a restart, which may
-        have trained that version differently) is unloaded and loaded again from the new folder."""
-        request = P.LoadLoRAAdapterReqInput(lora_name=name, lora_path=str(folder))
-        try:
-            client.post(R.LOAD_LORA_ADAPTER.path, request)
-        except EngineRequestError as e:
-            if "already loaded" not in str(e):
-                raise
-            client.post(R.UNLOAD_LORA_ADAPTER.path, P.UnloadLoRAAdapterReqInput(name))
-            client.post(R.LOAD_LORA_ADAPTER.path, request)
-
-    @staticmethod
     def _unload(client: EngineClient, name: str) -> None:
         # An engine that never loaded it (started since) says so; one that died is the next push's.
         with contextlib.suppress(EngineUnavailable, EngineRequestError):
-            client.post(R.UNLOAD_LORA_ADAPTER.path, P.UnloadLoRAAdapterReqInput(name))
+            client.unload_adapter(name)

@@ -9,6 +9,10 @@ One server for the module (its start-up takes most of a minute on two cores), st
   the gloo engine that vLLM loads through relax_hpc's plugin) leaves the engine's weights equal to
   the trainer's bit for bit (vLLM's weight checker against digests of the pushed tensors), and
   the engine then samples with them (its log-probabilities are the trainer model's);
+- adapter sync (trainer.lora.sync adapter; the server runs with LoRA enabled) makes the engine
+  serve each version's PEFT folder: the driver's samples report the version whose adapter sampled
+  them, with the log-probabilities of the trainer's LoRA model, and a request naming the previous
+  version still gets that version's adapter after a push, loaded again from its folder if unloaded;
 - SIGTERM stops the wrapper and the server and removes the record.
 """
 
@@ -19,6 +23,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,9 +32,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from relax_hpc.engines.vllm_engine import engine_python
+from relax_hpc.envs.context import GenerateCall
+from relax_hpc.models.lora import add_adapters, scaling, sync_name, write_adapter_folder
+from relax_hpc.protocol import requests as P
 from relax_hpc.protocol import vllm as V
 from relax_hpc.protocol.client import EngineClient, EngineRequestError
 from relax_hpc.protocol.registry import read_records
+from relax_hpc.rollout.engine_policy import EnginePolicy, EnginePool
+from relax_hpc.weights.adapters import AdapterPublisher
+from relax_hpc.weights.lora import SCALING
 from relax_hpc.weights.sender import free_port
 from relax_hpc.weights.vllm_channel import VllmGlooChannel
 from tests.integration.conftest import REPO, make_run, wait_wrapper_record
@@ -37,11 +48,13 @@ from tests.integration.conftest import REPO, make_run, wait_wrapper_record
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 STARTUP_S = 600.0  # two shared cores: vLLM's start-up took 40-120 s here
+# Adapter sync on a vLLM engine: the server starts with --enable-lora (vllm_engine.server_args).
+LORA = ("rollout.engine=vllm", "trainer.lora.rank=4", "trainer.lora.target_modules=[q_proj,v_proj,gate_proj,down_proj]")
 
 
 class Server:
     def __init__(self, run_dir: Path) -> None:
-        self.cfg, self.paths = make_run(run_dir)
+        self.cfg, self.paths = make_run(run_dir, *LORA)
         self.log = run_dir / "engine-0.log"
         argv = [sys.executable, "-m", "relax_hpc.engines.vllm_engine", "--run-dir", str(run_dir)]
         argv += ["--engine-id", "engine-0"]
@@ -134,6 +147,8 @@ def _check_bits(reported: dict[str, str], params: dict[str, torch.Tensor]) -> No
     model_executor/layers/utils.py, dispatch_cpu_unquantized_gemm); those the log-probabilities
     check instead."""
     expected = {k: _digest(t) for k, t in _as_vllm_holds(params).items()}
+    # With LoRA enabled (LORA) vLLM wraps each linear layer; the weight is its base layer's.
+    reported = {k.replace(".base_layer.", "."): digest for k, digest in reported.items()}
     assert reported.keys() == expected.keys()
     kept = {k for k, digest in reported.items() if digest != EMPTY}
     assert "dp0:pp0:pcp0:tp0:model.embed_tokens.weight" in kept and len(kept) > len(reported) // 2, reported
@@ -170,6 +185,66 @@ def test_a_push_through_vllms_routes_is_bit_exact_and_used(server: Server) -> No
         assert channel.checksums()[0] == before
     finally:
         channel.close()
+
+
+def _lora_model(server: Server, seed: int) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """The trainer's LoRA policy with random adapters (B too: not the base) and its sync tensors."""
+    lora, path = server.cfg.trainer.lora, server.cfg.model.path
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    add_adapters(model, lora, path, seed)
+    generator = torch.Generator().manual_seed(seed)
+    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    with torch.no_grad():
+        for p in trained.values():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+    return model, {sync_name(n): p.detach().clone() for n, p in trained.items()} | {SCALING: scaling(lora)}
+
+
+def _logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1], dim=-1)
+    return logp.gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
+
+
+class _OnePushOld(EnginePool):
+    """The driver's view of the engines as it is between two of its reads: re-read when forced only."""
+
+    def refresh(self, force: bool = False, every: float = 0.5) -> None:
+        if force:
+            super().refresh(force=True)
+
+
+def test_adapter_sync_serves_each_version_with_its_own_adapter(server: Server) -> None:
+    cfg, paths, token = server.cfg, server.paths, server.paths.read_token()
+    write = lambda out, adapter: write_adapter_folder(out, cfg.trainer.lora, cfg.model.path, adapter)  # noqa: E731
+    publisher = AdapterPublisher(paths.engines, paths.lora_adapters, write, token, 60.0, V.VllmClient)
+    policy = EnginePolicy(_OnePushOld(paths, 60.0, kind="vllm"), decode=lambda ids: "", adapters=True)
+    prompt, sampling = [5, 6, 7, 8], {"max_new_tokens": 8, "temperature": 1.0}
+    base = server.generate(prompt, seed=5)
+    models = {}
+    for version in (1, 2, 3):
+        models[version], adapter = _lora_model(server, seed=version)
+        assert publisher.publish(version, adapter) == 1
+        if version < 3:  # after v3's push the driver still sees v2 and names it
+            policy.pool.refresh(force=True)
+        policy.min_version = min(version, 2)
+        (sampled,) = policy.generate([GenerateCall(prompt, sampling | {"sampling_seed": 5})])
+        # vLLM stamps the tokens of the last request 3 (its version); they are v2's adapter's
+        assert sampled.versions == [policy.min_version] * len(sampled.token_ids)
+        mine = _logprobs(models[policy.min_version], prompt, sampled.token_ids)
+        assert torch.allclose(mine, torch.tensor(sampled.logprobs), atol=1e-4), (mine, sampled.logprobs)
+        assert sampled.logprobs != base.logprobs
+    # v3's push unloads v1 (without waiting); a request still naming v1 gets v1's adapter all the
+    # same: vLLM's filesystem resolver loads it again from its folder.
+    client = V.VllmClient(server.client.url, token, 60.0)
+    deadline = time.monotonic() + 30.0
+    while "v1" in {m["id"] for m in client.call("GET", "/v1/models")["data"]}:
+        assert time.monotonic() < deadline, "v1 was not unloaded"
+        time.sleep(0.1)
+    request = P.GenerateReqInput(input_ids=prompt, sampling_params=sampling, lora_path="v1", return_logprob=True)
+    old = client.generate(request)
+    mine = _logprobs(models[1], prompt, old["output_ids"])
+    assert torch.allclose(mine, torch.tensor([lp for lp, _, _ in old["meta_info"]["output_token_logprobs"]]), atol=1e-4)
 
 
 def test_sigterm_stops_the_server_and_removes_the_record(server: Server) -> None:

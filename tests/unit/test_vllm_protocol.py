@@ -75,7 +75,6 @@ def test_the_drivers_view_of_an_answer_keeps_each_tokens_version() -> None:
     ("field", "what"),
     [
         ({"return_routed_experts": True}, "routed experts"),
-        ({"lora_path": "v3"}, "LoRA adapters"),
         ({"image_data": [["data:image/png;base64,AAAA"]]}, "media"),
         ({"logprob_start_len": 0}, "input log-probabilities"),
     ],
