@@ -27,6 +27,7 @@ from pathlib import Path
 from relax_hpc.config.load import read_frozen
 from relax_hpc.config.schema import JobConfig
 from relax_hpc.launch.allocation import Allocation, AllocationError
+from relax_hpc.launch.badnodes import exclude_if_requeued
 from relax_hpc.launch.commands import step_commands
 from relax_hpc.launch.guard import stop_requeueing
 from relax_hpc.launch.supervisor import EXIT_COMPLETED, EXIT_STOPPED, Supervisor
@@ -76,6 +77,15 @@ def may_requeue(cfg: JobConfig, paths: RunPaths, supervisor: Supervisor) -> bool
     return False
 
 
+def leave_out_bad_nodes(supervisor: Supervisor) -> None:
+    """Once the job is requeued (pending again), its bad nodes become its exclude list."""
+    job = supervisor.slurm_job
+    said = exclude_if_requeued(supervisor.paths, job, supervisor.cfg.launch.slurm.bad_node_failures,
+                               supervisor.events) if job else None  # fmt: skip
+    if said:
+        supervisor.say(said + "\n")
+
+
 def _supervisor(cfg: JobConfig, paths: RunPaths) -> Supervisor:
     alloc = Allocation.from_env()
     check_shared_run_dir(paths, alloc)
@@ -97,6 +107,8 @@ def run_in_allocation(cfg: JobConfig, paths: RunPaths) -> int:
     code = supervisor.run()
     if code == EXIT_STOPPED and notice.is_set() and may_requeue(cfg, paths, supervisor):
         requeue(os.environ["SLURM_JOB_ID"])
+    if code == EXIT_STOPPED:
+        leave_out_bad_nodes(supervisor)
     return code
 
 
@@ -133,6 +145,7 @@ class SlurmRun:
         if self._code == EXIT_COMPLETED:
             return f"completed: {self.run_dir}"
         if self._code == EXIT_STOPPED:
+            leave_out_bad_nodes(supervisor)  # submitit's USR2 handler has requeued the job by now
             # Slurm is cancelling or requeueing this job: leave no result file behind, so that
             # submitit reports the job's real state instead of a success.
             sys.exit(EXIT_STOPPED)
