@@ -126,7 +126,7 @@ def collect(run_dir: Path) -> dict[str, Any]:
 
 def _bad_nodes(events: list[dict[str, Any]], threshold: int) -> dict[str, Any]:
     """Failed roles per node, the nodes that count as bad, and the exclude list last set."""
-    excluded = [e for e in events if e.get("event") in ("nodes_excluded", "bad_nodes_cleared")]
+    excluded = [e for e in events if e.get("event") in ("nodes_excluded", "nodes_not_excluded", "bad_nodes_cleared")]
     return {
         "failures": dict(badnodes.failures(events)),
         "bad": badnodes.bad_nodes(events, threshold),
@@ -244,7 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", action="store_true", help="print the facts as JSON")
     parser.add_argument(
-        "--clear-bad-nodes", action="store_true", help="forget the run's bad nodes (and empty a pending job's exclude list)"
+        "--clear-bad-nodes",
+        action="store_true",
+        help="forget the run's bad nodes (and empty a pending job's exclude list)",
     )
     args = parser.parse_args(argv)
     if args.clear_bad_nodes:

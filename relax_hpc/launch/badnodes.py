@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import subprocess
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from relax_hpc.metrics.jsonl import JsonlWriter, read_jsonl
@@ -51,7 +53,9 @@ def newly_bad(events: list[dict[str, Any]], nodes: list[str], threshold: int) ->
 
 
 def _scontrol_job(job_id: str) -> dict[str, str]:
-    out = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        ["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True, check=False, timeout=60
+    )
     first = out.stdout.splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
     return dict(field.split("=", 1) for field in first.split() if "=" in field)
 
@@ -59,7 +63,9 @@ def _scontrol_job(job_id: str) -> dict[str, str]:
 def partition_nodes(partition: str | None) -> list[str]:
     """The nodes of a partition (None: of the cluster)."""
     where = ["-p", partition] if partition else []
-    out = subprocess.run(["sinfo", "-h", "-N", *where, "-o", "%N"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        ["sinfo", "-h", "-N", *where, "-o", "%N"], capture_output=True, text=True, check=False, timeout=60
+    )
     return sorted(set(out.stdout.split()))
 
 
@@ -70,28 +76,70 @@ def usable_exclusion(bad: list[str], available: list[str], needed: int) -> tuple
     return candidates[:room], candidates[room:]
 
 
-def exclude_if_requeued(paths: RunPaths, job_id: str, threshold: int, events: JsonlWriter) -> str | None:
-    """Set the bad nodes as the exclude list of job `job_id` if it is pending (requeued); the
-    line to say, or None when there is nothing to do."""
+@dataclass(frozen=True)
+class Exclusion:
+    """What a job's next requeue leaves out, worked out while the job still runs: once it is
+    requeued, Slurm ends the launcher within moments, which then has time for one call only."""
+
+    job_id: str
+    excluded: list[str]
+    kept: list[str]  # bad, but the partition would be left without enough nodes
+    needed: int
+    partition: str
+
+
+def plan_exclusion(paths: RunPaths, job_id: str, threshold: int) -> Exclusion | None:
+    """The exclusion for job `job_id`'s next start (None: no bad node, or Slurm knows no such job)."""
     bad = bad_nodes(read_jsonl(paths.events_metrics), threshold)
     job = _scontrol_job(job_id) if bad else {}
-    if job.get("JobState") != "PENDING":
+    if "Partition" not in job:
         return None
     needed = int(job.get("NumNodes", "1").split("-")[0])  # a pending job's is MIN-MAX
     excluded, kept = usable_exclusion(bad, partition_nodes(job["Partition"]), needed)
-    lines = []
-    if excluded:
-        subprocess.run(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(excluded)}"],
-                       check=True, capture_output=True, timeout=60)  # fmt: skip
-        events.log({"event": "nodes_excluded", "job": job_id, "nodes": excluded})
-        lines.append(f"bad node(s) {','.join(excluded)} excluded from job {job_id}'s next start")
-    if kept:
-        events.log({"event": "bad_node_kept", "job": job_id, "nodes": kept})
-        lines.append(
-            f"bad node(s) {','.join(kept)} NOT excluded: job {job_id} needs {needed} of the "
-            f"{job['Partition']} partition's nodes"
-        )
-    return "; ".join(lines)
+    return Exclusion(job_id, excluded, kept, needed, job["Partition"])
+
+
+def apply_exclusion(plan: Exclusion, events: JsonlWriter, say: Callable[[str], None]) -> None:
+    """Set the planned exclude list if the job is pending (requeued), and say so. Slurm ends a
+    requeued job's launcher within moments of the requeue, so the event and the line come first,
+    and a `nodes_not_excluded` event follows when Slurm refuses (the job is not pending). A
+    requeued job shows COMPLETING until its batch shell has exited, though Slurm counts it
+    pending already: the update itself is the test."""
+    if not plan.excluded:
+        if plan.kept and _scontrol_job(plan.job_id).get("JobState") in ("PENDING", "COMPLETING"):
+            events.log({"event": "bad_node_kept", "job": plan.job_id, "nodes": plan.kept})
+            say(_kept_line(plan))
+        return
+    events.log({"event": "nodes_excluded", "job": plan.job_id, "nodes": plan.excluded})
+    say(f"bad node(s) {','.join(plan.excluded)} excluded from job {plan.job_id}'s next start")
+    if plan.kept:
+        events.log({"event": "bad_node_kept", "job": plan.job_id, "nodes": plan.kept})
+        say(_kept_line(plan))
+    if not _set_exclusion(plan.job_id, plan.excluded):
+        events.log({"event": "nodes_not_excluded", "job": plan.job_id, "why": "the job is not pending"})
+        say(f"job {plan.job_id} is not pending (not requeued): nothing excluded")
+
+
+def _kept_line(plan: Exclusion) -> str:
+    return (
+        f"bad node(s) {','.join(plan.kept)} NOT excluded: job {plan.job_id} needs {plan.needed} of the "
+        f"{plan.partition} partition's nodes"
+    )
+
+
+def exclude_if_requeued(paths: RunPaths, job_id: str, threshold: int, events: JsonlWriter) -> list[str]:
+    """Plan and apply at once, for a job already pending: the lines said."""
+    lines: list[str] = []
+    plan = plan_exclusion(paths, job_id, threshold)
+    if plan:
+        apply_exclusion(plan, events, lines.append)
+    return lines
+
+
+def _set_exclusion(job_id: str, nodes: list[str]) -> bool:
+    """Set a pending job's ExcNodeList; False where Slurm refuses (the job is not pending)."""
+    argv = ["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(nodes)}"]
+    return subprocess.run(argv, capture_output=True, check=False, timeout=60).returncode == 0
 
 
 def current_job(paths: RunPaths) -> str | None:
@@ -107,7 +155,6 @@ def clear(paths: RunPaths) -> str:
     job_id = current_job(paths)
     JsonlWriter(paths.events_metrics).log({"event": "bad_nodes_cleared"})
     if job_id and _scontrol_job(job_id).get("JobState") == "PENDING":
-        subprocess.run(["scontrol", "update", f"JobId={job_id}", "ExcNodeList="], check=True,
-                       capture_output=True, timeout=60)  # fmt: skip
+        _set_exclusion(job_id, [])
         return f"bad nodes cleared; pending job {job_id} may start on any node again"
     return "bad nodes cleared"

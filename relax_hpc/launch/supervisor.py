@@ -395,7 +395,8 @@ class Supervisor:
                 # leaves a traceback in trainer.log that reads like a crash.
                 progress.finish()
                 for role in others:  # their teardown overlaps the trainer's
-                    role.signal(signal.SIGTERM)
+                    if role not in helpers:  # the sinks stop after the usage event (_log_usage)
+                        role.signal(signal.SIGTERM)
                 if trainer.proc is not None:
                     with contextlib.suppress(subprocess.TimeoutExpired):
                         trainer.proc.wait(timeout=TRAINER_EXIT_GRACE_S)

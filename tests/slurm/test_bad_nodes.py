@@ -14,7 +14,7 @@ import pytest
 from relax_hpc.launch.badnodes import exclude_if_requeued
 from relax_hpc.metrics.jsonl import JsonlWriter, read_jsonl
 from relax_hpc.paths import RunPaths
-from tests.slurm.jobs import CONFIG, REPO, slurm
+from tests.slurm.jobs import CONFIG, REPO, slurm, wait_until
 
 
 def held_job(nodes: int) -> str:
@@ -50,10 +50,23 @@ def test_a_bad_node_is_excluded_from_the_pending_job_until_cleared(slurm_cluster
         paths.slurm_job_id.parent.mkdir(parents=True, exist_ok=True)
         paths.slurm_job_id.write_text(f"{job}\n")
         said = exclude_if_requeued(paths, job, 2, JsonlWriter(paths.events_metrics))
-        assert said == f"bad node(s) n2 excluded from job {job}'s next start" and excluded(job) == "n2"
+        assert said == [f"bad node(s) n2 excluded from job {job}'s next start"] and excluded(job) == "n2"
         assert "bad nodes:   n2 (failed roles per node: n2 2); excluded from the job: n2" in status(paths.root)
-        assert status(paths.root, "--clear-bad-nodes") == f"bad nodes cleared; pending job {job} may start on any node again\n"
+        cleared = status(paths.root, "--clear-bad-nodes")
+        assert cleared == f"bad nodes cleared; pending job {job} may start on any node again\n"
         assert excluded(job) == "(null)" and "bad nodes:" not in status(paths.root)
+    finally:
+        slurm("scancel", job)
+
+
+def test_a_running_job_is_not_excluded_from_and_the_record_says_so(slurm_cluster, tmp_path):
+    paths = failed_twice_on(tmp_path / "run", "n2")
+    job = slurm("sbatch", "--parsable", "-N1", "-o", "/dev/null", "--wrap", "sleep 60").strip()
+    try:
+        wait_until(lambda: slurm("squeue", "-h", "-j", job, "-o", "%T").strip() == "RUNNING", 30, "the job's start")
+        said = exclude_if_requeued(paths, job, 2, JsonlWriter(paths.events_metrics))
+        assert said[-1] == f"job {job} is not pending (not requeued): nothing excluded" and excluded(job) == "(null)"
+        assert "excluded from the job: none" in status(paths.root)
     finally:
         slurm("scancel", job)
 
@@ -63,7 +76,8 @@ def test_the_last_usable_nodes_are_never_excluded(slurm_cluster, tmp_path):
     job = held_job(len(slurm_cluster.nodes))  # needs every node of the partition
     try:
         said = exclude_if_requeued(paths, job, 2, JsonlWriter(paths.events_metrics))
-        assert said is not None and "n3 NOT excluded" in said and excluded(job) == "(null)"
+        assert said == [f"bad node(s) n3 NOT excluded: job {job} needs 4 of the debug partition's nodes"]
+        assert excluded(job) == "(null)"
         assert [e["nodes"] for e in read_jsonl(paths.events_metrics) if e["event"] == "bad_node_kept"] == [["n3"]]
     finally:
         slurm("scancel", job)
@@ -74,7 +88,7 @@ def test_below_the_threshold_nothing_is_excluded(slurm_cluster, tmp_path, thresh
     paths = failed_twice_on(tmp_path / "run", "n2")
     job = held_job(1)
     try:
-        assert exclude_if_requeued(paths, job, threshold, JsonlWriter(paths.events_metrics)) is None
+        assert exclude_if_requeued(paths, job, threshold, JsonlWriter(paths.events_metrics)) == []
         assert excluded(job) == "(null)"
     finally:
         slurm("scancel", job)

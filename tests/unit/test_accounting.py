@@ -56,8 +56,10 @@ def test_heterogeneous_components_each_count_toward_the_allocation():
 def test_events_give_seconds_times_resources_per_start():
     events = [
         {"event": "start"},
-        {"event": "usage", "roles": {"trainer": {"s": 7200, "cpus": 4, "gpus": 2},
-                                     "engine-0": {"s": 3600, "cpus": 1, "gpus": 0}}},  # fmt: skip
+        {
+            "event": "usage",
+            "roles": {"trainer": {"s": 7200, "cpus": 4, "gpus": 2}, "engine-0": {"s": 3600, "cpus": 1, "gpus": 0}},
+        },
         {"event": "usage", "roles": {"trainer": {"s": 3600, "cpus": 4, "gpus": 2}}},
     ]
     assert from_events(events) == {"engine": {"cpu_h": 1.0, "gpu_h": 0.0}, "trainer": {"cpu_h": 12.0, "gpu_h": 6.0}}
