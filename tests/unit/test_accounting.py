@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from relax_hpc.launch.badnodes import bad_nodes, failures, newly_bad, usable_exclusion
@@ -54,7 +56,7 @@ def test_heterogeneous_components_each_count_toward_the_allocation():
 
 
 def test_events_give_seconds_times_resources_per_start():
-    events = [
+    events: list[dict[str, Any]] = [
         {"event": "start"},
         {
             "event": "usage",
