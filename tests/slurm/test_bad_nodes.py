@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from relax_hpc.launch.badnodes import exclude_if_requeued
 from relax_hpc.metrics.jsonl import JsonlWriter, read_jsonl
@@ -92,3 +93,13 @@ def test_below_the_threshold_nothing_is_excluded(slurm_cluster, tmp_path, thresh
         assert excluded(job) == "(null)"
     finally:
         slurm("scancel", job)
+
+
+def test_an_elastic_engine_job_is_submitted_without_the_bad_nodes(slurm_cluster, tmp_path):
+    paths = failed_twice_on(tmp_path / "run", "n2")
+    tree = yaml.safe_load(paths.config.read_text())
+    tree.setdefault("launch", {})["executor"] = "slurm"
+    paths.config.write_text(yaml.safe_dump(tree))
+    argv = [sys.executable, "-m", "relax_hpc.scale", str(paths.root), "out", "--engines", "1", "--dry-run"]
+    script = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, check=True, timeout=120).stdout
+    assert "#SBATCH --exclude=n2\n" in script, script
