@@ -3,13 +3,17 @@
 
 from __future__ import annotations
 
+import json
+import time
 from typing import Any
 
 import pytest
 
 from relax_hpc.launch.badnodes import bad_nodes, failures, newly_bad, usable_exclusion
 from relax_hpc.launch.supervisor import given
-from relax_hpc.metrics.accounting import from_events, from_sacct_rows, per_hour, render, role_kind, tres
+from relax_hpc.metrics.accounting import accounting, from_events, from_sacct_rows, per_hour, render, role_kind, tres
+from relax_hpc.metrics.jsonl import JsonlWriter
+from relax_hpc.paths import RunPaths
 
 
 def row(job: str, name: str, seconds: int, alloc: str, state: str = "COMPLETED") -> dict[str, str]:
@@ -109,3 +113,19 @@ def test_the_exclusion_leaves_the_job_enough_nodes():
     assert usable_exclusion(["n3", "n1"], ["n1", "n2", "n3", "n4"], needed=3) == (["n3"], ["n1"])
     assert usable_exclusion(["n1"], ["n1"], needed=1) == ([], ["n1"])  # the only node stays in
     assert usable_exclusion(["x9"], ["n1", "n2"], needed=1) == ([], [])  # not in the partition: nothing to do
+
+
+def test_a_final_sacct_answer_is_kept_and_a_live_ones_only_for_a_minute(tmp_path, monkeypatch):
+    monkeypatch.delenv("SLURM_CONF", raising=False)  # no cluster: sacct, where installed, answers nothing
+    paths = RunPaths(tmp_path)
+    paths.slurm_job_id.parent.mkdir(parents=True)
+    paths.slurm_job_id.write_text("42\n")
+    JsonlWriter(paths.events_metrics).log({"event": "usage", "roles": {"trainer": {"s": 3600, "cpus": 2, "gpus": 0}}})
+    kept = {"source": "sacct", "jobs": ["42"], "roles": {}, "total": {"cpu_h": 8.0, "gpu_h": 4.0}, "at": 0.0}
+    cache = tmp_path / "metrics" / "accounting.json"
+    cache.write_text(json.dumps({**kept, "final": True}))
+    assert accounting(paths)["source"] == "sacct" and accounting(paths)["total"]["gpu_h"] == 4.0
+    cache.write_text(json.dumps({**kept, "final": False}))  # a live job's, asked long ago: ask again
+    assert accounting(paths)["source"] == "events" and accounting(paths)["total"] == {"cpu_h": 2.0, "gpu_h": 0.0}
+    cache.write_text(json.dumps({**kept, "final": False, "at": time.time()}))
+    assert accounting(paths)["source"] == "sacct"
