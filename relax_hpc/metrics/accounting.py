@@ -13,8 +13,8 @@ Two sources, the better one first:
   processes ran and what they were given (CPU threads, GPUs).
 
 `sacct` is asked only by `status` and at the end of a run, never on a step's path; once every job
-of the run has ended, its answer is kept in RUN_DIR/metrics/accounting.json (a live job's for a
-minute).
+of the run has ended, its answer is kept in RUN_DIR/metrics/accounting.json (a live job's
+figures change, and are asked again).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import contextlib
 import json
 import re
 import subprocess
-import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,6 @@ from relax_hpc.metrics.jsonl import read_jsonl
 from relax_hpc.paths import RunPaths, write_atomic
 
 SACCT_FIELDS = ("JobID", "JobName", "ElapsedRaw", "AllocTRES", "State")
-LIVE_CACHE_S = 60.0  # how long sacct's figures of a live job are reused (status --watch asks every 5 s)
 ACTIVE_STATES = ("PENDING", "RUNNING", "REQUEUED", "COMPLETING", "CONFIGURING", "SUSPENDED", "RESIZING")
 
 
@@ -123,16 +121,15 @@ def accounting(paths: RunPaths, slurm: bool = True) -> dict[str, Any]:
     facts: dict[str, Any] | None = None
     if jobs and _cache(paths).is_file():
         cached = json.loads(_cache(paths).read_text())
-        fresh = cached.get("final") or time.time() - cached.get("at", 0) < LIVE_CACHE_S
-        facts = cached if cached.get("jobs") == jobs and fresh else None
+        facts = cached if cached.get("jobs") == jobs else None
     if facts is None and jobs:
         rows = sacct_rows(jobs)
         if rows is not None:
             roles, total = from_sacct_rows(rows, elastic)
-            final = not any(r["State"].split()[0] in ACTIVE_STATES for r in rows)  # then never asked again
-            facts = {"source": "sacct", "jobs": jobs, "roles": roles, "total": total, "final": final, "at": time.time()}
-            with contextlib.suppress(OSError):  # a RUN_DIR this user may only read
-                write_atomic(_cache(paths), json.dumps(facts).encode())
+            facts = {"source": "sacct", "jobs": jobs, "roles": roles, "total": total}
+            if not any(r["State"].split()[0] in ACTIVE_STATES for r in rows):  # final: never asked again
+                with contextlib.suppress(OSError):  # a RUN_DIR this user may only read
+                    write_atomic(_cache(paths), json.dumps(facts).encode())
     if facts is None:
         roles = from_events(read_jsonl(paths.events_metrics))
         total = {unit: sum(r[unit] for r in roles.values()) for unit in ("cpu_h", "gpu_h")}

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 import pytest
@@ -115,17 +114,15 @@ def test_the_exclusion_leaves_the_job_enough_nodes():
     assert usable_exclusion(["x9"], ["n1", "n2"], needed=1) == ([], [])  # not in the partition: nothing to do
 
 
-def test_a_final_sacct_answer_is_kept_and_a_live_ones_only_for_a_minute(tmp_path, monkeypatch):
+def test_a_final_sacct_answer_is_kept_and_the_events_stand_in_without_one(tmp_path, monkeypatch):
     monkeypatch.delenv("SLURM_CONF", raising=False)  # no cluster: sacct, where installed, answers nothing
     paths = RunPaths(tmp_path)
     paths.slurm_job_id.parent.mkdir(parents=True)
     paths.slurm_job_id.write_text("42\n")
     JsonlWriter(paths.events_metrics).log({"event": "usage", "roles": {"trainer": {"s": 3600, "cpus": 2, "gpus": 0}}})
-    kept = {"source": "sacct", "jobs": ["42"], "roles": {}, "total": {"cpu_h": 8.0, "gpu_h": 4.0}, "at": 0.0}
-    cache = tmp_path / "metrics" / "accounting.json"
-    cache.write_text(json.dumps({**kept, "final": True}))
-    assert accounting(paths)["source"] == "sacct" and accounting(paths)["total"]["gpu_h"] == 4.0
-    cache.write_text(json.dumps({**kept, "final": False}))  # a live job's, asked long ago: ask again
     assert accounting(paths)["source"] == "events" and accounting(paths)["total"] == {"cpu_h": 2.0, "gpu_h": 0.0}
-    cache.write_text(json.dumps({**kept, "final": False, "at": time.time()}))
-    assert accounting(paths)["source"] == "sacct"
+    kept = {"source": "sacct", "jobs": ["42"], "roles": {}, "total": {"cpu_h": 8.0, "gpu_h": 4.0}}
+    (tmp_path / "metrics" / "accounting.json").write_text(json.dumps(kept))
+    assert accounting(paths) == {**kept, "samples": 0, "samples_per_gpu_h": 0.0}
+    paths.slurm_job_id.write_text("43\n")  # submitted again: another job, the kept answer is not its
+    assert accounting(paths)["source"] == "events"
