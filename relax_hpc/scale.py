@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 
 from relax_hpc.config.load import ConfigError, apply_override, read_frozen, validate
-from relax_hpc.config.schema import JobConfig
+from relax_hpc.config.schema import JobConfig, SlurmConfig
+from relax_hpc.launch.badnodes import bad_nodes, partition_nodes, usable_exclusion
 from relax_hpc.launch.elastic import (
     ENDED,
     ElasticEngines,
@@ -42,6 +43,7 @@ from relax_hpc.launch.elastic import (
     serve,
 )
 from relax_hpc.launch.follow import queue_state
+from relax_hpc.metrics.jsonl import read_jsonl
 from relax_hpc.paths import RunPaths
 from relax_hpc.protocol import requests as P
 from relax_hpc.protocol import routes as R
@@ -63,6 +65,15 @@ def elastic_config(cfg: JobConfig, overrides: list[str]) -> JobConfig:
     return validate(tree)
 
 
+def exclude(paths: RunPaths, sl: SlurmConfig) -> dict[str, str]:
+    """`--exclude` of the run's bad nodes (relax_hpc.launch.badnodes) for an elastic job."""
+    bad = bad_nodes(read_jsonl(paths.events_metrics), sl.bad_node_failures)
+    if not bad:
+        return {}
+    excluded, _ = usable_exclusion(bad, partition_nodes(sl.rollout.partition or sl.partition), needed=1)
+    return {"exclude": ",".join(excluded)} if excluded else {}
+
+
 def submit_elastic(cfg: JobConfig, paths: RunPaths, op: ScaleOp, dry_run: bool) -> str:
     from relax_hpc.config.schema import SlurmRoleConfig
     from relax_hpc.launch.submission import HetSlurmExecutor, _role_options, submission_text
@@ -77,7 +88,7 @@ def submit_elastic(cfg: JobConfig, paths: RunPaths, op: ScaleOp, dry_run: bool) 
     executor.update_parameters(
         job_name=f"{sl.job_name}:{op.id}", time=sl.time_min, use_srun=False, stderr_to_stdout=True,
         setup=list(sl.setup) or None, wckey=None, signal_delay_s=sl.signal_lead_s,
-        additional_parameters={"signal": f"B:USR2@{sl.signal_lead_s}", "requeue": True},
+        additional_parameters={"signal": f"B:USR2@{sl.signal_lead_s}", "requeue": True, **exclude(paths, sl)},
         **_role_options(node, cfg.launch.slurm, with_role_overrides=True),
     )  # fmt: skip
     if dry_run:

@@ -4,11 +4,13 @@
     python -m relax_hpc.status RUN_DIR --watch    # every 5 s until the run ends (--watch 30: every 30 s)
     python -m relax_hpc.status RUN_DIR --json     # the same facts for scripts
     python -m relax_hpc.status PIPELINE_DIR       # a pipeline (relax_hpc.pipeline): every stage
+    python -m relax_hpc.status RUN_DIR --clear-bad-nodes   # forget the nodes left out (launch.badnodes)
 
 It works on a live run, a finished or stopped one, and one whose Slurm job is still pending: step
 and total, reward, the last evaluation, samples/s, staleness, where the time of a step goes, each
 engine's health, the launcher's starts and the roles' restarts with their causes, the Slurm job's
-state (squeue; once ended, sacct or the controller's record), the last checkpoint, and an ETA.
+state (squeue; once ended, sacct or the controller's record), the last checkpoint, an ETA, the
+GPU- and CPU-hours per role (metrics.accounting) and the nodes left out as bad (launch.badnodes).
 It reads files and asks engines' /health; it changes nothing.
 """
 
@@ -25,8 +27,10 @@ from typing import Any
 from relax_hpc.ckpt.layout import latest_dir
 from relax_hpc.config.load import read_frozen
 from relax_hpc.fence import Lease, refused_writes
+from relax_hpc.launch import badnodes
 from relax_hpc.launch.follow import ACTIVE, ENDED, queue_state
 from relax_hpc.launch.follow import slurm_state as ended_state
+from relax_hpc.metrics import accounting
 from relax_hpc.metrics.evaluation import finished, table
 from relax_hpc.metrics.jsonl import read_jsonl
 from relax_hpc.metrics.summary import completed_steps, guard_reason, step_records
@@ -102,6 +106,8 @@ def collect(run_dir: Path) -> dict[str, Any]:
         # Writes refused by superseded processes (relax_hpc/fence.py): they ended without writing.
         "fencing": {"generation": Lease(paths.root).generation, "refused_writes": len(refused_writes(paths.root))},
         "guard": guard_reason(paths),
+        "usage": accounting.accounting(paths),
+        "bad_nodes": _bad_nodes(events, cfg.launch.slurm.bad_node_failures),
     }
     checkpoint = latest_dir(paths.ckpt)
     if checkpoint is not None:
@@ -116,6 +122,16 @@ def collect(run_dir: Path) -> dict[str, Any]:
         facts.update(_eval_facts(paths, {(m.name, d.name) for m in cfg.eval.models for d in cfg.eval.datasets}))
         facts["state"] = "complete" if facts["pairs_scored"] == facts["pairs"] else facts["state"]
     return facts
+
+
+def _bad_nodes(events: list[dict[str, Any]], threshold: int) -> dict[str, Any]:
+    """Failed roles per node, the nodes that count as bad, and the exclude list last set."""
+    excluded = [e for e in events if e.get("event") in ("nodes_excluded", "nodes_not_excluded", "bad_nodes_cleared")]
+    return {
+        "failures": dict(badnodes.failures(events)),
+        "bad": badnodes.bad_nodes(events, threshold),
+        "excluded": excluded[-1].get("nodes", []) if excluded else [],
+    }
 
 
 def _eval_facts(paths: RunPaths, wanted: set[tuple[str, str]]) -> dict[str, Any]:
@@ -205,6 +221,14 @@ def render(facts: dict[str, Any]) -> str:
         lines.append(f"slurm:       job {facts['slurm_job']}: {known}")
     if facts["guard"]:
         lines.append(f"guard:       {facts['guard']}")
+    lines += accounting.render(facts["usage"])
+    nodes = facts["bad_nodes"]
+    if nodes["failures"]:
+        counts = ", ".join(f"{node} {n}" for node, n in sorted(nodes["failures"].items()))
+        lines.append(
+            f"bad nodes:   {', '.join(nodes['bad']) or 'none'} (failed roles per node: {counts}); "
+            f"excluded from the job: {', '.join(nodes['excluded']) or 'none'}"
+        )
     if facts.get("eval_table"):
         lines.append("\n" + facts["eval_table"])
     return "\n".join(lines)
@@ -219,7 +243,18 @@ def main(argv: list[str] | None = None) -> int:
         "--watch", type=float, nargs="?", const=5.0, metavar="SECONDS", help="repeat until the run ends"
     )
     parser.add_argument("--json", action="store_true", help="print the facts as JSON")
+    parser.add_argument(
+        "--clear-bad-nodes",
+        action="store_true",
+        help="forget the run's bad nodes (and empty a pending job's exclude list)",
+    )
     args = parser.parse_args(argv)
+    if args.clear_bad_nodes:
+        paths = RunPaths(args.run_dir)
+        if not paths.config.is_file():
+            raise SystemExit(f"{args.run_dir} is not a relax_hpc run (no config.yaml)")
+        print(badnodes.clear(paths))
+        return 0
     from relax_hpc import pipeline
 
     while True:

@@ -681,6 +681,11 @@ class SlurmConfig(Section):
     Submitting again resumes. 0 = requeue regardless."""
     job_name: str = "relax_hpc"
     """`--job-name`."""
+    bad_node_failures: int = Field(default=2, ge=0)
+    """A node on which roles failed (a non-zero exit, or killed as hung) this many times is left
+    out of the job's next requeue (its ExcNodeList) and of elastic engine jobs (`--exclude`), but
+    never so many that the partition has fewer nodes than the job needs
+    (`python -m relax_hpc.status RUN_DIR --clear-bad-nodes` forgets them). 0 = never."""
 
     @model_validator(mode="after")
     def _lead_within_the_limit(self) -> SlurmConfig:

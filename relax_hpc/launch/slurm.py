@@ -27,6 +27,7 @@ from pathlib import Path
 from relax_hpc.config.load import read_frozen
 from relax_hpc.config.schema import JobConfig
 from relax_hpc.launch.allocation import Allocation, AllocationError
+from relax_hpc.launch.badnodes import Exclusion, apply_exclusion, plan_exclusion
 from relax_hpc.launch.commands import step_commands
 from relax_hpc.launch.guard import stop_requeueing
 from relax_hpc.launch.supervisor import EXIT_COMPLETED, EXIT_STOPPED, Supervisor
@@ -76,6 +77,18 @@ def may_requeue(cfg: JobConfig, paths: RunPaths, supervisor: Supervisor) -> bool
     return False
 
 
+def plan_bad_nodes(supervisor: Supervisor) -> Exclusion | None:
+    """Which bad nodes the job's next start leaves out, asked while the job still runs."""
+    job, threshold = supervisor.slurm_job, supervisor.cfg.launch.slurm.bad_node_failures
+    return plan_exclusion(supervisor.paths, job, threshold) if job else None
+
+
+def leave_out_bad_nodes(supervisor: Supervisor, plan: Exclusion | None) -> None:
+    """Once the job is requeued (pending again), its bad nodes become its exclude list."""
+    if plan:
+        apply_exclusion(plan, supervisor.events, lambda line: supervisor.say(line + "\n"))
+
+
 def _supervisor(cfg: JobConfig, paths: RunPaths) -> Supervisor:
     alloc = Allocation.from_env()
     check_shared_run_dir(paths, alloc)
@@ -95,8 +108,11 @@ def run_in_allocation(cfg: JobConfig, paths: RunPaths) -> int:
         signal.signal(sig, on_notice)
     signal.signal(signal.SIGTERM, lambda *_: supervisor.request_stop("SIGTERM (Slurm is ending the job)"))
     code = supervisor.run()
+    plan = plan_bad_nodes(supervisor) if code == EXIT_STOPPED else None
     if code == EXIT_STOPPED and notice.is_set() and may_requeue(cfg, paths, supervisor):
         requeue(os.environ["SLURM_JOB_ID"])
+    if code == EXIT_STOPPED:  # requeued by this launcher, or by Slurm (a preemption): pending now
+        leave_out_bad_nodes(supervisor, plan)
     return code
 
 
@@ -119,6 +135,7 @@ class SlurmRun:
         self._supervisor: Supervisor | None = None
         self._thread: threading.Thread | None = None
         self._code = EXIT_STOPPED
+        self._bad_nodes: Exclusion | None = None  # planned before submitit requeues the job
 
     def __call__(self) -> str:
         _one_copy_of_submitit_messages()
@@ -133,6 +150,8 @@ class SlurmRun:
         if self._code == EXIT_COMPLETED:
             return f"completed: {self.run_dir}"
         if self._code == EXIT_STOPPED:
+            # submitit's USR2 handler has requeued the job by now (after checkpoint() planned it)
+            leave_out_bad_nodes(supervisor, self._bad_nodes or plan_bad_nodes(supervisor))
             # Slurm is cancelling or requeueing this job: leave no result file behind, so that
             # submitit reports the job's real state instead of a success.
             sys.exit(EXIT_STOPPED)
@@ -152,6 +171,7 @@ class SlurmRun:
             supervisor = self._supervisor
             if not may_requeue(supervisor.cfg, supervisor.paths, supervisor):
                 return None  # submitit then ends the job instead of requeueing it
+            self._bad_nodes = plan_bad_nodes(supervisor)
         return submitit.helpers.DelayedSubmission(SlurmRun(self.run_dir))
 
     def __getstate__(self) -> dict:

@@ -27,7 +27,9 @@ import psutil
 
 from relax_hpc.config.schema import JobConfig
 from relax_hpc.fence import Lease, refused_writes
+from relax_hpc.launch.badnodes import newly_bad
 from relax_hpc.launch.commands import step_name
+from relax_hpc.launch.gpus import NO_GPU, span, visible_gpu_count
 from relax_hpc.launch.health import HealthMonitor
 from relax_hpc.launch.notify import Notifier
 from relax_hpc.launch.recover import LAUNCHER_STOP, recover
@@ -55,9 +57,23 @@ class Role:
     hung: str | None = None  # why the health monitor killed it, until its restart
     not_before: float = 0.0  # a restart waits until then (monotonic; the back-off)
     step: JobStep | None = None  # on Slurm: the role's job steps (ended with the role)
+    ran_s: float = 0.0  # how long its processes ran, up to the last one's end (accounting)
+    accrued: bool = True  # the current process's time is in ran_s
+
+    @property
+    def nodes(self) -> list[str]:
+        """The Slurm nodes its step runs on (none: this machine)."""
+        return next((a.split("=", 1)[1].split(",") for a in self.argv if a.startswith("--nodelist=")), [])
+
+    def accrue(self) -> None:
+        """Count the current process's time, once (when it is found ended, or the run's start ends)."""
+        if not self.accrued:
+            self.ran_s += time.time() - self.started_at
+            self.accrued = True
 
     def start(self, env: dict[str, str]) -> None:
-        self.started_at = time.time()
+        self.accrue()
+        self.started_at, self.accrued = time.time(), False
         with self.log_path.open("ab") as out:
             # A new session: Ctrl-C in the terminal reaches the launcher only, which then asks
             # the trainer to checkpoint instead of every process dying at once.
@@ -107,6 +123,23 @@ class Role:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
+
+
+def given(argv: list[str], threads: int) -> dict[str, float]:
+    """The CPUs and GPUs a role's command line gives it: a job step's `--cpus-per-task` on each
+    of its nodes, or `threads` per process here; its GPU slice (launch.gpus), else what it sees."""
+    option = lambda name, default: next(  # noqa: E731
+        (int(a.split("=", 1)[1]) for a in argv if a.startswith(f"--{name}=")), default
+    )
+    gpus = visible_gpu_count()
+    if "relax_hpc.launch.gpus" in argv:
+        gpu_slice = argv[argv.index("relax_hpc.launch.gpus") + 1]
+        gpus = 0 if gpu_slice == NO_GPU else span(gpu_slice)
+    processes = option("nproc-per-node", 0) or next(
+        (int(argv[i + 1]) for i, a in enumerate(argv[:-1]) if a == "--nproc-per-node"), 1
+    )
+    cpus = option("cpus-per-task", 0) * option("nodes", 1) or threads * processes
+    return {"cpus": float(cpus), "gpus": float(gpus * option("nodes", 1))}
 
 
 def child_env(cfg: JobConfig) -> dict[str, str]:
@@ -247,7 +280,28 @@ class Supervisor:
             return self._supervise(roles, env, monitor)
         finally:
             monitor.close()
+            self._log_usage(roles.values())  # before the stop: the metric sinks forward it as they stop
             self._stop_all(roles.values())
+
+    def _log_usage(self, roles: Iterable[Role]) -> None:
+        """How long each role ran in this start, and what it was given (metrics.accounting)."""
+        threads = self.cfg.launch.threads_per_process
+        usage = {}
+        for role in roles:
+            role.accrue()
+            usage[role.name] = {"s": round(role.ran_s, 3), **given(role.argv, threads)}
+        self.events.log({"event": "usage", "roles": usage})
+
+    def _role_failed(self, role: Role, record: dict) -> None:
+        """Log a role's exit; a node that this failure makes bad is said (launch.badnodes)."""
+        self.events.log({"event": "role_exit", "role": role.name, **record, "nodes": role.nodes,
+                         "last_line": role.log_tail(1), "hung": role.hung})  # fmt: skip
+        if not (record["exit"] or role.hung):
+            return  # an exit 0 is no failure of its node
+        threshold = self.cfg.launch.slurm.bad_node_failures
+        for node in newly_bad(read_jsonl(self.paths.events_metrics), role.nodes, threshold):
+            self.say(f"\nnode {node}: roles failed on it {threshold} times; the job's next requeue leaves it out\n")
+            self.events.log({"event": "bad_node", "node": node, "failures": threshold})
 
     def _act_on_health(self, roles: dict[str, Role], monitor: HealthMonitor) -> None:
         """Kill what hangs: the next round of the loop handles it like a role that died."""
@@ -290,6 +344,7 @@ class Supervisor:
                 if role.alive() or role.abandoned or trainer_done_at is not None or self.stop_requested:
                     continue
                 if role.not_before == 0.0:  # just found dead: the restart waits out the back-off
+                    role.accrue()
                     role.not_before = time.monotonic() + min(60.0, backoff * 2**role.restarts) * bool(role.restarts)
                 if time.monotonic() < role.not_before:
                     continue
@@ -301,17 +356,12 @@ class Supervisor:
                     # The metric sinks only copy the JSONL record: a sink that keeps failing is
                     # reported and left behind, and the run goes on.
                     role.abandoned = True
-                    self.events.log(
-                        {"event": "role_exit", "role": role.name, "exit": code, "restarts": role.restarts,
-                         "action": "abandon", "last_line": role.log_tail(1), "hung": role.hung}
-                    )  # fmt: skip
+                    self._role_failed(role, {"exit": code, "restarts": role.restarts, "action": "abandon"})
                     self.say(f"\n{role.name} failed {role.restarts + 1} times (exit {code}); the run goes on "
                              f"without it (see {role.log_path})\n")  # fmt: skip
                     continue
-                self.events.log(
-                    {"event": "role_exit", "role": role.name, "exit": code, "restarts": role.restarts,
-                     "action": "give_up" if give_up else "restart", "last_line": role.log_tail(1), "hung": role.hung}
-                )  # fmt: skip
+                action = "give_up" if give_up else "restart"
+                self._role_failed(role, {"exit": code, "restarts": role.restarts, "action": action})
                 cause = f"hung: {role.hung}" if role.hung else f"exit {code}"
                 if give_up:
                     progress.finish()
@@ -345,7 +395,8 @@ class Supervisor:
                 # leaves a traceback in trainer.log that reads like a crash.
                 progress.finish()
                 for role in others:  # their teardown overlaps the trainer's
-                    role.signal(signal.SIGTERM)
+                    if role not in helpers:  # the sinks stop after the usage event (_log_usage)
+                        role.signal(signal.SIGTERM)
                 if trainer.proc is not None:
                     with contextlib.suppress(subprocess.TimeoutExpired):
                         trainer.proc.wait(timeout=TRAINER_EXIT_GRACE_S)
@@ -362,10 +413,7 @@ class Supervisor:
             if trainer.returncode != 0 and progress.trainer_end is None:
                 progress.finish()
                 cause = f"hung: {trainer.hung}" if trainer.hung else f"exit {trainer.returncode}"
-                self.events.log(
-                    {"event": "role_exit", "role": "trainer", "exit": trainer.returncode, "restarts": 0,
-                     "action": "restart_run", "last_line": trainer.log_tail(1), "hung": trainer.hung}
-                )  # fmt: skip
+                self._role_failed(trainer, {"exit": trainer.returncode, "restarts": 0, "action": "restart_run"})
                 self.say(f"\ntrainer failed ({cause}); last lines of {trainer.log_path}:\n{trainer.log_tail()}\n")
                 return EXIT_FAILED, True
             # A non-zero exit after its end record (which follows its last checkpoint) is a fault

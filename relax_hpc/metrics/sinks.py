@@ -41,6 +41,7 @@ from typing import Any, Protocol
 from relax_hpc import fence
 from relax_hpc.config.load import read_frozen
 from relax_hpc.config.schema import ClearMLConfig, MetricsConfig
+from relax_hpc.metrics.accounting import accounting
 from relax_hpc.metrics.jsonl import JsonlFollower
 from relax_hpc.metrics.summary import completed_steps
 from relax_hpc.paths import RunPaths, write_atomic
@@ -229,6 +230,20 @@ class Forwarder:
         write_atomic(self.paths.sinks_cursor, json.dumps(self.done).encode())
 
 
+def forward_usage(paths: RunPaths, sinks: list[Sink]) -> None:
+    """GPU- and CPU-hours per role so far, at the checkpointed step, as the sinks stop (the end
+    of each start of the run): from the launcher's usage events, which it writes before stopping
+    this role; no sacct here."""
+    facts = accounting(paths, slurm=False)
+    step = completed_steps(paths)
+    values = {f"{kind}_{unit}": used[unit] for kind, used in facts["roles"].items() for unit in ("gpu_h", "cpu_h")}
+    values |= {f"total_{unit}": facts["total"][unit] for unit in ("gpu_h", "cpu_h")}
+    values |= {k: v for k, v in facts.items() if k.startswith("samples_per_")}
+    for sink in sinks:
+        for name, value in values.items():
+            sink.scalar("usage", name, float(value), step)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m relax_hpc.metrics.sinks", description="relax_hpc metric sinks")
     parser.add_argument("--run-dir", required=True, type=Path)
@@ -251,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             forwarder.flush()
             flushed = time.monotonic()
         stop.wait(args.poll_s)
+    forward_usage(paths, forwarder.sinks)
     forwarder.flush()
     for sink in forwarder.sinks:
         sink.close()

@@ -8,6 +8,7 @@ from typing import Any
 
 from relax_hpc.ckpt.best import best_version, complete_steps, read_record
 from relax_hpc.ckpt.layout import latest_dir, read_trainer_state
+from relax_hpc.metrics import accounting
 from relax_hpc.metrics.jsonl import read_jsonl
 from relax_hpc.paths import RunPaths
 
@@ -44,8 +45,9 @@ def guard_reason(paths: RunPaths) -> str | None:
 
 
 def run_summary(paths: RunPaths, total_steps: int) -> str:
-    """A few lines: how far the run got, its recent reward, its last evaluation, its checkpoint
-    and how to get the model out."""
+    """A few lines: how far the run got, its recent reward, its last evaluation, its checkpoint,
+    how to get the model out, and its GPU- and CPU-hours (metrics.accounting: sacct where the
+    run's jobs have records, else its events)."""
     steps = step_records(paths)
     evals = [r for r in read_jsonl(paths.eval_metrics) if "greedy_accuracy" in r]
     done = completed_steps(paths)
@@ -65,6 +67,7 @@ def run_summary(paths: RunPaths, total_steps: int) -> str:
     elif checkpoint is not None:
         lines.append(f"HF export:  python tools/dcp_to_hf.py --run-dir {paths.root} --out FOLDER")
     lines.append(f"plots:      python -m relax_hpc.plot {paths.root}")
+    lines += accounting.render(accounting.accounting(paths))
     reason = guard_reason(paths)
     if reason:
         lines.append(reason)

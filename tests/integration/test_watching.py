@@ -17,6 +17,7 @@ import pytest
 from PIL import Image
 
 from relax_hpc.ckpt.layout import latest_dir
+from relax_hpc.metrics.accounting import accounting
 from relax_hpc.metrics.jsonl import read_jsonl
 from relax_hpc.paths import RunPaths, SpoolDirs
 from tests.integration.conftest import REPO, Job
@@ -101,6 +102,29 @@ def test_tensorboard_holds_one_run_across_the_restart(watched):
     assert steps == list(range(1, STEPS + 1))
     evaluated = [r["version"] for r in read_jsonl(watched["paths"].eval_metrics)]
     assert [e.step for e in accumulator.Scalars("eval/greedy_accuracy")] == evaluated
+
+
+def test_usage_per_role_comes_from_the_launchers_events_without_slurm(watched):
+    """The local executor: each start's usage event (seconds x CPU threads, no GPU here), added
+    up per role kind; the summary says so, and TensorBoard got it as each start's sinks stopped."""
+    events = read_jsonl(watched["paths"].events_metrics)
+    usage = [e for e in events if e["event"] == "usage"]
+    starts, ends = [e for e in events if e["event"] == "start"], [e for e in events if e["event"] == "end"]
+    assert len(usage) == len(starts) == 2
+    for used, start, end in zip(usage, starts, ends, strict=True):
+        assert set(used["roles"]) == {"trainer", "driver", "engine-0", "engine-1", "metrics"}
+        assert all(0 < r["s"] <= end["time"] - start["time"] and r["gpus"] == 0 for r in used["roles"].values())
+    facts = accounting(watched["paths"])
+    trainer = sum(u["roles"]["trainer"]["s"] * u["roles"]["trainer"]["cpus"] for u in usage) / 3600
+    assert facts["source"] == "events" and facts["roles"]["trainer"]["cpu_h"] == pytest.approx(trainer)
+    assert set(facts["roles"]) == {"trainer", "driver", "engine", "metrics"} and facts["samples_per_cpu_h"] > 0
+    assert "usage:       trainer 0.000 GPU-h" in watched["second"] and "(events);" in watched["second"]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(watched["paths"].tensorboard))
+    accumulator.Reload()
+    points = [e.value for e in accumulator.Scalars("usage/trainer_cpu_h")]
+    assert len(points) == 2 and points[0] < points[1] == pytest.approx(trainer, rel=1e-3)
 
 
 def test_clearml_keeps_one_task_across_the_restart(watched):

@@ -21,7 +21,7 @@ from relax_hpc.metrics.jsonl import read_jsonl
 from relax_hpc.paths import RunPaths
 from relax_hpc.protocol.client import EngineClient
 from tests.runs import assert_nothing_lost_or_repeated
-from tests.slurm.jobs import describe, finished, job_id, job_state, last_step, slurm, submit, wait_until
+from tests.slurm.jobs import describe, finished, job_id, job_state, last_step, sacct, slurm, submit, wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 STEPS = 60  # a step takes about a second: room for both faults, the second after the first is handled
@@ -52,7 +52,7 @@ def test_a_hung_engine_and_a_hung_trainer_rank_end_with_their_job_steps(slurm_cl
     out = submit(
         run_dir, f"trainer.total_steps={STEPS}", "ckpt.every_steps=4", "ckpt.keep_trained_batches=true",
         "launch.health.engine_timeout_s=6", "launch.health.step_timeout_s=8", "launch.health.step_factor=2",
-        "launch.health.restart_backoff_s=1",
+        "launch.health.restart_backoff_s=1", "launch.slurm.bad_node_failures=1",
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     job = job_id(run_dir)
@@ -91,6 +91,11 @@ def test_a_hung_engine_and_a_hung_trainer_rank_end_with_their_job_steps(slurm_cl
     trained = [r["step"] for r in read_jsonl(run_dir / "metrics" / "train.jsonl") if "loss" in r]
     assert trained == list(range(1, STEPS + 1))
     assert_nothing_lost_or_repeated(run_dir, STEPS)
+    # One failure makes a node bad here (launch.slurm.bad_node_failures=1): the hung roles' nodes.
+    nodes = {r["JobName"]: r["NodeList"] for r in sacct(job, "JobName,NodeList")}
+    bad = [e["node"] for e in events(run_dir, "bad_node")]
+    hung = {nodes["relax_hpc:engine-0"], nodes["relax_hpc:trainer"]}
+    assert sorted(bad) == sorted(hung), events(run_dir, "role_exit")
 
 
 def test_ending_a_step_in_a_heterogeneous_jobs_second_component(slurm_cluster, tmp_path):

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
 import sys
 
 import pytest
 
 from relax_hpc.exchange.spool import read_batch
 from relax_hpc.launch.recover import recover
-from relax_hpc.metrics.jsonl import read_jsonl
+from relax_hpc.metrics.accounting import accounting
+from relax_hpc.metrics.jsonl import JsonlWriter, read_jsonl
 from relax_hpc.paths import RunPaths
 from tests.integration.conftest import Job
 from tests.runs import assert_nothing_lost_or_repeated, assert_reproduces
@@ -48,6 +50,32 @@ def test_submitit_run_completes_with_roles_as_job_steps(slurm_cluster, tmp_path)
     trainer = {r["NodeList"] for r in rows if r["JobName"] == "relax_hpc:trainer"}
     assert len(engines) == len(trainer) == 1 and engines != trainer  # a node each
     assert train_events(run_dir, "end")[-1] == {**train_events(run_dir, "end")[-1], "step": 6, "completed": True}
+    assert_accounting_matches_sacct(run_dir, job)
+
+
+def hours(rows: list[dict[str, str]], resource: str) -> float:
+    """Elapsed x the resource's count in AllocTRES, summed, in hours: what sacct charged."""
+    count = lambda r: float(dict(f.split("=") for f in r["AllocTRES"].split(",") if f).get(resource, 0))  # noqa: E731
+    return sum(int(r["ElapsedRaw"]) * count(r) for r in rows) / 3600
+
+
+def assert_accounting_matches_sacct(run_dir, job: str) -> None:
+    """The run's hours per role are sacct's, step by step; `status` and the summary show them."""
+    rows = sacct(job, "JobID,JobName,ElapsedRaw,AllocTRES")
+    usage = accounting(RunPaths(run_dir))
+    assert usage["source"] == "sacct" and set(usage["roles"]) == {"trainer", "driver", "engine"}, usage
+    for kind in usage["roles"]:
+        steps = [r for r in rows if r["JobName"].startswith(f"relax_hpc:{kind}")]
+        assert usage["roles"][kind]["cpu_h"] == pytest.approx(hours(steps, "cpu"), rel=1e-6), (kind, rows)
+        assert usage["roles"][kind]["cpu_h"] > 0 and usage["roles"][kind]["gpu_h"] == 0.0
+    allocations = [r for r in rows if r["JobID"] == job]
+    assert usage["total"]["cpu_h"] == pytest.approx(hours(allocations, "cpu"), rel=1e-6) and usage["total"]["cpu_h"] > 0
+    samples = sum(r["samples"] for r in read_jsonl(run_dir / "metrics" / "train.jsonl") if "loss" in r)
+    assert usage["samples_per_cpu_h"] == pytest.approx(samples / usage["total"]["cpu_h"])
+    out = subprocess.run([sys.executable, "-m", "relax_hpc.status", str(run_dir)], capture_output=True, text=True,
+                         check=True, cwd=REPO).stdout  # fmt: skip
+    assert f"usage:       trainer 0.000 GPU-h, {usage['roles']['trainer']['cpu_h']:.3f} CPU-h" in out, out
+    assert f"(sacct); {samples} samples, {usage['samples_per_cpu_h']:.0f} per CPU-hour" in out, out
 
 
 def test_the_tiny_vision_run_completes_with_its_pictures_on_the_cluster(slurm_cluster, tmp_path):
@@ -66,6 +94,11 @@ def test_the_tiny_vision_run_completes_with_its_pictures_on_the_cluster(slurm_cl
 def test_sbatch_recipe_requeues_itself_and_completes(slurm_cluster, tmp_path):
     """The recipe's own launcher: the pre-timeout notice mid-run, then a resumed run to the end."""
     run_dir = tmp_path / "recipe"
+    # Roles failed twice on n1 (the launcher's own records): the requeue leaves n1 out.
+    events = JsonlWriter(run_dir / "metrics" / "events.jsonl")
+    for _ in range(2):
+        events.log({"event": "role_exit", "role": "engine-0", "exit": 1, "restarts": 0, "action": "restart",
+                    "nodes": ["n1"], "last_line": "", "hung": None})  # fmt: skip
     job = slurm(
         "sbatch", "--parsable", f"--output={tmp_path}/%x-%j.out", "sbatch/tiny-cpu.sbatch",
         "trainer.total_steps=8", "rollout.prompts_per_step=8", "rollout.eval_every=0", "ckpt.keep_trained_batches=true",
@@ -80,11 +113,15 @@ def test_sbatch_recipe_requeues_itself_and_completes(slurm_cluster, tmp_path):
         f"slurm job {job}, restart count 0",
         "USR2 (time limit or preemption ahead)",
         f"requeued job {job}",
+        f"bad node(s) n1 excluded from job {job}'s next start",
         f"slurm job {job}, restart count 1",
         "step 8/8",
     ):
         assert line in log, line
     assert {r["JobName"] for r in sacct(job)} >= ROLE_STEPS
+    second = [r["NodeList"] for r in sacct(job, "JobID,NodeList") if r["JobID"] == job][-1]
+    assert "n1" not in slurm("scontrol", "show", "hostnames", second).split(), second
+    assert "ExcNodeList=n1" in slurm("scontrol", "-o", "show", "job", job).split()
     starts, ends = train_events(run_dir, "start"), train_events(run_dir, "end")
     assert [s["slurm_restart_count"] for s in starts] == [0, 1]
     assert ends[0]["completed"] is False and starts[1]["step"] == ends[0]["step"] >= 2

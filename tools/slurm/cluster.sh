@@ -204,6 +204,8 @@ AccountingStorageHost=localhost
 AccountingStoragePort=$DBD_PORT
 # the munge socket for talking to slurmdbd (default: /run/munge/munge.socket.2)
 AccountingStoragePass=$MUNGE_SOCK
+# GPUs in AllocTRES (sacct), which relax_hpc's accounting reads per job step
+AccountingStorageTRES=gres/gpu
 JobCompType=jobcomp/none
 GresTypes=gpu
 NodeName=n[1-${#NODES[@]}] NodeHostname=localhost NodeAddr=127.0.0.1 Port=$NODE_PORT0-$last CPUs=4 RealMemory=4000 Gres=gpu:2 State=UNKNOWN

@@ -1,0 +1,160 @@
+"""Bad nodes: a node on which roles failed `launch.slurm.bad_node_failures` times is left out.
+
+The record is RUN_DIR/metrics/events.jsonl: every `role_exit` of a role that failed (a non-zero
+exit, or killed as hung) names the node it ran on. A role of several nodes (a multi-node trainer)
+names no node: which of them failed is not known, and leaving all of them out would punish the
+healthy ones. A node that reaches the count gets a `bad_node` event; `python -m relax_hpc.status
+RUN_DIR --clear-bad-nodes` writes `bad_nodes_cleared`, and counting starts again after it.
+
+Slurm takes an exclude list (ExcNodeList) only while a job is pending, so the launcher sets it
+once its job is requeued (after the pre-timeout notice, or whenever the launcher ends with its job
+pending again) and elastic engine jobs are submitted with it (`--exclude`). A list that would
+leave the job's partition fewer nodes than the job needs is cut short, the most-failed nodes
+first: a job whose every candidate node is excluded would pend forever, so the last usable nodes
+stay in and the launcher says so instead (a `bad_node_kept` event).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from relax_hpc.metrics.jsonl import JsonlWriter, read_jsonl
+from relax_hpc.paths import RunPaths
+
+
+def failures(events: list[dict[str, Any]]) -> Counter[str]:
+    """Failed roles per node since the list was last cleared."""
+    count: Counter[str] = Counter()
+    for event in events:
+        if event.get("event") == "bad_nodes_cleared":
+            count.clear()
+        elif event.get("event") == "role_exit" and (event.get("exit") or event.get("hung")):
+            nodes = event.get("nodes") or []
+            if len(nodes) == 1:
+                count[nodes[0]] += 1
+    return count
+
+
+def bad_nodes(events: list[dict[str, Any]], threshold: int) -> list[str]:
+    """The nodes failed on at least `threshold` times (0: none ever), most failures first."""
+    if threshold <= 0:
+        return []
+    return [node for node, n in failures(events).most_common() if n >= threshold]
+
+
+def newly_bad(events: list[dict[str, Any]], nodes: list[str], threshold: int) -> list[str]:
+    """Those of `nodes` whose count is exactly `threshold` now (the failure just logged made them bad)."""
+    count = failures(events)
+    return [node for node in nodes if threshold > 0 and count[node] == threshold]
+
+
+def _scontrol_job(job_id: str) -> dict[str, str]:
+    out = subprocess.run(
+        ["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True, check=False, timeout=60
+    )
+    first = out.stdout.splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
+    return dict(field.split("=", 1) for field in first.split() if "=" in field)
+
+
+def partition_nodes(partition: str | None) -> list[str]:
+    """The nodes of a partition (None: of the cluster)."""
+    where = ["-p", partition] if partition else []
+    out = subprocess.run(
+        ["sinfo", "-h", "-N", *where, "-o", "%N"], capture_output=True, text=True, check=False, timeout=60
+    )
+    return sorted(set(out.stdout.split()))
+
+
+def usable_exclusion(bad: list[str], available: list[str], needed: int) -> tuple[list[str], list[str]]:
+    """(the bad nodes to exclude, those kept so that `needed` of `available` nodes stay usable)."""
+    room = max(0, len(set(available)) - needed)
+    candidates = [node for node in bad if node in available]  # others could not be given to it anyway
+    return candidates[:room], candidates[room:]
+
+
+@dataclass(frozen=True)
+class Exclusion:
+    """What a job's next requeue leaves out, worked out while the job still runs: once it is
+    requeued, Slurm ends the launcher within moments, which then has time for one call only."""
+
+    job_id: str
+    excluded: list[str]
+    kept: list[str]  # bad, but the partition would be left without enough nodes
+    needed: int
+    partition: str
+
+
+def plan_exclusion(paths: RunPaths, job_id: str, threshold: int) -> Exclusion | None:
+    """The exclusion for job `job_id`'s next start (None: no bad node, or Slurm knows no such job)."""
+    bad = bad_nodes(read_jsonl(paths.events_metrics), threshold)
+    job = _scontrol_job(job_id) if bad else {}
+    if "Partition" not in job:
+        return None
+    needed = int(job.get("NumNodes", "1").split("-")[0])  # a pending job's is MIN-MAX
+    excluded, kept = usable_exclusion(bad, partition_nodes(job["Partition"]), needed)
+    return Exclusion(job_id, excluded, kept, needed, job["Partition"])
+
+
+def apply_exclusion(plan: Exclusion, events: JsonlWriter, say: Callable[[str], None]) -> None:
+    """Set the planned exclude list if the job is pending (requeued), and say so. Slurm ends a
+    requeued job's launcher within moments of the requeue, so the event and the line come first,
+    and a `nodes_not_excluded` event follows when Slurm refuses (the job is not pending). A
+    requeued job shows COMPLETING until its batch shell has exited, though Slurm counts it
+    pending already: the update itself is the test."""
+    if not plan.excluded:
+        if plan.kept and _scontrol_job(plan.job_id).get("JobState") in ("PENDING", "COMPLETING"):
+            events.log({"event": "bad_node_kept", "job": plan.job_id, "nodes": plan.kept})
+            say(_kept_line(plan))
+        return
+    events.log({"event": "nodes_excluded", "job": plan.job_id, "nodes": plan.excluded})
+    say(f"bad node(s) {','.join(plan.excluded)} excluded from job {plan.job_id}'s next start")
+    if plan.kept:
+        events.log({"event": "bad_node_kept", "job": plan.job_id, "nodes": plan.kept})
+        say(_kept_line(plan))
+    if not _set_exclusion(plan.job_id, plan.excluded):
+        events.log({"event": "nodes_not_excluded", "job": plan.job_id, "why": "the job is not pending"})
+        say(f"job {plan.job_id} is not pending (not requeued): nothing excluded")
+
+
+def _kept_line(plan: Exclusion) -> str:
+    return (
+        f"bad node(s) {','.join(plan.kept)} NOT excluded: job {plan.job_id} needs {plan.needed} of the "
+        f"{plan.partition} partition's nodes"
+    )
+
+
+def exclude_if_requeued(paths: RunPaths, job_id: str, threshold: int, events: JsonlWriter) -> list[str]:
+    """Plan and apply at once, for a job already pending: the lines said."""
+    lines: list[str] = []
+    plan = plan_exclusion(paths, job_id, threshold)
+    if plan:
+        apply_exclusion(plan, events, lines.append)
+    return lines
+
+
+def _set_exclusion(job_id: str, nodes: list[str]) -> bool:
+    """Set a pending job's ExcNodeList; False where Slurm refuses (the job is not pending)."""
+    argv = ["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(nodes)}"]
+    return subprocess.run(argv, capture_output=True, check=False, timeout=60).returncode == 0
+
+
+def current_job(paths: RunPaths) -> str | None:
+    """The run's Slurm job: what `submit` wrote, else the job of the launcher's last start (sbatch)."""
+    if paths.slurm_job_id.is_file():
+        return paths.slurm_job_id.read_text().strip()
+    starts = [e for e in read_jsonl(paths.events_metrics) if e.get("event") == "start" and e.get("slurm_job_id")]
+    return starts[-1]["slurm_job_id"] if starts else None
+
+
+def clear(paths: RunPaths) -> str:
+    """Forget every failure so far; a pending job of the run gets its exclude list emptied."""
+    job_id = current_job(paths)
+    JsonlWriter(paths.events_metrics).log({"event": "bad_nodes_cleared"})
+    if job_id and _scontrol_job(job_id).get("JobState") == "PENDING":
+        _set_exclusion(job_id, [])
+        return f"bad nodes cleared; pending job {job_id} may start on any node again"
+    return "bad nodes cleared"

@@ -1,0 +1,159 @@
+"""GPU- and CPU-hours per role, and samples per GPU-hour (or per CPU-hour without GPUs).
+
+Two sources, the better one first:
+
+- Slurm accounting (`sacct`), where the run's jobs have records: each role is a job step named
+  `<launch.slurm.job_name>:<role>`, charged its elapsed time x the CPUs and GPUs of its AllocTRES;
+  an elastic engine job (RUN_DIR/scale/ops) is charged as a whole. The job rows themselves give
+  the allocation's total, which is what the cluster bills: roles that share a node overlap
+  (`srun --overlap`), and Slurm charges each such step the GPUs its node holds, so the roles'
+  hours may add up to more than the allocation's.
+- The run's own events, otherwise (the local executor, or no accounting on the cluster): the
+  launcher's `usage` event at the end of each start of the run says how long each role's
+  processes ran and what they were given (CPU threads, GPUs).
+
+`sacct` is asked only by `status` and at the end of a run, never on a step's path; once every job
+of the run has ended, its answer is kept in RUN_DIR/metrics/accounting.json (a live job's
+figures change, and are asked again).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import subprocess
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from relax_hpc.metrics.jsonl import read_jsonl
+from relax_hpc.paths import RunPaths, write_atomic
+
+SACCT_FIELDS = ("JobID", "JobName", "ElapsedRaw", "AllocTRES", "State")
+ACTIVE_STATES = ("PENDING", "RUNNING", "REQUEUED", "COMPLETING", "CONFIGURING", "SUSPENDED", "RESIZING")
+
+
+def role_kind(name: str) -> str:
+    """`engine-3` -> `engine`: a role's kind, which the hours are added up by."""
+    return re.sub(r"-\d+$", "", name)
+
+
+def tres(text: str) -> tuple[float, float]:
+    """(CPUs, GPUs) of an AllocTRES such as `cpu=4,gres/gpu=2,mem=0,node=1`."""
+    fields = dict(part.split("=", 1) for part in text.split(",") if "=" in part)
+    gpus = sum(float(v) for k, v in fields.items() if k == "gres/gpu" or k.startswith("gres/gpu:"))
+    return float(fields.get("cpu", 0)), gpus
+
+
+def _add(usage: dict[str, list[float]], kind: str, seconds: float, cpus: float, gpus: float) -> None:
+    usage[kind][0] += seconds * cpus / 3600
+    usage[kind][1] += seconds * gpus / 3600
+
+
+def from_sacct_rows(rows: list[dict[str, str]], elastic_jobs: set[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(hours per role kind, the allocations' total) from sacct rows (SACCT_FIELDS): a step named
+    `<prefix>:<role>` is that role's; an elastic job's own row is the `elastic` role's."""
+    roles: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    total: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for row in rows:
+        seconds = float(row["ElapsedRaw"] or 0)
+        cpus, gpus = tres(row["AllocTRES"])
+        if "." not in row["JobID"]:  # an allocation (a heterogeneous job: one row per component)
+            _add(total, "job", seconds, cpus, gpus)
+            if row["JobID"].split("+")[0] in elastic_jobs:
+                _add(roles, "elastic", seconds, cpus, gpus)
+        elif ":" in row["JobName"]:
+            _add(roles, role_kind(row["JobName"].split(":", 1)[1]), seconds, cpus, gpus)
+    return _hours(roles), _hours(total).get("job", {"cpu_h": 0.0, "gpu_h": 0.0})
+
+
+def from_events(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Hours per role kind from the launcher's `usage` events (one per start of the run)."""
+    roles: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for event in events:
+        if event.get("event") == "usage":
+            for name, used in event["roles"].items():
+                _add(roles, role_kind(name), used["s"], used["cpus"], used["gpus"])
+    return _hours(roles)
+
+
+def _hours(usage: dict[str, list[float]]) -> dict[str, Any]:
+    return {kind: {"cpu_h": cpu, "gpu_h": gpu} for kind, (cpu, gpu) in sorted(usage.items())}
+
+
+def run_jobs(paths: RunPaths) -> tuple[list[str], set[str]]:
+    """(every Slurm job of the run: its main job, its elastic engine jobs; the elastic ones)."""
+    jobs = {e["slurm_job_id"] for e in read_jsonl(paths.events_metrics) if e.get("event") == "start"} - {None}
+    if paths.slurm_job_id.is_file():
+        jobs.add(paths.slurm_job_id.read_text().strip())
+    elastic = set()
+    for op in (paths.scale / "ops").glob("*.json") if (paths.scale / "ops").is_dir() else []:
+        job = json.loads(op.read_text()).get("job_id")
+        if job:
+            elastic.add(str(job))
+    return sorted(jobs | elastic), elastic
+
+
+def sacct_rows(jobs: list[str]) -> list[dict[str, str]] | None:
+    """Every record of these jobs (-D: each requeued allocation too); None where sacct is missing
+    or has no records of them (no accounting storage)."""
+    try:
+        out = subprocess.run(
+            ["sacct", "-n", "-P", "-D", "-j", ",".join(jobs), "-o", ",".join(SACCT_FIELDS)],
+            capture_output=True, text=True, check=False, timeout=60,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = [line.split("|") for line in out.stdout.splitlines() if line.strip()]
+    rows = [dict(zip(SACCT_FIELDS, parts, strict=True)) for parts in lines if len(parts) == len(SACCT_FIELDS)]
+    return rows if out.returncode == 0 and rows else None
+
+
+def _cache(paths: RunPaths) -> Path:
+    return paths.root / "metrics" / "accounting.json"
+
+
+def accounting(paths: RunPaths, slurm: bool = True) -> dict[str, Any]:
+    """The run's hours per role kind, their source, and samples per GPU- or CPU-hour; with
+    `slurm` False, from the events alone (no sacct: what the metric sinks report)."""
+    jobs, elastic = run_jobs(paths) if slurm else ([], set())
+    facts: dict[str, Any] | None = None
+    if jobs and _cache(paths).is_file():
+        cached = json.loads(_cache(paths).read_text())
+        facts = cached if cached.get("jobs") == jobs else None
+    if facts is None and jobs:
+        rows = sacct_rows(jobs)
+        if rows is not None:
+            roles, total = from_sacct_rows(rows, elastic)
+            facts = {"source": "sacct", "jobs": jobs, "roles": roles, "total": total}
+            if not any(r["State"].split()[0] in ACTIVE_STATES for r in rows):  # final: never asked again
+                with contextlib.suppress(OSError):  # a RUN_DIR this user may only read
+                    write_atomic(_cache(paths), json.dumps(facts).encode())
+    if facts is None:
+        roles = from_events(read_jsonl(paths.events_metrics))
+        total = {unit: sum(r[unit] for r in roles.values()) for unit in ("cpu_h", "gpu_h")}
+        facts = {"source": "events", "jobs": jobs, "roles": roles, "total": total}
+    samples = sum(r.get("samples", 0) for r in read_jsonl(paths.train_metrics) if "loss" in r)  # trained steps
+    return {**facts, **per_hour(samples, facts["total"])}
+
+
+def per_hour(samples: int, total: dict[str, float]) -> dict[str, Any]:
+    """Samples trained per GPU-hour of the whole run (per CPU-hour where it had no GPUs)."""
+    unit = "gpu_h" if total["gpu_h"] > 0 else "cpu_h"
+    rate = samples / total[unit] if total[unit] > 0 else 0.0
+    return {"samples": samples, f"samples_per_{unit}": rate}
+
+
+def render(facts: dict[str, Any]) -> list[str]:
+    """A line per role kind, then the total and the rate."""
+    lines = [
+        f"usage:       {kind} {r['gpu_h']:.3f} GPU-h, {r['cpu_h']:.3f} CPU-h" for kind, r in facts["roles"].items()
+    ]
+    total = facts["total"]
+    unit = "GPU" if "samples_per_gpu_h" in facts else "CPU"
+    lines.append(
+        f"usage:       total {total['gpu_h']:.3f} GPU-h, {total['cpu_h']:.3f} CPU-h ({facts['source']}); "
+        f"{facts['samples']} samples, {facts[f'samples_per_{unit.lower()}_h']:.0f} per {unit}-hour"
+    )
+    return lines

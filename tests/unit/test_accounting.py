@@ -1,0 +1,128 @@
+"""GPU- and CPU-hours per role (metrics.accounting), the resources a role's command line gives it
+(launch.supervisor.given), and the counting of bad nodes (launch.badnodes)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from relax_hpc.launch.badnodes import bad_nodes, failures, newly_bad, usable_exclusion
+from relax_hpc.launch.supervisor import given
+from relax_hpc.metrics.accounting import accounting, from_events, from_sacct_rows, per_hour, render, role_kind, tres
+from relax_hpc.metrics.jsonl import JsonlWriter
+from relax_hpc.paths import RunPaths
+
+
+def row(job: str, name: str, seconds: int, alloc: str, state: str = "COMPLETED") -> dict[str, str]:
+    return {"JobID": job, "JobName": name, "ElapsedRaw": str(seconds), "AllocTRES": alloc, "State": state}
+
+
+def test_alloc_tres_gives_cpus_and_gpus_of_any_gpu_type():
+    assert tres("billing=4,cpu=4,gres/gpu=2,mem=0,node=1") == (4.0, 2.0)
+    assert tres("cpu=8,gres/gpu:h100=4,mem=10G") == (8.0, 4.0)
+    assert tres("cpu=2,mem=0,node=1") == (2.0, 0.0) and tres("") == (0.0, 0.0)
+
+
+def test_role_kinds_add_up_numbered_roles():
+    assert [role_kind(n) for n in ("engine-0", "engine-12", "judge-1", "trainer", "el3f2a1b")] == [
+        "engine", "engine", "judge", "trainer", "el3f2a1b",
+    ]  # fmt: skip
+
+
+def test_sacct_steps_are_the_roles_and_job_rows_the_allocation():
+    rows = [
+        row("7", "relax_hpc", 3600, "billing=8,cpu=8,gres/gpu=4,node=2"),  # the allocation, first start
+        row("7.batch", "batch", 3600, "cpu=4,gres/gpu=2,node=1"),  # the launcher: no role
+        row("7.0", "relax_hpc:trainer", 1800, "cpu=4,gres/gpu=2,node=1"),
+        row("7.1", "relax_hpc:engine-0", 3600, "cpu=2,gres/gpu=2,node=1"),
+        row("7.2", "relax_hpc:engine-1", 1800, "cpu=2,gres/gpu=2,node=1"),
+        row("7", "relax_hpc", 1800, "billing=8,cpu=8,gres/gpu=4,node=2"),  # after a requeue (sacct -D)
+        row("7.0", "relax_hpc:trainer", 900, "cpu=4,gres/gpu=2,node=1"),
+        row("9", "relax_hpc:el01", 7200, "cpu=1,gres/gpu=1,node=1"),  # an elastic engine job
+        row("9.batch", "batch", 7200, "cpu=1,gres/gpu=1,node=1"),
+    ]
+    roles, total = from_sacct_rows(rows, elastic_jobs={"9"})
+    assert roles["trainer"] == {"cpu_h": pytest.approx(3.0), "gpu_h": pytest.approx(1.5)}
+    assert roles["engine"] == {"cpu_h": pytest.approx(3.0), "gpu_h": pytest.approx(3.0)}
+    assert roles["elastic"] == {"cpu_h": pytest.approx(2.0), "gpu_h": pytest.approx(2.0)}
+    assert set(roles) == {"trainer", "engine", "elastic"}
+    assert total == {"cpu_h": pytest.approx(8 * 1.5 + 2), "gpu_h": pytest.approx(4 * 1.5 + 2)}
+
+
+def test_heterogeneous_components_each_count_toward_the_allocation():
+    rows = [row("5+0", "r", 3600, "cpu=4,gres/gpu=2"), row("5+1", "r", 3600, "cpu=2,gres/gpu=4"),
+            row("5+1.0", "r:engine-0", 3600, "cpu=2,gres/gpu=4")]  # fmt: skip
+    roles, total = from_sacct_rows(rows, elastic_jobs=set())
+    assert total == {"cpu_h": 6.0, "gpu_h": 6.0} and roles == {"engine": {"cpu_h": 2.0, "gpu_h": 4.0}}
+
+
+def test_events_give_seconds_times_resources_per_start():
+    events: list[dict[str, Any]] = [
+        {"event": "start"},
+        {
+            "event": "usage",
+            "roles": {"trainer": {"s": 7200, "cpus": 4, "gpus": 2}, "engine-0": {"s": 3600, "cpus": 1, "gpus": 0}},
+        },
+        {"event": "usage", "roles": {"trainer": {"s": 3600, "cpus": 4, "gpus": 2}}},
+    ]
+    assert from_events(events) == {"engine": {"cpu_h": 1.0, "gpu_h": 0.0}, "trainer": {"cpu_h": 12.0, "gpu_h": 6.0}}
+
+
+def test_samples_per_gpu_hour_or_per_cpu_hour_without_gpus():
+    assert per_hour(1000, {"cpu_h": 10.0, "gpu_h": 2.0}) == {"samples": 1000, "samples_per_gpu_h": 500.0}
+    assert per_hour(1000, {"cpu_h": 4.0, "gpu_h": 0.0}) == {"samples": 1000, "samples_per_cpu_h": 250.0}
+    assert per_hour(0, {"cpu_h": 0.0, "gpu_h": 0.0}) == {"samples": 0, "samples_per_cpu_h": 0.0}
+    facts = {"source": "events", "roles": {"trainer": {"cpu_h": 4.0, "gpu_h": 0.0}},
+             "total": {"cpu_h": 4.0, "gpu_h": 0.0}, **per_hour(1000, {"cpu_h": 4.0, "gpu_h": 0.0})}  # fmt: skip
+    assert render(facts)[-1].endswith("(events); 1000 samples, 250 per CPU-hour")
+
+
+def test_a_roles_command_line_says_what_it_was_given():
+    step = ["srun", "--overlap", "--nodes=2", "--cpus-per-task=8", "--nodelist=a,b", "python", "-m",
+            "relax_hpc.launch.gpus", "0-3", "--", "python"]  # fmt: skip
+    assert given(step, threads=1) == {"cpus": 16.0, "gpus": 8.0}
+    local_trainer = ["python", "-m", "relax_hpc.launch.gpus", "none", "--", "python", "-m", "relax_hpc.trainer.main",
+                     "--nproc-per-node", "2"]  # fmt: skip
+    assert given(local_trainer, threads=3) == {"cpus": 6.0, "gpus": 0.0}
+
+
+def exit_on(nodes: list[str], code: int = 1, hung: str | None = None) -> dict:
+    return {"event": "role_exit", "role": "engine-0", "exit": code, "hung": hung, "nodes": nodes}
+
+
+def test_a_node_is_bad_after_two_failures_and_clearing_starts_the_count_again():
+    events = [exit_on(["n1"]), exit_on(["n2"]), exit_on(["n1"], code=-9, hung="hung")]
+    assert failures(events) == {"n1": 2, "n2": 1}
+    assert bad_nodes(events, 2) == ["n1"] and bad_nodes(events, 1) == ["n1", "n2"] and bad_nodes(events, 0) == []
+    assert newly_bad(events, ["n1"], 2) == ["n1"] and newly_bad([*events, exit_on(["n1"])], ["n1"], 2) == []
+    cleared = [*events, {"event": "bad_nodes_cleared"}, exit_on(["n1"])]
+    assert failures(cleared) == {"n1": 1} and bad_nodes(cleared, 2) == []
+
+
+def test_clean_exits_and_multi_node_roles_mark_no_node():
+    events = [exit_on(["n1"], code=0), exit_on(["n1"], code=0), exit_on(["n1", "n2"]), exit_on(["n1", "n2"]),
+              exit_on([]), exit_on([])]  # fmt: skip
+    assert failures(events) == {}
+
+
+def test_the_exclusion_leaves_the_job_enough_nodes():
+    assert usable_exclusion(["n3", "n1"], ["n1", "n2", "n3", "n4"], needed=2) == (["n3", "n1"], [])
+    assert usable_exclusion(["n3", "n1"], ["n1", "n2", "n3", "n4"], needed=3) == (["n3"], ["n1"])
+    assert usable_exclusion(["n1"], ["n1"], needed=1) == ([], ["n1"])  # the only node stays in
+    assert usable_exclusion(["x9"], ["n1", "n2"], needed=1) == ([], [])  # not in the partition: nothing to do
+
+
+def test_a_final_sacct_answer_is_kept_and_the_events_stand_in_without_one(tmp_path, monkeypatch):
+    monkeypatch.delenv("SLURM_CONF", raising=False)  # no cluster: sacct, where installed, answers nothing
+    paths = RunPaths(tmp_path)
+    paths.slurm_job_id.parent.mkdir(parents=True)
+    paths.slurm_job_id.write_text("42\n")
+    JsonlWriter(paths.events_metrics).log({"event": "usage", "roles": {"trainer": {"s": 3600, "cpus": 2, "gpus": 0}}})
+    assert accounting(paths)["source"] == "events" and accounting(paths)["total"] == {"cpu_h": 2.0, "gpu_h": 0.0}
+    kept = {"source": "sacct", "jobs": ["42"], "roles": {}, "total": {"cpu_h": 8.0, "gpu_h": 4.0}}
+    (tmp_path / "metrics" / "accounting.json").write_text(json.dumps(kept))
+    assert accounting(paths) == {**kept, "samples": 0, "samples_per_gpu_h": 0.0}
+    paths.slurm_job_id.write_text("43\n")  # submitted again: another job, the kept answer is not its
+    assert accounting(paths)["source"] == "events"
