@@ -84,7 +84,9 @@ def _hours(usage: dict[str, list[float]]) -> dict[str, Any]:
 
 def run_jobs(paths: RunPaths) -> tuple[list[str], set[str]]:
     """(every Slurm job of the run: its main job, its elastic engine jobs; the elastic ones)."""
-    jobs = {e["slurm_job_id"] for e in read_jsonl(paths.events_metrics) if e.get("event") == "start"} - {None}
+    # .get: an eval job's start records no job id (it runs in submit's process or its batch shell).
+    starts = [e for e in read_jsonl(paths.events_metrics) if e.get("event") == "start"]
+    jobs: set[str] = {str(e["slurm_job_id"]) for e in starts if e.get("slurm_job_id") is not None}
     if paths.slurm_job_id.is_file():
         jobs.add(paths.slurm_job_id.read_text().strip())
     elastic = set()
