@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from relax_hpc import fence
 from relax_hpc.algos.stats import Stats
 from relax_hpc.ckpt.best import choose_export, is_eval_version, write_record
 from relax_hpc.ckpt.manager import Checkpointer
@@ -463,6 +464,7 @@ def export(paths: RunPaths, export_version: str, metric: str, step: int) -> None
     if dist.get_rank() == 0:
         from relax_hpc.ckpt.export import convert
 
+        fence.check("export")  # a superseded trainer writes no RUN_DIR/hf, as for its checkpoints
         started = time.monotonic()
         choice = choose_export(eval_scores(paths, metric), paths.ckpt, export_version, metric, step)
         convert(paths.root, paths.export, choice.version)
