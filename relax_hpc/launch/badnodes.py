@@ -16,6 +16,7 @@ stay in and the launcher says so instead (a `bad_node_kept` event).
 
 from __future__ import annotations
 
+import signal
 import subprocess
 from collections import Counter
 from collections.abc import Callable
@@ -115,9 +116,10 @@ def apply_exclusion(plan: Exclusion, events: JsonlWriter, say: Callable[[str], N
     if plan.kept:
         events.log({"event": "bad_node_kept", "job": plan.job_id, "nodes": plan.kept})
         say(_kept_line(plan))
-    if not _set_exclusion(plan.job_id, plan.excluded):
-        events.log({"event": "nodes_not_excluded", "job": plan.job_id, "why": "the job is not pending"})
-        say(f"job {plan.job_id} is not pending (not requeued): nothing excluded")
+    refused = _set_exclusion(plan.job_id, plan.excluded)
+    if refused:
+        events.log({"event": "nodes_not_excluded", "job": plan.job_id, "why": refused})
+        say(f"job {plan.job_id}: nothing excluded ({refused})")
 
 
 def _kept_line(plan: Exclusion) -> str:
@@ -136,10 +138,19 @@ def exclude_if_requeued(paths: RunPaths, job_id: str, threshold: int, events: Js
     return lines
 
 
-def _set_exclusion(job_id: str, nodes: list[str]) -> bool:
-    """Set a pending job's ExcNodeList; False where Slurm refuses (the job is not pending)."""
-    argv = ["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(nodes)}"]
-    return subprocess.run(argv, capture_output=True, check=False, timeout=60).returncode == 0
+def scontrol(*args: str) -> subprocess.CompletedProcess[str]:
+    """`scontrol ARGS` deaf to SIGTERM: a requeue SIGTERMs every process of the job, and these
+    calls come right after one (the launcher itself treats SIGTERM as a stop request)."""
+    return subprocess.run(
+        ["scontrol", *args], capture_output=True, text=True, check=False, timeout=60,
+        preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN),
+    )  # fmt: skip
+
+
+def _set_exclusion(job_id: str, nodes: list[str]) -> str | None:
+    """Set a pending job's ExcNodeList; Slurm's answer where it refuses (a job not pending)."""
+    out = scontrol("update", f"JobId={job_id}", f"ExcNodeList={','.join(nodes)}")
+    return None if out.returncode == 0 else (out.stderr.strip() or f"scontrol exit {out.returncode}")
 
 
 def current_job(paths: RunPaths) -> str | None:

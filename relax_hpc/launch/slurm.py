@@ -27,7 +27,7 @@ from pathlib import Path
 from relax_hpc.config.load import read_frozen
 from relax_hpc.config.schema import JobConfig
 from relax_hpc.launch.allocation import Allocation, AllocationError
-from relax_hpc.launch.badnodes import Exclusion, apply_exclusion, plan_exclusion
+from relax_hpc.launch.badnodes import Exclusion, apply_exclusion, plan_exclusion, scontrol
 from relax_hpc.launch.commands import step_commands
 from relax_hpc.launch.guard import stop_requeueing
 from relax_hpc.launch.supervisor import EXIT_COMPLETED, EXIT_STOPPED, Supervisor
@@ -61,8 +61,19 @@ def check_shared_run_dir(paths: RunPaths, alloc: Allocation) -> None:
         probe.unlink(missing_ok=True)
 
 
-def requeue(job_id: str) -> None:
-    subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)
+def requeue(job_id: str, supervisor: Supervisor, plan: Exclusion | None) -> None:
+    """Requeue this job. With bad nodes to leave out it is requeued held, given its exclude list
+    and released: a plain requeue lets the scheduler start it again before the list lands."""
+    if plan is None or not plan.excluded:
+        subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)
+    else:
+        subprocess.run(["scontrol", "requeuehold", job_id], check=True, timeout=60)
+        try:
+            leave_out_bad_nodes(supervisor, plan)
+        finally:  # Slurm's SIGKILL comes KillWait (30 s by default) after the requeue: time enough
+            released = scontrol("release", job_id)
+            if released.returncode:
+                supervisor.say(f"job {job_id} stays held ({released.stderr.strip()}): scontrol release {job_id}\n")
     print(f"requeued job {job_id}: the next start resumes from the checkpoint", flush=True)
 
 
@@ -110,8 +121,8 @@ def run_in_allocation(cfg: JobConfig, paths: RunPaths) -> int:
     code = supervisor.run()
     plan = plan_bad_nodes(supervisor) if code == EXIT_STOPPED else None
     if code == EXIT_STOPPED and notice.is_set() and may_requeue(cfg, paths, supervisor):
-        requeue(os.environ["SLURM_JOB_ID"])
-    if code == EXIT_STOPPED:  # requeued by this launcher, or by Slurm (a preemption): pending now
+        requeue(os.environ["SLURM_JOB_ID"], supervisor, plan)
+    elif code == EXIT_STOPPED:  # requeued by Slurm (a preemption): pending now, or running again
         leave_out_bad_nodes(supervisor, plan)
     return code
 

@@ -119,9 +119,9 @@ def test_sbatch_recipe_requeues_itself_and_completes(slurm_cluster, tmp_path):
     ):
         assert line in log, line
     assert {r["JobName"] for r in sacct(job)} >= ROLE_STEPS
-    # The exclusion is set on the job right after its requeue; whether its second start already
-    # avoided n1 depends on the scheduler being slower than that update (in CI at 1d3a1cf it was
-    # not: docs/limitations.md), so the test asserts the record the next start obeys.
+    # The launcher requeued its job held until its exclude list was set: the second start avoided n1.
+    second = [r["NodeList"] for r in sacct(job, "JobID,NodeList") if r["JobID"] == job][-1]
+    assert "n1" not in slurm("scontrol", "show", "hostnames", second).split(), second
     assert "ExcNodeList=n1" in slurm("scontrol", "-o", "show", "job", job).split()
     starts, ends = train_events(run_dir, "start"), train_events(run_dir, "end")
     assert [s["slurm_restart_count"] for s in starts] == [0, 1]
