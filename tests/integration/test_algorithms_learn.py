@@ -133,7 +133,8 @@ def test_reward_rises(name, learning_runs):
         assert isinstance(records, list), records
         rewards = [r["reward"] for r in records]
         first, last = sum(rewards[:10]) / 10, last10(records)
-        print(json.dumps({"case": name, "seed": seed, "steps": len(records), "first10": round(first, 3), "last10": round(last, 3)}))
+        facts = {"first10": round(first, 3), "last10": round(last, 3)}
+        print(json.dumps({"case": name, "seed": seed, "steps": len(records), **facts}))
         assert MIN_STEPS <= len(records) <= STEPS
         assert first < 0.2, (seed, first)
         assert all(k in records[-1] for k in ("clip_fraction", "approx_kl", "entropy", "advantage_mean", "ratio_max"))
