@@ -149,6 +149,28 @@ class Job:
             time.sleep(0.1)
         raise AssertionError(f"step {step} not reached in {timeout_s}s")
 
+    def run_until_learned(self, level: float, timeout_s: float, min_steps: int = 30) -> list[dict]:
+        """Run; once the last 10 steps' mean reward reaches `level` (from step `min_steps` on), ask
+        the run to stop (RUN_DIR/control/stop) and return the steps up to then: a learning test
+        has its answer, and the rest of the run would be CI time. A run that ends first (its
+        total_steps) returns all of its steps."""
+        self.start()
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout_s
+        while self.proc.poll() is None:
+            steps = self.steps()
+            if len(steps) >= min_steps and sum(s["reward"] for s in steps[-10:]) / 10 >= level:
+                (self.run_dir / "control").mkdir(exist_ok=True)
+                (self.run_dir / "control" / "stop").write_text("learned")
+                assert self.wait(timeout_s=120) in (0, 75), self.text()[-3000:]  # 75: stopped, resumable
+                return steps
+            if time.monotonic() > deadline:
+                self.kill_all()
+                raise AssertionError(f"job did not finish in {timeout_s}s; output:\n{self.text()[-3000:]}")
+            time.sleep(0.5)
+        assert self.proc.returncode == 0, self.text()[-3000:]
+        return self.steps()
+
     def kill_all(self) -> None:
         """kill -9 the launcher and every role it started (their sessions: recorded PIDs only)."""
         assert self.proc is not None, "start() the job first"
