@@ -13,7 +13,7 @@ from tests.runs import assert_nothing_lost_or_repeated, assert_reproduces
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-STEPS = 14
+STEPS = 10
 # Trained batches are kept (ckpt.keep_trained_batches): the checks read what every step trained.
 COMMON = (
     f"trainer.total_steps={STEPS}", "ckpt.every_steps=3", "rollout.prompts_per_step=8", "rollout.eval_every=0",
@@ -38,10 +38,10 @@ def test_on_policy_resume_reproduces_the_uninterrupted_run(tmp_path):
     reference = tmp_path / "reference"
     assert Job(reference, *COMMON, "rollout.max_staleness=0").run(timeout_s=400) == 0
     resumed = tmp_path / "resumed"
-    run_with_kills(resumed, 3, rng, *COMMON, "rollout.max_staleness=0")
+    run_with_kills(resumed, 2, rng, *COMMON, "rollout.max_staleness=0")
 
     assert_reproduces(reference, resumed, STEPS)
-    assert len(list((resumed / "logs").iterdir())) == 4  # one log folder per start
+    assert len(list((resumed / "logs").iterdir())) == 3  # one log folder per start
     # The metrics follow the checkpoint: steps trained after it and lost in a kill appear once.
     assert [r["step"] for r in Job(resumed).steps()] == list(range(1, STEPS + 1))
 
@@ -49,7 +49,7 @@ def test_on_policy_resume_reproduces_the_uninterrupted_run(tmp_path):
 def test_async_resume_loses_and_repeats_nothing(tmp_path):
     rng = random.Random(99)
     run_dir = tmp_path / "async"
-    run_with_kills(run_dir, 3, rng, *COMMON, "rollout.max_staleness=2")
+    run_with_kills(run_dir, 2, rng, *COMMON, "rollout.max_staleness=2")
     assert_nothing_lost_or_repeated(run_dir, STEPS)
 
 
