@@ -16,13 +16,11 @@ Also the steady push (group formed, as every step). Prints one JSON object.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,7 +33,12 @@ from relax_hpc.weights.buckets import plan_buckets
 from relax_hpc.weights.sender import push
 
 sys.path.insert(0, str(Path(__file__).parent))
-from weight_sync import random_qwen3, timed_pushes, two_engines  # the full-sync benchmark's model and engines
+from weight_sync import (  # the full-sync benchmark's model and engines
+    bench_parser,
+    scratch_run,
+    timed_pushes,
+    two_engines,
+)
 
 
 def start_engine(paths: RunPaths, model_dir: Path, dtype: str, bucket_mb: float | None) -> subprocess.Popen:
@@ -55,19 +58,11 @@ def registered(paths: RunPaths, proc: subprocess.Popen) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
+    parser = bench_parser(__doc__, bucket_mb=512.0, repeat=3)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--bucket-mb", type=float, default=512.0)
-    parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as tmp:
-        paths = RunPaths(Path(tmp) / "run")
-        paths.create()
-        model_dir = Path(tmp) / "model"
-        model = random_qwen3(model_dir, args.hidden, args.layers).to(getattr(torch, args.dtype))
+    with scratch_run(args.hidden, args.layers) as (paths, model_dir, fp32_model):
+        model = fp32_model.to(getattr(torch, args.dtype))
         model.save_pretrained(model_dir)
         params = [(n, p.detach()) for n, p in model.named_parameters()]
         tensors = lambda: iter(params)  # noqa: E731

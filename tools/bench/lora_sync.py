@@ -17,11 +17,9 @@ Prints one JSON object; `bytes_ratio` and `time_ratio` are full / LoRA.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,25 +33,21 @@ from relax_hpc.weights.buckets import plan_buckets
 from relax_hpc.weights.lora import SCALING, AdapterMerger
 
 sys.path.insert(0, str(Path(__file__).parent))
-from weight_sync import random_qwen3, timed_pushes, two_engines  # the full-sync benchmark's model and engines
+from weight_sync import (  # the full-sync benchmark's model and engines
+    bench_parser,
+    scratch_run,
+    timed_pushes,
+    two_engines,
+)
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
+    parser = bench_parser(__doc__, bucket_mb=512.0, repeat=5)
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--bucket-mb", type=float, default=512.0)
-    parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as tmp:
-        paths = RunPaths(Path(tmp) / "run")
-        paths.create()
-        model_dir = Path(tmp) / "model"
-        model = random_qwen3(model_dir, args.hidden, args.layers)
+    with scratch_run(args.hidden, args.layers) as (paths, model_dir, model):
         full = [(n, p.detach()) for n, p in model.named_parameters()]
         cfg = LoraConfig(rank=args.rank, alpha=2 * args.rank, target_modules=TARGETS)
         lora.add_adapters(model, cfg, str(model_dir), seed=0)

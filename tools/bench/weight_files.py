@@ -16,11 +16,9 @@ written once for every engine), `*_s_median` a push's seconds, each engine updat
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,31 +26,26 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from relax_hpc.paths import RunPaths
 from relax_hpc.weights.buckets import plan_buckets
 from relax_hpc.weights.files import ClientSettings, FileChannel
 from relax_hpc.weights.layout import EngineLayout
 from relax_hpc.weights.sender import free_port
 
 sys.path.insert(0, str(Path(__file__).parent))
-from weight_sync import random_qwen3, timed_pushes, two_engines  # the full-sync benchmark's model and engines
+from weight_sync import (  # the full-sync benchmark's model and engines
+    bench_parser,
+    scratch_run,
+    timed_pushes,
+    two_engines,
+)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--bucket-mb", type=float, default=64.0)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser = bench_parser(__doc__, bucket_mb=64.0, repeat=3)
     parser.add_argument("--changed-share", type=float, default=0.02)
     args = parser.parse_args()
-    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port('127.0.0.1')}", rank=0, world_size=1)
-    with tempfile.TemporaryDirectory() as tmp:
-        paths = RunPaths(Path(tmp) / "run")
-        paths.create()
-        model_dir = Path(tmp) / "model"
-        model = random_qwen3(model_dir, args.hidden, args.layers)
+    with scratch_run(args.hidden, args.layers) as (paths, model_dir, model):
         full = [(n, p.detach()) for n, p in model.named_parameters()]
         step = lambda: change(full, args.changed_share)  # noqa: E731
         limit = int(args.bucket_mb * 2**20)

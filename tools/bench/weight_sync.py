@@ -78,6 +78,28 @@ def random_qwen3(folder: Path, hidden: int, layers: int) -> Qwen3ForCausalLM:
     return model
 
 
+def bench_parser(doc: str | None, bucket_mb: float, repeat: int) -> argparse.ArgumentParser:
+    """The options every weight benchmark here shares: the model's shape, the bucket, repeats."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--bucket-mb", type=float, default=bucket_mb)
+    parser.add_argument("--repeat", type=int, default=repeat)
+    return parser
+
+
+@contextlib.contextmanager
+def scratch_run(hidden: int, layers: int) -> Iterator[tuple[RunPaths, Path, Qwen3ForCausalLM]]:
+    """A run folder and a random Qwen3 of this shape saved beside it, in a temporary folder; one
+    torch thread (the engines beside it get the other cores)."""
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = RunPaths(Path(tmp) / "run")
+        paths.create()
+        model_dir = Path(tmp) / "model"
+        yield paths, model_dir, random_qwen3(model_dir, hidden, layers)
+
+
 @contextlib.contextmanager
 def two_engines(paths: RunPaths, model_dir: Path, dtype: str = "float32") -> Iterator[WeightSender]:
     """Two built-in engines on the model, registered in `paths`; yields a sender to them."""
@@ -111,18 +133,8 @@ def timed_pushes(sender: WeightSender, buckets: list, params: Callable, first: i
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--bucket-mb", type=float, default=512.0)
-    parser.add_argument("--repeat", type=int, default=5)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as tmp:
-        paths = RunPaths(Path(tmp) / "run")
-        paths.create()
-        model_dir = Path(tmp) / "model"
-        model = random_qwen3(model_dir, args.hidden, args.layers)
+    args = bench_parser(__doc__, bucket_mb=512.0, repeat=5).parse_args()
+    with scratch_run(args.hidden, args.layers) as (paths, model_dir, model):
         params = list(model.named_parameters())
         nbytes = sum(p.numel() * p.element_size() for _, p in params)
         buckets = plan_buckets([(n, p.shape, p.dtype) for n, p in params], int(args.bucket_mb * 2**20))
