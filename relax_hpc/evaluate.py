@@ -10,9 +10,9 @@ launcher's own engine command lines (relax_hpc.launch.commands; logs in RUN_DIR/
 dataset not yet scored on it goes through the run's environment and reward exactly as the driver's
 evaluations do (relax_hpc.rollout: EnginePolicy over the engines, Rounds.evaluation_rewards), k
 episodes per prompt; its figures (relax_hpc.metrics.evaluation) are appended to
-RUN_DIR/eval/results.jsonl and RUN_DIR/eval/table.md is rewritten. results.jsonl is the record:
-the same command on an interrupted job starts at the first model x dataset it lacks, and on a
-finished one does nothing.
+RUN_DIR/eval/results.jsonl, and RUN_DIR/eval/table.md and RUN_DIR/plots/eval.png are
+rewritten. results.jsonl is the record: the same command on an interrupted job starts at the
+first model x dataset it lacks, and on a finished one does nothing.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from relax_hpc.launch.supervisor import EXIT_STOPPED, Role, child_env
 from relax_hpc.metrics.evaluation import figures, finished, table
 from relax_hpc.metrics.jsonl import JsonlWriter, drop_records, read_jsonl
 from relax_hpc.paths import RunPaths, write_atomic
+from relax_hpc.plot import eval_figure
 from relax_hpc.rewards import RewardError, make_scorer
 from relax_hpc.rollout.engine_policy import EnginePolicy, EnginePool, Stopping
 from relax_hpc.rollout.plan import sample_seed
@@ -114,9 +115,11 @@ class EvalJob:
         return 0
 
     def write_table(self) -> str:
-        """RUN_DIR/eval/table.md from the record as it is now; returns it."""
+        """RUN_DIR/eval/table.md and RUN_DIR/plots/eval.png from the record as it is now; returns
+        the table."""
         text = table(read_jsonl(self.paths.eval_results))
         write_atomic(self.paths.eval_table, text.encode())
+        eval_figure(self.paths, self.paths.plots)
         return text
 
     def model_folder(self, model: EvalModelConfig) -> str:

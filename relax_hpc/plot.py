@@ -11,6 +11,10 @@ Writes PNG files:
 - staleness.png   mean and max staleness of the trained samples, samples set aside as stale
 - overview.png    the four above, one panel each
 
+On an eval job's RUN_DIR (kind=eval) it writes eval.png instead: per dataset, greedy accuracy
+(and mean@k, pass@k with k > 1) of each model in the order eval.models lists them, so that the
+checkpoints of a run read left to right. The eval job writes it itself after every scored pair.
+
 Every figure marks the steps where the run stopped early and where it resumed (dotted lines).
 
 With --trace it also writes trace.json, a Chrome-trace timeline (chrome://tracing, Perfetto):
@@ -150,10 +154,39 @@ FIGURES: dict[str, Callable[[Axes, list[Record], list[Record]], None]] = {
 }
 
 
+def eval_panel(ax: Axes, rows: list[Record]) -> None:
+    """One dataset's results.jsonl records: each figure across the models, in the records' order."""
+    k = rows[0]["k"]
+    names = [r["model"] for r in rows]
+    series = {"greedy accuracy": "greedy_accuracy"}
+    if k > 1:
+        series |= {f"mean@{k}": "mean_at_k", f"pass@{k}": "pass_at_k"}
+    for label, key in series.items():
+        ax.plot(names, [r[key] for r in rows], "o-", label=label)
+    title = f"{rows[0]['dataset']} ({rows[0]['problems']} problems, k={k})"
+    ax.set(title=title, xlabel="model", ylabel="score", ylim=(0, 1.02))
+    ax.tick_params(axis="x", labelrotation=30)
+    ax.legend(fontsize="small")
+    ax.grid(alpha=0.3)
+
+
+def eval_figure(paths: RunPaths, out: Path) -> Path:
+    """eval.png: one panel per dataset of the eval job's results.jsonl."""
+    records = read_jsonl(paths.eval_results)
+    datasets = list(dict.fromkeys(r["dataset"] for r in records))
+    fig, axes = plt.subplots(1, len(datasets), figsize=(1 + 6 * len(datasets), 4), layout="constrained", squeeze=False)
+    for ax, dataset in zip(axes.flat, datasets, strict=True):
+        eval_panel(ax, [r for r in records if r["dataset"] == dataset])
+    out.mkdir(parents=True, exist_ok=True)
+    return _save(fig, out / "eval.png")
+
+
 def plot(run_dir: Path, out: Path) -> list[Path]:
     """Write every figure of the run to `out`; returns the files written."""
     paths = RunPaths(run_dir)
     steps = step_records(paths)
+    if not steps and paths.eval_results.is_file():
+        return [eval_figure(paths, out)]
     if not steps:
         raise SystemExit(f"{paths.train_metrics}: no trained step yet, nothing to plot")
     evals = [r for r in read_jsonl(paths.eval_metrics) if "greedy_accuracy" in r]

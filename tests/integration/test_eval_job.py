@@ -94,6 +94,7 @@ def test_an_eval_job_scores_two_models_resumes_after_an_interruption_and_then_do
         assert r["pass_at"]["1"] == pytest.approx(r["mean_at_k"])  # exact-match rewards are 0 or 1
     table = (run_dir / "eval" / "table.md").read_text()
     assert f"| teacher | {teacher['greedy_accuracy']:.3f} | {teacher['mean_at_k']:.3f} |" in table
+    assert (run_dir / "plots" / "eval.png").read_bytes().startswith(b"\x89PNG")
 
     code, out = finish(submit(run_dir, checkpoint))
     assert code == 0 and "already complete" in out and "| teacher |" in out, out[-3000:]

@@ -1,5 +1,6 @@
 """What the command-line tools show: `scale`'s help (what a user may type, nothing of argparse's
-internals) and `plot`'s figures (axis labels, the run's stops and resumes marked)."""
+internals) and `plot`'s figures (axis labels, the run's stops and resumes marked, an eval job's
+scores across its models)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ import sys
 from pathlib import Path
 
 import matplotlib.pyplot as plt
+import pytest
 
-from relax_hpc.metrics.jsonl import JsonlWriter
+from relax_hpc.metrics.jsonl import JsonlWriter, read_jsonl
 from relax_hpc.metrics.summary import step_records
 from relax_hpc.paths import RunPaths
-from relax_hpc.plot import mark, plot, reward, stops_and_resumes
+from relax_hpc.plot import eval_panel, mark, plot, reward, stops_and_resumes
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -58,3 +60,32 @@ def test_the_plots_name_the_reward_axis_and_mark_each_stop_and_resume(tmp_path):
     assert sorted(p.name for p in plot(paths.root, tmp_path / "plots")) == [
         "kl_entropy.png", "overview.png", "reward.png", "staleness.png", "time.png"
     ]  # fmt: skip
+
+
+def eval_record(model: str, dataset: str, k: int, greedy: float) -> dict:
+    figures = {"mean_at_k": greedy / 2, "pass_at_k": greedy + 0.1} if k > 1 else {}
+    return {"model": model, "dataset": dataset, "k": k, "problems": 9, "greedy_accuracy": greedy, **figures}
+
+
+def test_an_eval_job_s_plot_shows_each_dataset_s_scores_across_its_models_in_order(tmp_path):
+    paths = RunPaths(tmp_path / "eval-run")
+    paths.create()
+    paths.eval_results.parent.mkdir(parents=True, exist_ok=True)
+    writer = JsonlWriter(paths.eval_results)
+    models = ["sft", "rl-step-2", "rl"]
+    for i, model in enumerate(models):
+        writer.log(eval_record(model, "addition", 4, 0.2 * (i + 1)))
+        writer.log(eval_record(model, "held-out", 1, 0.1 * (i + 1)))
+    fig, ax = plt.subplots()
+    eval_panel(ax, [r for r in read_jsonl(paths.eval_results) if r["dataset"] == "addition"])
+    assert [line.get_label() for line in ax.lines] == ["greedy accuracy", "mean@4", "pass@4"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == models
+    assert [float(y) for y in ax.lines[0].get_ydata()] == [0.2, 0.4, pytest.approx(0.6)]  # type: ignore[arg-type,union-attr]
+    assert ax.get_title() == "addition (9 problems, k=4)"
+    plt.close(fig)
+    fig, ax = plt.subplots()
+    eval_panel(ax, [r for r in read_jsonl(paths.eval_results) if r["dataset"] == "held-out"])
+    assert [line.get_label() for line in ax.lines] == ["greedy accuracy"]  # k = 1: no sampled figures
+    plt.close(fig)
+    (written,) = plot(paths.root, tmp_path / "plots")  # an eval RUN_DIR: its one figure
+    assert written.name == "eval.png" and written.read_bytes().startswith(b"\x89PNG")
