@@ -186,6 +186,12 @@ class RolloutConfig(Section):
     """Restarts of each engine process before the run gives up."""
     eval_every: int = Field(default=25, ge=0)
     """Greedy accuracy over the whole dataset every N policy versions (0 = only at the end)."""
+    eval_engines: int = Field(default=0, ge=0)
+    """Engines of their own for those evaluations (roles engine-eval-N). They get every weight
+    push like the rollout engines but no rollout requests, and the driver evaluates on them
+    while it goes on generating, so an evaluation never holds generation (or training) back.
+    0: the rollout engines evaluate, and the driver generates nothing meanwhile. The built-in
+    engine only, not with launch.colocate."""
     catch_up: Literal["engine", "trainer"] = "engine"
     """How a new or restarted rollout engine gets the current weights. `engine`: at start it
     copies them from the healthy engine at the highest version (over HTTP, checked whole and
@@ -960,6 +966,22 @@ class JobConfig(Section):
             raise ValueError("kind=sft: " + "; ".join(problems))
         if self.launch.executor == "slurm" and self.launch.slurm.rollout.nodes:
             raise ValueError("kind=sft runs no rollout engines: set launch.slurm.rollout.nodes=0")
+        return self
+
+    @model_validator(mode="after")
+    def _eval_engines(self) -> JobConfig:
+        if not self.rollout.eval_engines:
+            return self
+        refused = {
+            "kind": (f"is {self.kind}: evaluation engines serve an rl run's driver", self.kind != "rl"),
+            "rollout.engine": (f"is {self.rollout.engine}: only built-in engines evaluate (not wired yet)",
+                               self.rollout.engine != "torch"),
+            "launch.colocate": ("puts the engines on the trainer's devices (evaluation engines there: not wired yet)",
+                                self.launch.colocate),
+        }  # fmt: skip
+        problems = [f"{key} {why}" for key, (why, bad) in refused.items() if bad]
+        if problems:
+            raise ValueError(f"rollout.eval_engines={self.rollout.eval_engines}: " + "; ".join(problems))
         return self
 
     @model_validator(mode="after")

@@ -65,12 +65,16 @@ class LocalDevices:
 def engine_pools(cfg: JobConfig) -> list[tuple[str, str, int]]:
     """(role prefix, registry pool, count) of the run's engine processes, in launch order: the
     rollout engines, the judge engines (reward.name=judge), the teacher engines
-    (algo.teacher.num_engines). An sft job has none."""
+    (algo.teacher.num_engines), the evaluation engines (rollout.eval_engines: policy engines,
+    pushed to like the rollout engines). An sft job has none."""
+    from relax_hpc.protocol.registry import EVAL_ENGINE_PREFIX  # here: this module's own command stays light
+
     if cfg.kind == "sft":
         return []
     judges = cfg.reward.judge.num_engines if cfg.reward.name == "judge" else 0
     return [("engine", "policy", cfg.rollout.num_engines), ("judge", "judge", judges),
-            ("teacher", "teacher", cfg.algo.teacher.num_engines)]  # fmt: skip
+            ("teacher", "teacher", cfg.algo.teacher.num_engines),
+            (EVAL_ENGINE_PREFIX.rstrip("-"), "policy", cfg.rollout.eval_engines)]  # fmt: skip
 
 
 def engine_count(cfg: JobConfig) -> int:

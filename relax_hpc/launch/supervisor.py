@@ -259,7 +259,9 @@ class Supervisor:
             + (f"devices: {self.devices}\n" if self.devices else "")
             + f"{'resuming at step ' + str(recovery.step) if recovery.step else 'starting'}: "
             + (
-                f"{ro.num_engines} engine(s), {self.cfg.trainer.num_ranks} trainer rank(s), "
+                f"{ro.num_engines} engine(s)"
+                + (f" and {ro.eval_engines} evaluation engine(s)" if ro.eval_engines else "")
+                + f", {self.cfg.trainer.num_ranks} trainer rank(s), "
                 f"max_staleness {ro.max_staleness}\n"
                 if self.cfg.kind == "rl"
                 else f"sft, {self.cfg.trainer.num_ranks} trainer rank(s)\n"

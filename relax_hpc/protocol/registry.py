@@ -15,6 +15,8 @@ from pathlib import Path
 from relax_hpc import fence
 from relax_hpc.paths import write_atomic
 
+EVAL_ENGINE_PREFIX = "engine-eval-"  # rollout.eval_engines: registered beside the rollout engines
+
 
 @dataclass(frozen=True, slots=True)
 class EngineRecord:
@@ -28,6 +30,11 @@ class EngineRecord:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def evaluates(self) -> bool:
+        """An engine of rollout.eval_engines: it gets every push, and serves the evaluations only."""
+        return self.engine_id.startswith(EVAL_ENGINE_PREFIX)
 
 
 def write_record(folder: Path, record: EngineRecord) -> None:

@@ -92,6 +92,23 @@ class Driver:
         scorer = make_scorer(cfg.reward, judge)
         self.teacher = TeacherScorer(cfg, paths) if cfg.algo.teacher.num_engines else None
         self.rounds = Rounds(cfg, self.rows, self.prompt_ids, self.tokenizer, self.policy, scorer, self.failures.log)
+        # Evaluations: on the rollout engines, between batches; or on engines of their own
+        # (rollout.eval_engines), beside generation.
+        self.eval_pool, self.eval_policy, self.eval_rounds = self.pool, self.policy, self.rounds
+        if self.ro.eval_engines:
+            self.eval_pool = EnginePool(paths, self.ro.request_timeout_s, self.ro.engine, evaluation=True)
+            self.eval_policy = EnginePolicy(
+                self.eval_pool,
+                self.policy.decode,
+                self.policy.media_token_ids,
+                stopping=lambda: self.stopping,
+                adapters=cfg.lora_adapters,
+            )
+            self.eval_rounds = Rounds(
+                cfg, self.rows, self.prompt_ids, self.tokenizer, self.eval_policy, scorer, self.failures.log
+            )
+        self.next_eval = 0  # the next policy version to evaluate (run() sets it)
+        self._evaluation: asyncio.Task[int] | None = None  # one on the evaluation engines
 
     async def _beat(self) -> None:
         """The heartbeat (RUN_DIR/health/driver.json): written by the event loop, so a loop stuck
@@ -120,12 +137,50 @@ class Driver:
     async def evaluate(self, version: int) -> int:
         """Greedy accuracy over the dataset on engines holding at least `version`; returns the
         version evaluated (the oldest that answered)."""
-        self.policy.min_version = version
-        accuracy = await self.rounds.evaluate(list(range(len(self.rows))))
-        evaluated = max(version, min((e.version for e in self.pool.eligible(version)), default=version))
-        self.evals.log({"version": evaluated, "greedy_accuracy": accuracy, "problems": len(self.rows)})
+        self.eval_policy.min_version = version
+        started = time.monotonic()
+        accuracy = await self.eval_rounds.evaluate(list(range(len(self.rows))))
+        evaluated = max(version, min((e.version for e in self.eval_pool.eligible(version)), default=version))
+        seconds = round(time.monotonic() - started, 4)
+        record = {"version": evaluated, "greedy_accuracy": accuracy, "problems": len(self.rows), "seconds": seconds}
+        self.evals.log(record)
         log.info("eval at version %d: greedy accuracy %.3f", evaluated, accuracy)
         return evaluated
+
+    def evaluated(self, version: int) -> bool:
+        """Move to the next version to evaluate; True once the run's last one is evaluated."""
+        total, every = self.cfg.trainer.total_steps, self.ro.eval_every or self.cfg.trainer.total_steps
+        if version >= total:
+            log.info("final version %d evaluated: driver done", version)
+            return True
+        self.next_eval = min(total, (version // every + 1) * every)
+        return False
+
+    async def evaluate_between_batches(self, newest: int) -> bool:
+        """Evaluate on the rollout engines now; True once the run's last version is evaluated."""
+        try:
+            return self.evaluated(await self.evaluate(newest))
+        except (EngineUnavailable, EngineRequestError) as e:
+            log.warning("eval failed (%s); will retry", e)
+            return False
+
+    def evaluate_beside_generation(self) -> bool:
+        """On the evaluation engines: collect a finished evaluation, start the next once they hold
+        its version; True once the run's last version is evaluated."""
+        task = self._evaluation
+        if task is not None and task.done():
+            self._evaluation = None
+            try:
+                if self.evaluated(task.result()):
+                    return True
+            except (EngineUnavailable, EngineRequestError) as e:
+                log.warning("eval failed (%s); will retry", e)
+        if self._evaluation is None:
+            self.eval_pool.refresh(every=0.2)
+            newest = max((e.version for e in self.eval_pool.engines), default=-1)
+            if newest >= self.next_eval:
+                self._evaluation = asyncio.get_running_loop().create_task(self.evaluate(newest))
+        return False
 
     # -- main loop ------------------------------------------------------------------------------
 
@@ -134,7 +189,7 @@ class Driver:
         every = self.ro.eval_every or total
         resumed = (read_trainer_state(self.paths.ckpt) or {"version": 0})["version"]
         done = [int(r["version"]) for r in read_jsonl(self.paths.eval_metrics) if "version" in r]
-        next_eval = first_evaluation(resumed, max(done, default=-1), every, total)
+        self.next_eval = first_evaluation(resumed, max(done, default=-1), every, total)
         seq = self.spool.next_seq()
         log.info("driver starts at batch %d", seq)
         self.position = seq
@@ -147,16 +202,12 @@ class Driver:
             newest = max((e.version for e in self.pool.engines), default=-1)
             if self.startup and newest >= 0:
                 self.startup.mark("engines")
-            if newest >= next_eval:
-                try:
-                    evaluated = await self.evaluate(newest)
-                except (EngineUnavailable, EngineRequestError) as e:
-                    log.warning("eval failed (%s); will retry", e)
-                else:
-                    if evaluated >= total:
-                        log.info("final version %d evaluated: driver done", evaluated)
-                        return
-                    next_eval = min(total, (evaluated // every + 1) * every)
+            if self.eval_pool is not self.pool:
+                if self.evaluate_beside_generation():
+                    return
+            elif newest >= self.next_eval:
+                if await self.evaluate_between_batches(newest):
+                    return
                 continue
             if self.pool.eligible(seq - k) and seq < total + k:
                 started = time.monotonic()

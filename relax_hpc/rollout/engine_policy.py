@@ -55,10 +55,12 @@ class Engine:
 
 class EnginePool:
     """The engines that answer, with the policy version each holds (re-read at most every
-    `every` seconds of refresh, 0.5 by default). `kind`: rollout.engine (which API they speak)."""
+    `every` seconds of refresh, 0.5 by default). `kind`: rollout.engine (which API they speak);
+    `evaluation`: the run's evaluation engines (rollout.eval_engines) instead of its rollout ones."""
 
-    def __init__(self, paths: RunPaths, timeout_s: float, kind: str = "torch") -> None:
+    def __init__(self, paths: RunPaths, timeout_s: float, kind: str = "torch", evaluation: bool = False) -> None:
         self.paths = paths
+        self.evaluation = evaluation  # the pool of rollout.eval_engines, else the rollout engines
         self.api_key = paths.read_token()
         self.timeout_s = timeout_s
         self.client_class = VllmClient if kind == "vllm" else EngineClient
@@ -72,7 +74,7 @@ class EnginePool:
         engines = []
         leaving = draining(self.paths)  # elastic engines asked to leave: nothing new for them
         for record in read_records(self.paths.engines):
-            if record.engine_id in leaving:
+            if record.engine_id in leaving or record.evaluates != self.evaluation:
                 continue
             client = self.client_class(record.url, self.api_key, self.timeout_s)
             try:

@@ -1,8 +1,8 @@
 """Pipelines on a real Slurm cluster: configs/tiny-pipeline.yaml (sft -> rl -> export -> eval), each
-stage its own job waiting for the one before it (afterok); a stage cancelled on its way stops
-the pipeline, and submitting it again resumes there (the finished stage skipped, a running one
-kept) and, once done, submits nothing; a stage that fails cancels the rest and is reported in
-one line."""
+stage its own job waiting for the one before it (afterok); the rl stage cancelled mid-training
+stops the pipeline, and submitting it again resumes there (the finished stage skipped, the rl
+run from the checkpoint its cancel wrote) and, once done, submits nothing; a stage that fails
+cancels the rest and is reported in one line."""
 
 from __future__ import annotations
 
@@ -16,17 +16,22 @@ import yaml
 
 from relax_hpc.metrics.jsonl import read_jsonl
 from relax_hpc.pipeline import render, status
-from tests.slurm.jobs import REPO, sacct, slurm, wait_until
+from tests.runs import assert_nothing_lost_or_repeated
+from tests.slurm.jobs import REPO, last_step, sacct, slurm, train_events, wait_until
 
 pytestmark = [pytest.mark.slurm]
 
 SLURM = {"launch.slurm.cpus_per_node": 2, "launch.slurm.time_min": 10}
 STAGES = ("sft", "rl", "halfway", "eval")
+RL_STEPS = 30  # long enough to be cancelled mid-training
 
 
-def pipeline_file(tmp_path: Path, name: str, **changes: object) -> Path:
+def pipeline_file(tmp_path: Path, name: str, rl_steps: int = 4, **changes: object) -> Path:
     tree = yaml.safe_load((REPO / "configs" / "tiny-pipeline.yaml").read_text())
     tree.update({"dir": str(tmp_path / name), "executor": "slurm", "overrides": SLURM, **changes})
+    if "stages" not in changes:  # rl: what every step trained kept, every checkpoint kept (halfway exports step 2)
+        rl = {"trainer.total_steps": rl_steps, "ckpt.keep_trained_batches": True, "ckpt.keep": rl_steps}
+        tree["stages"][1]["overrides"] |= rl
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(tree, sort_keys=False))
     return path
@@ -46,7 +51,7 @@ def submitted(out: subprocess.CompletedProcess) -> dict[str, str]:
 def test_the_tiny_pipeline_chained_by_afterok_resumes_at_a_cancelled_stage_and_then_submits_nothing(
     slurm_cluster, tmp_path
 ):
-    path, root = pipeline_file(tmp_path, "tiny"), tmp_path / "tiny"
+    path, root = pipeline_file(tmp_path, "tiny", rl_steps=RL_STEPS), tmp_path / "tiny"
     out = run_pipeline(path)
     assert out.returncode == 0, out.stdout + out.stderr
     first = submitted(out)
@@ -57,7 +62,8 @@ def test_the_tiny_pipeline_chained_by_afterok_resumes_at_a_cancelled_stage_and_t
     for before, job in itertools.pairwise(jobs):  # a stage already started shows no dependency
         assert dependencies.get(job, f"afterok:{before}").startswith(f"afterok:{before}"), queued
 
-    slurm("scancel", first["rl"])  # the second stage does not finish: the pipeline stops there
+    wait_until(lambda: last_step(root / "rl") >= 3, 300, "the rl stage's step 3")
+    slurm("scancel", first["rl"])  # SIGTERM mid-training (a checkpoint first): the pipeline stops there
     stopped = wait_until(lambda: render(status(root)).splitlines()[-1].startswith("pipeline stopped"), 60, "a stop")
     assert stopped and render(status(root)).splitlines()[-1].startswith(
         f"pipeline stopped at stage rl (rl): job {first['rl']} cancelled: "
@@ -73,6 +79,9 @@ def test_the_tiny_pipeline_chained_by_afterok_resumes_at_a_cancelled_stage_and_t
     assert all(later["Start"] >= earlier["End"] for earlier, later in itertools.pairwise(rows)), rows
     old = [r["State"].split()[0] for s in STAGES[1:] for r in sacct(first[s], "JobID,State") if r["JobID"] == first[s]]
     assert old == ["CANCELLED"] * 3
+    starts = train_events(root / "rl", "start")  # the rl run went on from where the cancel stopped it
+    assert len(starts) == 2 and starts[1]["step"] == train_events(root / "rl", "end")[0]["step"] >= 3, starts
+    assert_nothing_lost_or_repeated(root / "rl", RL_STEPS)
     records = read_jsonl(root / "eval" / "eval" / "results.jsonl")
     assert [r["model"] for r in records] == ["sft", "rl-step-2", "rl"]
 

@@ -94,6 +94,9 @@ def test_every_shipped_config_validates_and_its_inputs_exist(path):
         ("ckpt.export_version=best rollout.eval_every=8 trainer.total_steps=8", "set rollout.eval_every below"),
         ("kind=sft sft.data=x.jsonl ckpt.export_version=best", "a kind=sft job does not make"),
         ("ckpt.export_version=best ckpt.export_metric=loss", "ckpt.export_metric: Input should be 'greedy_accuracy'"),
+        ("rollout.eval_engines=1 rollout.engine=vllm", "rollout.eval_engines=1: rollout.engine is vllm: only built-in"),
+        ("rollout.eval_engines=1 launch.colocate=true rollout.max_staleness=0", "launch.colocate puts the engines on"),
+        ("rollout.eval_engines=2 kind=eval", "kind is eval: evaluation engines serve an rl run"),
     ],
 )
 def test_bad_overrides_are_named(override, message):

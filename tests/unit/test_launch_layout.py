@@ -130,6 +130,24 @@ def test_teacher_engines_are_job_steps_of_their_own_in_the_rollout_component(tmp
     assert local["teacher-0"][local["teacher-0"].index("--model-path") + 1] == "/models/teacher"
 
 
+def test_evaluation_engines_are_policy_engine_steps_on_the_rollout_nodes(tmp_path):
+    """rollout.eval_engines: `engine-eval-N` steps after the others, on the rollout nodes and GPUs,
+    serving the policy from the policy pool (so they get every push), catching up like its engines."""
+    cfg = cfg_with(
+        f"run.dir={tmp_path}", "launch.slurm.rollout.nodes=1", "launch.slurm.rollout.gpus_per_node=4",
+        "rollout.num_engines=2", "rollout.eval_engines=1",
+    )  # fmt: skip
+    alloc = Allocation("9", [["t1", "r1"]], {"t1": 4, "r1": 4})
+    assert plan_layout(cfg, alloc).engine_gpus == ["0-0", "1-1", "2-2"]
+    commands = step_commands(cfg, RunPaths(tmp_path), alloc)
+    assert [n for n in commands if n.startswith("engine")] == ["engine-0", "engine-1", "engine-eval-0"]
+    evaluator = commands["engine-eval-0"]
+    assert "--nodelist=r1" in evaluator and "--job-name=relax_hpc:engine-eval-0" in evaluator
+    assert evaluator[evaluator.index("--pool") + 1] == "policy" and "--catch-up-bucket-mb" in evaluator
+    assert evaluator[evaluator.index("--engine-id") + 1] == "engine-eval-0"
+    assert "engine-eval-0" in local_commands(cfg, RunPaths(tmp_path))
+
+
 def test_a_teacher_on_sglang_takes_its_own_tensor_parallel_size():
     """algo.teacher.tp_size: a teacher larger than the student gets more GPUs than a rollout
     engine, on Slurm and locally, and its server is started with that size."""

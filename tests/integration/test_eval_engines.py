@@ -1,0 +1,39 @@
+"""rollout.eval_engines: the driver's evaluations on engines of their own, beside generation.
+
+The engine-eval role gets every weight push like the rollout engines and no rollout request; the
+driver evaluates on it while it goes on generating on the rollout engines, records the same
+figures, and its final evaluation equals the exported model's greedy accuracy computed here."""
+
+from __future__ import annotations
+
+import pytest
+
+from relax_hpc.metrics.jsonl import read_jsonl
+from tests.integration.conftest import Job
+from tests.integration.test_eval_job import greedy_accuracy
+
+pytestmark = [pytest.mark.integration]
+
+STEPS, EVERY = 6, 2
+
+
+def overlaps(a: dict, b: dict) -> bool:
+    """Whether two records' intervals (ending at `time`, lasting `seconds`) overlap."""
+    return a["time"] - a["seconds"] < b["time"] and b["time"] - b["seconds"] < a["time"]
+
+
+def test_evaluations_run_on_their_own_engine_beside_generation(tmp_path):
+    job = Job(
+        tmp_path / "run", f"trainer.total_steps={STEPS}", f"rollout.eval_every={EVERY}", "rollout.eval_engines=1",
+        "rollout.prompts_per_step=8",
+    )  # fmt: skip
+    assert job.run(timeout_s=300) == 0, job.text()[-3000:]
+    run = job.run_dir
+    evals = read_jsonl(run / "metrics" / "eval.jsonl")
+    assert [r["version"] // EVERY for r in evals] == list(range(STEPS // EVERY + 1)), evals  # one per eval point
+    assert evals[-1]["version"] == STEPS and all(r["problems"] == 100 for r in evals)
+    assert evals[-1]["greedy_accuracy"] == greedy_accuracy(run / "hf", problems=100)  # the same numbers
+    batches = [r for r in read_jsonl(run / "metrics" / "rollout.jsonl") if "batch" in r]
+    assert max(r["engines"] for r in batches) == 2  # of 3 engines: the evaluation one took no rollout request
+    assert any(overlaps(e, b) for e in evals for b in batches), (evals, batches)  # generation went on
+    assert (run / "logs" / "0" / "engine-eval-0.log").is_file()
