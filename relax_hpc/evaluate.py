@@ -40,6 +40,7 @@ from relax_hpc.launch.gpus import place_local, visible_gpu_count
 from relax_hpc.launch.supervisor import EXIT_STOPPED, Role, child_env
 from relax_hpc.metrics.evaluation import figures, finished, table
 from relax_hpc.metrics.jsonl import JsonlWriter, drop_records, read_jsonl
+from relax_hpc.metrics.sinks import Sink, forward_eval_results, open_sinks
 from relax_hpc.paths import RunPaths, write_atomic
 from relax_hpc.plot import eval_figure
 from relax_hpc.rewards import RewardError, make_scorer
@@ -61,6 +62,7 @@ class EvalJob:
         self.cfg, self.paths, self.out = cfg, paths, out
         self.interrupts = Interrupts()  # the engines, in sessions of their own, end with the job
         self.log: TextIO | None = None  # RUN_DIR/logs/N/eval.log, once this start has its folder
+        self.sinks: list[Sink] = []  # TensorBoard, ClearML (metrics.*), while run() runs
 
     def say(self, line: str) -> None:
         """A line of progress, to the terminal and to this start's eval.log."""
@@ -72,13 +74,21 @@ class EvalJob:
         """0 when every pair is scored (at once, when results.jsonl holds them all), 1 on failure,
         75 when interrupted (SIGINT, SIGTERM), as a run's launcher; each start and end is an event
         (RUN_DIR/metrics/events.jsonl), which `status` reads."""
+        drop_records(self.paths.eval_results, lambda _: False)  # the torn last line of a killed job, if any
+        self.sinks = open_sinks(self.cfg.metrics, self.paths, self.cfg.model_dump(mode="json"), training=False)
+        try:
+            return self.score_what_is_left()
+        finally:
+            for sink in self.sinks:
+                sink.close()
+
+    def score_what_is_left(self) -> int:
         paths, ev = self.paths, self.cfg.eval
-        drop_records(paths.eval_results, lambda _: False)  # the torn last line of a killed job, if any
         done = finished(paths)
         todo = [(m, d) for m in ev.models for d in ev.datasets if (m.name, d.name) not in done]
         if not todo:
             self.say(f"{paths.root} is already complete: every model x dataset is scored; nothing to run.")
-            self.say(self.write_table())
+            self.say(self.write_outputs())
             return 0
         logs = paths.new_logs()
         self.log = (logs / "eval.log").open("a")
@@ -104,22 +114,23 @@ class EvalJob:
                 with self.serving(model, folder, logs) as policy:
                     for dataset in datasets:
                         results.log(asyncio.run(self.score(model, folder, dataset, policy)))
-                        self.write_table()
+                        self.write_outputs()
         except EvalError as e:
             self.say(f"eval failed: {e}")
             return 1
         except KeyboardInterrupt:
             self.say("interrupted: run the same command to resume at the first pair not scored")
             return EXIT_STOPPED
-        self.say(f"every pair scored: {self.paths.eval_results}\n\n{self.write_table()}")
+        self.say(f"every pair scored: {self.paths.eval_results}\n\n{self.write_outputs()}")
         return 0
 
-    def write_table(self) -> str:
-        """RUN_DIR/eval/table.md and RUN_DIR/plots/eval.png from the record as it is now; returns
-        the table."""
+    def write_outputs(self) -> str:
+        """RUN_DIR/eval/table.md and RUN_DIR/plots/eval.png from the record as it is now, and its
+        new figures to the metric sinks; returns the table."""
         text = table(read_jsonl(self.paths.eval_results))
         write_atomic(self.paths.eval_table, text.encode())
         eval_figure(self.paths, self.paths.plots)
+        forward_eval_results(self.paths, self.sinks, [m.name for m in self.cfg.eval.models])
         return text
 
     def model_folder(self, model: EvalModelConfig) -> str:

@@ -629,7 +629,7 @@ class MetricsConfig(Section):
     step lines in the trainer's log."""
     tensorboard: bool = Field(default=False)
     """Write TensorBoard event files to RUN_DIR/tensorboard (one run across restarts:
-    `tensorboard --logdir RUN_DIR/tensorboard`)."""
+    `tensorboard --logdir RUN_DIR/tensorboard`). An eval job writes its figures there too."""
     clearml: ClearMLConfig = Field(default=ClearMLConfig())
     """ClearML reporting (off by default)."""
 
@@ -1024,8 +1024,6 @@ class JobConfig(Section):
             "launch.slurm": ("must ask for one node (trainer.nodes 1, rollout.nodes 0, not heterogeneous)",
                              self.launch.executor == "slurm" and self._eval_nodes() != (1, 0, False)),
             "launch.colocate": ("shares a trainer's devices, and an eval job has no trainer", self.launch.colocate),
-            "metrics.tensorboard and metrics.clearml": ("are not fed by an eval job yet (RUN_DIR/eval is its record)",
-                                                        self.metrics.tensorboard or self.metrics.clearml.enabled),
         }  # fmt: skip
         problems = [f"{key} {why}" for key, (why, bad) in refused.items() if bad]
         if problems:

@@ -101,10 +101,10 @@ def local_commands(cfg: JobConfig, paths: RunPaths, devices: LocalDevices | None
     }
     if cfg.kind == "rl":  # an sft job is the trainer alone
         commands["driver"] = [py, *driver_args(paths)]
+    if cfg.kind == "eval":  # the engines alone (the eval job feeds the metric sinks itself)
+        return {name: wrap_in_container(cfg, argv) for name, argv in commands.items()}
     if wants_sinks(cfg):
         commands["metrics"] = [py, *sinks_args(paths)]
-    if cfg.kind == "eval":  # the engines alone
-        return {name: wrap_in_container(cfg, argv) for name, argv in commands.items()}
     ranks = cfg.trainer.num_ranks
     if devices.trainer == NO_GPU:  # ranks forked after one import (torchrun's ranks import everything again)
         trainer = ["-m", "relax_hpc.trainer.main", "--run-dir", str(paths.root), "--nproc-per-node", str(ranks)]

@@ -4,7 +4,8 @@
 
 JSONL (RUN_DIR/metrics) is the record; the sinks only copy it: every numeric field of the
 trainer's step records (at the step), the driver's batch records (at the batch number) and the
-evaluations (at the policy version). Being a process of their own keeps them off the training
+evaluations (at the policy version). An eval job (kind=eval) feeds them itself, after each
+model x dataset it scores (`forward_eval_results`). Being a process of their own keeps them off the training
 step's path (a ClearML report can stall for seconds) and keeps their failures away from the run:
 a sink that fails is reported and the run goes on. The sinks remember the last record time they
 forwarded from each file (RUN_DIR/metrics/sinks.json), so a restart neither repeats nor skips a
@@ -42,7 +43,7 @@ from relax_hpc import fence
 from relax_hpc.config.load import read_frozen
 from relax_hpc.config.schema import ClearMLConfig, MetricsConfig
 from relax_hpc.metrics.accounting import accounting
-from relax_hpc.metrics.jsonl import JsonlFollower
+from relax_hpc.metrics.jsonl import JsonlFollower, read_jsonl
 from relax_hpc.metrics.summary import completed_steps
 from relax_hpc.paths import RunPaths, write_atomic
 
@@ -67,11 +68,13 @@ class Sink(Protocol):
 
 
 class TensorBoardSink:
-    def __init__(self, paths: RunPaths) -> None:
+    def __init__(self, paths: RunPaths, training: bool = True) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        # Events of steps past the checkpoint were trained again after a restart: purge them.
-        self.writer = SummaryWriter(log_dir=str(paths.tensorboard), purge_step=completed_steps(paths) + 1)
+        # A run's events of steps past the checkpoint were trained again after a restart: purge
+        # them. An eval job (training=False) rolls nothing back.
+        purge_step = completed_steps(paths) + 1 if training else None
+        self.writer = SummaryWriter(log_dir=str(paths.tensorboard), purge_step=purge_step)
 
     def scalar(self, title: str, name: str, value: float, iteration: int) -> None:
         self.writer.add_scalar(f"{title}/{name}", value, iteration)
@@ -173,11 +176,12 @@ def _server_answers(timeout_s: float = 3.0) -> bool:
     return True
 
 
-def open_sinks(metrics: MetricsConfig, paths: RunPaths, config: dict[str, Any]) -> list[Sink]:
-    """The sinks `metrics` enables; `config`: the run's whole config as JSON, which ClearML records."""
+def open_sinks(metrics: MetricsConfig, paths: RunPaths, config: dict[str, Any], training: bool = True) -> list[Sink]:
+    """The sinks `metrics` enables; `config`: the run's whole config as JSON, which ClearML records;
+    `training`: False for an eval job."""
     sinks: list[Sink] = []
     if metrics.tensorboard:
-        sinks.append(TensorBoardSink(paths))
+        sinks.append(TensorBoardSink(paths, training))
     if metrics.clearml.enabled:
         sinks.append(ClearMLSink(paths, metrics.clearml, config))
     return sinks
@@ -228,6 +232,26 @@ class Forwarder:
         for sink in self.sinks:
             sink.flush()
         write_atomic(self.paths.sinks_cursor, json.dumps(self.done).encode())
+
+
+def forward_eval_results(paths: RunPaths, sinks: list[Sink], models: list[str]) -> int:
+    """An eval job's records (RUN_DIR/eval/results.jsonl) the sinks have not had yet: each figure
+    under `eval/DATASET` at the model's position in eval.models (a run's checkpoints, listed in
+    order, read left to right); how far it got is kept in sinks.json. Returns how many records."""
+    cursor = json.loads(paths.sinks_cursor.read_text()) if paths.sinks_cursor.is_file() else {}
+    done, count = float(cursor.get("eval_results", 0.0)), 0
+    for record in read_jsonl(paths.eval_results):
+        if record["time"] <= done:
+            continue
+        for name in ("greedy_accuracy", "mean_at_k", "pass_at_k"):
+            if name in record:
+                for sink in sinks:
+                    sink.scalar(f"eval/{record['dataset']}", name, float(record[name]), models.index(record["model"]))
+        done, count = record["time"], count + 1
+    for sink in sinks:
+        sink.flush()
+    write_atomic(paths.sinks_cursor, json.dumps(cursor | {"eval_results": done}).encode())
+    return count
 
 
 def forward_usage(paths: RunPaths, sinks: list[Sink]) -> None:

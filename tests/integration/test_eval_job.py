@@ -34,6 +34,7 @@ def submit(run_dir: Path, checkpoint: Path) -> subprocess.Popen:
         sys.executable, "-m", "relax_hpc.submit", "--config", str(REPO / "configs" / "tiny-eval.yaml"),
         f"run.dir={run_dir}", "eval.k=4", f"eval.datasets=[{{path: assets/addition.jsonl, limit: {PROBLEMS}}}]",
         f"eval.models=[{{checkpoint: {checkpoint}, name: policy}}, {{path: {TEACHER}, name: teacher}}]",
+        "metrics.tensorboard=true",
     ]  # fmt: skip
     return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -104,3 +105,9 @@ def test_an_eval_job_scores_two_models_resumes_after_an_interruption_and_then_do
     assert "1 of 2 model x dataset pairs to score" in (run_dir / "logs" / "1" / "eval.log").read_text()
     shown = render(collect(run_dir))
     assert "state:       complete" in shown and "2/2 model x dataset pairs scored" in shown and table in shown
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(run_dir / "tensorboard"))
+    accumulator.Reload()  # each model once, at its place in eval.models, across the three starts
+    greedy = [(e.step, e.value) for e in accumulator.Scalars("eval/addition/greedy_accuracy")]
+    assert greedy == [(0, pytest.approx(records[0]["greedy_accuracy"])), (1, pytest.approx(teacher["greedy_accuracy"]))]

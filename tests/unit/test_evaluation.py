@@ -124,7 +124,6 @@ def test_a_checkpoint_is_named_after_its_run_and_step_and_must_be_one(tmp_path):
         (["reward.name=judge"], "reward.name=judge needs judge engines"),
         (["launch.executor=slurm", "launch.slurm.rollout.nodes=1"], r"launch.slurm must ask for one node"),
         (["launch.executor=slurm", "launch.slurm.trainer.nodes=2"], r"launch.slurm must ask for one node"),
-        (["metrics.tensorboard=true"], "are not fed by an eval job yet"),
         (["data.path=x.jsonl"], "data: a kind=eval job trains nothing"),
         (["trainer.lr=0.1"], "trainer: a kind=eval job trains nothing"),
     ],
@@ -156,3 +155,33 @@ def test_an_eval_job_on_slurm_is_one_node_whose_batch_shell_runs_it(tmp_path, ca
     from relax_hpc.evaluate import EvalRun  # transformers: only this test
 
     assert isinstance(slurm_function(cfg.kind, RunPaths(tmp_path / "eval")), EvalRun)
+
+
+def test_an_eval_job_s_figures_reach_tensorboard_once_at_each_model_s_position(tmp_path):
+    """forward_eval_results: each figure under eval/DATASET at the model's place in eval.models;
+    records already forwarded (sinks.json) are not sent again, and a later start keeps them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from relax_hpc.metrics.jsonl import JsonlWriter
+    from relax_hpc.metrics.sinks import TensorBoardSink, forward_eval_results
+
+    paths = RunPaths(tmp_path / "eval-run")
+    paths.create()
+    paths.eval_results.parent.mkdir(parents=True, exist_ok=True)
+    results, models = JsonlWriter(paths.eval_results), ["base", "step-50", "step-100"]
+    for i, model in enumerate(models[:2]):
+        results.log({"model": model, "dataset": "sums", "greedy_accuracy": 0.1 * (i + 1), "mean_at_k": 0.05 * (i + 1),
+                     "pass_at_k": 0.3 * (i + 1)})  # fmt: skip
+    sink = TensorBoardSink(paths, training=False)
+    assert forward_eval_results(paths, [sink], models) == 2
+    assert forward_eval_results(paths, [sink], models) == 0  # nothing new
+    sink.close()
+    results.log({"model": "step-100", "dataset": "sums", "greedy_accuracy": 0.9})  # k = 1: greedy only
+    sink = TensorBoardSink(paths, training=False)  # the job's next start: nothing it had is purged
+    assert forward_eval_results(paths, [sink], models) == 1
+    sink.close()
+    accumulator = EventAccumulator(str(paths.tensorboard))
+    accumulator.Reload()
+    greedy = [(e.step, round(e.value, 6)) for e in accumulator.Scalars("eval/sums/greedy_accuracy")]
+    assert greedy == [(0, 0.1), (1, 0.2), (2, 0.9)]
+    assert [e.step for e in accumulator.Scalars("eval/sums/pass_at_k")] == [0, 1]
