@@ -67,13 +67,16 @@ def test_a_killed_engine_is_restarted_and_rejoins_weight_sync(tmp_path):
     else:
         raise AssertionError(f"restarted engine never received weights:\n{job.text()[-2000:]}")
     steps_at_rejoin = job.steps()[-1]["step"]
+    trainer_log = job.run_dir / "logs" / "0" / "trainer.log"
+    deadline = time.monotonic() + 120  # the trainer's next push takes the new engine into its group
+    while trainer_log.read_text().count("formed with 2 engine(s)") < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
     (job.run_dir / "control" / "stop").write_text("stop")  # a clean stop, as on Ctrl-C
     assert job.wait(timeout_s=120) == 75, job.text()[-3000:]
     assert "engine-0 ended (exit -9); restarting (1/5)" in job.text()
     assert not (job.run_dir / "control" / "stop").exists()  # served: a resubmission trains on
     assert int(record["weight_version"]) >= steps_at_rejoin - 1
-    trainer_log = (job.run_dir / "logs" / "0" / "trainer.log").read_text()
-    assert trainer_log.count("formed with 2 engine(s)") >= 2  # the group was re-formed with the new engine
+    assert trainer_log.read_text().count("formed with 2 engine(s)") >= 2  # re-formed with the new engine
     caught = [e for e in read_jsonl(job.run_dir / "metrics" / "events.jsonl") if e["event"] == "catch_up"]
     restarted = [e for e in caught if e["engine"] == "engine-0"][-1]
     assert (restarted["outcome"], restarted["seed"]) == ("copied", "engine-1"), caught
