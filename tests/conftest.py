@@ -1,11 +1,11 @@
-"""How the suite is spread over pytest-xdist workers (the README's test command: `-n 3`).
+"""How the suite is spread over pytest-xdist workers (the README's test command: `-n 2`).
 
 Each test module is one unit of work: a module's fixtures start jobs, engines or a whole learning
 suite once (scope "module") and must not run again on a second worker. The Slurm tests are one
 unit, because they share one cluster (a session fixture: two workers would start two clusters on
 the same ports). They go first: they are the longest unit and wait mostly on the scheduler (time
-limits, requeues), so the other workers' CPU-bound tests fill the idle time: on 2 cores, two
-workers left the cores about half idle (BENCHMARKS.md, "CI").
+limits, requeues), so the other worker's CPU-bound tests fill the idle time (three workers were
+no faster: BENCHMARKS.md, "CI").
 
 (A scheduler of our own rather than xdist's `--dist loadgroup`: that mode renames the test ids
 through an attribute pytest 9 no longer reads, so its groups are silently ignored.)

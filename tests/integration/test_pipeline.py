@@ -43,6 +43,7 @@ def test_the_tiny_pipeline_runs_stage_after_stage_then_runs_nothing_and_a_failin
         f"stage {n} ({k})" for n, k in zip(names, ("sft", "rl", "export", "eval"), strict=True)
     ]
     records = read_jsonl(root / "eval" / "eval" / "results.jsonl")
+    assert (root / "eval" / "plots" / "eval.png").read_bytes().startswith(b"\x89PNG")  # the three models' scores
     assert [(r["model"], r["model_path"]) for r in records] == [
         ("sft", str(root / "sft" / "hf")), ("rl-step-2", str(root / "halfway" / "hf")), ("rl", str(root / "rl" / "hf")),
     ]  # fmt: skip
