@@ -4,14 +4,15 @@
 
 JSONL (RUN_DIR/metrics) is the record; the sinks only copy it: every numeric field of the
 trainer's step records (at the step), the driver's batch records (at the batch number) and the
-evaluations (at the policy version). An eval job (kind=eval) feeds them itself, after each
-model x dataset it scores (`forward_eval_results`). Being a process of their own keeps them off the training
+evaluations (at the policy version). Being a process of their own keeps them off the training
 step's path (a ClearML report can stall for seconds) and keeps their failures away from the run:
-a sink that fails is reported and the run goes on. The sinks remember the last record time they
-forwarded from each file (RUN_DIR/metrics/sinks.json), so a restart neither repeats nor skips a
-record; records a restart rolled back (launch/recover.py drops them from the files) were already
-forwarded: TensorBoard discards them (the writer is reopened with purge_step past the
-checkpoint), ClearML keeps both points of such a step.
+a sink that fails is reported and the run goes on. An eval job (kind=eval), which trains
+nothing, feeds them itself after each model x dataset it scores (`forward_eval_results`). The
+sinks remember the last record time they forwarded from each file (RUN_DIR/metrics/sinks.json),
+so a restart neither repeats nor skips a record; records a restart rolled back
+(launch/recover.py drops them from the files) were already forwarded: TensorBoard discards them
+(the writer is reopened with purge_step past the checkpoint), ClearML keeps both points of such
+a step.
 
 - TensorBoard (metrics.tensorboard): event files in RUN_DIR/tensorboard, one run across restarts.
 - ClearML (metrics.clearml): one task per run, its id in RUN_DIR/clearml/task_id (task_id.offline
@@ -237,7 +238,10 @@ class Forwarder:
 def forward_eval_results(paths: RunPaths, sinks: list[Sink], models: list[str]) -> int:
     """An eval job's records (RUN_DIR/eval/results.jsonl) the sinks have not had yet: each figure
     under `eval/DATASET` at the model's position in eval.models (a run's checkpoints, listed in
-    order, read left to right); how far it got is kept in sinks.json. Returns how many records."""
+    order, read left to right); how far it got is kept in sinks.json. Returns how many records.
+    With no sink configured nothing is read and no cursor written."""
+    if not sinks:
+        return 0
     cursor = json.loads(paths.sinks_cursor.read_text()) if paths.sinks_cursor.is_file() else {}
     done, count = float(cursor.get("eval_results", 0.0)), 0
     for record in read_jsonl(paths.eval_results):
