@@ -43,7 +43,11 @@ def queue_state(job_id: str) -> str | None:
     except subprocess.TimeoutExpired:
         return "UNKNOWN"  # a slow controller: ask again later
     states = out.stdout.split()
-    return states[0] if out.returncode == 0 and states else None
+    if out.returncode == 0:
+        return states[0] if states else None
+    # squeue fails both for a job the controller has forgotten (MinJobAge after its end) and for a
+    # controller too busy to answer ("Socket timed out"): only the first means the job has ended.
+    return None if "Invalid job id" in out.stderr else "UNKNOWN"
 
 
 def _run(argv: list[str]) -> str | None:
@@ -118,8 +122,20 @@ def outcome(paths: RunPaths, job_id: str) -> Outcome:
     return Outcome(1, f"job {job_id} did not complete{how}: {run_facts(paths)}")
 
 
-def follow(job_id: str, paths: RunPaths, poll_s: float = 5.0, sleep: Callable[[float], None] = time.sleep) -> Outcome:
-    """Wait until the job has left the queue (or sits in a final state), then its outcome."""
+def follow(
+    job_id: str,
+    paths: RunPaths,
+    poll_s: float = 5.0,
+    sleep: Callable[[float], None] = time.sleep,
+    unanswered_polls: int = 120,
+) -> Outcome:
+    """Wait until the job has left the queue (or sits in a final state), then its outcome. A
+    controller that fails to answer `unanswered_polls` times in a row (10 minutes) ends the wait
+    with what RUN_DIR says."""
+    failures = 0
     while (state := queue_state(job_id)) is not None and state.split()[0] in ACTIVE | {"UNKNOWN"}:
+        failures = failures + 1 if state == "UNKNOWN" else 0
+        if failures >= unanswered_polls:
+            break
         sleep(poll_s)
     return outcome(paths, job_id)

@@ -13,15 +13,20 @@ from relax_hpc.paths import RunPaths
 
 
 def fake_slurm(tmp_path: Path, monkeypatch, states: list[str], sacct: str | None, ended: str = "") -> Path:
-    """squeue that shows `states` one per call (then nothing: the job left the queue) and, asked
-    with --states=all, the controller's record of the ended job (`ended`); a sacct that answers
-    `sacct` or fails as on a cluster without accounting."""
+    """squeue that shows `states` one per call (then nothing: the job left the queue; a state
+    `timeout` is a controller too busy to answer, `forgotten` one that no longer knows the job)
+    and, asked with --states=all, the controller's record of the ended job (`ended`); a sacct
+    that answers `sacct` or fails as on a cluster without accounting."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (tmp_path / "states").write_text("\n".join(states) + "\n")
     (bin_dir / "squeue").write_text(
         f'#!/bin/sh\ncase "$*" in *--states=all*) echo {ended}; exit 0;; esac\n'
-        f"head -n1 {tmp_path}/states\nsed -i 1d {tmp_path}/states\n"
+        f"state=$(head -n1 {tmp_path}/states); sed -i 1d {tmp_path}/states\n"
+        'case "$state" in\n'
+        "  timeout) echo 'slurm_load_jobs error: Socket timed out on send/recv operation' >&2; exit 1;;\n"
+        "  forgotten) echo 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1;;\n"
+        'esac\necho "$state"\n'
     )
     (bin_dir / "scontrol").write_text("#!/bin/sh\necho 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1\n")
     answer = f"echo {sacct}" if sacct else "echo 'sacct: error: accounting storage is disabled' >&2; exit 1"
@@ -114,3 +119,19 @@ def test_an_eval_job_that_scored_everything_is_a_success(tmp_path, monkeypatch):
     JsonlWriter(paths.events_metrics).log({"event": "end", "exit": 0})
     result = follow("7", paths, poll_s=0, sleep=lambda _: None)
     assert result.code == 0 and result.message == f"job 7 completed: every model x dataset scored ({paths.eval_table})"
+
+
+def test_a_controller_too_busy_to_answer_does_not_end_the_wait_but_a_forgotten_job_does(tmp_path, monkeypatch):
+    fake_slurm(tmp_path, monkeypatch, ["RUNNING", "timeout", "timeout", "RUNNING", "forgotten", "RUNNING"], None)
+    paths = run_dir(tmp_path)
+    JsonlWriter(paths.train_metrics).log({"event": "end", "step": 6, "completed": True})
+    polls: list[float] = []
+    assert follow("3", paths, poll_s=1, sleep=polls.append).code == 0
+    assert len(polls) == 4  # through both timeouts, up to the job the controller no longer knows
+
+
+def test_a_controller_that_never_answers_ends_the_wait_after_its_patience(tmp_path, monkeypatch):
+    fake_slurm(tmp_path, monkeypatch, ["timeout"] * 5 + ["RUNNING"], None)
+    polls: list[float] = []
+    result = follow("4", run_dir(tmp_path), poll_s=1, sleep=polls.append, unanswered_polls=3)
+    assert result.code == 1 and len(polls) == 2
