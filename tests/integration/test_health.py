@@ -62,8 +62,11 @@ def test_a_hung_engine_and_a_hung_driver_are_replaced_and_no_push_waits_out_its_
     restarted = {e["role"] for e in events(run_dir, "role_exit") if e["action"] == "restart"}
     assert {"engine-0", "driver"} <= restarted
     # The replaced engine copied the current weights from engine-1 before it registered.
+    # At the run's start engine-0 finds no seed past version 0 (fallback), unless a loaded machine
+    # started it after engine-1 had taken a push (CI at 2f24a79: it copied then too).
     caught = [(e["outcome"], e.get("seed")) for e in events(run_dir, "catch_up") if e["engine"] == "engine-0"]
-    assert caught == [("fallback", None), ("copied", "engine-1")]  # the run's start, then the restart
+    assert len(caught) == 2 and caught[0] in (("fallback", None), ("copied", "engine-1")), caught
+    assert caught[1] == ("copied", "engine-1"), caught  # the restart
     steps = [r for r in read_jsonl(run_dir / "metrics" / "train.jsonl") if "loss" in r]
     # The push the stopped engine was part of gave up on it within seconds (the group timeout,
     # weights.timeout_s, is 60 s).
