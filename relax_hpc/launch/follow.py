@@ -2,7 +2,8 @@
 
 The job is followed with squeue alone (a cluster may run without accounting, where sacct answers
 nothing): a job that Slurm requeues stays in the queue, pending, under the same id, so the run
-has ended once the job has left the queue or sits there in a final state. How it ended is read
+has ended once the job has left the queue or sits there in a final state (a failed squeue is
+asked again: a controller too busy to answer fails as well). How it ended is read
 from RUN_DIR, which every start of the run writes (the last trained step, the checkpoint, the
 launcher's end event and the no-progress guard's reason), and Slurm's word on the job: sacct
 where accounting runs, else the controller's record of ended jobs (`squeue --states=all`,
