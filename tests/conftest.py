@@ -3,9 +3,9 @@
 Each test module is one unit of work: a module's fixtures start jobs, engines or a whole learning
 suite once (scope "module") and must not run again on a second worker. The Slurm tests are one
 unit, because they share one cluster (a session fixture: two workers would start two clusters on
-the same ports). They go first: they are the longest unit and wait mostly on the scheduler (time
-limits, requeues), so the other worker's CPU-bound tests fill the idle time (three workers were
-no faster: BENCHMARKS.md, "CI").
+the same ports). They go first, being the longest unit (about 25 minutes of CI's 40), so the other
+worker's tests run beside them. The whole suite keeps the 2 cores busy (1.85 of 2 measured), so
+a third worker is no faster (BENCHMARKS.md, "CI").
 
 (A scheduler of our own rather than xdist's `--dist loadgroup`: that mode renames the test ids
 through an attribute pytest 9 no longer reads, so its groups are silently ignored.)
