@@ -2,7 +2,7 @@
 
     python tools/bench/cpu_by_role.py [--every 2] -- CI=true bash .ci/run
 
-Samples every process's CPU (utime + stime, /proc/PID/stat) every `--every` seconds while the
+Samples every process's CPU (user + system, psutil) every `--every` seconds while the
 command runs, keeps each process's last figure (a process born while sampling counts whole, one
 older than the sampler only from its start) and groups the processes by role from their
 command line. The baseline is the machine's own: the cores' CPU time available over the same
@@ -23,7 +23,8 @@ import subprocess
 import time
 from collections import defaultdict
 
-TICK = os.sysconf("SC_CLK_TCK")
+import psutil
+
 # The first pattern that a command line matches names its role (order matters: a role's
 # arguments hold RUN_DIRs under /tmp/pytest-of-..., so pytest itself comes after the roles).
 ROLES = (
@@ -40,27 +41,17 @@ def role(cmdline: str) -> str:
     return next((name for pattern, name in ROLES if re.search(pattern, cmdline)), "other")
 
 
-def uptime_ticks() -> float:
-    with open("/proc/uptime") as f:
-        return float(f.read().split()[0]) * TICK
-
-
-def sample(seen: dict[str, list], born_after: float) -> None:
-    """Each live process's CPU seconds into `seen` (key pid:start -> [cmdline, first, last])."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read()
-            fields = stat[stat.rindex(")") + 2 :].split()
-            cpu, start = (int(fields[11]) + int(fields[12])) / TICK, int(fields[19])
-            key = f"{pid}:{start}"
-            if key not in seen:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-                seen[key] = [cmdline, 0.0 if start >= born_after else cpu, cpu]
-            seen[key][2] = cpu
-        except (OSError, ValueError, IndexError):
-            continue  # the process ended between the listing and the read
+def sample(seen: dict[tuple[int, float], list], born_after: float) -> None:
+    """Each live process's CPU seconds into `seen` ((pid, create time) -> [cmdline, first, last])."""
+    for proc in psutil.process_iter(["pid", "create_time", "cmdline", "cpu_times"]):
+        info = proc.info
+        if info["cpu_times"] is None:
+            continue  # ended, or not ours to read
+        cpu = info["cpu_times"].user + info["cpu_times"].system
+        key = (info["pid"], info["create_time"])
+        if key not in seen:
+            seen[key] = [" ".join(info["cmdline"] or []), 0.0 if info["create_time"] >= born_after else cpu, cpu]
+        seen[key][2] = cpu
 
 
 def main() -> None:
@@ -68,8 +59,9 @@ def main() -> None:
     parser.add_argument("--every", type=float, default=2.0, help="seconds between samples")
     parser.add_argument("command", nargs="+", help="the command, after --")
     args = parser.parse_args()
-    seen: dict[str, list] = {}
-    born_after, t0 = uptime_ticks(), time.monotonic()
+    seen: dict[tuple[int, float], list] = {}
+    # On psutil's own clock (boot time + the process's start ticks), not time.time(): they differ.
+    born_after, t0 = psutil.Process().create_time(), time.monotonic()
     proc = subprocess.Popen(" ".join(args.command), shell=True)
     while proc.poll() is None:
         sample(seen, born_after)
@@ -78,7 +70,7 @@ def main() -> None:
     by_role: dict[str, list[float]] = defaultdict(list)
     for cmdline, first, last in seen.values():
         by_role[role(cmdline)].append(last - first)
-    total = sum(sum(v) for v in by_role.values())
+    total = sum(sum(v) for v in by_role.values()) or 1e-9  # a command too short to sample
     roles = {
         name: {"cpu_min": round(sum(v) / 60, 2), "share": round(sum(v) / total, 3), "processes": len(v),
                "cpu_s_each": round(sum(v) / len(v), 2)}
