@@ -147,10 +147,19 @@ def scontrol(*args: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
-def _set_exclusion(job_id: str, nodes: list[str]) -> str | None:
+# What scontrol says when the controller did not answer (a busy one): worth asking again.
+UNANSWERED = ("Socket timed out", "Unable to contact slurm controller", "Zero Bytes were transmitted")
+
+
+def _set_exclusion(job_id: str, nodes: list[str], attempts: int = 3) -> str | None:
     """Set a pending job's ExcNodeList; Slurm's answer where it refuses (a job not pending)."""
-    out = scontrol("update", f"JobId={job_id}", f"ExcNodeList={','.join(nodes)}")
-    return None if out.returncode == 0 else (out.stderr.strip() or f"scontrol exit {out.returncode}")
+    for _ in range(attempts):
+        out = scontrol("update", f"JobId={job_id}", f"ExcNodeList={','.join(nodes)}")
+        if out.returncode == 0:
+            return None
+        if not any(words in out.stderr for words in UNANSWERED):
+            break
+    return out.stderr.strip() or f"scontrol exit {out.returncode}"
 
 
 def current_job(paths: RunPaths) -> str | None:

@@ -106,8 +106,10 @@ def test_sbatch_recipe_requeues_itself_and_completes(slurm_cluster, tmp_path):
     ).strip()  # fmt: skip
     wait_until(lambda: last_step(run_dir) >= 2, 300, "step 2")
     slurm("scancel", "--batch", "--signal=USR2", job)  # what --signal=B:USR2@60 sends
-    wait_until(lambda: finished(job), 400, "the job to finish", every=1)
-    log = next(tmp_path.glob("relax-tiny-*.out")).read_text()
+    output = lambda: "\n".join(p.read_text(errors="replace") for p in tmp_path.glob("relax-tiny-*.out"))  # noqa: E731
+    story = lambda: slurm("scontrol", "-o", "show", "job", job) + output()[-3000:]  # noqa: E731
+    wait_until(lambda: finished(job), 400, "the job to finish", every=1, explain=story)
+    log = output()
     assert job_state(job) == "COMPLETED", log[-3000:]
     for line in (
         f"slurm job {job}, restart count 0",
