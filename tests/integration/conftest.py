@@ -149,7 +149,7 @@ class Job:
             time.sleep(0.1)
         raise AssertionError(f"step {step} not reached in {timeout_s}s")
 
-    def run_until_learned(self, level: float, timeout_s: float, min_steps: int = 30) -> list[dict]:
+    def run_until_learned(self, level: float, timeout_s: float, min_steps: int = 20) -> list[dict]:
         """Run; once the last 10 steps' mean reward reaches `level` (from step `min_steps` on), ask
         the run to stop (RUN_DIR/control/stop) and return the steps up to then: a learning test
         has its answer, and the rest of the run would be CI time. A run that ends first (its

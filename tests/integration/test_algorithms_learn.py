@@ -6,14 +6,15 @@ and objective, asynchrony simulated at the config's max_staleness), shortened so
 fit in CI: 9 of the 100 problems (every 12th), 9 prompts x 16 samples per step, at most 100 steps
 at the default recipe's learning rate (5e-4). Chance is 1/19 (about 0.05): the first 10 steps'
 mean reward stays below 0.2 and the last 10 steps' mean must reach the case's stated level. A run
-stops as soon as they do (from step 30 on): it has shown what the test asks by then.
+stops as soon as they do (from step 20 on, when the last 10 steps are past the first 10): it has
+shown what the test asks by then.
 
 The runs are seeded and single-threaded, so each is deterministic on a given machine, but not
 across machines (other CPUs round differently, and a short run at this scale is chaotic): every
 setting here learned for 3 of 3 seeds on one machine of the CI machine's kind, and each level
 sits at about three quarters of the lowest of them; a case that misses it at seed 0 runs again at
 seed 1 (on another machine of that kind, seed 0 of icepop and seq-mis collapsed; BENCHMARKS.md,
-"The algorithm suite learns"). Shorter runs at higher learning rates (the settings before 0.2)
+"The algorithm suite learns": those two run seed 1 first). Shorter runs at higher learning rates (the settings before 0.2)
 passed for seed 0 on one machine and collapsed for other seeds or machines: one batch whose
 groups all score 0 leaves only noise (and the entropy bonus) to drive the next updates, and the
 policy drifted to answers that never
@@ -40,7 +41,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.learning]
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS, LR = 100, 5e-4
-MIN_STEPS = 30  # a run stops once its last 10 steps reach the level, but not before this step
+MIN_STEPS = 20  # a run stops once its last 10 steps reach the level, but not before this step
 # config name -> (level the last 10 steps' mean reward must reach, overrides of the shipped config)
 CASES: dict[str, tuple[float, tuple[str, ...]]] = {
     # advantage estimators
@@ -71,6 +72,13 @@ CASES: dict[str, tuple[float, tuple[str, ...]]] = {
 
 
 SEEDS = (0, 1)  # a case whose first seed misses its level runs again with the second
+# Seed 0 of these collapses on machines of the CI machine's kind (both seeds reached their level
+# on the machine the levels were set on; BENCHMARKS.md): seed 1 goes first, not 100 wasted steps.
+SEED_1_FIRST = {"icepop", "seq-mis"}
+
+
+def seeds(name: str) -> tuple[int, ...]:
+    return SEEDS[::-1] if name in SEED_1_FIRST else SEEDS
 
 
 def last10(records: list[dict]) -> float:
@@ -116,7 +124,7 @@ def learning_runs(tmp_path_factory) -> dict[str, list[list[dict] | str]]:
 
     def run(name: str) -> tuple[str, list[list[dict] | str]]:
         tries: list[list[dict] | str] = []
-        for seed in SEEDS:
+        for seed in seeds(name):
             tries.append(run_seed(name, seed))
             if isinstance(tries[-1], list) and last10(tries[-1]) >= CASES[name][0]:
                 break
@@ -129,7 +137,7 @@ def learning_runs(tmp_path_factory) -> dict[str, list[list[dict] | str]]:
 @pytest.mark.parametrize("name", list(CASES))
 def test_reward_rises(name, learning_runs):
     level, _ = CASES[name]
-    for seed, records in zip(SEEDS, learning_runs[name], strict=False):
+    for seed, records in zip(seeds(name), learning_runs[name], strict=False):
         assert isinstance(records, list), records
         rewards = [r["reward"] for r in records]
         first, last = sum(rewards[:10]) / 10, last10(records)
@@ -138,4 +146,4 @@ def test_reward_rises(name, learning_runs):
         assert MIN_STEPS <= len(records) <= STEPS
         assert first < 0.2, (seed, first)
         assert all(k in records[-1] for k in ("clip_fraction", "approx_kl", "entropy", "advantage_mean", "ratio_max"))
-    assert last >= level, f"no seed of {SEEDS} reached {level}: the last one ended at {last}"
+    assert last >= level, f"no seed of {seeds(name)} reached {level}: the last one ended at {last}"

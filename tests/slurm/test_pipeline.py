@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.slurm]
 
 SLURM = {"launch.slurm.cpus_per_node": 2, "launch.slurm.time_min": 10}
 STAGES = ("sft", "rl", "halfway", "eval")
-RL_STEPS = 30  # long enough to be cancelled mid-training
+RL_STEPS = 12  # long enough to be cancelled mid-training (at step 3 or 4)
 
 
 def pipeline_file(tmp_path: Path, name: str, rl_steps: int = 4, **changes: object) -> Path:

@@ -196,7 +196,7 @@ def test_time_limit_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
     assert_nothing_lost_or_repeated(run_dir, recovery.step)
 
 
-STEPS = 20
+STEPS = 12
 # Trained batches are kept (ckpt.keep_trained_batches): the checks read what every step trained.
 ON_POLICY = (
     f"trainer.total_steps={STEPS}", "ckpt.every_steps=3", "rollout.max_staleness=0", "ckpt.keep_trained_batches=true"
