@@ -14,10 +14,10 @@ across machines (other CPUs round differently, and a short run at this scale is 
 setting here learned for 3 of 3 seeds on one machine of the CI machine's kind, and each level
 sits at about three quarters of the lowest of them; a case that misses it at seed 0 runs again at
 seed 1 (on another machine of that kind, seed 0 of icepop and seq-mis collapsed; BENCHMARKS.md,
-"The algorithm suite learns": those two run seed 1 first). Shorter runs at higher learning rates (the settings before 0.2)
-passed for seed 0 on one machine and collapsed for other seeds or machines: one batch whose
-groups all score 0 leaves only noise (and the entropy bonus) to drive the next updates, and the
-policy drifted to answers that never
+"The algorithm suite learns": those two run seed 1 first). Shorter runs at higher learning
+rates (the settings before 0.2) passed for seed 0 on one machine and collapsed for other seeds or
+machines: one batch whose groups all score 0 leaves only noise (and the entropy bonus) to drive
+the next updates, and the policy drifted to answers that never
 stop or never start. Four cases differ from their shipped config: sapo without the entropy bonus
 (with it, 1 seed of 3 collapsed), m2po on-policy (at staleness 1 or 2 it collapsed in 1 or 2 of
 3 seeds; docs/algorithms.md), seq-tis and seq-mis on-policy (at staleness 1, 1 seed of 3 each).
