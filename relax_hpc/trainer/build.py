@@ -50,7 +50,8 @@ def build_channel(job: JobConfig, paths: RunPaths, backend: Backend, device: tor
     bucket_bytes = int(job.weights.bucket_mb * 2**20)
     if job.rollout.engine == "vllm":  # partial rollout: in-flight requests return, the driver continues them
         pause: PauseMode = "abort" if job.rollout.partial else "keep"
-        vllm = VllmSender(paths.engines, token, timeout_s, bucket_bytes, pause) if rank == 0 else None
+        backend_ = job.weights.backend
+        vllm = VllmSender(paths.engines, token, timeout_s, bucket_bytes, pause, backend_, device) if rank == 0 else None
         return VllmChannel(vllm, layout, bucket_bytes)
     if job.launch.colocate:
         return ColocatedChannel(ColocatedSender(paths.engines, token, timeout_s, rank, world), layout, bucket_bytes)

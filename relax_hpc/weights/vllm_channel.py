@@ -3,30 +3,38 @@
 One push: POST /pause (mode `keep`: requests in flight freeze and go on with the new weights, each
 token keeping the version that sampled it; `abort` for partial rollout), /start_weight_update,
 then per bucket POST /update_weights to every engine (each then waits in the broadcast) while the
-trainer broadcasts the flat bucket over the gloo side group, /finish_weight_update with the new
-version, /resume. The engines receive with relax_hpc.weights.vllm_gloo (vLLM's
-`WeightTransferEngine`, registered through its plugin entry point) and load each bucket with the
-model's own load_weights.
+trainer broadcasts the bucket over the transfer group, /finish_weight_update with the new
+version, /resume. The group is formed once (`connect`: /init_weight_transfer_engine to every
+engine while the trainer opens its end as rank 0) and reused by every push.
 
-The group is formed once (`connect`: /init_weight_transfer_engine to every engine while the
-trainer hosts the rendezvous as rank 0) and reused by every push. `VllmSender` keeps it to the
-registry's live engines: formed again when one starts, restarts or leaves, dropped when a push
-fails (the next push forms it with the engines that answer), as relax_hpc.weights.sender does for
-SGLang's protocol. This imports no vLLM: it speaks HTTP and gloo only, so it runs in the trainer's
-environment.
+Two transports, one interface (`VllmTransport`), chosen by weights.backend:
+- gloo (CPU): relax_hpc's own transfer engine in the engines (relax_hpc.weights.vllm_gloo,
+  registered through vLLM's plugin entry point); each bucket travels as one flat tensor;
+- nccl (GPU): vLLM's own `nccl` transfer engine. The trainer mints the NCCL unique id
+  (relax_hpc.weights.nccl_lib) and sends it in the init info (vLLM's unique-id rendezvous, which needs no
+  vLLM on the trainer's side), answers the workers' one-element warm-up all_reduce, and
+  broadcasts each tensor of a bucket in the order the update info names them (`packed: false`,
+  vLLM's one-by-one receive), on a stream of its own.
+
+`VllmSender` keeps the group to the registry's live engines: formed again when one starts,
+restarts or leaves, dropped when a push fails (the next push forms it with the engines that
+answer), as relax_hpc.weights.sender does for SGLang's protocol. This imports no vLLM: it speaks
+HTTP, gloo and NCCL only, so it runs in the trainer's environment.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import functools
 import logging
 import socket
+import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -34,6 +42,7 @@ from relax_hpc import fence
 from relax_hpc.protocol import vllm as V
 from relax_hpc.protocol.client import EngineClient, EngineRequestError, EngineUnavailable
 from relax_hpc.protocol.registry import EngineRecord, read_records
+from relax_hpc.weights import nccl_lib
 from relax_hpc.weights.buckets import BucketPlan, pack, plan_buckets
 from relax_hpc.weights.group import Abandoned, SideGroup
 from relax_hpc.weights.sender import WeightSyncError, _is_loopback, answering, engine_key, free_port
@@ -56,33 +65,149 @@ def init_info(
     }
 
 
+def nccl_init_info(unique_id: bytes, rank_offset: int, world_size: int) -> dict[str, Any]:
+    """`init_info` for vLLM's own nccl engine (NCCLWeightTransferInitInfo): the unique-id
+    rendezvous (standard base64, not URL-safe), one tensor per broadcast (`packed: false`)."""
+    return {
+        "nccl_unique_id_b64": base64.b64encode(unique_id).decode(),
+        "rank_offset": rank_offset,
+        "world_size": world_size,
+        "packed": False,
+    }
+
+
 def update_info(plan: BucketPlan) -> dict[str, Any]:
-    """The body's `update_info` of /update_weights for one flat bucket (vllm_gloo.GlooUpdateInfo)."""
+    """The body's `update_info` of /update_weights for one bucket: its tensors' names, dtypes and
+    shapes, in the order they travel (vllm_gloo.GlooUpdateInfo and vLLM's
+    NCCLWeightTransferUpdateInfo have these fields)."""
     return {"names": plan.names, "dtype_names": plan.dtypes, "shapes": plan.shapes}
 
 
-class VllmGlooChannel:
-    """Pushes the trainer's weights to a fixed set of vLLM engines (one worker each)."""
+class VllmTransport(Protocol):
+    """How buckets travel to the engines' workers: the init info vLLM's transfer engine `backend`
+    takes, and the trainer's end of the group (rank 0; engine i's worker is rank 1 + i)."""
 
-    def __init__(self, urls: list[str], api_key: str, host: str, bucket_bytes: int, timeout_s: float) -> None:
-        self.clients = [EngineClient(url, api_key, timeout_s) for url in urls]
-        self.host, self.bucket_bytes, self.timeout_s = host, bucket_bytes, timeout_s
+    backend: str
+
+    def init_info(self, rank_offset: int, world_size: int) -> dict[str, Any]: ...
+
+    def open(self, world_size: int) -> None:
+        """The trainer's end of the group, while every engine joins (returns once all have)."""
+        ...
+
+    def send(self, tensors: list[torch.Tensor], abandon: Callable[[], bool]) -> None:
+        """Broadcast one bucket's tensors; give up (Abandoned) once `abandon()` says so."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class GlooTransport:
+    """A gloo side group; each bucket travels as one flat tensor in host memory."""
+
+    backend = V.GLOO_TRANSFER
+
+    def __init__(self, host: str, master_port: int, timeout_s: float) -> None:
+        self.host, self.port, self.timeout_s = host, master_port, timeout_s
+        self.name = f"relax-vllm-{uuid.uuid4().hex[:8]}"
         self.group: SideGroup | None = None
+
+    def init_info(self, rank_offset: int, world_size: int) -> dict[str, Any]:
+        return init_info(self.host, self.port, rank_offset, world_size, self.name, self.timeout_s)
+
+    def open(self, world_size: int) -> None:
+        self.group = SideGroup(self.host, self.port, 0, world_size, self.name, "gloo", self.timeout_s)
+
+    def send(self, tensors: list[torch.Tensor], abandon: Callable[[], bool]) -> None:
+        assert self.group is not None, "open() the transport first"
+        flat = pack([t.to("cpu") for t in tensors])
+        self.group.wait(self.group.broadcast_async(flat), abandon)
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+
+class NcclTransport:
+    """An NCCL communicator with vLLM's workers (relax_hpc.weights.nccl_lib, from a unique id this
+    side mints); its broadcasts run on a stream of their own, which the host polls, so a worker
+    that fails mid-push is given up on (`abandon`: the communicator is aborted, its collectives
+    with it) instead of waited for. Built against vLLM 0.32's classes
+    (tests/unit/test_vllm_contract.py) and NCCL on a GPU (tests/gpu/test_vllm_nccl.py); no vLLM
+    CUDA build has reached a GPU machine of this project (docs/limitations.md)."""
+
+    backend = V.NCCL_TRANSFER
+
+    def __init__(self, device: torch.device, unique_id: bytes | None = None) -> None:
+        self.device = device
+        self.unique_id = unique_id if unique_id is not None else nccl_lib.unique_id()
+        self.comm: nccl_lib.Communicator | None = None
+        self.stream: torch.cuda.Stream | None = None
+
+    def init_info(self, rank_offset: int, world_size: int) -> dict[str, Any]:
+        return nccl_init_info(self.unique_id, rank_offset, world_size)
+
+    def open(self, world_size: int) -> None:
+        with torch.cuda.device(self.device):
+            self.comm = nccl_lib.Communicator(self.unique_id, world_size, 0)
+            self.stream = torch.cuda.Stream(self.device)
+        # vLLM's communicator all_reduces one float32 zero right after its init (PyNcclCommunicator):
+        # every peer must do the same before any other collective.
+        warm_up = torch.zeros(1, device=self.device)
+        self._run(lambda comm, stream: comm.all_reduce(warm_up, stream), None)
+
+    def send(self, tensors: list[torch.Tensor], abandon: Callable[[], bool]) -> None:
+        def broadcast(comm: nccl_lib.Communicator, stream: torch.cuda.Stream) -> None:
+            for tensor in tensors:  # in the update info's order
+                comm.broadcast(tensor.to(self.device).contiguous(), 0, stream)
+
+        self._run(broadcast, abandon)
+
+    def close(self) -> None:
+        if self.comm is not None:
+            self.comm.abort()  # collectives a failed push left pending end with it
+        self.comm, self.stream = None, None
+
+    def _run(
+        self,
+        enqueue: Callable[[nccl_lib.Communicator, torch.cuda.Stream], None],
+        abandon: Callable[[], bool] | None,
+    ) -> None:
+        """Enqueue collectives on the transport's stream after the work queued so far, then poll
+        until they have run (the tensors they read live until then)."""
+        assert self.comm is not None and self.stream is not None, "open() the transport first"
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            enqueue(self.comm, self.stream)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        while not done.query():
+            if abandon is not None and abandon():
+                raise Abandoned("vLLM NCCL weight transfer: collective abandoned")
+            time.sleep(0.001)
+
+
+class VllmTransfer:
+    """Pushes the trainer's weights to a fixed set of vLLM engines (one worker each) over one
+    transport."""
+
+    def __init__(self, urls: list[str], api_key: str, transport: VllmTransport, bucket_bytes: int, timeout_s: float):
+        self.clients = [EngineClient(url, api_key, timeout_s) for url in urls]
+        self.transport, self.bucket_bytes, self.timeout_s = transport, bucket_bytes, timeout_s
+        self.connected = False
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(urls)))
 
-    def connect(self, master_port: int) -> None:
-        """Form the side group: trainer rank 0, engine i rank 1 + i."""
-        name = f"relax-vllm-{uuid.uuid4().hex[:8]}"
+    def connect(self) -> None:
+        """Form the group: trainer rank 0, engine i rank 1 + i; the engines join while the trainer
+        opens its end (each side's init returns once all have)."""
         world = 1 + len(self.clients)
         answers = self._each(
-            lambda i, c: c.call(
-                "POST",
-                V.INIT_WEIGHT_TRANSFER,
-                {"init_info": init_info(self.host, master_port, 1 + i, world, name, self.timeout_s)},
-            )
+            lambda i, c: c.call("POST", V.INIT_WEIGHT_TRANSFER, {"init_info": self.transport.init_info(1 + i, world)})
         )
-        self.group = SideGroup(self.host, master_port, 0, world, name, "gloo", self.timeout_s)
+        self.transport.open(world)
         _results(answers)
+        self.connected = True
 
     def push(
         self,
@@ -94,22 +219,22 @@ class VllmGlooChannel:
         """Every engine holds `params` (HF names) as weight version `version` when this returns.
         With `plans` (the trainer's, fixed by its layout) the tensors are taken bucket by bucket,
         each packed before the next is read; without, they are all read first to plan them."""
-        if self.group is None:
+        if not self.connected:
             raise RuntimeError("connect() the channel before pushing")
         fence.check("weight push (vllm)")  # a superseded trainer pushes nothing, as on the other channels
         stream = iter(params)
         if plans is None:
-            named = [(n, _on_cpu(n, t)) for n, t in stream]
+            named = [(n, _full(n, t)) for n, t in stream]
             plans = plan_buckets(((n, t.shape, t.dtype) for n, t in named), self.bucket_bytes)
             stream = iter(named)
         self._all("POST", f"{V.PAUSE}?mode={pause}")
         self._all("POST", V.START_WEIGHT_UPDATE)
         for plan in plans:
-            flat = pack([_take(stream, name) for name in plan.names])
+            tensors = [_take(stream, name) for name in plan.names]
             answers = self._each(_poster(V.UPDATE_WEIGHTS, {"update_info": update_info(plan)}))
             # An engine that fails meanwhile fails its /update_weights: give up on the broadcast
             # then, rather than wait for its part for the group's whole timeout.
-            self.group.wait(self.group.broadcast_async(flat), functools.partial(_failed, answers))
+            self.transport.send(tensors, functools.partial(_failed, answers))
             _results(answers)
         self._all("POST", V.FINISH_WEIGHT_UPDATE, {"weight_version": str(version)})
         self._all("POST", V.RESUME)
@@ -126,9 +251,8 @@ class VllmGlooChannel:
         return [a["checksums"] for a in answers]
 
     def close(self) -> None:
-        if self.group is not None:
-            self.group.close()
-            self.group = None
+        self.transport.close()
+        self.connected = False
         self._pool.shutdown(wait=False)
 
     def _each(self, call: Callable[[int, EngineClient], Any]) -> list[Future[Any]]:
@@ -138,28 +262,40 @@ class VllmGlooChannel:
         _results(self._each(lambda _, c: c.call(method, route, body)))
 
 
-def _on_cpu(name: str, tensor: torch.Tensor | None) -> torch.Tensor:
-    """gloo sends host memory: the tensor on the CPU (rank 0 holds every full tensor)."""
+def _full(name: str, tensor: torch.Tensor | None) -> torch.Tensor:
+    """Rank 0's full tensor, contiguous (the transport moves it where it travels from)."""
     assert tensor is not None, f"rank 0 holds every full tensor; {name} is None"
-    return tensor.detach().to("cpu").contiguous()
+    return tensor.detach().contiguous()
 
 
 def _take(stream: Iterator[Named], expected: str) -> torch.Tensor:
     name, tensor = next(stream)
     assert name == expected, f"the parameter stream gave {name} where the bucket plan has {expected}"
-    return _on_cpu(name, tensor)
+    return _full(name, tensor)
 
 
 class VllmSender:
     """Rank 0's pushes to the registry's vLLM engines that answer /health, through one
-    VllmGlooChannel, formed again when they change. `pause`: how a push pauses generation
-    (abort with partial rollout: the driver continues what returns; keep otherwise)."""
+    VllmTransfer, formed again when they change. `pause`: how a push pauses generation
+    (abort with partial rollout: the driver continues what returns; keep otherwise). `backend`:
+    weights.backend (protocol.vllm.transfer_backend: nccl, from the trainer's `device`, only when
+    asked for)."""
 
-    def __init__(self, registry: Path, api_key: str, timeout_s: float, bucket_bytes: int, pause: V.PauseMode) -> None:
+    def __init__(
+        self,
+        registry: Path,
+        api_key: str,
+        timeout_s: float,
+        bucket_bytes: int,
+        pause: V.PauseMode,
+        backend: str = "auto",
+        device: torch.device | None = None,
+    ) -> None:
         self.registry, self.api_key, self.timeout_s = registry, api_key, timeout_s
         self.bucket_bytes, self.pause = bucket_bytes, pause
+        self.backend, self.device = backend, device
         self.members: list[EngineRecord] = []
-        self.channel: VllmGlooChannel | None = None
+        self.channel: VllmTransfer | None = None
         self._trusted: list[tuple[str, str]] | None = None  # see engine_set_changed
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="vllm-health")
 
@@ -199,15 +335,22 @@ class VllmSender:
         self.drop()
         if not engines:
             return
-        host = "127.0.0.1" if all(_is_loopback(r.host) for r in engines) else socket.getfqdn()
-        channel = VllmGlooChannel([r.url for r in engines], self.api_key, host, self.bucket_bytes, self.timeout_s)
+        channel = VllmTransfer([r.url for r in engines], self.api_key, self._transport(engines), self.bucket_bytes,
+                               self.timeout_s)  # fmt: skip
         try:
-            channel.connect(free_port(host if _is_loopback(host) else ""))
+            channel.connect()
         except BaseException:
             channel.close()
             raise
         self.channel, self.members = channel, engines
         log.info("vLLM weight-transfer group formed with %d engine(s)", len(engines))
+
+    def _transport(self, engines: list[EngineRecord]) -> VllmTransport:
+        if V.transfer_backend(self.backend) == V.NCCL_TRANSFER:
+            assert self.device is not None and self.device.type == "cuda", "the nccl transfer runs from a GPU"
+            return NcclTransport(self.device)
+        host = "127.0.0.1" if all(_is_loopback(r.host) for r in engines) else socket.getfqdn()
+        return GlooTransport(host, free_port(host if _is_loopback(host) else ""), self.timeout_s)
 
     def drop(self) -> None:
         if self.channel is not None:

@@ -28,7 +28,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTr
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from relax_hpc.protocol.vllm import DIE_WITH_PARENT
-from relax_hpc.protocol.vllm import TRANSFER_BACKEND as BACKEND
+from relax_hpc.protocol.vllm import GLOO_TRANSFER as BACKEND
 from relax_hpc.weights.buckets import BucketPlan, unpack
 from relax_hpc.weights.group import SideGroup
 

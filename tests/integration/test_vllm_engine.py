@@ -42,7 +42,7 @@ from relax_hpc.rollout.engine_policy import EnginePolicy, EnginePool
 from relax_hpc.weights.adapters import AdapterPublisher
 from relax_hpc.weights.lora import SCALING
 from relax_hpc.weights.sender import free_port
-from relax_hpc.weights.vllm_channel import VllmGlooChannel
+from relax_hpc.weights.vllm_channel import GlooTransport, VllmTransfer
 from tests.integration.conftest import REPO, make_run, wait_wrapper_record
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -158,7 +158,8 @@ def _check_bits(reported: dict[str, str], params: dict[str, torch.Tensor]) -> No
 def test_a_push_through_vllms_routes_is_bit_exact_and_used(server: Server) -> None:
     model = AutoModelForCausalLM.from_pretrained(server.cfg.model.path, dtype=torch.float32).eval()
     original = {n: p.detach().clone() for n, p in model.named_parameters()}
-    channel = VllmGlooChannel([server.client.url], server.paths.read_token(), "127.0.0.1", 2**16, 120.0)
+    transport = GlooTransport("127.0.0.1", free_port("127.0.0.1"), 120.0)
+    channel = VllmTransfer([server.client.url], server.paths.read_token(), transport, 2**16, 120.0)
     try:
         before = channel.checksums()[0]
         _check_bits(before, original)  # as loaded from disk: the digests are computed as vLLM's
@@ -167,7 +168,7 @@ def test_a_push_through_vllms_routes_is_bit_exact_and_used(server: Server) -> No
             for p in model.parameters():
                 p.add_(torch.randn(p.shape, generator=generator) * 0.05)
         pushed = {n: p.detach().clone() for n, p in model.named_parameters()}
-        channel.connect(free_port("127.0.0.1"))
+        channel.connect()
         channel.push(pushed.items(), version=1)  # 64 KiB buckets: several /update_weights per push
         _check_bits(channel.checksums()[0], pushed)
         assert server.client.call("GET", V.WEIGHT_INFO) == {"weight_version": "1"}

