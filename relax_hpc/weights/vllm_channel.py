@@ -29,6 +29,7 @@ import contextlib
 import functools
 import logging
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -91,8 +92,9 @@ class VllmTransport(Protocol):
 
     def init_info(self, rank_offset: int, world_size: int) -> dict[str, Any]: ...
 
-    def open(self, world_size: int) -> None:
-        """The trainer's end of the group, while every engine joins (returns once all have)."""
+    def open(self, world_size: int, abandon: Callable[[], bool]) -> None:
+        """The trainer's end of the group, while every engine joins (returns once all have; gives
+        up, Abandoned, once `abandon()` says an engine's init failed)."""
         ...
 
     def send(self, tensors: list[torch.Tensor], abandon: Callable[[], bool]) -> None:
@@ -115,7 +117,8 @@ class GlooTransport:
     def init_info(self, rank_offset: int, world_size: int) -> dict[str, Any]:
         return init_info(self.host, self.port, rank_offset, world_size, self.name, self.timeout_s)
 
-    def open(self, world_size: int) -> None:
+    def open(self, world_size: int, abandon: Callable[[], bool]) -> None:
+        # The rendezvous ends at the group's timeout if an engine never joins.
         self.group = SideGroup(self.host, self.port, 0, world_size, self.name, "gloo", self.timeout_s)
 
     def send(self, tensors: list[torch.Tensor], abandon: Callable[[], bool]) -> None:
@@ -139,8 +142,8 @@ class NcclTransport:
 
     backend = V.NCCL_TRANSFER
 
-    def __init__(self, device: torch.device, unique_id: bytes | None = None) -> None:
-        self.device = device
+    def __init__(self, device: torch.device, timeout_s: float, unique_id: bytes | None = None) -> None:
+        self.device, self.timeout_s = device, timeout_s
         self.unique_id = unique_id if unique_id is not None else nccl_lib.unique_id()
         self.comm: nccl_lib.Communicator | None = None
         self.stream: torch.cuda.Stream | None = None
@@ -148,14 +151,33 @@ class NcclTransport:
     def init_info(self, rank_offset: int, world_size: int) -> dict[str, Any]:
         return nccl_init_info(self.unique_id, rank_offset, world_size)
 
-    def open(self, world_size: int) -> None:
-        with torch.cuda.device(self.device):
-            self.comm = nccl_lib.Communicator(self.unique_id, world_size, 0)
-            self.stream = torch.cuda.Stream(self.device)
+    def open(self, world_size: int, abandon: Callable[[], bool]) -> None:
+        """NCCL's init waits for every rank without a timeout, so it runs in a thread of its own:
+        an engine whose init fails, or none joining within timeout_s, leaves that thread waiting
+        (a daemon; the next connect mints a new id) instead of the trainer."""
+        joined: dict[str, Any] = {}
+
+        def init() -> None:
+            try:
+                with torch.cuda.device(self.device):
+                    joined["comm"] = nccl_lib.Communicator(self.unique_id, world_size, 0)
+            except nccl_lib.NcclError as e:
+                joined["error"] = e
+
+        thread = threading.Thread(target=init, name="vllm-nccl-init", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + self.timeout_s
+        while thread.is_alive():
+            if abandon() or time.monotonic() > deadline:
+                raise Abandoned(f"vLLM NCCL weight transfer: not every engine joined within {self.timeout_s:.0f} s")
+            thread.join(0.05)
+        if "error" in joined:
+            raise joined["error"]
+        self.comm, self.stream = joined["comm"], torch.cuda.Stream(self.device)
         # vLLM's communicator all_reduces one float32 zero right after its init (PyNcclCommunicator):
         # every peer must do the same before any other collective.
         warm_up = torch.zeros(1, device=self.device)
-        self._run(lambda comm, stream: comm.all_reduce(warm_up, stream), None)
+        self._run(lambda comm, stream: comm.all_reduce(warm_up, stream), abandon)
 
     def send(self, tensors: list[torch.Tensor], abandon: Callable[[], bool]) -> None:
         def broadcast(comm: nccl_lib.Communicator, stream: torch.cuda.Stream) -> None:
@@ -205,7 +227,7 @@ class VllmTransfer:
         answers = self._each(
             lambda i, c: c.call("POST", V.INIT_WEIGHT_TRANSFER, {"init_info": self.transport.init_info(1 + i, world)})
         )
-        self.transport.open(world)
+        self.transport.open(world, functools.partial(_failed, answers))
         _results(answers)
         self.connected = True
 
@@ -348,7 +370,7 @@ class VllmSender:
     def _transport(self, engines: list[EngineRecord]) -> VllmTransport:
         if V.transfer_backend(self.backend) == V.NCCL_TRANSFER:
             assert self.device is not None and self.device.type == "cuda", "the nccl transfer runs from a GPU"
-            return NcclTransport(self.device)
+            return NcclTransport(self.device, self.timeout_s)
         host = "127.0.0.1" if all(_is_loopback(r.host) for r in engines) else socket.getfqdn()
         return GlooTransport(host, free_port(host if _is_loopback(host) else ""), self.timeout_s)
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import base64
 import multiprocessing as mp
+import time
 
 import pytest
 import torch
 
 from relax_hpc.weights import nccl_lib
 from relax_hpc.weights.buckets import plan_buckets
+from relax_hpc.weights.group import Abandoned
 from relax_hpc.weights.vllm_channel import NcclTransport, update_info
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -46,9 +48,9 @@ def _worker(init: dict, updates: list[dict], out: mp.Queue, device: int) -> None
 
 
 def test_a_group_of_one_opens_warms_up_and_broadcasts():
-    transport = NcclTransport(torch.device("cuda", 0))
+    transport = NcclTransport(torch.device("cuda", 0), 60.0)
     assert len(transport.unique_id) == 128  # NCCL's unique id, sent base64 in the init info
-    transport.open(1)
+    transport.open(1, abandon=lambda: False)
     params = weights()
     sent = [t.cuda() for t in params.values()]
     transport.send(sent, abandon=lambda: False)
@@ -71,18 +73,31 @@ def test_every_dtype_a_checkpoint_holds_has_an_nccl_type():
     comm.destroy()
 
 
+def test_an_engine_that_never_joins_is_given_up_on():
+    """NCCL's init has no timeout: the transport's does (and `abandon`, for an engine whose
+    /init_weight_transfer_engine failed), so the trainer is not held by a peer that never comes."""
+    transport = NcclTransport(torch.device("cuda", 0), 2.0)
+    started = time.monotonic()
+    with pytest.raises(Abandoned, match="not every engine joined within 2 s"):
+        transport.open(2, abandon=lambda: False)
+    failed = NcclTransport(torch.device("cuda", 0), 60.0)
+    with pytest.raises(Abandoned):
+        failed.open(2, abandon=lambda: True)
+    assert time.monotonic() - started < 10
+
+
 def exchange(worker_device: int) -> tuple[int | None, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The trainer's end on GPU 0 pushes `weights()` in several buckets to a worker process on
     `worker_device`: the worker's exit code, what it received, what was sent."""
     params = weights()
     plans = plan_buckets(((n, t.shape, t.dtype) for n, t in params.items()), 2048)  # several buckets
-    transport = NcclTransport(torch.device("cuda", 0))
+    transport = NcclTransport(torch.device("cuda", 0), 120.0)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     updates = [update_info(p) for p in plans]
     worker = ctx.Process(target=_worker, args=(transport.init_info(1, 2), updates, out, worker_device))
     worker.start()
-    transport.open(2)
+    transport.open(2, abandon=lambda: False)
     for plan in plans:
         transport.send([params[name].cuda() for name in plan.names], abandon=lambda: False)
     got = out.get(timeout=120)
