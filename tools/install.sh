@@ -28,6 +28,8 @@ install -e ".[test,megatron,dev,sinks,notify]"
 # sglang markers, which also pins them. The contract and launcher tests import it; nothing runs it.
 SGLANG_PKGS=$(sed -n '/^# >>> sglang/,/^# <<< sglang/p' constraints.txt | grep -v '^#' | sed 's/==.*//')
 install --no-deps $SGLANG_PKGS
+# relax_hpc itself is installed editable: its bytecode too (tools/uv_env.sh says why).
+.venv/bin/python -m compileall -q relax_hpc > /dev/null
 .venv/bin/python -c "import relax_hpc, torch, transformers, h5py; print(f'relax_hpc {relax_hpc.__version__} ready (torch {torch.__version__}, transformers {transformers.__version__}, h5py {h5py.__version__})')"
 if [ "$WITH_VLLM" = 1 ]; then
   bash tools/install_vllm.sh

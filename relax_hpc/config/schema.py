@@ -786,6 +786,11 @@ class LaunchConfig(Section):
     these tiny models slower, not faster."""
     max_wall_s: float = Field(default=0.0, ge=0)
     """Stop (with a checkpoint) after this many seconds of wall time; 0 = no limit."""
+    fork_roles: bool = True
+    """With the local executor: start the roles (engines, driver, trainer) as forks of one
+    process that imported their modules once, instead of a fresh interpreter each, which spends
+    seconds of CPU importing torch and transformers (relax_hpc.launch.forkserver). Roles in a
+    container or on a GPU slice always start fresh. `false`: every role starts fresh."""
     container: Annotated[str | None, PathOption("image", "build it: see containers/README.md")] = None
     """Run every role inside this container image (an Apptainer .sif file, or a charliecloud
     image directory), with RUN_DIR, the model, the data and the working directory bound."""

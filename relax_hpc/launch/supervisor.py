@@ -29,6 +29,7 @@ from relax_hpc.config.schema import JobConfig
 from relax_hpc.fence import Lease, refused_writes
 from relax_hpc.launch.badnodes import newly_bad
 from relax_hpc.launch.commands import step_name
+from relax_hpc.launch.forkserver import ForkedProcess, ForkServer, ForkServerError, forkable
 from relax_hpc.launch.gpus import NO_GPU, span, visible_gpu_count
 from relax_hpc.launch.health import HealthMonitor
 from relax_hpc.launch.notify import Notifier
@@ -50,7 +51,8 @@ class Role:
     argv: list[str]
     log_path: Path
     max_restarts: int
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen | ForkedProcess | None = None
+    forks: ForkServer | None = None  # local roles: forked by it (launch.forkserver), else fresh processes
     restarts: int = 0
     abandoned: bool = False  # a helper role that failed too often; the run went on without it
     started_at: float = 0.0  # wall time of the current process's start
@@ -74,6 +76,12 @@ class Role:
     def start(self, env: dict[str, str]) -> None:
         self.accrue()
         self.started_at, self.accrued = time.time(), False
+        if self.forks is not None and forkable(self.argv, self.forks.modules):
+            try:
+                self.proc = self.forks.start(self.argv, env, self.log_path)
+                return
+            except ForkServerError as err:
+                self.note(f"launcher: {err}; starting {self.name} as a fresh process")
         with self.log_path.open("ab") as out:
             # A new session: Ctrl-C in the terminal reaches the launcher only, which then asks
             # the trainer to checkpoint instead of every process dying at once.
@@ -168,13 +176,15 @@ class Supervisor:
         out: TextIO = sys.stdout,
         devices: str | None = None,
         slurm_job: str | None = None,
+        forks: ForkServer | None = None,
     ) -> None:
         """`commands`: every role's command line, asked anew at each start of the run (a
         restarted trainer gets a fresh rendezvous endpoint); `slurm_job`: the job whose steps
-        the roles are, which ending a role cancels."""
+        the roles are, which ending a role cancels; `forks`: the fork server that starts the
+        roles it can (launch.fork_roles)."""
         self.cfg, self.paths, self.commands, self.out = cfg, paths, commands, out
         self.devices = devices  # where the roles run, said once in the header
-        self.slurm_job = slurm_job
+        self.slurm_job, self.forks = slurm_job, forks
         self.stop_requested = False
         self.kill_requested = False
         self.events = JsonlWriter(paths.events_metrics)
@@ -248,6 +258,7 @@ class Supervisor:
                 logs / f"{name}.log",
                 ro.max_engine_restarts if name.startswith(ENGINE_ROLES) else 3,
                 step=JobStep(self.slurm_job, step_name(self.cfg, name)) if self.slurm_job else None,
+                forks=self.forks,
             )
             for name, argv in self.commands().items()
         }

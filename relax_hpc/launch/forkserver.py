@@ -1,0 +1,277 @@
+"""Warm starts for the `local` executor: roles forked from one process that imported them once.
+
+Every role of a run on this machine (engines, driver, trainer) is `python -m relax_hpc.<role>`,
+and each fresh interpreter spends seconds of CPU importing torch and transformers before it does
+anything: on 2 cores, a third of a short run's CPU and most of its start-up (BENCHMARKS.md,
+"Start-up"). The fork server is one interpreter, started with the roles' common environment,
+that imports every role module of the run once and then forks a child per role start; the child
+takes the role's environment, log and process title and runs the module as `python -m` would
+(runpy, as `__main__`), sharing the imported code copy-on-write. Restarts after a crash are forks
+too. This is the Android zygote's idea and what multiprocessing's forkserver does for functions;
+the latter is not used because it runs functions, not programs, reports a live child as exited
+(255) when the server dies, and starts its children as daemons.
+
+The launcher's side (`ForkServer`) speaks JSON lines over the server's stdin and stdout: a start
+request is answered with the child's pid, and every child's exit with its status (the server is
+the child's parent and reaps it). `ForkedProcess` gives the supervisor the part of
+`subprocess.Popen` it uses. If the server dies, its children keep running; their exit status is
+then unknown, and `ForkedProcess` reports a child that has gone as killed (-9). Only plain
+`python -m <role module>` commands on this machine are forked: commands in a container, on a GPU
+slice or in another interpreter start as before (`forkable`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import queue
+import runpy
+import selectors
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import psutil
+import setproctitle
+
+from relax_hpc.launch.gpus import NO_GPU
+
+ROLE_MODULES = frozenset(
+    {
+        "relax_hpc.engines.torch_engine",
+        "relax_hpc.engines.sglang_engine",
+        "relax_hpc.engines.vllm_engine",
+        "relax_hpc.rollout.driver",
+        "relax_hpc.trainer.main",
+        "relax_hpc.metrics.sinks",
+    }
+)
+READY_TIMEOUT_S = 300.0  # the server's imports, on a loaded machine
+KILLED = -signal.SIGKILL  # the status reported for a child whose real status died with the server
+
+
+class ForkServerError(RuntimeError):
+    """The server could not start a role (the caller starts it as a fresh process instead)."""
+
+
+def forkable(argv: Sequence[str], modules: Iterable[str] = ROLE_MODULES) -> tuple[list[str], dict[str, str]] | None:
+    """What the fork server runs for `argv`: `<this python> -m <one of modules> ...`, with the
+    environment it adds; the same for a role kept off the GPUs (`launch.gpus none -- ...`, which
+    hides every GPU). None for any other command (a container, a GPU slice, another python)."""
+    argv = list(argv)
+    env: dict[str, str] = {}
+    if argv[1:5] == ["-m", "relax_hpc.launch.gpus", NO_GPU, "--"] and argv[0] == sys.executable:
+        argv, env = argv[5:], {"CUDA_VISIBLE_DEVICES": ""}
+    if len(argv) >= 3 and argv[0] == sys.executable and argv[1] == "-m" and argv[2] in modules:
+        return argv, env
+    return None
+
+
+class ForkedProcess:
+    """A role forked by the server: the part of subprocess.Popen the supervisor uses."""
+
+    def __init__(self, pid: int, server: ForkServer) -> None:
+        self.pid, self._server = pid, server
+        self.returncode: int | None = None
+        self._created = _create_time(pid)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._server.exit_status(self.pid, self._created)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
+            time.sleep(0.05)
+        assert self.returncode is not None
+        return self.returncode
+
+
+class ForkServer:
+    """The launcher's handle on one fork server, which runs `modules` (imported once, in the
+    environment `env`). It starts at the first `start`, and again at a start after its death; its
+    log, forkserver.log, goes into the folder of the log of the role whose start started it."""
+
+    def __init__(self, modules: Iterable[str], env: Mapping[str, str]) -> None:
+        self.modules, self.env = sorted(set(modules)), dict(env)
+        self.log_path: Path | None = None
+        self._proc: subprocess.Popen | None = None
+        self._replies: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._exits: dict[int, int] = {}
+        self._reader: threading.Thread | None = None
+        # One request at a time: the server reads its input by lines, so it never holds a
+        # second request in its buffer while it waits on the pipe.
+        self._lock = threading.Lock()
+
+    def start(self, argv: Sequence[str], env: Mapping[str, str], log_path: Path) -> ForkedProcess:
+        """Fork `argv` (`forkable` with this server's modules) with `env`, its output appended to `log_path`."""
+        command = forkable(argv, self.modules)
+        if command is None:
+            raise ForkServerError(f"not a role the fork server runs: {shlex.join(argv)}")
+        with self._lock:
+            proc = self._running(log_path.parent / "forkserver.log")
+            request = {"argv": command[0], "env": {**env, **command[1]}, "log": str(log_path)}
+            try:
+                assert proc.stdin is not None
+                proc.stdin.write(json.dumps(request) + "\n")
+                proc.stdin.flush()
+                reply = self._replies.get(timeout=READY_TIMEOUT_S)
+            except (OSError, queue.Empty) as err:
+                raise ForkServerError(f"the fork server did not answer: {err}") from err
+            if "pid" not in reply:
+                raise ForkServerError(reply.get("error", f"the fork server ended (see {self.log_path})"))
+            return ForkedProcess(int(reply["pid"]), self)
+
+    def exit_status(self, pid: int, created: float | None) -> int | None:
+        """`pid`'s exit status once it has exited; None while it runs."""
+        if pid in self._exits:
+            return self._exits[pid]
+        if self._proc is not None and self._proc.poll() is None:
+            return None
+        if self._reader is not None:
+            self._reader.join(timeout=1.0)  # the exits the server said before it ended
+        if pid in self._exits:
+            return self._exits[pid]
+        # The server died with the child's status: the child has exited once its process is gone.
+        if created is not None and _create_time(pid) == created:
+            return None
+        return self._exits.setdefault(pid, KILLED)
+
+    def close(self) -> None:
+        """End the server (its children are the supervisor's to end; they are not touched)."""
+        if self._proc is not None and self._proc.poll() is None:
+            assert self._proc.stdin is not None
+            with contextlib.suppress(OSError):
+                self._proc.stdin.close()  # the server ends at the end of its input
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+
+    def _running(self, log_path: Path) -> subprocess.Popen:
+        if self._proc is None or self._proc.poll() is not None:
+            self._replies, self.log_path = queue.Queue(), log_path
+            with log_path.open("ab") as log:
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-m", __name__, *self.modules],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=self.env,
+                    start_new_session=True, text=True,
+                )  # fmt: skip
+            self._reader = threading.Thread(target=self._read, args=(self._proc, self._replies), daemon=True)
+            self._reader.start()
+        return self._proc
+
+    def _read(self, proc: subprocess.Popen, replies: queue.Queue) -> None:
+        """The server's messages: exits into the table, everything else to the waiting start."""
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            message = json.loads(line)
+            if "exited" in message:
+                self._exits[int(message["exited"])] = int(message["code"])
+            else:
+                replies.put(message)
+        replies.put({})  # the server ended: a start waiting for it fails at once
+
+
+def _create_time(pid: int) -> float | None:
+    with contextlib.suppress(psutil.Error):
+        process = psutil.Process(pid)
+        return None if process.status() == psutil.STATUS_ZOMBIE else process.create_time()
+    return None
+
+
+# --- the server ---------------------------------------------------------------------------------
+
+
+def main(modules: Sequence[str]) -> None:
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # what an import prints goes to the server's log, not into the replies
+    for name in modules:
+        importlib.import_module(name)
+        # Imported for its imports only: the child runs it afresh as __main__, as `python -m`
+        # does, which never has the module under its own name before it runs.
+        del sys.modules[name]
+    request = _serve(replies)  # returns only in a forked child
+    _run_role(request)
+
+
+def _serve(replies: Any) -> dict[str, Any]:
+    wakeup_r, wakeup_w = os.pipe()
+    os.set_blocking(wakeup_w, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that the wakeup fd is written
+    signal.set_wakeup_fd(wakeup_w)
+    selector = selectors.DefaultSelector()
+    selector.register(sys.stdin, selectors.EVENT_READ)
+    selector.register(wakeup_r, selectors.EVENT_READ)
+    while True:
+        for key, _ in selector.select():
+            if key.fileobj == wakeup_r:
+                os.read(wakeup_r, 4096)
+                _report_exits(replies)
+                continue
+            line = sys.stdin.readline()
+            if not line:  # the launcher closed its end: leave the children running
+                sys.exit(0)
+            request = json.loads(line)
+            try:
+                pid = os.fork()
+            except OSError as err:
+                print(json.dumps({"error": f"fork failed: {err}"}), file=replies)
+                continue
+            if pid == 0:
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                selector.close()
+                for fd in (wakeup_r, wakeup_w, replies.fileno()):
+                    os.close(fd)
+                return request
+            print(json.dumps({"pid": pid}), file=replies)
+
+
+def _report_exits(replies: Any) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        print(json.dumps({"exited": pid, "code": os.waitstatus_to_exitcode(status)}), file=replies)
+
+
+def _run_role(request: dict[str, Any]) -> None:
+    """In the child: become the role's process, then run its module as `python -m` would."""
+    os.setsid()  # as subprocess's start_new_session: Ctrl-C reaches the launcher alone
+    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    for fd, target in ((devnull, 0), (log, 1), (log, 2)):
+        os.dup2(fd, target)
+    os.close(log)
+    os.close(devnull)
+    argv = request["argv"]
+    # Before the environment changes: setproctitle makes room for a long title in the memory of
+    # the environment the process started with.
+    setproctitle.setproctitle(shlex.join(argv))
+    os.environ.clear()
+    os.environ.update(request["env"])
+    if "numpy" in sys.modules:  # a fresh interpreter seeds numpy's global generator anew
+        sys.modules["numpy"].random.seed()
+    sys.argv = [argv[2], *argv[3:]]
+    # An exception or SystemExit leaves through the interpreter's own exit, as under `python -m`.
+    runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
