@@ -15,6 +15,7 @@ import pytest
 
 from relax_hpc.config import load_config
 from relax_hpc.launch.commands import local_commands
+from relax_hpc.launch.forkserver import ForkedProcess, ForkServer
 from relax_hpc.launch.supervisor import child_env
 from relax_hpc.metrics.jsonl import read_jsonl
 from relax_hpc.paths import RunPaths
@@ -47,16 +48,22 @@ def make_run(run_dir: Path, *overrides: str) -> tuple:
 
 
 class Engines:
-    """Engine processes started from the launcher's own command lines."""
+    """Engine processes started from the launcher's own command lines; forked by `forks` (the
+    local executor's fork server) when given, as the launcher starts them."""
 
-    def __init__(self, cfg, paths: RunPaths) -> None:
-        self.cfg, self.paths = cfg, paths
-        self.procs: dict[str, subprocess.Popen] = {}
+    def __init__(self, cfg, paths: RunPaths, forks: ForkServer | None = None) -> None:
+        self.cfg, self.paths, self.forks = cfg, paths, forks
+        self.procs: dict[str, subprocess.Popen | ForkedProcess] = {}
 
     def start(self, engine_id: str) -> None:
         argv = local_commands(self.cfg, self.paths)[engine_id]
-        log = (self.paths.root / f"{engine_id}.log").open("ab")
-        self.procs[engine_id] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=child_env(self.cfg))
+        log_path = self.paths.root / f"{engine_id}.log"
+        if self.forks is not None:
+            self.procs[engine_id] = self.forks.start(argv, child_env(self.cfg), log_path)
+            return
+        with log_path.open("ab") as log:
+            env = child_env(self.cfg)
+            self.procs[engine_id] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
 
     def wait_registered(self, count: int, timeout_s: float = 120.0, folder: Path | None = None) -> list:
         """The records of `count` engines in `folder` (default: the rollout engines' registry)."""
@@ -81,12 +88,22 @@ class Engines:
                 proc.kill()
 
 
+@pytest.fixture(scope="session")
+def engine_forks():
+    """One fork server of the built-in engine for the worker's tests (each engine a fork, as the
+    local executor starts them: a fresh interpreter would spend seconds importing torch)."""
+    cfg = load_config(CONFIG, [], base_dir=REPO)
+    forks = ForkServer(["relax_hpc.engines.torch_engine"], child_env(cfg))
+    yield forks
+    forks.close()
+
+
 @pytest.fixture
-def engines():
+def engines(engine_forks):
     started: list[Engines] = []
 
     def factory(cfg, paths, count: int) -> Engines:
-        group = Engines(cfg, paths)
+        group = Engines(cfg, paths, engine_forks)
         started.append(group)
         for i in range(count):
             group.start(f"engine-{i}")

@@ -1,5 +1,7 @@
-"""torchrun worker for test_weight_sync: perturb the sharded model, push it through the weight
-channel (relax_hpc.weights.channel) the path names, record what to expect.
+"""Stand-in trainer for test_weight_sync, two ranks forked after one import as the trainer on the
+CPU forks its own (relax_hpc.trainer.ranks; torchrun would import everything once per rank):
+perturb the sharded model, push it through the weight channel (relax_hpc.weights.channel) the
+path names, record what to expect.
 
 argv: run dir, output file, version, and the path: "broadcast" (rank 0 broadcasts to every engine),
 "colocated" (each rank releases its own engines' memory first, then hands them the weights by
@@ -231,4 +233,6 @@ def refuses_generation(url: str, token: str) -> bool:
 
 
 if __name__ == "__main__":
-    main()
+    from relax_hpc.trainer.ranks import run_ranks
+
+    sys.exit(run_ranks(2, main))
