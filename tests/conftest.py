@@ -34,8 +34,29 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return ByModule(config, log)
 
 
+# The longest modules after the Slurm unit, longest first (seconds in a clean-clone CI run,
+# BENCHMARKS.md "CI"): a worker then ends on short unit tests instead of one learning run while
+# the other waits (the vLLM run came last and alone, about 200 s, at 528935a).
+LONGEST = (
+    "tests/integration/test_multimodal_system.py",  # 363 s
+    "tests/integration/test_algorithms_learn.py",  # 294
+    "tests/integration/test_agentic.py",  # 265
+    "tests/integration/test_resume.py",  # 222
+    "tests/integration/test_vllm_run.py",  # 193
+    "tests/integration/test_learning.py",  # 123
+    "tests/integration/test_weight_sync.py",  # 119
+)
+
+
+def _order(item: pytest.Item) -> tuple[int, int]:
+    if item.nodeid.startswith(SLURM):
+        return (0, 0)
+    module = item.nodeid.split("::", 1)[0]
+    return (1, LONGEST.index(module)) if module in LONGEST else (2, 0)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: not item.nodeid.startswith(SLURM))  # stable: each module's order stays
+    items.sort(key=_order)  # stable: each module's order stays
 
 
 @pytest.fixture

@@ -22,11 +22,18 @@ class Heartbeat:
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def beat(self, **state: Any) -> None:
-        fence.check(f"heartbeat {self.path.name}")  # an old process's beat would hide a hung new one
         # Renamed into place (a reader never sees half a file) but not fsynced: a heartbeat is
         # news, not a record, and the trainer writes several per step.
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
         tmp.write_text(json.dumps({"time": time.time(), "pid": os.getpid(), **state}))
+        try:
+            # An old process's beat would hide a hung new one. The lease is read afresh, just
+            # before the rename: a process stopped (SIGSTOP, a frozen node) and continued after
+            # its successor started must not pass on a reading from before its stop.
+            fence.check(f"heartbeat {self.path.name}", fresh=True)
+        except fence.Fenced:
+            tmp.unlink(missing_ok=True)
+            raise
         os.replace(tmp, self.path)
 
 

@@ -38,7 +38,7 @@ class EngineRecord:
 
 
 def write_record(folder: Path, record: EngineRecord) -> None:
-    fence.check(f"registry write {folder.name}/{record.engine_id}")
+    fence.check(f"registry write {folder.name}/{record.engine_id}", fresh=True)  # as Heartbeat.beat says why
     write_atomic(folder / f"{record.engine_id}.json", json.dumps(asdict(record)).encode())
 
 

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForTokenClassification
@@ -49,20 +50,22 @@ from relax_hpc.weights.lora import SCALING
 _Model = TypeVar("_Model", bound=torch.nn.Module)
 
 
-def _sharded(model: _Model) -> _Model:
+def _sharded(model: _Model, device: torch.device) -> _Model:
     """FSDP2 units: each decoder layer, each encoder (a vision tower must be a unit of its own:
-    generate calls it outside the root's forward), then the rest."""
+    generate calls it outside the root's forward), then the rest; on a mesh of `device`'s kind
+    (FSDP2's default mesh is CUDA's wherever a GPU is visible, and would move a CPU model there)."""
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for layer in decoder_layers(model):
-        fully_shard(layer)
+        fully_shard(layer, mesh=mesh)
     for encoder in encoders(model).values():
-        fully_shard(encoder)
-    fully_shard(model)  # in place: the model's class becomes a subclass of FSDPModule and of its own
+        fully_shard(encoder, mesh=mesh)
+    fully_shard(model, mesh=mesh)  # in place: the model's class becomes a subclass of FSDPModule and of its own
     return model
 
 
 def _frozen(path: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     hf_model = load_policy(path, dtype)
-    model = _sharded(hf_model.to(device))  # type: ignore[arg-type]  # transformers types .to() as taking a model
+    model = _sharded(hf_model.to(device), device)  # type: ignore[arg-type]  # transformers types .to() as taking a model
     model.requires_grad_(False)
     return model.eval()
 
@@ -92,7 +95,7 @@ class TorchBackend:
         # it sets the adapters alone (dcp.load has already refused a checkpoint that lacks one).
         self.state_options = StateDictOptions(ignore_frozen_params=cfg.lora is not None)
         self.load_options = StateDictOptions(ignore_frozen_params=cfg.lora is not None, strict=cfg.lora is None)
-        self.model = _sharded(hf_model.to(device))  # type: ignore[arg-type]  # transformers types .to() as taking a model
+        self.model = _sharded(hf_model.to(device), device)  # type: ignore[arg-type]  # transformers types .to() as taking a model
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr, betas=cfg.betas,
             weight_decay=cfg.weight_decay,
@@ -109,7 +112,7 @@ class TorchBackend:
         if self.objective.needs_critic:
             critic = AutoModelForTokenClassification.from_pretrained(model_path, num_labels=1, dtype=dtype)
             torch.nn.init.zeros_(critic.score.weight)  # start at V = 0: no random initial baseline
-            self.critic = _sharded(critic.to(device))
+            self.critic = _sharded(critic.to(device), device)
             self.critic_optimizer = torch.optim.AdamW(
                 self.critic.parameters(), lr=algo.critic.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
             )
