@@ -283,6 +283,8 @@ class Supervisor:
              "slurm_restart_count": restart_count, "generation": generation}
         )  # fmt: skip
         for role in roles.values():
+            if self.stop_requested:  # asked during the starts (the fork server's imports): start no more
+                break
             role.start({**env, **self.lease.grant(role.name)})
         self.notifier.send("resumed" if recovery.step else "started", f"at step {recovery.step}; logs in {logs}")
         # A role the run does not have (an sft job's driver) started "in the future": never overdue.
