@@ -36,7 +36,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,10 @@ KILLED = -signal.SIGKILL  # the status reported for a child whose real status di
 
 class ForkServerError(RuntimeError):
     """The server could not start a role (the caller starts it as a fresh process instead)."""
+
+
+class StartAbandoned(Exception):
+    """The caller gave up a start while the server was still importing; nothing was forked."""
 
 
 def forkable(argv: Sequence[str], modules: Iterable[str] = ROLE_MODULES) -> tuple[list[str], dict[str, str]] | None:
@@ -116,6 +120,7 @@ class ForkServer:
         self.modules, self.env = sorted(set(modules)), dict(env)
         self.log_path: Path | None = None
         self._proc: subprocess.Popen | None = None
+        self._ready = False  # the current server has imported its modules
         self._replies: queue.Queue[dict[str, Any]] = queue.Queue()
         self._exits: dict[int, int] = {}
         self._reader: threading.Thread | None = None
@@ -123,13 +128,19 @@ class ForkServer:
         # second request in its buffer while it waits on the pipe.
         self._lock = threading.Lock()
 
-    def start(self, argv: Sequence[str], env: Mapping[str, str], log_path: Path) -> ForkedProcess:
-        """Fork `argv` (`forkable` with this server's modules) with `env`, its output appended to `log_path`."""
+    def start(
+        self, argv: Sequence[str], env: Mapping[str, str], log_path: Path, abandon: Callable[[], bool] | None = None
+    ) -> ForkedProcess:
+        """Fork `argv` (`forkable` with this server's modules) with `env`, its output appended to
+        `log_path`. While the server is still importing, `abandon` is asked every 0.1 s whether
+        to give the start up (StartAbandoned): a stop asked during a run's first seconds need
+        not wait out the imports, and nothing is forked after it."""
         command = forkable(argv, self.modules)
         if command is None:
             raise ForkServerError(f"not a role the fork server runs: {shlex.join(argv)}")
         with self._lock:
             proc = self._running(log_path.parent / "forkserver.log")
+            self._await_ready(abandon)
             request = {"argv": command[0], "env": {**env, **command[1]}, "log": str(log_path)}
             try:
                 assert proc.stdin is not None
@@ -141,6 +152,22 @@ class ForkServer:
             if "pid" not in reply:
                 raise ForkServerError(reply.get("error", f"the fork server ended (see {self.log_path})"))
             return ForkedProcess(int(reply["pid"]), self)
+
+    def _await_ready(self, abandon: Callable[[], bool] | None) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not self._ready:
+            try:
+                message = self._replies.get(timeout=0.1)
+            except queue.Empty:
+                if abandon is not None and abandon():
+                    raise StartAbandoned("the start was given up while the fork server imported") from None
+                if time.monotonic() > deadline:
+                    late = f"the fork server did not import its modules in {READY_TIMEOUT_S:.0f} s"
+                    raise ForkServerError(late) from None
+                continue
+            if not message.get("ready"):
+                raise ForkServerError(f"the fork server ended before it was ready (see {self.log_path})")
+            self._ready = True
 
     def exit_status(self, pid: int, created: float | None) -> int | None:
         """`pid`'s exit status once it has exited; None while it runs."""
@@ -167,7 +194,7 @@ class ForkServer:
 
     def _running(self, log_path: Path) -> subprocess.Popen:
         if self._proc is None or self._proc.poll() is not None:
-            self._replies, self.log_path = queue.Queue(), log_path
+            self._replies, self.log_path, self._ready = queue.Queue(), log_path, False
             with log_path.open("ab") as log:
                 self._proc = subprocess.Popen(
                     [sys.executable, "-m", __name__, *self.modules],
@@ -212,6 +239,7 @@ def main(modules: Sequence[str]) -> None:
     # (Python's advice for a pre-fork server): a child's collections neither scan it nor write to
     # its pages, which then stay shared.
     gc.freeze()
+    print(json.dumps({"ready": True}), file=replies)
     request = _serve(replies)  # returns only in a forked child
     _run_role(request)
 

@@ -29,7 +29,7 @@ from relax_hpc.config.schema import JobConfig
 from relax_hpc.fence import Lease, refused_writes
 from relax_hpc.launch.badnodes import newly_bad
 from relax_hpc.launch.commands import step_name
-from relax_hpc.launch.forkserver import ForkedProcess, ForkServer, ForkServerError, forkable
+from relax_hpc.launch.forkserver import ForkedProcess, ForkServer, ForkServerError, StartAbandoned, forkable
 from relax_hpc.launch.gpus import NO_GPU, span, visible_gpu_count
 from relax_hpc.launch.health import HealthMonitor
 from relax_hpc.launch.notify import Notifier
@@ -73,21 +73,23 @@ class Role:
             self.ran_s += time.time() - self.started_at
             self.accrued = True
 
-    def start(self, env: dict[str, str]) -> None:
+    def start(self, env: dict[str, str], abandon: Callable[[], bool] | None = None) -> None:
+        """Start the role's process. `abandon`: asked while the fork server imports; when it says
+        so, nothing starts (StartAbandoned)."""
         self.accrue()
+        self.proc = self._spawn(env, abandon)
         self.started_at, self.accrued = time.time(), False
+
+    def _spawn(self, env: dict[str, str], abandon: Callable[[], bool] | None) -> subprocess.Popen | ForkedProcess:
         if self.forks is not None and forkable(self.argv, self.forks.modules):
             try:
-                self.proc = self.forks.start(self.argv, env, self.log_path)
-                return
+                return self.forks.start(self.argv, env, self.log_path, abandon)
             except ForkServerError as err:
                 self.note(f"launcher: {err}; starting {self.name} as a fresh process")
         with self.log_path.open("ab") as out:
             # A new session: Ctrl-C in the terminal reaches the launcher only, which then asks
             # the trainer to checkpoint instead of every process dying at once.
-            self.proc = subprocess.Popen(
-                self.argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
+            return subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -282,10 +284,10 @@ class Supervisor:
             {"event": "start", "logs": logs.name, "step": recovery.step, "slurm_job_id": job,
              "slurm_restart_count": restart_count, "generation": generation}
         )  # fmt: skip
-        for role in roles.values():
-            if self.stop_requested:  # asked during the starts (the fork server's imports): start no more
-                break
-            role.start({**env, **self.lease.grant(role.name)})
+        # A stop asked during the starts (the fork server's imports) starts no more roles.
+        with contextlib.suppress(StartAbandoned):
+            for role in roles.values():
+                role.start({**env, **self.lease.grant(role.name)}, abandon=lambda: self.stop_requested)
         self.notifier.send("resumed" if recovery.step else "started", f"at step {recovery.step}; logs in {logs}")
         # A role the run does not have (an sft job's driver) started "in the future": never overdue.
         started = lambda name: roles[name].started_at if name in roles else float("inf")  # noqa: E731
@@ -397,11 +399,14 @@ class Supervisor:
                 # would write, so stop now instead of waiting out the trainer's start-up.
                 progress.finish()
                 self.say("no step trained since this start: stopping now; the next start resumes where this one did\n")
+                started = trainer.proc is not None
                 self._stop_all([trainer])
-                trainer.note(
-                    "launcher: the run was asked to stop before this start trained a step, so the trainer was ended "
-                    "(SIGTERM) with nothing to checkpoint; a SignalException above is torchrun's word for that stop"
+                how = (
+                    "ended (SIGTERM) with nothing to checkpoint; a SignalException above is torchrun's word for it"
+                    if started
+                    else "not started"
                 )
+                trainer.note(f"launcher: the run was asked to stop before this start trained a step; trainer {how}")
                 return EXIT_STOPPED, False
             if self.stop_requested and end is not None and not end["completed"]:
                 # The checkpoint is complete once the trainer writes its stop record: end soon

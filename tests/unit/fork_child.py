@@ -1,12 +1,15 @@
 """A program for the fork server's tests: prints what it was given, then sleeps or exits.
 
 python -m tests.unit.fork_child [--sleep S] [--exit N] [--raise]
+Its import takes FORK_TEST_IMPORT_S seconds (a server's slow imports).
 """
 
 import argparse
 import os
 import sys
 import time
+
+time.sleep(float(os.environ.get("FORK_TEST_IMPORT_S", "0")))
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()

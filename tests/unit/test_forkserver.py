@@ -9,7 +9,7 @@ import time
 import psutil
 import pytest
 
-from relax_hpc.launch.forkserver import KILLED, ForkServer, ForkServerError, forkable
+from relax_hpc.launch.forkserver import KILLED, ForkServer, ForkServerError, StartAbandoned, forkable
 from relax_hpc.launch.gpus import NO_GPU
 
 CHILD = "tests.unit.fork_child"
@@ -22,9 +22,10 @@ def server(tmp_path):
     forks.close()
 
 
-def start(forks, tmp_path, *args, name="child", env=None):
+def start(forks, tmp_path, *args, name="child", env=None, abandon=None):
     log = tmp_path / f"{name}.log"
-    child = forks.start([sys.executable, "-m", CHILD, *args], env or {**os.environ, "FORK_TEST_MARKER": name}, log)
+    env = env or {**os.environ, "FORK_TEST_MARKER": name}
+    child = forks.start([sys.executable, "-m", CHILD, *args], env, log, abandon)
     return child, log
 
 
@@ -92,3 +93,17 @@ def test_children_outlive_a_dead_server_and_the_next_start_brings_up_a_new_one(s
 def test_a_command_outside_the_servers_modules_is_refused(server, tmp_path):
     with pytest.raises(ForkServerError, match="not a role"):
         server.start([sys.executable, "-m", "json.tool"], dict(os.environ), tmp_path / "x.log")
+
+
+def test_a_start_abandoned_during_the_imports_forks_nothing_and_the_next_start_forks(tmp_path):
+    forks = ForkServer([CHILD], {**os.environ, "FORK_TEST_IMPORT_S": "3"})
+    try:
+        asked = time.monotonic()
+        with pytest.raises(StartAbandoned):
+            start(forks, tmp_path, name="abandoned", abandon=lambda: time.monotonic() - asked > 0.5)
+        assert time.monotonic() - asked < 1.5  # not the imports' 3 s
+        child, log = start(forks, tmp_path, name="next")  # waits for the same server's imports
+        assert child.wait(timeout=20) == 0 and "marker=next" in log.read_text()
+        assert not (tmp_path / "abandoned.log").exists()  # no late fork of the abandoned start
+    finally:
+        forks.close()
