@@ -62,6 +62,16 @@ def answer() -> dict[str, Any]:
     return GenerateTokensResponse(request_id="r", choices=[choice]).model_dump(mode="json")
 
 
+def scored() -> dict[str, Any]:
+    """A scoring answer built with vLLM's classes: prompt [5, 6, 7], each position's own token
+    scored (prompt_logprobs=0), the first position unscored (None) as vLLM leaves it."""
+    from vllm.logprobs import Logprob
+
+    positions = [None, {6: Logprob(logprob=-0.5, rank=2)}, {7: Logprob(logprob=-1.5, rank=9)}]
+    choice = {"index": 0, "token_ids": [9], "finish_reason": "length"}
+    return GenerateTokensResponse(request_id="s", choices=[choice], prompt_logprobs=positions).model_dump(mode="json")
+
+
 def transfer_engine(backend: str, init_info: dict[str, Any], update_info: dict[str, Any]) -> dict[str, Any]:
     """The engine class vLLM builds for `backend` and what its info classes make of the payloads."""
     load_general_plugins()  # what every vLLM process does at start: relax_hpc's entry point registers
@@ -118,6 +128,8 @@ def main() -> None:
                 "load_lora": LoadLoRAAdapterRequest.model_validate(sent["load_lora"]).model_dump(),
                 "unload_lora": UnloadLoRAAdapterRequest.model_validate(sent["unload_lora"]).model_dump(),
                 "answer": answer(),
+                "score": generate(sent["score"]),
+                "scored": scored(),
                 "transfer_engine": transfer_engine("relax_gloo", sent["init_info"], sent["update_info"]),
                 "nccl_engine": transfer_engine("nccl", sent["nccl_init_info"], sent["update_info"]),
                 "warm_up": warm_up_source(),

@@ -1278,7 +1278,6 @@ class JobConfig(Section):
         """What vLLM engines cannot do here yet, each with its reason (docs/limitations.md)."""
         if self.rollout.engine != "vllm" or self.kind != "rl":
             return self
-        judges = self.reward.name == "judge" and self.reward.judge.num_engines > 0
         refused = {
             "launch.colocate": ("the vLLM channel does not release and resume engine memory around a step",
                                 self.launch.colocate),
@@ -1287,10 +1286,9 @@ class JobConfig(Section):
             "data.media": ("the vLLM adapter sends token ids only (text models)", bool(self.data.media)),
             "launch.container": ("relax_hpc's images hold no vLLM environment (.venv-vllm)",
                                  self.launch.container is not None),
-            "algo.teacher.num_engines": ("teacher engines score through SGLang's input log-probabilities",
-                                         self.algo.teacher.num_engines > 0),
-            "reward.judge.num_engines": ("judge engines answer SGLang's /generate", judges),
             "rollout.vllm.extra_args": (VLLM_ONE_WORKER, _vllm_workers(self.rollout.vllm.extra_args) > 1),
+            "algo.teacher.tp_size": ("sizes SGLang's teacher engines; a vLLM teacher engine has one worker",
+                                     (self.algo.teacher.tp_size or 1) > 1),
         }  # fmt: skip
         problems = [f"{key}: {why}" for key, (why, bad) in refused.items() if bad]
         if problems:

@@ -72,7 +72,7 @@ def server_args(cfg: JobConfig, host: str, port: int, pool: str = "policy") -> l
         argv += ["--max-model-len", str(vc.max_model_len)]
     if vc.enforce_eager:
         argv.append("--enforce-eager")
-    if cfg.lora_adapters and cfg.trainer.lora is not None:
+    if cfg.lora_adapters and cfg.trainer.lora is not None and pool == "policy":  # judges and teachers: no LoRA
         rank = min(r for r in VLLM_LORA_RANKS if r >= cfg.trainer.lora.rank)
         argv += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(MAX_LORAS)]
     return argv + list(vc.extra_args)
@@ -105,7 +105,7 @@ class VllmWrapper(Wrapper):
         return [engine_python(self.cfg.rollout.vllm), "-m", MODULE, *argv]
 
     def environment(self) -> dict[str, str]:
-        if not self.cfg.lora_adapters:
+        if not self.cfg.lora_adapters or self.args.pool != "policy":
             return server_env(self.api_key)
         self.paths.lora_adapters.mkdir(parents=True, exist_ok=True)  # vLLM's resolver wants it at start-up
         return server_env(self.api_key, self.paths.lora_adapters)

@@ -233,10 +233,14 @@ class PoolUnavailable(RuntimeError):
 class PoolClient:
     """/generate on any engine of a registry folder whose engines are never updated (the judge's,
     the teacher's): round-robin, a request re-issued to the next engine while engines fail (the
-    launcher restarts them), waiting up to `wait_s` for one to register. Thread-safe."""
+    launcher restarts them), waiting up to `wait_s` for one to register. `client`: the engines'
+    API (relax_hpc.protocol.vllm.client_class). Thread-safe."""
 
-    def __init__(self, folder: Path, api_key: str, timeout_s: float, wait_s: float) -> None:
+    def __init__(
+        self, folder: Path, api_key: str, timeout_s: float, wait_s: float, client: type[EngineClient] | None = None
+    ) -> None:
         self.folder, self.api_key, self.timeout_s, self.wait_s = folder, api_key, timeout_s, wait_s
+        self.client = client or EngineClient
         self._next = itertools.count()
 
     def generate(self, request: P.GenerateReqInput) -> list[dict]:
@@ -246,7 +250,7 @@ class PoolClient:
             for _ in range(len(records)):
                 record = records[next(self._next) % len(records)]
                 try:
-                    answer: list[dict] = EngineClient(record.url, self.api_key, self.timeout_s).generate(request)
+                    answer: list[dict] = self.client(record.url, self.api_key, self.timeout_s).generate(request)
                     return answer
                 except EngineUnavailable:
                     continue

@@ -8,6 +8,8 @@ which imports them from .venv-vllm):
   answer's choices carry `token_ids`, `logprobs.content[i].logprob` and `weight_versions`, spans
   [start, end) of output tokens sampled by one weight version (vllm.outputs.WeightVersionSpan):
   per-token versions, which partial rollout needs;
+- scoring (a teacher's input log-probabilities): SamplingParams.prompt_logprobs=0, answered in
+  the response's `prompt_logprobs` (one {token id: Logprob} per prompt position, None first);
 - a LoRA adapter is chosen by the request's `model` (its name, as loaded through
   /v1/load_lora_adapter: vllm/entrypoints/serve/lora, served with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1);
 - the RL routes (vllm/entrypoints/rl/online/api_router.py, served with VLLM_SERVER_DEV_MODE=1):
@@ -18,7 +20,8 @@ which imports them from .venv-vllm):
 `VllmClient` is the driver's adapter: an EngineClient whose `generate` takes the SGLang-style
 batch the driver builds (relax_hpc.protocol.requests.GenerateReqInput), sends one token-in,
 token-out request per prompt, all at once (vLLM batches concurrent requests itself), and answers
-in SGLang's shape, with each token's version in `meta_info.token_versions`. It imports no vLLM.
+in SGLang's shape, with each token's version in `meta_info.token_versions`, and a scoring
+request's (`logprob_start_len`) in SGLang's `input_token_logprobs`. It imports no vLLM.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ class SamplingParams:
     detokenize: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    prompt_logprobs: int | None = None  # 0: each prompt token's own log-probability (scoring)
 
 
 @dataclass
@@ -131,6 +135,29 @@ def generate_request(
     return GenerateRequest(request_id, list(input_ids), params, model=adapter)
 
 
+def scoring_request(request_id: str, input_ids: list[int]) -> GenerateRequest:
+    """The request that scores `input_ids` (SGLang's max_new_tokens 0 with return_logprob): the
+    prompt's log-probabilities at temperature 1 without top-k or top-p, as SGLang scores input
+    tokens; vLLM samples at least one token, which is dropped."""
+    return GenerateRequest(request_id, list(input_ids), SamplingParams(max_tokens=1, prompt_logprobs=0))
+
+
+def scored_answer(answer: dict[str, Any], input_ids: list[int], start: int) -> dict[str, Any]:
+    """A scoring answer in SGLang's shape: `input_token_logprobs` from position `start` on, entry 0
+    None (SGLang's rule for the first scored position); raises ValueError when vLLM scored other
+    tokens than those sent."""
+    scored = answer.get("prompt_logprobs")
+    if scored is None or len(scored) != len(input_ids):
+        raise ValueError(f"vLLM scored {len(scored or [])} prompt positions, not {len(input_ids)}")
+    entries: list[list[Any]] = [[None, input_ids[start], None]]
+    for token, position in zip(input_ids[start + 1 :], scored[start + 1 :], strict=True):
+        logprob = (position or {}).get(str(token))
+        if logprob is None:
+            raise ValueError(f"vLLM's prompt_logprobs lack the log-probability of token {token}")
+        entries.append([float(logprob["logprob"]), token, None])
+    return {"output_ids": [], "meta_info": {"input_token_logprobs": entries, "finish_reason": {"type": "length"}}}
+
+
 def generate_body(request: GenerateRequest) -> dict[str, Any]:
     return asdict(request)
 
@@ -183,7 +210,6 @@ UNSUPPORTED = {
     "image_data": "media",
     "audio_data": "media",
     "return_routed_experts": "routed experts (routing replay)",
-    "logprob_start_len": "input log-probabilities (teacher scoring)",
 }
 # Requests of all engines in flight at once: vLLM's scheduler batches them, so they must all be
 # there together; a driver sends at most a step's calls (prompts_per_step x group_size).
@@ -208,10 +234,15 @@ class VllmClient(EngineClient):
             raise ValueError(f"a vLLM engine does not serve {', '.join(refused)} (rollout.engine=vllm)")
         batch = isinstance(request.input_ids[0], list) if request.input_ids else False
         prompts: list[list[int]] = request.input_ids if batch else [request.input_ids]  # type: ignore[assignment, list-item]
-        sampling = request.sampling_params or {}
-        params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
-        adapter = request.lora_path
-        futures = [_SENDERS.submit(self._one, ids, s, adapter) for ids, s in zip(prompts, params, strict=True)]
+        if request.logprob_start_len is not None:  # scoring (a teacher's): no new tokens
+            starts = request.logprob_start_len
+            starts = starts if isinstance(starts, list) else [starts] * len(prompts)
+            futures = [_SENDERS.submit(self._score, ids, int(s)) for ids, s in zip(prompts, starts, strict=True)]
+        else:
+            sampling = request.sampling_params or {}
+            params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+            adapter = request.lora_path
+            futures = [_SENDERS.submit(self._one, ids, s, adapter) for ids, s in zip(prompts, params, strict=True)]
         answers = [f.result() for f in futures]
         return answers if batch else answers[0]
 
@@ -220,6 +251,10 @@ class VllmClient(EngineClient):
         request = generate_request(uuid.uuid4().hex, ids, sampling, None if seed is None else int(seed), adapter)
         return sglang_answer(parse_completion(self.call("POST", GENERATE, generate_body(request))))
 
+    def _score(self, ids: list[int], start: int) -> dict[str, Any]:
+        answer = self.call("POST", GENERATE, generate_body(scoring_request(uuid.uuid4().hex, ids)))
+        return scored_answer(answer, ids, start)
+
     def load_adapter(self, name: str, folder: str) -> None:
         """One of that name (loaded by a trainer before a restart) is replaced in place."""
         self.fetch(LOAD_LORA_ADAPTER, LoadLoRAAdapterRequest(name, folder, load_inplace=True))
@@ -227,3 +262,8 @@ class VllmClient(EngineClient):
     def unload_adapter(self, name: str) -> None:
         """vLLM forgets the name at once; requests in flight keep the adapter they resolved."""
         self.fetch(UNLOAD_LORA_ADAPTER, UnloadLoRAAdapterRequest(name))
+
+
+def client_class(engine: str) -> type[EngineClient]:
+    """The client that speaks the API of rollout.engine's kind (vLLM's, or SGLang's)."""
+    return VllmClient if engine == "vllm" else EngineClient

@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerFast
 from relax_hpc.config.schema import JudgeConfig
 from relax_hpc.paths import RunPaths
 from relax_hpc.protocol import requests as P
-from relax_hpc.protocol.client import PoolClient, PoolUnavailable
+from relax_hpc.protocol.client import EngineClient, PoolClient, PoolUnavailable
 from relax_hpc.rewards.scoring import RewardError, RewardInput
 
 
@@ -40,13 +40,21 @@ def verdict_reward(text: str, pattern: re.Pattern[str]) -> float:
 class JudgeReward:
     """The batched reward function `judge` of one driver."""
 
-    def __init__(self, judge: JudgeConfig, request_timeout_s: float, paths: RunPaths, wait_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        judge: JudgeConfig,
+        request_timeout_s: float,
+        paths: RunPaths,
+        wait_s: float = 600.0,
+        client: type[EngineClient] | None = None,
+    ) -> None:
+        """`client`: the judge engines' API (relax_hpc.protocol.vllm.client_class)."""
         if judge.model is None:
             raise RewardError("reward.name=judge needs reward.judge.model")
         self.tokenizer = PreTrainedTokenizerFast.from_pretrained(judge.model)
         self.template, self.max_new_tokens = judge.prompt_template, judge.max_new_tokens
         self.pattern = re.compile(judge.pattern)
-        self.engines = PoolClient(paths.judge_engines, paths.read_token(), request_timeout_s, wait_s)
+        self.engines = PoolClient(paths.judge_engines, paths.read_token(), request_timeout_s, wait_s, client)
 
     def prompt(self, item: RewardInput) -> str:
         prompt = item.row.prompt if isinstance(item.row.prompt, str) else str(list(item.row.prompt))
@@ -61,10 +69,17 @@ class JudgeReward:
         results: list[Any] = []
         for output in outputs:
             try:
-                results.append(verdict_reward(output["text"], self.pattern))
+                results.append(verdict_reward(self.text(output), self.pattern))
             except (Verdict, ValueError) as e:
                 results.append(Verdict(str(e)))
         return results
+
+    def text(self, output: dict) -> str:
+        """The verdict's text: SGLang's and the built-in engine's `text`, else (a vLLM engine
+        answers token ids only) the ids decoded as SGLang decodes them."""
+        if "text" in output:
+            return str(output["text"])
+        return self.tokenizer.decode(output["output_ids"], skip_special_tokens=True)
 
     def _generate(self, request: P.GenerateReqInput) -> list[dict]:
         """One batch on a judge engine, re-issued while judge engines fail."""

@@ -40,6 +40,7 @@ from relax_hpc.metrics.poll import Poll
 from relax_hpc.metrics.startup import StartupClock
 from relax_hpc.paths import RunPaths
 from relax_hpc.protocol.client import EngineRequestError, EngineUnavailable
+from relax_hpc.protocol.vllm import client_class
 from relax_hpc.rewards import RewardError, make_scorer
 from relax_hpc.rewards.judge import JudgeReward
 from relax_hpc.rollout.engine_policy import EnginePolicy, EnginePool, Stopping
@@ -88,7 +89,9 @@ class Driver:
         self.metrics = JsonlWriter(paths.rollout_metrics)
         self.evals = JsonlWriter(paths.eval_metrics)
         self.failures = JsonlWriter(paths.reward_failures)
-        judge = JudgeReward(cfg.reward.judge, self.ro.request_timeout_s, paths) if cfg.reward.name == "judge" else None
+        judge = None
+        if cfg.reward.name == "judge":
+            judge = JudgeReward(cfg.reward.judge, self.ro.request_timeout_s, paths, client=client_class(self.ro.engine))
         scorer = make_scorer(cfg.reward, judge)
         self.teacher = TeacherScorer(cfg, paths) if cfg.algo.teacher.num_engines else None
         self.rounds = Rounds(cfg, self.rows, self.prompt_ids, self.tokenizer, self.policy, scorer, self.failures.log)

@@ -37,7 +37,7 @@ from relax_hpc.protocol import requests as P
 from relax_hpc.protocol.client import EngineClient, EngineRequestError, EngineUnavailable
 from relax_hpc.protocol.registry import EngineRecord, read_records
 from relax_hpc.protocol.requests import adapter_name
-from relax_hpc.protocol.vllm import VllmClient
+from relax_hpc.protocol.vllm import client_class
 
 log = logging.getLogger("relax_hpc.driver")
 
@@ -63,7 +63,7 @@ class EnginePool:
         self.evaluation = evaluation  # the pool of rollout.eval_engines, else the rollout engines
         self.api_key = paths.read_token()
         self.timeout_s = timeout_s
-        self.client_class = VllmClient if kind == "vllm" else EngineClient
+        self.client_class = client_class(kind)
         self.engines: list[Engine] = []
         self._last = 0.0
 

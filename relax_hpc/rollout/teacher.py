@@ -24,6 +24,7 @@ from relax_hpc.exchange.spool import SampleBatch
 from relax_hpc.paths import RunPaths
 from relax_hpc.protocol import requests as P
 from relax_hpc.protocol.client import PoolClient, PoolUnavailable
+from relax_hpc.protocol.vllm import client_class
 
 # Scoring only: no new token. SGLang scores input tokens at temperature 1 whatever the request says.
 SCORING = {"max_new_tokens": 0}
@@ -59,7 +60,10 @@ class TeacherScorer:
     """The teacher engines of one driver."""
 
     def __init__(self, cfg: JobConfig, paths: RunPaths, wait_s: float = 600.0) -> None:
-        self.engines = PoolClient(paths.teacher_engines, paths.read_token(), cfg.rollout.request_timeout_s, wait_s)
+        self.engines = PoolClient(
+            paths.teacher_engines, paths.read_token(), cfg.rollout.request_timeout_s, wait_s,
+            client_class(cfg.rollout.engine),
+        )  # fmt: skip
 
     async def score(self, batch: SampleBatch) -> None:
         """Set batch.teacher_logprobs: the teacher's log-probability of every completion token

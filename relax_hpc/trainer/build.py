@@ -10,7 +10,7 @@ from relax_hpc.config.schema import JobConfig, LoraConfig
 from relax_hpc.models.lora import write_adapter_folder
 from relax_hpc.paths import RunPaths
 from relax_hpc.protocol.client import EngineClient
-from relax_hpc.protocol.vllm import PauseMode, VllmClient
+from relax_hpc.protocol.vllm import PauseMode, client_class
 from relax_hpc.trainer.backend import Backend, BackendConfig
 from relax_hpc.weights.adapters import AdapterPublisher
 from relax_hpc.weights.channel import AdapterChannel, BroadcastChannel, ColocatedChannel, VllmChannel, WeightChannel
@@ -41,7 +41,7 @@ def build_channel(job: JobConfig, paths: RunPaths, backend: Backend, device: tor
     token, timeout_s = paths.read_token(), job.weights.timeout_s
     if job.lora_adapters:  # its folders hold PEFT's names: no layout, no buckets
         assert job.trainer.lora is not None, "adapter sync is a LoRA run's"
-        speaks = VllmClient if job.rollout.engine == "vllm" else EngineClient  # the engines' adapter routes
+        speaks = client_class(job.rollout.engine)  # the engines' adapter routes
         publisher = _publisher(job.trainer.lora, job.model.path, paths, timeout_s, speaks) if rank == 0 else None
         return AdapterChannel(publisher)
     # SGLang and vLLM load the HF checkpoint's layout; the built-in engine the trainer's own.

@@ -13,6 +13,8 @@ One server for the module (its start-up takes most of a minute on two cores), st
   serve each version's PEFT folder: the driver's samples report the version whose adapter sampled
   them, with the log-probabilities of the trainer's LoRA model, and a request naming the previous
   version still gets that version's adapter after a push, loaded again from its folder if unloaded;
+- as a teacher and a judge engine (the same server, asked through the driver's pool client), its
+  scoring gives the model's log-probabilities of a completion and its greedy answer the model's;
 - SIGTERM stops the wrapper and the server and removes the record.
 """
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,6 +30,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -36,9 +40,10 @@ from relax_hpc.envs.context import GenerateCall
 from relax_hpc.models.lora import add_adapters, scaling, sync_name, write_adapter_folder
 from relax_hpc.protocol import requests as P
 from relax_hpc.protocol import vllm as V
-from relax_hpc.protocol.client import EngineClient, EngineRequestError
+from relax_hpc.protocol.client import EngineClient, EngineRequestError, PoolClient
 from relax_hpc.protocol.registry import read_records
 from relax_hpc.rollout.engine_policy import EnginePolicy, EnginePool
+from relax_hpc.rollout.teacher import completion_logprobs
 from relax_hpc.weights.adapters import AdapterPublisher
 from relax_hpc.weights.lora import SCALING
 from relax_hpc.weights.sender import free_port
@@ -186,6 +191,32 @@ def test_a_push_through_vllms_routes_is_bit_exact_and_used(server: Server) -> No
         assert channel.checksums()[0] == before
     finally:
         channel.close()
+
+
+def test_as_a_teacher_and_a_judge_it_scores_and_answers_as_the_model(server: Server, tmp_path: Path) -> None:
+    """Teacher and judge engines are vLLM servers too (the same wrapper on another pool): the
+    driver's pool client asks this one as it asks them. The teacher's scoring gives the model's
+    log-probabilities of the completion tokens, the judge's greedy answer is the model's; the
+    weights are the checkpoint's again after the push test's last push."""
+    model = AutoModelForCausalLM.from_pretrained(server.cfg.model.path, dtype=torch.float32).eval()
+    pool = tmp_path / "pool"
+    pool.mkdir()
+    shutil.copy(server.paths.engines / "engine-0.json", pool / "judge-0.json")
+    engines = PoolClient(pool, server.paths.read_token(), 60.0, 10.0, V.client_class("vllm"))
+    prompt, completion = [5, 6, 7, 8], [9, 10, 11]
+    request = P.GenerateReqInput(
+        input_ids=[prompt + completion], sampling_params={"max_new_tokens": 0}, return_logprob=True,
+        logprob_start_len=[len(prompt) - 1],
+    )  # fmt: skip
+    (answer,) = engines.generate(request)
+    scored = completion_logprobs(answer, np.asarray(prompt + completion), len(prompt))
+    assert torch.allclose(torch.from_numpy(scored), _logprobs(model, prompt, completion), atol=1e-4)
+
+    greedy = P.GenerateReqInput(input_ids=[prompt], sampling_params={"max_new_tokens": 6, "temperature": 0.0})
+    (verdict,) = engines.generate(greedy)
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt) :]
+    assert verdict["output_ids"] == expected.tolist()[: len(verdict["output_ids"])] and verdict["output_ids"]
 
 
 def _lora_model(server: Server, seed: int) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:

@@ -112,17 +112,17 @@ VLLM_REFUSED = [
     (("algo.off_policy.routing_replay=true",), "algo.off_policy.routing_replay: the vLLM adapter does not read"),
     (("data.media={image: images}",), "data.media: the vLLM adapter sends token ids only"),
     (("launch.container=/images/relax",), "launch.container: relax_hpc's images hold no vLLM environment"),
+    (("rollout.vllm.extra_args=[--tensor-parallel-size,'2']",), "rollout.vllm.extra_args: an engine of several"),
+    (("rollout.vllm.extra_args=[-dp=2]",), "rollout.vllm.extra_args: an engine of several workers"),
     (
         (
             "algo.advantage.estimator=distill",
             "algo.teacher.num_engines=1",
-            "algo.teacher.path=assets/tiny-qwen3-addition",
+            "algo.teacher.path=assets/tiny-qwen3-addition-teacher",
+            "algo.teacher.tp_size=2",
         ),
-        "algo.teacher.num_engines: teacher engines score",
+        "algo.teacher.tp_size: sizes SGLang's teacher engines",
     ),
-    (("reward.name=judge", "reward.judge.model=assets/tiny-qwen3-addition"), "judge engines answer SGLang's /generate"),
-    (("rollout.vllm.extra_args=[--tensor-parallel-size,'2']",), "rollout.vllm.extra_args: an engine of several"),
-    (("rollout.vllm.extra_args=[-dp=2]",), "rollout.vllm.extra_args: an engine of several workers"),
 ]
 
 
@@ -132,6 +132,19 @@ def test_what_vllm_engines_cannot_do_is_refused_with_the_reason(overrides, messa
         load_config(None, ["rollout.engine=vllm", *overrides])
     assert message in str(info.value)
     load_config(None, list(overrides))  # the same settings on the built-in engine: accepted
+
+
+def test_vllm_engines_serve_teachers_and_judges_without_the_policys_lora():
+    teacher = ["algo.advantage.estimator=distill", "algo.teacher.num_engines=1"]
+    teacher.append("algo.teacher.path=assets/tiny-qwen3-addition-teacher")
+    judge = ("reward.name=judge", "reward.judge.model=assets/tiny-qwen3-addition")
+    lora = ("trainer.lora.rank=4",)
+    cfg = load_config(None, ["rollout.engine=vllm", *teacher, *judge, *lora])
+    assert cfg.algo.teacher.num_engines == cfg.reward.judge.num_engines == 1
+    assert "--enable-lora" in server_args(cfg, "127.0.0.1", 8000)
+    for pool, model in (("teacher", "assets/tiny-qwen3-addition-teacher"), ("judge", "assets/tiny-qwen3-addition")):
+        argv = server_args(cfg, "127.0.0.1", 8000, pool)
+        assert argv[argv.index("--model") + 1].endswith(model) and "--enable-lora" not in argv
 
 
 def test_vllm_engines_take_gpus_and_the_nccl_transfer():

@@ -53,6 +53,7 @@ def probed(cfg: Any) -> dict[str, Any]:
     assert Path(python).exists(), f"{python} is missing: bash tools/install.sh --vllm"
     sent = {
         "generate": V.generate_body(V.generate_request("req-1", [1, 2, 3], SAMPLING, seed=42, adapter="v3")),
+        "score": V.generate_body(V.scoring_request("req-2", [5, 6, 7])),
         "load_lora": P.to_json(V.LoadLoRAAdapterRequest("v3", "/run/weights/lora/v3", load_inplace=True)),
         "unload_lora": P.to_json(V.UnloadLoRAAdapterRequest("v1")),
         "init_info": init_info("127.0.0.1", 29511, 1, 3, "g", 120.0),
@@ -89,7 +90,25 @@ def test_generate_request_is_vllms_and_every_setting_lands(probed: dict[str, Any
         "detokenize": False,
         "stop_token_ids": [],
         "ignore_eos": False,
+        "prompt_logprobs": None,
     }
+
+
+def test_a_scoring_request_asks_for_the_prompts_own_logprobs_and_its_answer_parses(probed: dict[str, Any]) -> None:
+    """A teacher's scoring: each prompt token's log-probability at temperature 1, untruncated."""
+    s = probed["score"]
+    assert s["token_ids"] == [5, 6, 7]
+    assert {k: s["sampling"][k] for k in ("max_tokens", "prompt_logprobs", "temperature", "top_p", "top_k")} == {
+        "max_tokens": 1,
+        "prompt_logprobs": 0,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": 0,
+    }
+    answer = V.scored_answer(probed["scored"], [5, 6, 7], start=1)
+    assert answer["meta_info"]["input_token_logprobs"] == [[None, 6, None], [-1.5, 7, None]]
+    with pytest.raises(ValueError, match="lack the log-probability of token 8"):
+        V.scored_answer(probed["scored"], [5, 6, 8], start=1)
 
 
 def test_the_adapter_requests_are_vllms(probed: dict[str, Any]) -> None:
