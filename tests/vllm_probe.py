@@ -51,8 +51,15 @@ def generate(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def answer() -> dict[str, Any]:
-    """An answer built with vLLM's response class: three tokens, the last by a newer version."""
+    """An answer built with vLLM's response class: three tokens, the last by a newer version, and
+    the routers' choices as vLLM's server encodes them (uint8 [2 prompt + 3 output - 1 positions,
+    2 layers, top 2])."""
+    import numpy as np
+    from vllm.utils.serial_utils import numpy2base64
+
+    routed = np.arange(4 * 2 * 2, dtype=np.uint8).reshape(4, 2, 2) % 8
     choice = {
+        "routed_experts": numpy2base64(routed),
         "index": 0,
         "token_ids": [3, 4, 5],
         "finish_reason": "length",
@@ -110,6 +117,7 @@ def server_args(argv: list[str]) -> dict[str, Any]:
         "enable_lora",
         "max_lora_rank",
         "max_loras",
+        "enable_return_routed_experts",
     )
     out = {k: getattr(ns, k) for k in keys}
     out |= {"enforce_eager": ns.enforce_eager, "weight_transfer_config": str(ns.weight_transfer_config)}
@@ -135,6 +143,7 @@ def main() -> None:
                 "warm_up": warm_up_source(),
                 "server_args": server_args(sent["argv"]),
                 "server_args_nccl": server_args(sent["argv_nccl"]),
+                "server_args_routed": server_args(sent["argv_routed"]),
                 "module_found": importlib.util.find_spec(sent["module"]) is not None,
             },
             default=str,

