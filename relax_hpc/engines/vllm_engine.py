@@ -56,8 +56,10 @@ def engine_python(vc: VllmConfig) -> str:
     return str(Path(relax_hpc.__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python")
 
 
-def server_args(cfg: JobConfig, host: str, port: int, pool: str = "policy") -> list[str]:
-    """api_server's arguments for this run (rollout.vllm.extra_args last, verbatim)."""
+def server_args(cfg: JobConfig, host: str, port: int, pool: str = "policy", device: str | None = None) -> list[str]:
+    """api_server's arguments for this run (rollout.vllm.extra_args last, verbatim). `device`: a
+    colocated engine's GPU, whose memory it releases around each step (sleep mode; vLLM refuses
+    the flag on the CPU, whose sleep only pauses scheduling)."""
     vc = cfg.rollout.vllm
     argv = [
         "--model", cfg.served_model(pool), "--host", host, "--port", str(port),
@@ -72,6 +74,8 @@ def server_args(cfg: JobConfig, host: str, port: int, pool: str = "policy") -> l
         argv += ["--max-model-len", str(vc.max_model_len)]
     if vc.enforce_eager:
         argv.append("--enforce-eager")
+    if cfg.launch.colocate and pool == "policy" and device is not None:
+        argv.append("--enable-sleep-mode")
     if cfg.algo.off_policy.routing_replay and pool == "policy":  # each choice's routers, as SGLang's
         argv.append("--enable-return-routed-experts")
     if cfg.lora_adapters and cfg.trainer.lora is not None and pool == "policy":  # judges and teachers: no LoRA
@@ -97,6 +101,13 @@ def server_env(api_key: str, adapters: Path | None = None, routed: bool = False)
     return env
 
 
+def visible_gpu(visible: str | None, device: str) -> str:
+    """CUDA_VISIBLE_DEVICES for a server on `device` (cuda:K: the K-th GPU of `visible`, or of
+    all GPUs when unset)."""
+    index = int(device.removeprefix("cuda:"))
+    return visible.split(",")[index] if visible else str(index)
+
+
 class VllmWrapper(Wrapper):
     KIND = "vLLM"
 
@@ -106,16 +117,19 @@ class VllmWrapper(Wrapper):
         self.client = V.VllmClient(self.client.url, self.api_key, self.client.timeout_s)
 
     def command(self) -> list[str]:
-        argv = server_args(self.cfg, self.args.host, self.port, self.args.pool)
+        argv = server_args(self.cfg, self.args.host, self.port, self.args.pool, self.args.device)
         return [engine_python(self.cfg.rollout.vllm), "-m", MODULE, *argv]
 
     def environment(self) -> dict[str, str]:
         policy = self.args.pool == "policy"
         routed = policy and self.cfg.algo.off_policy.routing_replay
-        if not self.cfg.lora_adapters or not policy:
-            return server_env(self.api_key, routed=routed)
-        self.paths.lora_adapters.mkdir(parents=True, exist_ok=True)  # vLLM's resolver wants it at start-up
-        return server_env(self.api_key, self.paths.lora_adapters, routed)
+        adapters = self.paths.lora_adapters if self.cfg.lora_adapters and policy else None
+        if adapters is not None:
+            adapters.mkdir(parents=True, exist_ok=True)  # vLLM's resolver wants it at start-up
+        env = server_env(self.api_key, adapters, routed)
+        if self.args.device is not None:  # cuda:K of the GPUs it sees: vLLM takes the first visible
+            env["CUDA_VISIBLE_DEVICES"] = visible_gpu(os.environ.get("CUDA_VISIBLE_DEVICES"), self.args.device)
+        return env
 
     @property
     def startup_timeout_s(self) -> float:

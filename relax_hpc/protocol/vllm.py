@@ -18,7 +18,10 @@ which imports them from .venv-vllm):
 - the RL routes (vllm/entrypoints/rl/online/api_router.py, served with VLLM_SERVER_DEV_MODE=1):
   /pause?mode=abort|wait|keep, /resume, /abort_requests, /init_weight_transfer_engine,
   /start_weight_update, /update_weights, /finish_weight_update (which sets the weight version),
-  /weight_info, /weight_checker.
+  /weight_info, /weight_checker;
+- memory release for colocation (vllm/entrypoints/serve/dev/sleep, VLLM_SERVER_DEV_MODE=1):
+  /sleep?level=&mode= (level 1: weights to host memory, KV cache freed; scheduling paused) and
+  /wake_up?tags=weights|kv_cache (scheduling resumes once every tag is awake).
 
 `VllmClient` is the driver's adapter: an EngineClient whose `generate` takes the SGLang-style
 batch the driver builds (relax_hpc.protocol.requests.GenerateReqInput), sends one token-in,
@@ -51,6 +54,8 @@ UPDATE_WEIGHTS = "/update_weights"
 FINISH_WEIGHT_UPDATE = "/finish_weight_update"
 WEIGHT_INFO = "/weight_info"
 WEIGHT_CHECKER = "/weight_checker"
+SLEEP = "/sleep"  # ?level=...&mode=...: query parameters
+WAKE_UP = "/wake_up"  # ?tags=...
 LOAD_LORA_ADAPTER = "/v1/load_lora_adapter"  # served with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1
 UNLOAD_LORA_ADAPTER = "/v1/unload_lora_adapter"
 

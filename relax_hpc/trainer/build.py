@@ -51,8 +51,13 @@ def build_channel(job: JobConfig, paths: RunPaths, backend: Backend, device: tor
     if job.rollout.engine == "vllm":  # partial rollout: in-flight requests return, the driver continues them
         pause: PauseMode = "abort" if job.rollout.partial else "keep"
         backend_ = job.weights.backend
-        vllm = VllmSender(paths.engines, token, timeout_s, bucket_bytes, pause, backend_, device) if rank == 0 else None
-        return VllmChannel(vllm, layout, bucket_bytes)
+        if rank != 0:
+            return VllmChannel(None, layout, bucket_bytes)
+        colocated = job.launch.colocate  # the engines sleep through each step
+        return VllmChannel(
+            VllmSender(paths.engines, token, timeout_s, bucket_bytes, pause, backend_, device, colocated),
+            layout, bucket_bytes,
+        )  # fmt: skip
     if job.launch.colocate:
         return ColocatedChannel(ColocatedSender(paths.engines, token, timeout_s, rank, world), layout, bucket_bytes)
     if job.weights.channel == "file":

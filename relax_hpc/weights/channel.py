@@ -149,10 +149,11 @@ class AdapterChannel(_Quiet):
         return self.publisher.engine_set_changed()
 
 
-class VllmChannel(_Quiet):
+class VllmChannel:
     """Rank 0 pushes to vLLM engines through vLLM's weight-transfer API (relax_hpc.weights.
     vllm_channel) in the HF checkpoint's layout, which vLLM's load_weights takes; every rank takes
-    part in the parameters' gathers. `sender` is None on the other ranks."""
+    part in the parameters' gathers. `sender` is None on the other ranks. Colocated
+    (VllmSender.colocated), rank 0 puts the engines to sleep before each step."""
 
     def __init__(self, sender: VllmSender | None, layout: EngineLayout, bucket_bytes: int) -> None:
         self.sender, self.layout = sender, layout
@@ -169,3 +170,12 @@ class VllmChannel(_Quiet):
     def engines_changed(self, delivered: int) -> bool:
         assert self.sender is not None, "rank 0 decides"
         return self.sender.engine_set_changed()
+
+    def before_step(self, timer: PhaseTimer) -> None:
+        if self.sender is not None and self.sender.colocated:
+            with timer.phase("release"):  # the engines sleep through the step
+                self.sender.release()
+
+    def record(self, phases: dict[str, float], device: torch.device) -> dict[str, float]:
+        colocated = self.sender is not None and self.sender.colocated
+        return {"time_release": phases.get("release", 0.0)} if colocated else {}

@@ -4,8 +4,19 @@ One push: POST /pause (mode `keep`: requests in flight freeze and go on with the
 token keeping the version that sampled it; `abort` for partial rollout), /start_weight_update,
 then per bucket POST /update_weights to every engine (each then waits in the broadcast) while the
 trainer broadcasts the bucket over the transfer group, /finish_weight_update with the new
-version, /resume. The group is formed once (`connect`: /init_weight_transfer_engine to every
-engine while the trainer opens its end as rank 0) and reused by every push.
+version, /resume.
+
+Colocated (launch.colocate), the engines sleep through each training step: before it,
+/sleep?level=1&mode=wait (requests in flight finish; the weights go to host memory and the KV
+cache is freed, on a GPU with --enable-sleep-mode; vLLM's CPU backend keeps both and pauses
+scheduling only). The push after it wakes the weights (/wake_up?tags=weights), updates them
+without /pause, then wakes the KV cache (/wake_up?tags=kv_cache), at which vLLM resumes
+scheduling: never with the KV cache still freed. Level 1, not 2: a push that fails leaves the
+engines their last weights (woken whole by the drop), never discarded memory. The transfer is
+gloo even on GPUs: NCCL refuses two ranks on one device.
+
+The group is formed once (`connect`: /init_weight_transfer_engine to every engine while the
+trainer opens its end as rank 0) and reused by every push.
 
 Two transports, one interface (`VllmTransport`), chosen by weights.backend:
 - gloo (CPU): relax_hpc's own transfer engine in the engines (relax_hpc.weights.vllm_gloo,
@@ -237,10 +248,12 @@ class VllmTransfer:
         version: int,
         pause: V.PauseMode = "keep",
         plans: list[BucketPlan] | None = None,
+        asleep: bool = False,
     ) -> None:
         """Every engine holds `params` (HF names) as weight version `version` when this returns.
         With `plans` (the trainer's, fixed by its layout) the tensors are taken bucket by bucket,
-        each packed before the next is read; without, they are all read first to plan them."""
+        each packed before the next is read; without, they are all read first to plan them.
+        `asleep`: the engines sleep (colocated): wake the weights first, the KV cache last."""
         if not self.connected:
             raise RuntimeError("connect() the channel before pushing")
         fence.check("weight push (vllm)")  # a superseded trainer pushes nothing, as on the other channels
@@ -249,7 +262,7 @@ class VllmTransfer:
             named = [(n, _full(n, t)) for n, t in stream]
             plans = plan_buckets(((n, t.shape, t.dtype) for n, t in named), self.bucket_bytes)
             stream = iter(named)
-        self._all("POST", f"{V.PAUSE}?mode={pause}")
+        self._all("POST", f"{V.WAKE_UP}?tags=weights" if asleep else f"{V.PAUSE}?mode={pause}")
         self._all("POST", V.START_WEIGHT_UPDATE)
         for plan in plans:
             tensors = [_take(stream, name) for name in plan.names]
@@ -259,13 +272,19 @@ class VllmTransfer:
             self.transport.send(tensors, functools.partial(_failed, answers))
             _results(answers)
         self._all("POST", V.FINISH_WEIGHT_UPDATE, {"weight_version": str(version)})
-        self._all("POST", V.RESUME)
+        self._all("POST", f"{V.WAKE_UP}?tags=kv_cache" if asleep else V.RESUME)
+
+    def sleep(self) -> None:
+        """Colocated, before a training step: every engine finishes its requests and sleeps."""
+        self._all("POST", f"{V.SLEEP}?level=1&mode=wait")
 
     def resume(self) -> None:
-        """After a failed push: let the engines that answer generate again (best effort, briefly)."""
+        """After a failed push: let the engines that answer generate again (best effort, briefly);
+        a sleeping engine wakes whole, with its last weights."""
         for client in self.clients:
-            with contextlib.suppress(EngineUnavailable, EngineRequestError):
-                client.call("POST", V.RESUME, timeout_s=5.0)
+            for route in (V.WAKE_UP, V.RESUME):
+                with contextlib.suppress(EngineUnavailable, EngineRequestError):
+                    client.call("POST", route, timeout_s=5.0)
 
     def checksums(self) -> list[dict[str, str]]:
         """vLLM's weight checker: sha256 of every weight tensor as each engine holds it."""
@@ -301,7 +320,7 @@ class VllmSender:
     VllmTransfer, formed again when they change. `pause`: how a push pauses generation
     (abort with partial rollout: the driver continues what returns; keep otherwise). `backend`:
     weights.backend (protocol.vllm.transfer_backend: nccl, from the trainer's `device`, only when
-    asked for)."""
+    asked for). `colocated`: the engines sleep through each training step (`release`)."""
 
     def __init__(
         self,
@@ -312,10 +331,12 @@ class VllmSender:
         pause: V.PauseMode,
         backend: str = "auto",
         device: torch.device | None = None,
+        colocated: bool = False,
     ) -> None:
         self.registry, self.api_key, self.timeout_s = registry, api_key, timeout_s
         self.bucket_bytes, self.pause = bucket_bytes, pause
-        self.backend, self.device = backend, device
+        self.backend, self.device, self.colocated = backend, device, colocated
+        self.asleep = False  # the group's engines sleep (released for a step, not yet pushed to)
         self.members: list[EngineRecord] = []
         self.channel: VllmTransfer | None = None
         self._trusted: list[tuple[str, str]] | None = None  # see engine_set_changed
@@ -347,11 +368,26 @@ class VllmSender:
                 self._trusted = engine_key(records) if len(engines) == len(records) else None
             if self.channel is None:
                 return 0
-            self.channel.push(params, version, self.pause, plans)
+            self.channel.push(params, version, self.pause, plans, asleep=self.asleep)
+            self.asleep = False
         except (EngineUnavailable, EngineRequestError, Abandoned, RuntimeError) as e:
             self.drop()
             raise WeightSyncError(f"weight sync of version {version} to vLLM failed: {e}") from e
         return len(self.members)
+
+    def release(self) -> None:
+        """Colocated, before a training step: the group's engines sleep (formed again by the push
+        if they changed meanwhile: a restarted engine starts awake, and waking it is harmless).
+        An engine that fails to answer (killed: the launcher restarts it) leaves the others awake
+        for this step, and the next push forms the group again: the step is not lost for it."""
+        if self.channel is None:
+            return
+        try:
+            self.channel.sleep()
+            self.asleep = True
+        except (EngineUnavailable, EngineRequestError) as e:
+            log.warning("vLLM engines did not all go to sleep for the step (%s); they stay awake", e)
+            self.drop()
 
     def _form(self, engines: list[EngineRecord]) -> None:
         self.drop()
@@ -378,7 +414,7 @@ class VllmSender:
         if self.channel is not None:
             self.channel.resume()
             self.channel.close()
-        self.channel, self.members, self._trusted = None, [], None
+        self.channel, self.members, self._trusted, self.asleep = None, [], None, False
 
 
 def _poster(route: str, body: Any) -> Callable[[int, EngineClient], Any]:

