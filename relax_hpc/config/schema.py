@@ -568,15 +568,15 @@ class WeightsConfig(Section):
     """How each version reaches the engines. `broadcast`: rank 0 broadcasts flat buckets over a
     collective group the engines join (NCCL or gloo: the engines must reach the trainer's rank 0).
     `file`: the trainer ranks write the version as safetensors to RUN_DIR/weights/files/vN, each
-    its share of the buckets, and every engine loads it with /update_weights_from_disk: for engines
+    its share of the buckets, and every engine loads it (SGLang and the built-in engine with
+    /update_weights_from_disk, vLLM by reloading its weights in place from the folder): for engines
     that share no NCCL or gloo path with the trainer, only the run's filesystem. Not with
-    launch.colocate (which hands the weights over by reference), trainer.lora or rollout.engine
-    vllm (not wired)."""
+    launch.colocate (which hands the weights over by reference) or trainer.lora."""
     delta: bool = False
     """With weights.channel=file: write only what changed since the version the engines hold, per
     bucket the changed elements (index and bits) or the whole bucket, whichever is smaller; exact,
     and an engine that holds another version loads the whole one. The built-in engine only (SGLang's
-    disk loader takes whole tensors). Each trainer rank keeps its buckets of the last version in
+    and vLLM's disk loaders take whole tensors). Each trainer rank keeps its buckets of the last version in
     host memory."""
 
 
@@ -1241,14 +1241,10 @@ class JobConfig(Section):
                 "weights.channel=file with trainer.lora: the file channel writes whole weights, LoRA sends "
                 "adapters (trainer.lora.sync); use weights.channel=broadcast"
             )
-        if self.rollout.engine == "vllm":
+        if w.delta and self.rollout.engine in ("sglang", "vllm"):
+            how = {"sglang": "SGLang's update_weights_from_disk", "vllm": "vLLM's reload_weights"}[self.rollout.engine]
             raise ValueError(
-                "weights.channel=file with rollout.engine=vllm: not wired (vLLM's route would be "
-                "/collective_rpc reload_weights, docs/DESIGN.md); use weights.channel=broadcast"
-            )
-        if w.delta and self.rollout.engine == "sglang":
-            raise ValueError(
-                "weights.delta with rollout.engine=sglang: SGLang's update_weights_from_disk loads whole "
+                f"weights.delta with rollout.engine={self.rollout.engine}: {how} loads whole "
                 "tensors, not a delta's changed elements; unset weights.delta (the whole version is written)"
             )
         return self

@@ -181,6 +181,10 @@ class EngineClient:
     def generate(self, request: P.GenerateReqInput) -> Any:
         return self.post(R.GENERATE.path, request)
 
+    def load_from_disk(self, request: P.UpdateWeightFromDiskReqInput) -> None:
+        """Load a weight folder of the file channel (relax_hpc.weights.files), SGLang's way."""
+        self.post(R.UPDATE_WEIGHTS_FROM_DISK.path, request)
+
     def load_adapter(self, name: str, folder: str) -> None:
         """Serve the PEFT adapter folder `folder` (a path on the engine's machine) as `name`; one of
         that name already loaded (by a trainer before a restart, which may have trained that

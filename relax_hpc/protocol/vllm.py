@@ -19,6 +19,10 @@ which imports them from .venv-vllm):
   /pause?mode=abort|wait|keep, /resume, /abort_requests, /init_weight_transfer_engine,
   /start_weight_update, /update_weights, /finish_weight_update (which sets the weight version),
   /weight_info, /weight_checker;
+- the file channel: /collective_rpc (vllm/entrypoints/serve/dev/rpc) with method
+  `reload_weights` and kwargs {weights_path}: the worker's in-place reload from a folder of
+  safetensors files in the checkpoint's names (vllm/model_executor/model_loader/reload), between
+  /pause and /resume, then /update_weight_version;
 - memory release for colocation (vllm/entrypoints/serve/dev/sleep, VLLM_SERVER_DEV_MODE=1):
   /sleep?level=&mode= (level 1: weights to host memory, KV cache freed; scheduling paused) and
   /wake_up?tags=weights|kv_cache (scheduling resumes once every tag is awake).
@@ -56,6 +60,8 @@ WEIGHT_INFO = "/weight_info"
 WEIGHT_CHECKER = "/weight_checker"
 SLEEP = "/sleep"  # ?level=...&mode=...: query parameters
 WAKE_UP = "/wake_up"  # ?tags=...
+COLLECTIVE_RPC = "/collective_rpc"
+UPDATE_WEIGHT_VERSION = "/update_weight_version"
 LOAD_LORA_ADAPTER = "/v1/load_lora_adapter"  # served with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1
 UNLOAD_LORA_ADAPTER = "/v1/unload_lora_adapter"
 
@@ -280,6 +286,21 @@ class VllmClient(EngineClient):
     def _score(self, ids: list[int], start: int) -> dict[str, Any]:
         answer = self.call("POST", GENERATE, generate_body(scoring_request(uuid.uuid4().hex, ids)))
         return scored_answer(answer, ids, start)
+
+    def load_from_disk(self, request: P.UpdateWeightFromDiskReqInput) -> None:
+        """The file channel's folder, reloaded in place by vLLM's workers while generation is
+        paused (abort with partial rollout: the driver continues what returns; keep otherwise).
+        A delta folder cannot be: vLLM reloads whole checkpoints (weights.delta is refused)."""
+        if request.load_format is not None:
+            raise ValueError(f"a vLLM engine loads whole weight folders, not load_format {request.load_format}")
+        self.call("POST", f"{PAUSE}?mode={'abort' if request.abort_all_requests else 'keep'}")
+        try:
+            rpc = {"method": "reload_weights", "kwargs": {"weights_path": request.model_path}}
+            self.call("POST", COLLECTIVE_RPC, rpc)
+            if request.weight_version is not None:
+                self.call("POST", UPDATE_WEIGHT_VERSION, {"new_version": request.weight_version})
+        finally:
+            self.call("POST", RESUME)
 
     def load_adapter(self, name: str, folder: str) -> None:
         """One of that name (loaded by a trainer before a restart) is replaced in place."""

@@ -34,9 +34,9 @@ def build_backend(job: JobConfig, device: torch.device) -> Backend:
 
 
 def build_channel(job: JobConfig, paths: RunPaths, backend: Backend, device: torch.device) -> WeightChannel:
-    """The weight channel of this trainer rank: adapter sync (trainer.lora.sync adapter), colocated
-    (launch.colocate: every rank serves the engines on its device), vLLM's weight-transfer API
-    (rollout.engine vllm), files (weights.channel file), or rank 0's broadcast."""
+    """The weight channel of this trainer rank: adapter sync (trainer.lora.sync adapter), files
+    (weights.channel file, on any engine kind), vLLM's weight-transfer API (rollout.engine vllm),
+    colocated (launch.colocate: every rank serves the engines on its device), or rank 0's broadcast."""
     rank, world = dist.get_rank(), dist.get_world_size()
     token, timeout_s = paths.read_token(), job.weights.timeout_s
     if job.lora_adapters:  # its folders hold PEFT's names: no layout, no buckets
@@ -48,6 +48,13 @@ def build_channel(job: JobConfig, paths: RunPaths, backend: Backend, device: tor
     convert = backend.checkpoint_layout() if job.rollout.engine in ("sglang", "vllm") else None
     layout = EngineLayout(backend.parameter_specs(), convert)
     bucket_bytes = int(job.weights.bucket_mb * 2**20)
+    if job.weights.channel == "file":
+        # Every rank of the torch backend holds each full tensor in turn and writes its share; the
+        # megatron backend gives rank 0 alone the full tensors (Backend.full_parameters): it writes all.
+        writers = world if job.trainer.backend == "torch" else 1
+        client = ClientSettings(token, timeout_s, job.rollout.partial, client_class(job.rollout.engine))
+        registry = paths.engines if rank == 0 else None
+        return FileChannel(paths.weight_files, layout, bucket_bytes, writers, registry, client, job.weights.delta)
     if job.rollout.engine == "vllm":  # partial rollout: in-flight requests return, the driver continues them
         pause: PauseMode = "abort" if job.rollout.partial else "keep"
         backend_ = job.weights.backend
@@ -60,13 +67,6 @@ def build_channel(job: JobConfig, paths: RunPaths, backend: Backend, device: tor
         )  # fmt: skip
     if job.launch.colocate:
         return ColocatedChannel(ColocatedSender(paths.engines, token, timeout_s, rank, world), layout, bucket_bytes)
-    if job.weights.channel == "file":
-        # Every rank of the torch backend holds each full tensor in turn and writes its share; the
-        # megatron backend gives rank 0 alone the full tensors (Backend.full_parameters): it writes all.
-        writers = world if job.trainer.backend == "torch" else 1
-        client = ClientSettings(token, timeout_s, job.rollout.partial)
-        registry = paths.engines if rank == 0 else None
-        return FileChannel(paths.weight_files, layout, bucket_bytes, writers, registry, client, job.weights.delta)
     auto = "nccl" if device.type == "cuda" else "gloo"
     group_backend = job.weights.backend if job.weights.backend != "auto" else auto
     sender = WeightSender(paths.engines, token, group_backend, timeout_s, job.rollout.partial) if rank == 0 else None

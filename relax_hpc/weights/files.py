@@ -36,7 +36,6 @@ from safetensors.torch import save_file
 
 from relax_hpc import fence
 from relax_hpc.protocol import requests as P
-from relax_hpc.protocol import routes as R
 from relax_hpc.protocol.client import EngineClient, EngineRequestError, EngineUnavailable
 from relax_hpc.protocol.registry import EngineRecord, read_records
 from relax_hpc.weights.buckets import DTYPES, BucketPlan, pack, plan_buckets, unpack
@@ -257,7 +256,7 @@ class FileChannel(_Quiet):
         """The version an engine holds (None: it does not answer within 5 s; a loaded machine
         answers slower than an idle one, and a hung engine costs the push that long)."""
         try:
-            return EngineClient(record.url, self.client.api_key, 5.0).weight_version()
+            return self.client.speaks(record.url, self.client.api_key, 5.0).weight_version()
         except (EngineUnavailable, EngineRequestError, KeyError):
             return None
 
@@ -299,9 +298,7 @@ class FileChannel(_Quiet):
             weight_version=str(version),
         )
         try:
-            EngineClient(record.url, self.client.api_key, self.client.timeout_s).post(
-                R.UPDATE_WEIGHTS_FROM_DISK.path, request
-            )
+            self.client.speaks(record.url, self.client.api_key, self.client.timeout_s).load_from_disk(request)
         except (EngineUnavailable, EngineRequestError) as e:
             log.warning("engine %s did not load version %d: %s", record.engine_id, version, e)
             return None
@@ -356,6 +353,7 @@ class ClientSettings:
     api_key: str
     timeout_s: float  # of one engine's load
     abort_in_flight: bool = False  # partial rollout: the engines abort what is in flight
+    speaks: type[EngineClient] = EngineClient  # the engines' API (relax_hpc.protocol.vllm.client_class)
 
 
 def plan_itemsize(plan: BucketPlan) -> int:

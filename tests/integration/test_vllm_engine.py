@@ -15,6 +15,7 @@ One server for the module (its start-up takes most of a minute on two cores), st
   version still gets that version's adapter after a push, loaded again from its folder if unloaded;
 - colocated, it sleeps through a step and wakes with the pushed weights (sleep, wake the weights,
   update, wake the KV cache), and a failed push's clean-up wakes it whole;
+- the file channel (weights.channel=file) has it reload each version from disk, bit for bit;
 - as a teacher and a judge engine (the same server, asked through the driver's pool client), its
   scoring gives the model's log-probabilities of a completion and its greedy answer the model's;
 - SIGTERM stops the wrapper and the server and removes the record.
@@ -48,6 +49,8 @@ from relax_hpc.rollout.engine_policy import EnginePolicy, EnginePool
 from relax_hpc.rollout.teacher import completion_logprobs
 from relax_hpc.weights.adapters import AdapterPublisher
 from relax_hpc.weights.buckets import plan_buckets
+from relax_hpc.weights.files import ClientSettings, FileChannel
+from relax_hpc.weights.layout import EngineLayout
 from relax_hpc.weights.lora import SCALING
 from relax_hpc.weights.sender import free_port
 from relax_hpc.weights.vllm_channel import GlooTransport, VllmSender, VllmTransfer
@@ -226,6 +229,33 @@ def test_colocated_the_engine_sleeps_through_a_step_and_wakes_with_the_pushed_we
         sender.push(iter(original.items()), plans, version=12)  # the checkpoint's weights again
     finally:
         sender.drop()
+
+
+def test_the_file_channel_has_the_engine_reload_each_version_from_disk(
+    server: Server, tmp_path: Path, one_rank: None
+) -> None:
+    """weights.channel=file on vLLM engines: the trainer writes the version's buckets as
+    safetensors, the engine reloads its weights in place from the folder (/collective_rpc
+    reload_weights) and takes the version; its weights are then the written ones, bit for bit."""
+    model = AutoModelForCausalLM.from_pretrained(server.cfg.model.path, dtype=torch.float32).eval()
+    original = {n: p.detach().clone() for n, p in model.named_parameters()}
+    layout = EngineLayout([(n, t.shape, t.dtype) for n, t in original.items()])
+    settings = ClientSettings(server.paths.read_token(), 120.0, speaks=V.client_class("vllm"))
+    channel = FileChannel(tmp_path / "files", layout, 2**16, 1, server.paths.engines, settings, delta=False)
+    checker = VllmTransfer(
+        [server.client.url], server.paths.read_token(), GlooTransport("127.0.0.1", 0, 5.0), 2**16, 60.0
+    )
+    pushed = {n: t - 0.01 for n, t in original.items()}
+    try:
+        assert channel.push(lambda: iter(pushed.items()), 21) == 1
+        assert server.client.call("GET", V.WEIGHT_INFO) == {"weight_version": "21"}
+        _check_bits(checker.checksums()[0], pushed)
+        assert server.generate([5, 6, 7, 8], seed=5).token_versions[0] == 21
+        assert not channel.engines_changed(21)
+        assert channel.push(lambda: iter(original.items()), 22) == 1  # the checkpoint's weights again
+        assert sorted(p.name for p in (tmp_path / "files").iterdir()) == ["v22"]  # v21: no engine holds it
+    finally:
+        checker.close()
 
 
 def test_as_a_teacher_and_a_judge_it_scores_and_answers_as_the_model(server: Server, tmp_path: Path) -> None:

@@ -343,9 +343,12 @@ def test_visible_gpus_are_counted_without_torch():
         ),
         (["weights.channel=file", "trainer.lora.rank=4"], "weights.channel=file with trainer.lora"),
         (["weights.channel=file", "weights.delta=true", "rollout.engine=sglang"], "weights.delta with rollout.engine"),
-        (["weights.channel=file", "rollout.engine=vllm"], "weights.channel=file with rollout.engine=vllm"),
+        (
+            ["weights.channel=file", "weights.delta=true", "rollout.engine=vllm"],
+            "weights.delta with rollout.engine=vllm:",
+        ),
     ],
-    ids=["delta-without-files", "colocated", "lora", "delta-sglang", "vllm"],
+    ids=["delta-without-files", "colocated", "lora", "delta-sglang", "delta-vllm"],
 )
 def test_weight_channel_combinations_that_cannot_work_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
