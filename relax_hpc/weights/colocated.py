@@ -87,6 +87,7 @@ class ColocatedSender:
 
     def release(self) -> float:
         """Before a step: the engines stop and free their memory. Returns the seconds it took."""
+        fence.check("engine release (colocated)")  # a superseded trainer must not stall its successor's engines
         started = time.monotonic()
         pipes = self._open(self.engines())
         try:

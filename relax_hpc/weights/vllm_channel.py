@@ -382,6 +382,7 @@ class VllmSender:
         for this step, and the next push forms the group again: the step is not lost for it."""
         if self.channel is None:
             return
+        fence.check("engine release (vllm)")  # a superseded trainer must not stall its successor's engines
         try:
             self.channel.sleep()
             self.asleep = True
