@@ -241,10 +241,10 @@ class PoolClient:
     API (relax_hpc.protocol.vllm.client_class). Thread-safe."""
 
     def __init__(
-        self, folder: Path, api_key: str, timeout_s: float, wait_s: float, client: type[EngineClient] | None = None
+        self, folder: Path, api_key: str, timeout_s: float, wait_s: float, client: type[EngineClient] = EngineClient
     ) -> None:
         self.folder, self.api_key, self.timeout_s, self.wait_s = folder, api_key, timeout_s, wait_s
-        self.client = client or EngineClient
+        self.client = client
         self._next = itertools.count()
 
     def generate(self, request: P.GenerateReqInput) -> list[dict]:

@@ -46,7 +46,7 @@ class JudgeReward:
         request_timeout_s: float,
         paths: RunPaths,
         wait_s: float = 600.0,
-        client: type[EngineClient] | None = None,
+        client: type[EngineClient] = EngineClient,
     ) -> None:
         """`client`: the judge engines' API (relax_hpc.protocol.vllm.client_class)."""
         if judge.model is None:
