@@ -251,11 +251,15 @@ def test_the_file_channel_has_the_engine_reload_each_version_from_disk(
         assert server.client.call("GET", V.WEIGHT_INFO) == {"weight_version": "21"}
         _check_bits(checker.checksums()[0], pushed)
         assert server.generate([5, 6, 7, 8], seed=5).token_versions[0] == 21
+        deadline = time.monotonic() + 30.0  # the wrapper writes the version it polls into the record
+        while channel.engines_changed(21) and time.monotonic() < deadline:
+            time.sleep(0.2)
         assert not channel.engines_changed(21)
-        assert channel.push(lambda: iter(original.items()), 22) == 1  # the checkpoint's weights again
-        assert sorted(p.name for p in (tmp_path / "files").iterdir()) == ["v22"]  # v21: no engine holds it
     finally:
+        restored = channel.push(lambda: iter(original.items()), 22)  # the checkpoint's weights, for the next tests
         checker.close()
+    assert restored == 1
+    assert sorted(p.name for p in (tmp_path / "files").iterdir()) == ["v22"]  # v21: no engine holds it
 
 
 def test_as_a_teacher_and_a_judge_it_scores_and_answers_as_the_model(server: Server, tmp_path: Path) -> None:
