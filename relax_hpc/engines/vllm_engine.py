@@ -42,7 +42,6 @@ import relax_hpc
 from relax_hpc.config.schema import VLLM_LORA_RANKS, JobConfig, VllmConfig
 from relax_hpc.engines import sglang_engine
 from relax_hpc.engines.sglang_engine import INITIAL_WEIGHT_VERSION, Wrapper
-from relax_hpc.launch.gpus import select
 from relax_hpc.protocol import vllm as V
 
 MODULE = "vllm.entrypoints.openai.api_server"
@@ -104,9 +103,9 @@ def server_env(api_key: str, adapters: Path | None = None, routed: bool = False)
 
 def visible_gpu(visible: str | None, device: str) -> str:
     """CUDA_VISIBLE_DEVICES for a server on `device` (cuda:K: the K-th GPU of `visible`, or of
-    all GPUs when unset), as launch.gpus selects a role's slice."""
+    all GPUs when unset). Not launch.gpus.select: an engine role imports no other role."""
     index = int(device.removeprefix("cuda:"))
-    return select(visible, f"{index}-{index}")
+    return visible.split(",")[index] if visible else str(index)
 
 
 class VllmWrapper(Wrapper):
