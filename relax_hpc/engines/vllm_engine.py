@@ -91,8 +91,12 @@ def server_env(api_key: str, adapters: Path | None = None, routed: bool = False)
     OMP_NUM_THREADS (launch.threads_per_process) sizes it instead. DIE_WITH_PARENT: every vLLM
     process ties its life to its parent's (relax_hpc.weights.vllm_gloo.register). `adapters`:
     the run's adapter folders (adapter sync): serve the runtime LoRA routes and resolve from there.
-    `routed`: routing replay, whose routed experts vLLM 0.32 returns from its V2 model runner only."""
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", **os.environ}
+    `routed`: routing replay, whose routed experts vLLM 0.32 returns from its V2 model runner only.
+    VLLM_ENABLE_V1_MULTIPROCESSING=0: on the CPU vLLM otherwise moves a one-process engine's
+    worker out of its engine core into a spawned process of its own, a third import of vLLM
+    (start to healthy 41 s -> 26 s here, BENCHMARKS.md); the API server still runs the engine core
+    in a process of its own, and a GPU engine of one GPU already keeps its worker there."""
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **os.environ}
     env |= {"VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": api_key, V.DIE_WITH_PARENT: "1"}
     if adapters is not None:
         env |= {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "VLLM_LORA_RESOLVER_CACHE_DIR": str(adapters)}

@@ -163,6 +163,14 @@ def test_a_named_vllm_build_replays_routing_from_its_routed_experts(tmp_path):
     assert "VLLM_USE_V2_MODEL_RUNNER" not in server_env("token")
 
 
+def test_a_vllm_server_keeps_its_worker_in_the_engine_core_unless_the_user_says_otherwise(monkeypatch):
+    """One spawned process (and one import of vLLM) fewer per CPU engine; a user's value wins."""
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    assert server_env("token")["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    assert server_env("token")["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+
+
 def test_colocated_vllm_engines_sleep_on_their_trainer_ranks_gpu():
     """Colocated: a vLLM engine on a GPU starts in sleep mode, on that GPU alone; on the CPU (no
     device) without the flag, which vLLM refuses there."""
