@@ -110,3 +110,20 @@ def describe(run_dir: Path, job: str) -> str:
 
 def env_with(**extra: str) -> dict[str, str]:
     return {**os.environ, **extra}
+
+
+def no_accounting(tmp_path) -> dict[str, str]:
+    """The environment of a client on a cluster without accounting: its sacct fails as Slurm's
+    does there; squeue and scontrol answer from the controller as ever."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    fake = bin_dir / "sacct"
+    fake.write_text("#!/bin/sh\necho 'sacct: error: Slurm accounting storage is disabled' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+
+
+def status(run_dir, env: dict[str, str] | None = None) -> str:
+    out = subprocess.run([sys.executable, "-m", "relax_hpc.status", str(run_dir)], cwd=REPO, capture_output=True,
+                         text=True, timeout=120, check=True, env=env)  # fmt: skip
+    return out.stdout

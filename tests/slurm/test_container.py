@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +23,9 @@ def image(tmp_path_factory):
         if os.environ.get("CI"):
             pytest.fail(reason)
         pytest.skip(reason)
+    prebuilt = os.environ.get("RELAX_TEST_IMAGE")
+    if prebuilt:  # .ci/run builds it beside the checks: a Debian bootstrap, mostly downloads
+        return _wait_for_image(Path(prebuilt))
     out = tmp_path_factory.mktemp("image") / "relax_hpc"
     build = subprocess.run(
         ["bash", "tools/containers/make_test_image.sh", str(out)],
@@ -32,6 +37,19 @@ def image(tmp_path_factory):
     )
     assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-3000:]
     return out
+
+
+def _wait_for_image(image: Path, timeout_s: float = 900) -> Path:
+    """The image that .ci/run builds in the background: IMAGE.done or IMAGE.failed ends the wait."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if image.with_suffix(".done").exists():
+            return image
+        if image.with_suffix(".failed").exists():
+            log = image.with_suffix(".log")
+            pytest.fail(f"building {image} failed:\n" + (log.read_text()[-3000:] if log.exists() else ""))
+        time.sleep(1)
+    pytest.fail(f"{image} was not built within {timeout_s:.0f} s")
 
 
 @pytest.mark.slow

@@ -1,12 +1,11 @@
 """Elastic rollout through Slurm jobs on the test cluster: an engine job joins a running
 training, is requeued by Slurm (as a preemption would) and rejoins, then leaves by `scale in
---job`; and `submit --wait` through a requeue during start-up, and on a cancelled run (with
-`status`) with and without accounting. Nothing is lost or trained twice."""
+--job`; and `submit --wait` through a requeue during start-up (a cancelled run's report, with and without
+accounting: tests/slurm/test_runs.py, the time-limit test). Nothing is lost or trained twice."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -79,43 +78,3 @@ def test_submit_wait_follows_a_job_requeued_during_start_up_to_its_completion(sl
     # The start the requeue cut stopped (75), it did not fail (1): Slurm's SIGTERM reached the trainer too.
     exits = [e["exit"] for e in read_jsonl(run_dir / "metrics" / "events.jsonl") if e.get("event") == "end"]
     assert exits[-1] == 0 and EXIT_FAILED not in exits, exits
-
-
-def no_accounting(tmp_path) -> dict[str, str]:
-    """The environment of a client on a cluster without accounting: its sacct fails as Slurm's
-    does there; squeue and scontrol answer from the controller as ever."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir(exist_ok=True)
-    fake = bin_dir / "sacct"
-    fake.write_text("#!/bin/sh\necho 'sacct: error: Slurm accounting storage is disabled' >&2\nexit 1\n")
-    fake.chmod(0o755)
-    return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
-
-
-def status(run_dir, env: dict[str, str] | None = None) -> str:
-    out = subprocess.run([sys.executable, "-m", "relax_hpc.status", str(run_dir)], cwd=REPO, capture_output=True,
-                         text=True, timeout=120, check=True, env=env)  # fmt: skip
-    return out.stdout
-
-
-def test_a_cancelled_run_is_reported_cancelled_with_its_step_with_and_without_accounting(slurm_cluster, tmp_path):
-    """`submit --wait` (without accounting) ends soon after scancel and says the job was cancelled
-    and how far the run got; `status` says so too, with accounting and without."""
-    run_dir = tmp_path / "run"
-    argv = [sys.executable, "-m", "relax_hpc.submit", "--config", str(CONFIG), f"run.dir={run_dir}", *TINY_SLURM,
-            "trainer.total_steps=400", "ckpt.every_steps=2", "--wait"]  # fmt: skip
-    env = no_accounting(tmp_path)
-    waiting = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    wait_until((run_dir / "slurm" / "job_id").is_file, 120, "the submission")
-    job = job_id(run_dir)
-    wait_until((run_dir / "ckpt" / "latest").exists, 300, "the first checkpoint")
-    slurm("scancel", job)
-    cancelled = time.monotonic()
-    _, err = waiting.communicate(timeout=120)
-    assert time.monotonic() - cancelled < 60, "submit --wait outlived the cancelled job"
-    assert waiting.returncode == 1, err
-    said = f"job {job} did not complete (cancelled: Slurm says CANCELLED): the run trained to step "
-    assert said in err and "checkpoint at step " in err and "never started" not in err, err
-    for client in (env, None):  # without accounting (the controller's record), with it (sacct)
-        text = status(run_dir, client)
-        assert "state:       running" not in text and f"slurm:       job {job}: CANCELLED" in text, text

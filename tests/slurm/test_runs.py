@@ -7,6 +7,7 @@ import json
 import random
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -18,7 +19,9 @@ from relax_hpc.paths import RunPaths
 from tests.integration.conftest import Job
 from tests.runs import assert_nothing_lost_or_repeated, assert_reproduces
 from tests.slurm.jobs import (
+    CONFIG,
     REPO,
+    TINY_SLURM,
     describe,
     env_with,
     finished,
@@ -26,8 +29,10 @@ from tests.slurm.jobs import (
     job_log,
     job_state,
     last_step,
+    no_accounting,
     sacct,
     slurm,
+    status,
     submit,
     train_events,
     wait_until,
@@ -37,9 +42,13 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 ROLE_STEPS = {"relax_hpc:trainer", "relax_hpc:driver", "relax_hpc:engine-0", "relax_hpc:engine-1"}
 
 
-def test_submitit_run_completes_with_roles_as_job_steps(slurm_cluster, tmp_path):
+def test_submitit_run_completes_with_roles_as_job_steps_and_its_pictures(slurm_cluster, tmp_path):
+    """The tiny vision run through submitit (one job for both proofs: a job start costs more than
+    its steps): roles as job steps on their own nodes, sacct's hours in the run's accounting, and
+    the pictures seen alike by engines and trainer ranks on the cluster."""
     run_dir = tmp_path / "run"
-    out = submit(run_dir, "trainer.total_steps=6", "--wait")
+    config = REPO / "configs" / "tiny-vision-grpo.yaml"
+    out = submit(run_dir, "trainer.total_steps=4", "rollout.prompts_per_step=4", "--wait", config=config)
     assert out.returncode == 0, out.stdout + out.stderr
     job = job_id(run_dir)
     assert f"submitted job {job}" in out.stdout and f"run dir: {run_dir}" in out.stdout
@@ -49,8 +58,12 @@ def test_submitit_run_completes_with_roles_as_job_steps(slurm_cluster, tmp_path)
     engines = {r["NodeList"] for r in rows if r["JobName"].startswith("relax_hpc:engine")}
     trainer = {r["NodeList"] for r in rows if r["JobName"] == "relax_hpc:trainer"}
     assert len(engines) == len(trainer) == 1 and engines != trainer  # a node each
-    assert train_events(run_dir, "end")[-1] == {**train_events(run_dir, "end")[-1], "step": 6, "completed": True}
+    assert train_events(run_dir, "end")[-1] == {**train_events(run_dir, "end")[-1], "step": 4, "completed": True}
     assert_accounting_matches_sacct(run_dir, job)
+    steps = [r for r in read_jsonl(run_dir / "metrics" / "train.jsonl") if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert all(r["media_mismatched_groups"] == 0 for r in steps)  # engines and trainer ranks agree on every picture
+    assert (run_dir / "hf" / "preprocessor_config.json").is_file()  # the export carries the processor
 
 
 def hours(rows: list[dict[str, str]], resource: str) -> float:
@@ -76,19 +89,6 @@ def assert_accounting_matches_sacct(run_dir, job: str) -> None:
                          check=True, cwd=REPO).stdout  # fmt: skip
     assert f"usage:       trainer 0.000 GPU-h, {usage['roles']['trainer']['cpu_h']:.3f} CPU-h" in out, out
     assert f"(sacct); {samples} samples, {usage['samples_per_cpu_h']:.0f} per CPU-hour" in out, out
-
-
-def test_the_tiny_vision_run_completes_with_its_pictures_on_the_cluster(slurm_cluster, tmp_path):
-    run_dir = tmp_path / "vision"
-    config = REPO / "configs" / "tiny-vision-grpo.yaml"
-    out = submit(run_dir, "trainer.total_steps=4", "rollout.prompts_per_step=4", "--wait", config=config)
-    assert out.returncode == 0, out.stdout + out.stderr
-    job = job_id(run_dir)
-    assert job_state(job) == "COMPLETED", describe(run_dir, job)
-    steps = [r for r in read_jsonl(run_dir / "metrics" / "train.jsonl") if "loss" in r]
-    assert [r["step"] for r in steps] == [1, 2, 3, 4]
-    assert all(r["media_mismatched_groups"] == 0 for r in steps)  # engines and trainer ranks agree on every picture
-    assert (run_dir / "hf" / "preprocessor_config.json").is_file()  # the export carries the processor
 
 
 def test_sbatch_recipe_requeues_itself_and_completes(slurm_cluster, tmp_path):
@@ -157,22 +157,42 @@ def test_heterogeneous_job_runs_each_role_in_its_component(slurm_cluster, tmp_pa
     assert trained and all(b.teacher_logprobs is not None for b in trained)
 
 
-def test_time_limit_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
+def test_time_limit_checkpoints_requeues_and_resumes_then_a_cancel_is_reported(slurm_cluster, tmp_path):
     """2-minute allocations with the notice 30 s before the end: Slurm checks limits about every
     30 s, so the notice comes 60-90 s after the start, and the run (longer than that) must be
-    stopped, requeued and resumed by its own launcher."""
+    stopped, requeued and resumed by its own launcher. `submit --wait`, on a client without
+    accounting, follows the requeue; after a scancel of the resumed run it ends soon and says
+    that the job was cancelled and how far the run got, and `status` says so too, with
+    accounting and without (one job for both: a start costs more than its steps)."""
     run_dir = tmp_path / "timelimit"
-    out = submit(
-        run_dir, "launch.slurm.time_min=2", "launch.slurm.signal_lead_s=30",
+    argv = [
+        sys.executable, "-m", "relax_hpc.submit", "--config", str(CONFIG), f"run.dir={run_dir}", *TINY_SLURM,
+        "launch.slurm.time_min=2", "launch.slurm.signal_lead_s=30",
         "trainer.total_steps=1000", "rollout.prompts_per_step=64", "ckpt.keep_trained_batches=true",
-        "metrics.clearml.enabled=true", "metrics.clearml.offline=true", "metrics.tensorboard=true",
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout + out.stderr
-    job = job_id(run_dir)
-    resumed = wait_until(lambda: train_events(run_dir, "start")[1:], 400, "the start after the time limit")[0]
-    wait_until(lambda: last_step(run_dir) >= resumed["step"] + 2, 120, "steps after the restart")
-    slurm("scancel", job)  # SIGTERM: the trainer checkpoints before Slurm kills it
+        "metrics.clearml.enabled=true", "metrics.clearml.offline=true", "metrics.tensorboard=true", "--wait",
+    ]  # fmt: skip
+    env = no_accounting(tmp_path)
+    waiting = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        wait_until((run_dir / "slurm" / "job_id").is_file, 120, "the submission")
+        job = job_id(run_dir)
+        resumed = wait_until(lambda: train_events(run_dir, "start")[1:], 400, "the start after the time limit")[0]
+        wait_until(lambda: last_step(run_dir) >= resumed["step"] + 2, 120, "steps after the restart")
+        assert waiting.poll() is None, "submit --wait ended at the requeue"
+        slurm("scancel", job)  # SIGTERM: the trainer checkpoints before Slurm kills it
+        cancelled = time.monotonic()
+        _, err = waiting.communicate(timeout=120)
+    finally:
+        if waiting.poll() is None:
+            waiting.kill()
+    assert time.monotonic() - cancelled < 60, "submit --wait outlived the cancelled job"
+    assert waiting.returncode == 1, err
+    said = f"job {job} did not complete (cancelled: Slurm says CANCELLED): the run trained to step "
+    assert said in err and "checkpoint at step " in err and "never started" not in err, err
     wait_until(lambda: finished(job) and not list(run_dir.glob("ckpt/.step-*")), 60, "the end")
+    for client in (env, None):  # without accounting (the controller's record), with it (sacct)
+        text = status(run_dir, client)
+        assert "state:       running" not in text and f"slurm:       job {job}: CANCELLED" in text, text
 
     starts, ends = train_events(run_dir, "start"), train_events(run_dir, "end")
     assert [s["slurm_restart_count"] for s in starts] == [0, 1] and {s["slurm_job_id"] for s in starts} == {job}
