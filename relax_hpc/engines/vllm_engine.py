@@ -49,10 +49,16 @@ MIDDLEWARE = "relax_hpc.engines.vllm_auth.require_token"
 MAX_LORAS = 2  # adapters in one batch: the current version's and the one before
 
 
-def engine_python(vc: VllmConfig) -> str:
-    """rollout.vllm.python, or .venv-vllm beside relax_hpc's package (tools/install_vllm.sh)."""
+IMAGE_PYTHON = "/opt/venv-vllm/bin/python"  # where relax_hpc's images hold vLLM's environment
+
+
+def engine_python(vc: VllmConfig, in_container: bool = False) -> str:
+    """rollout.vllm.python; else in a container (launch.container) the image's IMAGE_PYTHON, or
+    .venv-vllm beside relax_hpc's package (tools/install_vllm.sh)."""
     if vc.python is not None:
         return vc.python
+    if in_container:
+        return IMAGE_PYTHON
     return str(Path(relax_hpc.__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python")
 
 
@@ -84,7 +90,7 @@ def server_args(cfg: JobConfig, host: str, port: int, pool: str = "policy", devi
     return argv + list(vc.extra_args)
 
 
-def server_env(api_key: str, adapters: Path | None = None, routed: bool = False) -> dict[str, str]:
+def server_env(api_key: str, adapters: Path | None = None, routed: bool = False, eager: bool = True) -> dict[str, str]:
     """The server's environment. VLLM_CPU_OMP_THREADS_BIND=nobind unless set: vLLM's CPU backend
     otherwise pins each engine's worker to the same first core (it assumes the node is its own),
     so two engines shared one core and a restarted one took minutes to start; the launcher's
@@ -95,8 +101,14 @@ def server_env(api_key: str, adapters: Path | None = None, routed: bool = False)
     VLLM_ENABLE_V1_MULTIPROCESSING=0: on the CPU vLLM otherwise moves a one-process engine's
     worker out of its engine core into a spawned process of its own, a third import of vLLM
     (start to healthy 41 s -> 26 s here, BENCHMARKS.md); the API server still runs the engine core
-    in a process of its own, and a GPU engine of one GPU already keeps its worker there."""
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **os.environ}
+    in a process of its own, and a GPU engine of one GPU already keeps its worker there.
+    `eager` (rollout.vllm.enforce_eager): TORCHDYNAMO_DISABLE=1 as well, so that vLLM's few
+    torch.compile'd helpers (the sampled token's rank among the log-probabilities) run eagerly
+    too: on the CPU inductor compiles them with g++ and Python's headers at the first request,
+    which an image without a compiler lacks (the engine core died there) and which costs every
+    fresh machine seconds."""
+    defaults = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env = {**defaults, **({"TORCHDYNAMO_DISABLE": "1"} if eager else {}), **os.environ}
     env |= {"VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": api_key, V.DIE_WITH_PARENT: "1"}
     if adapters is not None:
         env |= {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "VLLM_LORA_RESOLVER_CACHE_DIR": str(adapters)}
@@ -122,7 +134,7 @@ class VllmWrapper(Wrapper):
 
     def command(self) -> list[str]:
         argv = server_args(self.cfg, self.args.host, self.port, self.args.pool, self.args.device)
-        return [engine_python(self.cfg.rollout.vllm), "-m", MODULE, *argv]
+        return [engine_python(self.cfg.rollout.vllm, self.cfg.launch.container is not None), "-m", MODULE, *argv]
 
     def environment(self) -> dict[str, str]:
         policy = self.args.pool == "policy"
@@ -130,7 +142,7 @@ class VllmWrapper(Wrapper):
         adapters = self.paths.lora_adapters if self.cfg.lora_adapters and policy else None
         if adapters is not None:
             adapters.mkdir(parents=True, exist_ok=True)  # vLLM's resolver wants it at start-up
-        env = server_env(self.api_key, adapters, routed)
+        env = server_env(self.api_key, adapters, routed, self.cfg.rollout.vllm.enforce_eager)
         if self.args.device is not None:  # cuda:K of the GPUs it sees: vLLM takes the first visible
             env["CUDA_VISIBLE_DEVICES"] = visible_gpu(os.environ.get("CUDA_VISIBLE_DEVICES"), self.args.device)
         return env

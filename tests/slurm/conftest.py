@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,3 +105,42 @@ def slurm_cluster(tmp_path_factory):
         stopped = _cluster("stop", directory, timeout=180)
         if stopped.returncode != 0:
             print(f"cluster.sh stop failed ({stopped.returncode}):\n{stopped.stdout}\n{stopped.stderr}")
+
+
+@pytest.fixture(scope="session")
+def image(tmp_path_factory) -> Path:
+    """The charliecloud test image (tools/containers/make_test_image.sh): the main environment and,
+    at /opt/venv-vllm, vLLM's; built once a session, or waited for where .ci/run builds it."""
+    missing = [tool for tool in ("mmdebstrap", "ch-run") if shutil.which(tool) is None]
+    if missing:
+        reason = f"{', '.join(missing)} not installed (bash tools/containers/install.sh)"
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    prebuilt = os.environ.get("RELAX_TEST_IMAGE")
+    if prebuilt:  # .ci/run builds it beside the checks: a Debian bootstrap, mostly downloads
+        return _wait_for_image(Path(prebuilt))
+    out = tmp_path_factory.mktemp("image") / "relax_hpc"
+    build = subprocess.run(
+        ["bash", "tools/containers/make_test_image.sh", str(out)],
+        check=False,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-3000:]
+    return out
+
+
+def _wait_for_image(image: Path, timeout_s: float = 900) -> Path:
+    """The image that .ci/run builds in the background: IMAGE.done or IMAGE.failed ends the wait."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if image.with_suffix(".done").exists():
+            return image
+        if image.with_suffix(".failed").exists():
+            log = image.with_suffix(".log")
+            pytest.fail(f"building {image} failed:\n" + (log.read_text()[-3000:] if log.exists() else ""))
+        time.sleep(1)
+    pytest.fail(f"{image} was not built within {timeout_s:.0f} s")

@@ -1,55 +1,13 @@
 """launch.container for real: the tiny run through the Slurm executor with every role inside a
 container (charliecloud's ch-run, the runtime Debian ships; Apptainer's command line is checked
-in tests/unit/test_launch_layout.py)."""
+in tests/unit/test_launch_layout.py). The image: tests/slurm/conftest.py; vLLM engines run in it
+too (tests/slurm/test_vllm.py)."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import time
-from pathlib import Path
-
 import pytest
 
-from tests.slurm.jobs import REPO, describe, job_id, job_state, sacct, submit, train_events
-
-
-@pytest.fixture(scope="module")
-def image(tmp_path_factory):
-    missing = [tool for tool in ("mmdebstrap", "ch-run") if shutil.which(tool) is None]
-    if missing:
-        reason = f"{', '.join(missing)} not installed (bash tools/containers/install.sh)"
-        if os.environ.get("CI"):
-            pytest.fail(reason)
-        pytest.skip(reason)
-    prebuilt = os.environ.get("RELAX_TEST_IMAGE")
-    if prebuilt:  # .ci/run builds it beside the checks: a Debian bootstrap, mostly downloads
-        return _wait_for_image(Path(prebuilt))
-    out = tmp_path_factory.mktemp("image") / "relax_hpc"
-    build = subprocess.run(
-        ["bash", "tools/containers/make_test_image.sh", str(out)],
-        check=False,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-3000:]
-    return out
-
-
-def _wait_for_image(image: Path, timeout_s: float = 900) -> Path:
-    """The image that .ci/run builds in the background: IMAGE.done or IMAGE.failed ends the wait."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if image.with_suffix(".done").exists():
-            return image
-        if image.with_suffix(".failed").exists():
-            log = image.with_suffix(".log")
-            pytest.fail(f"building {image} failed:\n" + (log.read_text()[-3000:] if log.exists() else ""))
-        time.sleep(1)
-    pytest.fail(f"{image} was not built within {timeout_s:.0f} s")
+from tests.slurm.jobs import describe, job_id, job_state, sacct, submit, train_events
 
 
 @pytest.mark.slow

