@@ -189,7 +189,11 @@ def test_time_limit_checkpoints_requeues_and_resumes_then_a_cancel_is_reported(s
     assert waiting.returncode == 1, err
     said = f"job {job} did not complete (cancelled: Slurm says CANCELLED): the run trained to step "
     assert said in err and "checkpoint at step " in err and "never started" not in err, err
-    wait_until(lambda: finished(job) and not list(run_dir.glob("ckpt/.step-*")), 60, "the end")
+    # The cluster's KillWait is 5 s: under load the step under way and the stop's checkpoint may
+    # not both fit in it (CI at c471bd7), and Slurm's SIGKILL then leaves ckpt/.step-N.tmp, which
+    # no start reads: recover() below rolls back to the last complete checkpoint.
+    wait_until(lambda: finished(job), 60, "the end")
+    cut = bool(list(run_dir.glob("ckpt/.step-*")))
     for client in (env, None):  # without accounting (the controller's record), with it (sacct)
         text = status(run_dir, client)
         assert "state:       running" not in text and f"slurm:       job {job}: CANCELLED" in text, text
@@ -213,7 +217,8 @@ def test_time_limit_checkpoints_requeues_and_resumes_then_a_cancel_is_reported(s
     assert {starts[1]["step"], starts[1]["step"] + 1} <= steps and min(steps) == 1
     recovery = recover(RunPaths(run_dir))  # what the next start would do after the cancel
     assert recovery.step >= starts[1]["step"]
-    assert_nothing_lost_or_repeated(run_dir, recovery.step)
+    # After a cut checkpoint the batches past the rollback wait for the next start to make them again.
+    assert_nothing_lost_or_repeated(run_dir, recovery.step, regenerated=not cut)
 
 
 STEPS = 12
