@@ -85,16 +85,16 @@ fi
 
 # 2. The venv's packages, minus what only the host needs: the editable relax_hpc (replaced below),
 # pip, test suites and C headers.
-copy_tree() {  # SOURCE TARGET: hard links where the file system allows, else a copy
+copy_site() {  # SOURCE TARGET: hard links where the file system allows, else a copy; host-only parts left out
   mkdir -p "$2"
   if [ "${COPY:-0}" = 1 ] || ! cp -al "$1/." "$2/" 2>/dev/null; then
     rm -rf "${2:?}" && mkdir -p "$2"
     cp -a "$1/." "$2/"
   fi
+  (cd "$2" && rm -rf __editable__*relax_hpc* relax_hpc* pip pip-*.dist-info torch/test torch/include)
 }
 say "copying $SITE"
-copy_tree "$SITE" "$OUT/$DIST"
-(cd "$OUT/$DIST" && rm -rf __editable__*relax_hpc* relax_hpc* pip pip-*.dist-info torch/test torch/include)
+copy_site "$SITE" "$OUT/$DIST"
 
 # 3. relax_hpc from the working tree (its tracked files, so that nothing is written into the repo).
 say "installing relax_hpc from $REPO"
@@ -117,8 +117,7 @@ VLLM_VENV=${VLLM_VENV-$REPO/.venv-vllm}
 if [ -n "$VLLM_VENV" ] && [ -x "$VLLM_VENV/bin/python" ]; then
   say "copying $VLLM_VENV to /opt/venv-vllm"
   vsite="$OUT/opt/venv-vllm/lib/python$PYVER/site-packages"
-  copy_tree "$VLLM_VENV/lib/python$PYVER/site-packages" "$vsite"
-  (cd "$vsite" && rm -rf __editable__*relax_hpc* relax_hpc* pip pip-*.dist-info torch/test torch/include)
+  copy_site "$VLLM_VENV/lib/python$PYVER/site-packages" "$vsite"
   cp -r "$src/target/." "$vsite/"
   mkdir -p "$OUT/opt/venv-vllm/bin"
   ln -s "/usr/bin/python$PYVER" "$OUT/opt/venv-vllm/bin/python"
