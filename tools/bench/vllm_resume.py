@@ -9,8 +9,9 @@ the weights of the step before, so a resumed run can match an uninterrupted one)
 reward and every trained sample's tokens are compared, as tests/runs.py's assert_reproduces does
 for the built-in engine. vLLM samples each request with its own seed (the driver's), but its CPU
 kernels may round differently with another batch composition, so equality is measured, not
-assumed. Prints one JSON object: the first step where the runs differ (null: none), per step
-whether loss, reward and samples are equal, and the wall time of each run.
+assumed. Prints one JSON object: the first step whose loss or reward differs (null: none), per
+step whether each is equal, whether the trained samples are equal (and the first claimed folder
+where they are not), and the wall time of each run.
 """
 
 from __future__ import annotations
