@@ -569,9 +569,13 @@ class WeightsConfig(Section):
     and GPU engines)."""
     timeout_s: float = Field(default=60.0, gt=0)
     """Forming the group or sending a bucket fails after this long (a dead engine is dropped)."""
-    channel: Literal["broadcast", "file"] = "broadcast"
+    channel: Literal["broadcast", "sharded", "file"] = "broadcast"
     """How each version reaches the engines. `broadcast`: rank 0 broadcasts flat buckets over a
     collective group the engines join (NCCL or gloo: the engines must reach the trainer's rank 0).
+    `sharded`: every trainer rank broadcasts its share of the buckets over a group of its own
+    (megatron: the full tensors of its own pipeline stage, no rank holding the whole model), in
+    parallel with the others; the engines must reach every trainer rank. Built-in and SGLang
+    engines, not with launch.colocate or trainer.lora.
     `file`: the trainer ranks write the version as safetensors to RUN_DIR/weights/files/vN, each
     its share of the buckets, and every engine loads it (SGLang and the built-in engine with
     /update_weights_from_disk, vLLM by reloading its weights in place from the folder): for engines
@@ -1234,6 +1238,8 @@ class JobConfig(Section):
         w = self.weights
         if w.delta and w.channel != "file":
             raise ValueError("weights.delta is a mode of the file channel: set weights.channel=file")
+        if w.channel == "sharded":
+            self._sharded_channel()
         if w.channel != "file":
             return self
         if self.launch.colocate:
@@ -1253,6 +1259,18 @@ class JobConfig(Section):
                 "tensors, not a delta's changed elements; unset weights.delta (the whole version is written)"
             )
         return self
+
+    def _sharded_channel(self) -> None:
+        for setting, on, why in (
+            ("launch.colocate", self.launch.colocate,
+             "colocated engines take the weights by reference on each rank's own device"),
+            ("trainer.lora", self.trainer.lora is not None,
+             "LoRA sends its adapters and a few modules, rank 0's broadcast is enough"),
+            ("rollout.engine=vllm", self.rollout.engine == "vllm",
+             "vLLM takes weights through its own transfer engines (relax_hpc.weights.vllm_channel)"),
+        ):  # fmt: skip
+            if on:
+                raise ValueError(f"weights.channel=sharded with {setting}: {why}; use weights.channel=broadcast")
 
     @model_validator(mode="after")
     def _lora(self) -> JobConfig:

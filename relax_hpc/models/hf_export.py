@@ -7,7 +7,7 @@ import itertools
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -41,21 +41,27 @@ class _Local:
     param: torch.Tensor
 
 
+Holders = Literal["rank0", "every_rank", "stage"]
+
+
 def export_hf(
-    model: torch.nn.Module, hf_config: Any, every_rank: bool = False
+    model: torch.nn.Module, hf_config: Any, to: Holders = "rank0"
 ) -> Iterator[tuple[str, torch.Tensor | None]]:
     """The full HF tensors of the model, one at a time, in hf_specs order: a COLLECTIVE that every
-    rank of the model's process groups must run to the end. Global rank 0 yields (name, tensor);
+    rank of the model's process groups must run to the end. `to` says which ranks get each tensor;
     every other rank yields (name, None) for the same names, after its part in that tensor's
-    gathers and sends, so all ranks can run the same loop. With every_rank, every rank yields
-    every tensor (colocated ranks each serve the engines on their own device).
+    gathers and sends, so all ranks can run the same loop:
+    - "rank0": global rank 0 alone;
+    - "every_rank": every rank (colocated ranks each serve the engines on their own device);
+    - "stage": every rank of the pipeline stage that holds the tensor (the sharded channel: each
+      sends its share of them, and no tensor crosses a stage; `hf_stages` says which stage).
 
     Per unit (the embedding, each layer, the final norm + lm_head) the owning stage gathers its
     TP-split tensors with one all_gather over the TP group (experts: one over the expert-TP group
-    and one over the EP group). Without every_rank only data-parallel replica 0 gathers, and a
-    stage other than rank 0's sends the unit's HF tensors to rank 0 in one message over the
-    pipeline group. With every_rank every replica gathers (so each rank of the owning stage holds
-    the unit: with TP=PP=EP=1 nothing crosses a process), and the owning stage broadcasts it over
+    and one over the EP group). For "rank0" only data-parallel replica 0 gathers, and a stage
+    other than rank 0's sends the unit's HF tensors to rank 0 in one message over the pipeline
+    group. Otherwise every replica gathers (so each rank of the owning stage holds the unit: with
+    TP=PP=EP=1 nothing crosses a process), and for "every_rank" the owning stage broadcasts it over
     each pipeline group in one message. Yielded tensors have the model's params_dtype, live on its
     device and may alias its parameters: copy, never modify them."""
     gpt = unwrap(model)
@@ -67,26 +73,35 @@ def export_hf(
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     pp_ranks = dist.get_process_group_ranks(pp_group)
     stage, rank = parallel_state.get_pipeline_model_parallel_rank(), dist.get_rank()
+    every_replica = to != "rank0"
     for unit, unit_specs in itertools.groupby(hf_specs(hf_config, dtype), key=lambda spec: _unit_of_hf(spec[0], arch)):
         specs = list(unit_specs)
         src = pp_ranks[owners[unit]]  # the owning stage's rank in this rank's pipeline group
         if owners[unit] == stage:
-            tensors = _gather_unit(local.get(unit, []), arch, every_rank)
-            if rank == 0 or every_rank:
+            tensors = _gather_unit(local.get(unit, []), arch, every_replica)
+            if rank == 0 or every_replica:
                 _check_names(unit, tensors, specs)
-                if every_rank and pp_group.size() > 1:
+                if to == "every_rank" and pp_group.size() > 1:
                     dist.broadcast(_flat(tensors, specs, dtype), src, pp_group)
                 yield from ((name, tensors[name].to(dtype)) for name, _, _ in specs)
                 continue
             if 0 in pp_ranks:  # this stage's rank in rank 0's pipeline group
                 _check_names(unit, tensors, specs)
                 dist.send(_flat(tensors, specs, dtype), pp_ranks[0], pp_group)
-        elif rank == 0 or every_rank:
+        elif to == "every_rank" or (to == "rank0" and rank == 0):
             buffer = torch.empty(sum(shape.numel() for _, shape, _ in specs), dtype=dtype, device=device)
-            (dist.broadcast if every_rank else dist.recv)(buffer, src, pp_group)
+            (dist.broadcast if to == "every_rank" else dist.recv)(buffer, src, pp_group)
             yield from _unpack(buffer, specs)
             continue
         yield from ((name, None) for name, _, _ in specs)
+
+
+def hf_stages(model: torch.nn.Module, hf_config: Any) -> dict[str, int]:
+    """The pipeline stage that holds each HF tensor (export_hf's "stage")."""
+    gpt = unwrap(model)
+    arch = arch_of(hf_config)
+    owners = _unit_owners(gpt.config, arch)
+    return {name: owners[_unit_of_hf(name, arch)] for name, _, _ in hf_specs(hf_config, gpt.config.params_dtype)}
 
 
 def _flat(tensors: dict[str, torch.Tensor], specs: list, dtype: torch.dtype) -> torch.Tensor:

@@ -36,10 +36,14 @@ class BackendConfig:
     seed: int  # run.seed: LoRA's initial adapters, megatron's CUDA RNG tracker
     temperature: float  # rollout.temperature: log-probabilities are those of the sampling distribution
     colocate: bool  # launch.colocate: every rank serves its own engines the full weights (megatron)
+    sharded: bool = False  # weights.channel sharded: every rank of a stage sends its share (megatron)
 
     @classmethod
     def of(cls, job: JobConfig) -> BackendConfig:
-        return cls(job.model, job.trainer, job.algo, job.run.seed, job.rollout.temperature, job.launch.colocate)
+        sharded = job.weights.channel == "sharded"
+        return cls(
+            job.model, job.trainer, job.algo, job.run.seed, job.rollout.temperature, job.launch.colocate, sharded
+        )
 
 
 @dataclass(slots=True)
@@ -123,7 +127,14 @@ class Backend(Protocol):
     def full_parameters(self) -> Iterable[tuple[str, torch.Tensor | None]]:
         """Collective: (HF name, full tensor) in parameter_specs() order; every rank iterates, only
         rank 0's tensors are used (others may yield None), except with launch.colocate, where every
-        rank pushes its own to the engines on its device and must yield them all."""
+        rank pushes its own to the engines on its device and must yield them all, and with
+        weights.channel sharded, where every rank of the stage that holds a tensor must yield it
+        (weight_stages)."""
+        ...
+
+    def weight_stages(self) -> tuple[int, dict[str, int]]:
+        """This rank's pipeline stage, and the stage whose ranks all hold each parameter's full
+        tensor in full_parameters() under weights.channel sharded (names not listed: stage 0)."""
         ...
 
     def checkpoint_layout(self) -> Convert | None:

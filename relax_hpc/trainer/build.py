@@ -18,6 +18,7 @@ from relax_hpc.weights.colocated import ColocatedSender
 from relax_hpc.weights.files import ClientSettings, FileChannel
 from relax_hpc.weights.layout import EngineLayout
 from relax_hpc.weights.sender import WeightSender
+from relax_hpc.weights.sharded import ShardedChannel
 from relax_hpc.weights.vllm_channel import VllmSender
 
 
@@ -36,7 +37,8 @@ def build_backend(job: JobConfig, device: torch.device) -> Backend:
 def build_channel(job: JobConfig, paths: RunPaths, backend: Backend, device: torch.device) -> WeightChannel:
     """The weight channel of this trainer rank: adapter sync (trainer.lora.sync adapter), files
     (weights.channel file, on any engine kind), vLLM's weight-transfer API (rollout.engine vllm),
-    colocated (launch.colocate: every rank serves the engines on its device), or rank 0's broadcast."""
+    colocated (launch.colocate: every rank serves the engines on its device), every rank's share
+    (weights.channel sharded), or rank 0's broadcast."""
     rank, world = dist.get_rank(), dist.get_world_size()
     token, timeout_s = paths.read_token(), job.weights.timeout_s
     if job.lora_adapters:  # its folders hold PEFT's names: no layout, no buckets
@@ -69,8 +71,10 @@ def build_channel(job: JobConfig, paths: RunPaths, backend: Backend, device: tor
         return ColocatedChannel(ColocatedSender(paths.engines, token, timeout_s, rank, world), layout, bucket_bytes)
     auto = "nccl" if device.type == "cuda" else "gloo"
     group_backend = job.weights.backend if job.weights.backend != "auto" else auto
-    sender = WeightSender(paths.engines, token, group_backend, timeout_s, job.rollout.partial) if rank == 0 else None
-    return BroadcastChannel(sender, layout, bucket_bytes, job.engine_catch_up)
+    sender = WeightSender(paths.engines, token, group_backend, timeout_s, job.rollout.partial)
+    if job.weights.channel == "sharded":  # every rank sends its share over a group of its own
+        return ShardedChannel(sender, layout, bucket_bytes, backend.weight_stages(), job.engine_catch_up)
+    return BroadcastChannel(sender if rank == 0 else None, layout, bucket_bytes, job.engine_catch_up)
 
 
 def _publisher(

@@ -51,7 +51,7 @@ from relax_hpc.data.processor import concat_inputs
 from relax_hpc.metrics.timing import PhaseTimer
 from relax_hpc.models.arch import arch_of
 from relax_hpc.models.hf import torch_dtype
-from relax_hpc.models.hf_export import export_hf
+from relax_hpc.models.hf_export import Holders, export_hf, hf_stages
 from relax_hpc.models.hf_loading import load_hf_weights
 from relax_hpc.models.hf_mapping import hf_specs
 from relax_hpc.models.megatron import as_value_model, build_model
@@ -118,7 +118,9 @@ class MegatronBackend:
             init_parallel(par, config.seed)
         megatron_state.use_torch_multi_tensor_ops()
         self.cfg, self.algo, self.par, self.device = cfg, algo, par, device
-        self.colocated = config.colocate  # every rank serves its own engines the full weights
+        # Who gets the full tensors: every rank serves its own engines (colocated), every rank of
+        # a stage sends its share (sharded), or rank 0 sends them all.
+        self.weights_to: Holders = "every_rank" if config.colocate else "stage" if config.sharded else "rank0"
         self.temperature = config.temperature
         self.hf_config = AutoConfig.from_pretrained(config.model.path)
         self.dtype = torch_dtype(config.model.dtype)
@@ -468,10 +470,14 @@ class MegatronBackend:
 
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor | None]]:
         """(HF name, full tensor) in parameter_specs() order: on every rank when the run is
-        colocated (each rank pushes to the engines on its own device), else on global rank 0 alone
-        (None elsewhere: rank 0 broadcasts to the engines). A collective: every rank must iterate."""
-        exported = export_hf(self.model.module, self.hf_config, every_rank=self.colocated)
+        colocated (each rank pushes to the engines on its own device), on every rank of the
+        owning stage with the sharded channel, else on global rank 0 alone (None elsewhere: rank 0
+        broadcasts to the engines). A collective: every rank must iterate."""
+        exported = export_hf(self.model.module, self.hf_config, to=self.weights_to)
         return ((name, tensor) for name, tensor in exported if not self._frozen(name))
+
+    def weight_stages(self) -> tuple[int, dict[str, int]]:
+        return parallel_state.get_pipeline_model_parallel_rank(), hf_stages(self.model.module, self.hf_config)
 
     def checkpoint_layout(self) -> None:
         return None  # relax_hpc.models.hf_mapping names and shapes them as the HF checkpoint does

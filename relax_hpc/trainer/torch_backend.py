@@ -279,6 +279,9 @@ class TorchBackend:
         if self.cfg.lora is not None:
             yield SCALING, lora.scaling(self.cfg.lora)
 
+    def weight_stages(self) -> tuple[int, dict[str, int]]:
+        return 0, {}  # one stage: every rank holds each full tensor in turn (FSDP2's full_tensor)
+
     def checkpoint_layout(self) -> Convert:
         return functools.partial(checkpoint_layout, self.model)
 

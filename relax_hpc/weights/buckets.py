@@ -14,7 +14,7 @@ gloo Work or anything else whose wait() blocks until that use is over.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -35,14 +35,19 @@ class BucketPlan:
         return sum(torch.Size(s).numel() * DTYPES[d].itemsize for s, d in zip(self.shapes, self.dtypes, strict=True))
 
 
-def plan_buckets(params: Iterable[tuple[str, torch.Size, torch.dtype]], max_bytes: int) -> list[BucketPlan]:
-    """Group (name, shape, dtype) into buckets in the given order, one dtype per bucket."""
+def plan_buckets(
+    params: Iterable[tuple[str, torch.Size, torch.dtype]],
+    max_bytes: int,
+    key: Callable[[str], Hashable] = lambda name: None,
+) -> list[BucketPlan]:
+    """Group (name, shape, dtype) into buckets in the given order, one dtype per bucket, and one
+    `key` (the sharded channel: the pipeline stage that holds the tensor)."""
     buckets: list[BucketPlan] = []
     current: list[tuple[str, torch.Size, torch.dtype]] = []
     size = 0
     for name, shape, dtype in params:
         nbytes = torch.Size(shape).numel() * dtype.itemsize
-        if current and (dtype != current[0][2] or size + nbytes > max_bytes):
+        if current and (dtype != current[0][2] or key(name) != key(current[0][0]) or size + nbytes > max_bytes):
             buckets.append(_plan(current))
             current, size = [], 0
         current.append((name, shape, dtype))
@@ -50,6 +55,17 @@ def plan_buckets(params: Iterable[tuple[str, torch.Size, torch.dtype]], max_byte
     if current:
         buckets.append(_plan(current))
     return buckets
+
+
+def assign(buckets: list[BucketPlan], candidates: Sequence[Sequence[int]]) -> list[int]:
+    """The rank that sends (or writes) each bucket, one of its `candidates` (the ranks that hold
+    it): the largest bucket first, each to its least loaded candidate."""
+    load: dict[int, int] = {}
+    owner = [0] * len(buckets)
+    for k in sorted(range(len(buckets)), key=lambda k: -buckets[k].nbytes):
+        owner[k] = min(candidates[k], key=lambda r: load.get(r, 0))
+        load[owner[k]] = load.get(owner[k], 0) + buckets[k].nbytes
+    return owner
 
 
 def _plan(entries: list[tuple[str, torch.Size, torch.dtype]]) -> BucketPlan:

@@ -38,7 +38,7 @@ from relax_hpc import fence
 from relax_hpc.protocol import requests as P
 from relax_hpc.protocol.client import EngineClient, EngineRequestError, EngineUnavailable
 from relax_hpc.protocol.registry import EngineRecord, read_records
-from relax_hpc.weights.buckets import DTYPES, BucketPlan, pack, plan_buckets, unpack
+from relax_hpc.weights.buckets import DTYPES, BucketPlan, assign, pack, plan_buckets, unpack
 from relax_hpc.weights.channel import FullParameters, _Quiet
 from relax_hpc.weights.delta import Patch, SparseDelta, diff, split
 from relax_hpc.weights.layout import EngineLayout
@@ -53,15 +53,6 @@ _SPARSE_KEY = "relax_sparse"  # a sparse bucket file's metadata: its plan, as JS
 
 def version_folder(root: Path, version: int, delta: bool) -> Path:
     return root / (f"v{version}-delta" if delta else f"v{version}")
-
-
-def assign(buckets: list[BucketPlan], writers: int) -> list[int]:
-    """The writing rank of each bucket: the largest first, each to the least loaded rank."""
-    load, owner = [0] * writers, [0] * len(buckets)
-    for k in sorted(range(len(buckets)), key=lambda k: -buckets[k].nbytes):
-        owner[k] = min(range(writers), key=load.__getitem__)
-        load[owner[k]] += buckets[k].nbytes
-    return owner
 
 
 # -- the files ------------------------------------------------------------------------------------
@@ -181,7 +172,7 @@ class FileChannel(_Quiet):
     ) -> None:
         self.root, self.layout, self.registry, self.client, self.use_delta = root, layout, registry, client, delta
         self.buckets = plan_buckets(layout.specs(), bucket_bytes)
-        self.owner = assign(self.buckets, writers)
+        self.owner = assign(self.buckets, [range(writers)] * len(self.buckets))
         self.rank = dist.get_rank()
         self.base: dict[int, torch.Tensor] = {}  # my buckets' bytes of version base_version
         self.base_version: int | None = None

@@ -128,7 +128,7 @@ class WeightSender:
         self.group: SideGroup | None = None
         self.members: list[EngineRecord] = []
         self._pipelines: list[RequestPipeline] = []  # one per member, during a push
-        self._trusted: list[tuple[str, str]] | None = None  # see begin()
+        self._trusted: list[tuple[str, str]] | None = None  # see engines_for_push()
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="weights")
         self._watch: MemberWatch | None = None
 
@@ -149,7 +149,9 @@ class WeightSender:
         members = self.members if members is None else members
         return [self._pool.submit(self._client(r).post, route, request, timeout_s) for r in members]
 
-    def _form_group(self, engines: list[EngineRecord]) -> None:
+    def form_group(self, engines: list[EngineRecord]) -> None:
+        """A new group of this rank (rank 0 of it, hosting its store) and `engines`, replacing the
+        old one."""
         self.drop_group()
         master = "127.0.0.1" if all(_is_loopback(r.host) for r in engines) else socket.getfqdn()
         req = P.InitWeightsUpdateGroupReqInput(
@@ -200,7 +202,19 @@ class WeightSender:
 
     def begin(self) -> int:
         """Before a push: make sure the group holds the registry's engines, open a pipeline to each
-        and queue pause + begin. Returns the engine count (0: nothing to send).
+        and queue pause + begin. Returns the engine count (0: nothing to send)."""
+        engines = self.engines_for_push()
+        if not engines:
+            self.drop_group()
+            return 0
+        if self.group is None or engine_key(engines) != engine_key(self.members):
+            self.form_group(engines)
+        self.open_push()
+        return len(self.members)
+
+    def engines_for_push(self) -> list[EngineRecord]:
+        """The engines a push goes to: the group's members while the registry is the one they were
+        trusted from, else the registry's engines that answer /health.
 
         A registry whose engines all answered /health is trusted as long as it stays the same,
         which spares a round trip on every push: an engine that died since then refuses the
@@ -208,24 +222,25 @@ class WeightSender:
         """
         fence.check("weight push")
         records = read_records(self.registry)
-        if self.group is None or engine_key(records) != self._trusted:
-            engines = self.live_engines(records)
-            self._trusted = engine_key(records) if len(engines) == len(records) else None
-            if not engines:
-                self.drop_group()
-                return 0
-            if self.group is None or engine_key(engines) != engine_key(self.members):
-                self._form_group(engines)
+        if self.group is not None and engine_key(records) == self._trusted:
+            return self.members
+        engines = self.live_engines(records)
+        self._trusted = engine_key(records) if len(engines) == len(records) else None
+        return engines
+
+    def open_push(self) -> None:
+        """Open a pipeline to each member and queue pause + begin."""
         self._pipelines = list(
             self._pool.map(lambda r: RequestPipeline(r.url, self.api_key, self.timeout_s), self.members)
         )
         self._watch = MemberWatch(self.members, self.api_key, self._close_pipelines)
         self._queue(R.PAUSE_GENERATION.path, P.PauseGenerationReqInput(mode=self.pause_mode))
         self._queue(R.BEGIN_WEIGHT_UPDATE.path, P.BeginWeightUpdateReqInput())
-        return len(self.members)
 
-    def request_bucket(self, plan: BucketPlan, version: str | None) -> None:
-        """Queue a bucket's request; each engine enters its broadcast once done with the previous bucket."""
+    def request_bucket(self, plan: BucketPlan, version: str | None, group_name: str | None = None) -> None:
+        """Queue a bucket's request; each engine enters its broadcast once done with the previous
+        bucket. The bucket travels over this sender's group, or the one named (sharded channel:
+        another trainer rank's)."""
         assert self.group is not None, "begin() forms the group before buckets are sent"
         self._queue(
             R.UPDATE_WEIGHTS_FROM_DISTRIBUTED.path,
@@ -233,7 +248,7 @@ class WeightSender:
                 names=plan.names,
                 dtypes=plan.dtypes,
                 shapes=plan.shapes,
-                group_name=self.group.group_name,
+                group_name=group_name or self.group.group_name,
                 flush_cache=version is not None,
                 weight_version=version,
                 load_format="flattened_bucket",
@@ -245,7 +260,7 @@ class WeightSender:
         refusing them fails the push before a broadcast is queued that no engine would join (the
         engine is busy reading that request meanwhile: this costs about nothing)."""
         for pipeline in self._pipelines:
-            pipeline.wait_answers(leave=1)
+            pipeline.wait_through(2)  # open_push's pause and begin
 
     def broadcast(self, flat: torch.Tensor) -> WatchedWork:
         """Start the broadcast of a packed bucket (after its request_bucket)."""

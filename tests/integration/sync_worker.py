@@ -49,7 +49,8 @@ from relax_hpc.weights.colocated import ColocatedSender
 from relax_hpc.weights.files import FileChannel
 from relax_hpc.weights.layout import EngineLayout
 from relax_hpc.weights.lora import merge_all
-from relax_hpc.weights.sender import WeightSender
+from relax_hpc.weights.sender import WeightSender, WeightSyncError
+from relax_hpc.weights.sharded import ShardedChannel
 
 
 def main() -> None:
@@ -64,12 +65,13 @@ def main() -> None:
     buckets = plan_buckets(backend.parameter_specs(), int(cfg.weights.bucket_mb * 2**20))
     channel = make_channel(path, cfg, paths, backend, rank)
     timer, refused, previous = PhaseTimer(), None, None
-    pushed_files = push_files(channel, cfg, paths, backend, version) if path == "file" else Pushed()
+    pushes = {"file": push_files, "sharded": push_sharded}
+    pushed_files = pushes[path](channel, cfg, paths, backend, version) if path in pushes else Pushed()
     served = pushed_files.served
     engines = served[-1] if served else 0
     # Adapter and colocated: two versions of different weights; the engine holds the second
     # exactly, and (adapter) a request naming the first is answered with it after the second's load.
-    for pushed in (version - 1, version) if path in ("adapter", "colocated") else () if path == "file" else (version,):
+    for pushed in (version - 1, version) if path in ("adapter", "colocated") else () if path in pushes else (version,):
         if pushed == version and path in ("adapter", "colocated"):
             previous = dict(backend.full_parameters()) if path == "adapter" else None
             perturb(backend.model)
@@ -91,7 +93,9 @@ def main() -> None:
                     "folders": sorted(p.name for p in paths.weight_files.iterdir()) if path == "file" else None,
                     "refused_while_released": refused,
                     "buckets": len(buckets),
+                    "shares": channel.shares() if isinstance(channel, ShardedChannel) else None,
                     "bytes": sum(b.nbytes for b in buckets),
+                    "bucket_bytes": [b.nbytes for b in buckets],
                     "greedy": greedy,
                     "previous_greedy": None if previous is None else expected(cfg.model.path, True, previous)[1],
                     "weights": {name: t[:2].tolist() for name, t in full.items()},
@@ -133,6 +137,48 @@ def push_files(channel: WeightChannel, cfg: JobConfig, paths: RunPaths, backend:
             out.restarted = restart(cfg, paths, second)
         dist.barrier()
     return out
+
+
+def push_sharded(
+    channel: WeightChannel, cfg: JobConfig, paths: RunPaths, backend: TorchBackend, version: int
+) -> Pushed:
+    """Three versions through the sharded channel: the second engine is killed (-9) as the second
+    push begins (rank 0 has paused the engines; the buckets, half of them rank 1's, are due),
+    which fails that push on both ranks; started again (as the launcher would), it missed that
+    version and takes the third with the first engine."""
+    assert isinstance(channel, ShardedChannel), "the sharded path builds a ShardedChannel"
+    second = None
+    if dist.get_rank() == 0:
+        second = sorted(read_records(paths.engines), key=lambda r: r.engine_id)[1]
+    out = Pushed()
+    for pushed in (version - 2, version - 1, version):
+        if out.served:
+            perturb(backend.model)
+        if second is not None and pushed == version - 1:
+            kill_once_begun(channel, second.pid)
+        try:
+            out.served.append(channel.push(backend.full_parameters, pushed))
+        except WeightSyncError:
+            out.served.append(-1)  # on every rank
+        if second is not None and pushed == version - 1:
+            out.restarted = restart(cfg, paths, second)
+        dist.barrier()
+    return out
+
+
+def kill_once_begun(channel: ShardedChannel, pid: int) -> None:
+    """Kill the engine right after rank 0 queued pause and begin (once): a fault at that point,
+    the channel running as it is."""
+    assert channel.sender is not None, "every rank sends"
+    sender = channel.sender
+    open_push = sender.open_push
+
+    def opened() -> None:
+        open_push()
+        os.kill(pid, signal.SIGKILL)
+        sender.open_push = open_push  # type: ignore[method-assign]  # once
+
+    sender.open_push = opened  # type: ignore[method-assign]
 
 
 def kill_after_decision(channel: FileChannel, pid: int) -> threading.Thread:
@@ -181,7 +227,7 @@ def make_channel(path: str, cfg: JobConfig, paths: RunPaths, backend: TorchBacke
     """The channel `path` names, built as relax_hpc.trainer.build builds it for a run."""
     token, bucket_bytes = paths.read_token(), int(cfg.weights.bucket_mb * 2**20)
     layout = EngineLayout(backend.parameter_specs(), None)
-    if path == "file":  # as a run builds it: the run's config says whether with weights.delta
+    if path in ("file", "sharded"):  # as a run builds it (file: the run's config says whether with weights.delta)
         return build_channel(cfg, paths, backend, torch.device("cpu"))
     if path == "adapter":
         lora = cfg.trainer.lora

@@ -4,7 +4,8 @@ shipped tiny Qwen2.5-VL: its language model sharded, its vision tower replicated
 log-probabilities on a prompt with a picture those of transformers' model within 1e-5). Every rank loads an HF
 folder, holds exactly the block of every tensor that an independent, naive computation expects, and
 export_hf run on all ranks gives rank 0 the HF checkpoint bit for bit (the other rank gets the same
-names with None); with every_rank (colocated ranks) both ranks get it bit for bit.
+names with None); with every_rank (colocated ranks) both ranks get it bit for bit, and with "stage" (the sharded
+channel) the ranks of the stage that holds each tensor.
 
 This file is also the torchrun worker: `python -m torch.distributed.run --nproc-per-node=2
 tests/integration/test_hf_mapping_parallel.py FOLDERS_JSON OUT_DIR` runs every layout in turn."""
@@ -14,13 +15,17 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+from tests.integration.conftest import Engines, make_run
 
 REPO = Path(__file__).resolve().parents[2]
 VISION = REPO / "assets/tiny-qwen2.5-vl-shapes"
@@ -39,6 +44,8 @@ MODELS = {
     "ep2": (["qwen3-moe"], 2),
     "dp2": (["qwen2"], 2),
 }
+# The sharded channel's pushes of the shipped tiny model (untied) to two engines: layout -> version.
+SHARDED = {"tp2": 1, "pp2": 2}
 # Global layers and experts each rank must hold (None: all of them).
 HOLDS: dict[str, dict[int, tuple[list[int] | None, list[int] | None]]] = {
     "tp2": {0: (None, None), 1: (None, None)},
@@ -49,12 +56,17 @@ HOLDS: dict[str, dict[int, tuple[list[int] | None, list[int] | None]]] = {
 
 
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory) -> dict:
+def reports(tmp_path_factory, engine_forks) -> Iterator[dict]:
     """One torchrun of every layout (megatron's import alone takes ~10 s of CPU per process):
-    {layout: {rank: {model kind: facts}}}."""
+    {layout: {rank: {model kind: facts}}}, and the sharded pushes' facts under "sharded"."""
     from tests.unit.test_hf_mapping import save_random_hf, tiny_configs
 
     root = tmp_path_factory.mktemp("hf_mapping_parallel")
+    cfg, paths = make_run(root / "run", f"model.path={untied_copy(root / 'untied')}", "weights.channel=sharded",
+                          "weights.bucket_mb=0.05")  # fmt: skip
+    engines = Engines(cfg, paths, engine_forks)
+    for i in range(2):
+        engines.start(f"engine-{i}")
     folders: dict[str, dict[str, str]] = {}
     for layout, (kinds, num_layers) in MODELS.items():
         configs = tiny_configs(num_layers)
@@ -68,11 +80,40 @@ def reports(tmp_path_factory) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-         str(root / "folders.json"), str(root)],
+         str(root / "folders.json"), str(root), str(paths.root)],
         check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
+    engines.stop()
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-5000:]
-    return {rank: json.loads((root / f"rank{rank}.json").read_text()) for rank in (0, 1)}
+    yield {rank: json.loads((root / f"rank{rank}.json").read_text()) for rank in (0, 1)}
+
+
+def untied_copy(folder: Path) -> Path:
+    """The shipped tiny model with its own LM head (megatron builds a tied model under PP on GPUs only)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(REPO / "assets/tiny-qwen3-addition", folder)
+    weights = load_file(str(folder / "model.safetensors"))
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    return folder
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("layout", SHARDED)
+def test_the_sharded_channel_pushes_each_stages_tensors_from_its_own_ranks(layout, reports):
+    """weights.channel=sharded from megatron ranks to two built-in engines: both ranks send (TP=2:
+    about half the bytes each; PP=2: each stage its own tensors), and both engines then hold the
+    trainer's weights bit for bit at the pushed version."""
+    facts = reports[0]["sharded"][layout]
+    assert facts["served"] == 2 and facts["versions"] == [str(SHARDED[layout])] * 2
+    assert facts["mismatched"] == [] and facts["compared"] == facts["tensors"] > 0
+    shares = facts["shares"]
+    assert min(shares) > 0 and sum(shares) == facts["bytes"]
+    if layout == "tp2":  # one stage: both ranks hold every tensor, the buckets spread by size
+        assert max(shares) <= facts["bytes"] / 2 + max(facts["bucket_bytes"])
 
 
 @pytest.mark.integration
@@ -91,8 +132,14 @@ def test_two_ranks_hold_their_shards_and_export_the_checkpoint(layout, reports):
             # rank 0 receives every tensor; the other rank iterates the same names with None
             assert facts["exported"] == facts["specs"] and facts["tensors"] == (facts["specs"] if rank == 0 else 0)
             assert facts["every_rank"] == facts["specs"]  # every_rank: this rank got every tensor, checked
+            if layout != "pp2":  # one stage: every rank holds every tensor for the sharded channel
+                assert facts["stage"] == facts["specs"], kind
             if kind == "qwen2.5-vl":  # fp32, sums in another order (measured 1e-6)
                 assert facts["vision_logprob_gap"] < 1e-5
+    if layout == "pp2":  # two stages: each tensor on the ranks of exactly one, both stages sending
+        for kind in kinds:
+            held = [reports[rank][layout][kind]["stage"] for rank in (0, 1)]
+            assert sum(held) == reports[0][layout][kind]["specs"] and min(held) > 0, kind
 
 
 # ---------------------------------------------------------------- the worker
@@ -168,7 +215,7 @@ def _run_model(folder: str, layout: str) -> dict:
     from transformers import AutoConfig
 
     from relax_hpc.config.schema import MegatronConfig
-    from relax_hpc.models.hf_export import export_hf
+    from relax_hpc.models.hf_export import export_hf, hf_stages
     from relax_hpc.models.hf_loading import load_hf_weights
     from relax_hpc.models.hf_mapping import hf_specs
     from relax_hpc.models.megatron import build_model
@@ -202,10 +249,17 @@ def _run_model(folder: str, layout: str) -> dict:
         tensors = [(name, t) for name, t in exported if t is not None]
         for name, tensor in tensors:
             assert torch.equal(tensor.cpu(), hf[name]), name
-        everywhere = list(export_hf(model, config, every_rank=True))
+        everywhere = list(export_hf(model, config, to="every_rank"))
         assert [name for name, _ in everywhere] == specs
         for name, full in everywhere:
             assert full is not None and torch.equal(full.cpu(), hf[name]), name
+        # "stage" (the sharded channel): every rank of the stage that holds a tensor gets it
+        stage, stages = ps.get_pipeline_model_parallel_rank(), hf_stages(model, config)
+        staged = list(export_hf(model, config, to="stage"))
+        assert [name for name, _ in staged] == specs
+        for name, full in staged:
+            assert (full is not None) == (stages[name] == stage), name
+            assert full is None or torch.equal(full.cpu(), hf[name]), name
         vision = getattr(config, "vision_config", None) is not None
         gap = {"vision_logprob_gap": _vision_logprob_gap(model, folder, config)} if vision else {}
         return {
@@ -218,6 +272,7 @@ def _run_model(folder: str, layout: str) -> dict:
             "exported": len(exported),
             "tensors": len(tensors),
             "every_rank": len(everywhere),
+            "stage": sum(full is not None for _, full in staged),
         }
     finally:
         ps.destroy_model_parallel()
@@ -266,20 +321,80 @@ def _vision_logprob_gap(model, folder: str, config) -> float:
     return float((got.cpu() - expected).abs().max())
 
 
-def _worker(folders_json: str, out_dir: str) -> None:
+def _push_sharded(run: str, layout: str, version: int) -> dict:
+    """Perturb the run's model held in `layout`, push it through the sharded channel, and (rank
+    0) compare every engine's weights with the model's HF tensors."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from transformers import AutoConfig
+
+    from relax_hpc.config.load import read_frozen
+    from relax_hpc.config.schema import MegatronConfig
+    from relax_hpc.models.hf_export import export_hf, hf_stages
+    from relax_hpc.models.hf_loading import load_hf_weights
+    from relax_hpc.models.hf_mapping import hf_specs
+    from relax_hpc.models.megatron import build_model
+    from relax_hpc.paths import RunPaths
+    from relax_hpc.protocol.client import EngineClient
+    from relax_hpc.protocol.registry import read_records
+    from relax_hpc.protocol.requests import GetWeightsByNameReqInput
+    from relax_hpc.weights.layout import EngineLayout
+    from relax_hpc.weights.sender import WeightSender
+    from relax_hpc.weights.sharded import ShardedChannel
+
+    paths = RunPaths(Path(run))
+    cfg, sizes = read_frozen(paths.config), LAYOUTS[layout]
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=sizes.get("tensor_parallel", 1),
+        pipeline_model_parallel_size=sizes.get("pipeline_parallel", 1),
+    )
+    try:
+        config = AutoConfig.from_pretrained(cfg.model.path)
+        model = build_model(config, MegatronConfig(attention="sdpa", **sizes), torch.float32,
+                            ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())  # fmt: skip
+        load_hf_weights(model, cfg.model.path)
+        torch.manual_seed(version)  # the same on every rank: replicated tensors stay equal
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(0.25 * torch.randn_like(param))
+        specs = hf_specs(config, torch.float32)
+        channel = ShardedChannel(
+            WeightSender(paths.engines, paths.read_token(), "gloo", 30.0), EngineLayout(specs, None),
+            int(cfg.weights.bucket_mb * 2**20), (ps.get_pipeline_model_parallel_rank(), hf_stages(model, config)),
+        )  # fmt: skip
+        served = channel.push(lambda: export_hf(model, config, to="stage"), version)
+        full = {name: t for name, t in export_hf(model, config) if t is not None}  # rank 0: every tensor
+        facts: dict[str, Any] = {"served": served, "shares": channel.shares(), "tensors": len(specs),
+                                 "bytes": sum(b.nbytes for b in channel.buckets),
+                                 "bucket_bytes": [b.nbytes for b in channel.buckets]}  # fmt: skip
+        if dist.get_rank() == 0:
+            clients = [EngineClient(r.url, paths.read_token(), 30.0) for r in read_records(paths.engines)]
+            mismatched = []
+            for name, tensor in full.items():
+                request = GetWeightsByNameReqInput(name=name, truncate_size=tensor.shape[0])
+                if any(torch.tensor(c.post("/get_weights_by_name", request)).ne(tensor).any() for c in clients):
+                    mismatched.append(name)
+            facts.update(versions=[c.weight_version() for c in clients], mismatched=mismatched, compared=len(full))
+        return facts
+    finally:
+        ps.destroy_model_parallel()
+
+
+def _worker(folders_json: str, out_dir: str, run: str) -> None:
     import torch.distributed as dist
 
     if torch.cuda.is_available():  # the same checks over NCCL, one GPU per rank
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     folders = json.loads(Path(folders_json).read_text())
-    report = {
+    report: dict[str, Any] = {
         layout: {kind: _run_model(folder, layout) for kind, folder in models.items()}
         for layout, models in folders.items()
     }
+    report["sharded"] = {layout: _push_sharded(run, layout, version) for layout, version in SHARDED.items()}
     Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    _worker(*sys.argv[1:3])
+    _worker(*sys.argv[1:4])

@@ -39,8 +39,9 @@ FILE = ("weights.channel=file",)
         ("adapter", (*LORA, "trainer.lora.sync=adapter")),
         ("file", FILE),
         ("file", (*FILE, "weights.delta=true")),
+        ("sharded", ("weights.channel=sharded",)),
     ],
-    ids=["broadcast", "colocated", "lora", "lora-adapter", "file", "file-delta"],
+    ids=["broadcast", "colocated", "lora", "lora-adapter", "file", "file-delta", "sharded"],
 )
 def test_engines_hold_the_trainer_weights_after_a_push(tmp_path, engines, path, overrides):
     """Broadcast: rank 0 sends every engine each bucket over a gloo group. Colocated: each rank
@@ -53,7 +54,10 @@ def test_engines_hold_the_trainer_weights_after_a_push(tmp_path, engines, path, 
     written by both ranks and loaded from disk; the second engine misses the third and then loads
     the whole fourth while the first loads its delta; killed and started again, it copies the
     version before the last from the first engine (catch-up) and then loads the last one's delta
-    too; the folders of older versions are gone."""
+    too; the folders of older versions are gone. Sharded: each rank broadcasts about half of the
+    buckets over a group of its own; the second engine is killed as the second of three pushes
+    begins, which fails that push on both ranks, and started again it takes the third push, bit
+    for bit, with the first engine."""
     # 0.05 MiB buckets: the 1.2 MB model travels in many buckets, as a large model would.
     cfg, paths = make_run(tmp_path / "run", "weights.bucket_mb=0.05", *overrides)
     group = engines(cfg, paths, 2)
@@ -88,6 +92,11 @@ def test_engines_hold_the_trainer_weights_after_a_push(tmp_path, engines, path, 
         elif path == "file":
             assert expected["served"] == [2, 2]
             assert expected["folders"] == ["v7"]
+        elif path == "sharded":  # the second engine killed as the second push began, then started again
+            assert expected["served"] == [2, -1, 2]
+            total, largest = expected["bytes"], max(expected["bucket_bytes"])
+            assert sum(expected["shares"]) == total
+            assert max(expected["shares"]) <= total / 2 + largest  # each rank sends about half
         assert expected["refused_while_released"] is (True if path == "colocated" else None)
         token = paths.read_token()
         prompts = [[int(t) for t in row] for row in _prompts()]

@@ -14,7 +14,7 @@ import torch
 
 from relax_hpc.protocol import requests as P
 from relax_hpc.protocol.client import EngineRequestError, RequestPipeline
-from relax_hpc.weights.buckets import BucketPacker, BufferRing, pack, plan_buckets, unpack
+from relax_hpc.weights.buckets import BucketPacker, BucketPlan, BufferRing, assign, pack, plan_buckets, unpack
 from relax_hpc.weights.sender import push
 
 
@@ -30,6 +30,27 @@ def test_buckets_respect_size_and_dtype_and_keep_order():
     assert [p.names for p in plans] == [["a", "b"], ["c"], ["d"], ["e"]]
     assert [p.nbytes for p in plans] == [96, 40, 6, 400]
     assert plans[2].dtypes == ["bfloat16"] and plans[0].shapes == [[4, 4], [8]]
+
+
+def test_a_bucket_never_spans_two_keys():
+    """The sharded channel's plan: a bucket holds tensors of one pipeline stage only."""
+    specs = [(f"p{i}", torch.Size([4]), torch.float32) for i in range(6)]
+    stage = {"p0": 0, "p1": 0, "p2": 1, "p3": 1, "p4": 1, "p5": 1}
+    plans = plan_buckets(specs, 2**20, key=stage.__getitem__)
+    assert [p.names for p in plans] == [["p0", "p1"], ["p2", "p3", "p4", "p5"]]
+    assert [p.names for p in plan_buckets(specs, 2**20)] == [[f"p{i}" for i in range(6)]]
+
+
+def test_buckets_are_spread_over_their_candidates_by_size():
+    sizes = [[1000], [10], [600], [500], [20]]
+    plans = [BucketPlan([f"p{i}"], ["float32"], [s]) for i, s in enumerate(sizes)]
+    owner = assign(plans, [range(2)] * len(plans))
+    load = [sum(p.nbytes for p, o in zip(plans, owner, strict=True) if o == r) for r in range(2)]
+    assert sorted(load) == [4120, 4400]  # largest first, each to the lighter rank
+    # Each bucket goes to one of the ranks that hold it (a stage's ranks): 0 and 1 hold the first
+    # two, 2 and 3 the rest.
+    owner = assign(plans, [[0, 1], [0, 1], [2, 3], [2, 3], [2, 3]])
+    assert owner == [0, 1, 2, 3, 3]
 
 
 def test_pack_unpack_round_trip_is_bit_exact():

@@ -376,8 +376,25 @@ def test_visible_gpus_are_counted_without_torch():
             ["weights.channel=file", "weights.delta=true", "rollout.engine=vllm"],
             "weights.delta with rollout.engine=vllm:",
         ),
+        (
+            ["weights.channel=sharded", "launch.colocate=true", "rollout.max_staleness=0"],
+            "weights.channel=sharded with launch.colocate",
+        ),
+        (["weights.channel=sharded", "trainer.lora.rank=4"], "weights.channel=sharded with trainer.lora"),
+        (["weights.channel=sharded", "rollout.engine=vllm"], "weights.channel=sharded with rollout.engine=vllm"),
+        (["weights.channel=sharded", "weights.delta=true"], "weights.delta is a mode of the file channel"),
     ],
-    ids=["delta-without-files", "colocated", "lora", "delta-sglang", "delta-vllm"],
+    ids=[
+        "delta-without-files",
+        "colocated",
+        "lora",
+        "delta-sglang",
+        "delta-vllm",
+        "sharded-colocated",
+        "sharded-lora",
+        "sharded-vllm",
+        "sharded-delta",
+    ],
 )
 def test_weight_channel_combinations_that_cannot_work_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

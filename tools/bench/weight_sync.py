@@ -61,7 +61,7 @@ def raw_broadcast(sizes: list[int], repeat: int) -> list[float]:
     return times
 
 
-def random_qwen3(folder: Path, hidden: int, layers: int) -> Qwen3ForCausalLM:
+def random_qwen3(folder: Path, hidden: int, layers: int, dtype: torch.dtype = torch.float32) -> Qwen3ForCausalLM:
     """A random Qwen3-architecture model of the given size, saved to `folder` for the engines."""
     config = Qwen3Config(
         vocab_size=32000,
@@ -73,7 +73,7 @@ def random_qwen3(folder: Path, hidden: int, layers: int) -> Qwen3ForCausalLM:
         head_dim=hidden // 8,
         tie_word_embeddings=False,
     )
-    model = Qwen3ForCausalLM(config)
+    model = Qwen3ForCausalLM(config).to(dtype)
     model.save_pretrained(folder)
     return model
 
@@ -89,7 +89,9 @@ def bench_parser(doc: str | None, bucket_mb: float, repeat: int) -> argparse.Arg
 
 
 @contextlib.contextmanager
-def scratch_run(hidden: int, layers: int) -> Iterator[tuple[RunPaths, Path, Qwen3ForCausalLM]]:
+def scratch_run(
+    hidden: int, layers: int, dtype: torch.dtype = torch.float32
+) -> Iterator[tuple[RunPaths, Path, Qwen3ForCausalLM]]:
     """A run folder and a random Qwen3 of this shape saved beside it, in a temporary folder; one
     torch thread (the engines beside it get the other cores)."""
     torch.set_num_threads(1)
@@ -97,7 +99,7 @@ def scratch_run(hidden: int, layers: int) -> Iterator[tuple[RunPaths, Path, Qwen
         paths = RunPaths(Path(tmp) / "run")
         paths.create()
         model_dir = Path(tmp) / "model"
-        yield paths, model_dir, random_qwen3(model_dir, hidden, layers)
+        yield paths, model_dir, random_qwen3(model_dir, hidden, layers, dtype)
 
 
 @contextlib.contextmanager
