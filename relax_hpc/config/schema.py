@@ -573,7 +573,7 @@ class WeightsConfig(Section):
     """How each version reaches the engines. `broadcast`: rank 0 broadcasts flat buckets over a
     collective group the engines join (NCCL or gloo: the engines must reach the trainer's rank 0).
     `sharded`: every trainer rank broadcasts its share of the buckets over a group of its own
-    (megatron: the full tensors of its own pipeline stage, no rank holding the whole model), in
+    (megatron: the full tensors of its own pipeline stage, none sent across stages), in
     parallel with the others; the engines must reach every trainer rank. Built-in and SGLang
     engines, not with launch.colocate or trainer.lora.
     `file`: the trainer ranks write the version as safetensors to RUN_DIR/weights/files/vN, each

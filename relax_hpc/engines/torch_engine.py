@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import errno
 import functools
 import json
@@ -30,7 +31,7 @@ import threading
 import time
 import uuid
 from collections import ChainMap
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -155,8 +156,10 @@ class TorchEngine:
         self.on_weights: Callable[[], object] = lambda: None
         # LoRA runs (trainer.lora) send adapters, received beside the parameters and then merged.
         self.lora = AdapterMerger(self.params, self.device)
-        # (ChainMap writes its first map only: the parameters are read, never replaced.)
-        self.receiver = BucketReceiver(ChainMap(self.lora.adapter, self.params), self.device)  # type: ignore[arg-type]
+        # What a pushed bucket writes into (ChainMap writes its first map only: the parameters are
+        # read, never replaced), through a receiver per weight-update group.
+        self.update_targets = ChainMap(self.lora.adapter, self.params)  # type: ignore[arg-type]
+        self.receivers: dict[str, BucketReceiver] = {}
         # Adapter sync: the folder of every adapter loaded so far (a request naming one unloaded
         # since loads it again, SGLang's rule), the loaded ones, the one merged into the weights.
         self.adapter_folders: dict[str, Path] = {}
@@ -454,9 +457,10 @@ class TorchEngine:
         """An update still waiting in this group's broadcast gives up (the trainer abandoned the
         push: a member failed), releasing the model; the group is let go off this thread."""
         group = self.groups.pop(req.group_name, None)
+        self.receivers.pop(req.group_name, None)
         if group is not None:
             group.cancel()
-            threading.Thread(target=group.close, name="weights-drop", daemon=True).start()
+            group.close_soon()
 
     def weights_by_name(self, req: P.GetWeightsByNameReqInput) -> list[Any] | float:
         if req.name not in self.params:
@@ -551,8 +555,16 @@ class TorchEngine:
 
     def end_update(self) -> None:
         with self._model_lock:
-            self.receiver.settle(wait=False)
+            for receiver in list(self.receivers.values()):
+                receiver.settle(wait=False)
         self.updating = False
+
+    @contextlib.contextmanager
+    def _write_guard(self) -> Iterator[None]:
+        """Around a copy into the weights: between generation batches, the weights marked written."""
+        with self._model_lock:
+            self._writing()
+            yield
 
     def update_from_distributed(self, req: P.UpdateWeightsFromDistributedReqInput) -> bool:
         """Receive one bucket into the parameters. Returns whether it changed the weight version."""
@@ -565,16 +577,19 @@ class TorchEngine:
             self.abort(P.AbortReq(abort_all=True))
         plan = BucketPlan(req.names, req.dtypes, req.shapes)
         self.lora.slots(req.names, req.dtypes, req.shapes)
+        # One receiver (buffers, copy stream) per group: the sharded channel's ranks send at once.
+        receiver = self.receivers.setdefault(req.group_name, BucketReceiver(self.update_targets, self.device))
         # Checked now, raised once received (see BucketReceiver.receive).
-        unknown = self.receiver.unknown_names(plan)
+        unknown = receiver.unknown_names(plan)
+        flattened = req.load_format == "flattened_bucket"
+        receiver.receive(group, plan, flattened=flattened, copy=not unknown, guard=self._write_guard)
+        if unknown:
+            raise P.ProtocolError(f"unknown parameter names {unknown[:5]}")
+        if req.weight_version is None:
+            return False
         with self._model_lock:  # between batches: a completion never mixes two versions
-            self._writing()
-            self.receiver.receive(group, plan, flattened=req.load_format == "flattened_bucket", copy=not unknown)
-            if unknown:
-                raise P.ProtocolError(f"unknown parameter names {unknown[:5]}")
-            if req.weight_version is None:
-                return False
-            self.receiver.settle(wait=True)  # the engine reports the new version only once it holds it
+            for each in list(self.receivers.values()):  # the engine reports the new version only once it holds it
+                each.settle(wait=True)
             if self.lora.adapter:
                 self.lora.merge()
             self._holds(req.weight_version)

@@ -9,7 +9,9 @@ and a backend class rather than through init_process_group.
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import threading
 import time
 from collections.abc import Callable
 
@@ -82,3 +84,24 @@ class SideGroup:
         # per-object shutdown for a group built outside init_process_group.
         self._pg = None
         self._store = None
+
+    def close_soon(self) -> None:
+        """Close on a thread of its own: a backend may wait for a collective that a failed member
+        never joins. The process's exit waits for it, up to CLOSE_WAIT_S: a gloo group whose
+        teardown the exit cuts short aborts the process ("terminate called without an active
+        exception"), which a launcher would count as a crash."""
+        thread = threading.Thread(target=self.close, name="weights-drop", daemon=True)
+        thread.start()
+        _closing.append(thread)
+
+
+CLOSE_WAIT_S = 10.0
+_closing: list[threading.Thread] = []
+
+
+@atexit.register
+def _wait_for_closes() -> None:
+    """At exit (after the non-daemon threads, before the daemon ones are stopped)."""
+    deadline = time.monotonic() + CLOSE_WAIT_S
+    for thread in _closing:
+        thread.join(max(0.0, deadline - time.monotonic()))

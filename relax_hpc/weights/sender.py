@@ -128,6 +128,8 @@ class WeightSender:
         self.group: SideGroup | None = None
         self.members: list[EngineRecord] = []
         self._pipelines: list[RequestPipeline] = []  # one per member, during a push
+        # The sharded channel's concurrent push: by group name, one more connection per member.
+        self._lanes: dict[str, list[RequestPipeline]] = {}
         self._trusted: list[tuple[str, str]] | None = None  # see engines_for_push()
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="weights")
         self._watch: MemberWatch | None = None
@@ -197,7 +199,7 @@ class WeightSender:
                 for f in self._fan_out(route, request, answering, timeout_s=5.0):
                     with contextlib.suppress(EngineUnavailable, EngineRequestError):
                         f.result()
-            threading.Thread(target=self.group.close, name="weights-drop", daemon=True).start()
+            self.group.close_soon()
         self.group, self.members = None, []
 
     def begin(self) -> int:
@@ -237,23 +239,40 @@ class WeightSender:
         self._queue(R.PAUSE_GENERATION.path, P.PauseGenerationReqInput(mode=self.pause_mode))
         self._queue(R.BEGIN_WEIGHT_UPDATE.path, P.BeginWeightUpdateReqInput())
 
+    def open_lanes(self, group_names: list[str]) -> None:
+        """After open_push and await_begun: a connection per member for each group, over which
+        request_bucket sends that group's buckets. The built-in engine serves each connection on a
+        thread of its own, so the groups' buckets arrive at the same time (the sharded channel)."""
+        self._lanes = {
+            name: list(self._pool.map(lambda r: RequestPipeline(r.url, self.api_key, self.timeout_s), self.members))
+            for name in group_names
+        }
+
+    def wait_lanes(self) -> None:
+        """Every answer of every lane so far."""
+        for lane in self._lanes.values():
+            for pipeline in lane:
+                pipeline.wait_answers()
+
     def request_bucket(self, plan: BucketPlan, version: str | None, group_name: str | None = None) -> None:
         """Queue a bucket's request; each engine enters its broadcast once done with the previous
-        bucket. The bucket travels over this sender's group, or the one named (sharded channel:
-        another trainer rank's)."""
+        bucket of the connection. The bucket travels over this sender's group, or the one named
+        (sharded channel: another trainer rank's), on that group's lane when lanes are open."""
         assert self.group is not None, "begin() forms the group before buckets are sent"
-        self._queue(
-            R.UPDATE_WEIGHTS_FROM_DISTRIBUTED.path,
-            P.UpdateWeightsFromDistributedReqInput(
-                names=plan.names,
-                dtypes=plan.dtypes,
-                shapes=plan.shapes,
-                group_name=group_name or self.group.group_name,
-                flush_cache=version is not None,
-                weight_version=version,
-                load_format="flattened_bucket",
-            ),
-        )
+        name = group_name or self.group.group_name
+        for pipeline in self._lanes.get(name, self._pipelines):
+            pipeline.send(
+                R.UPDATE_WEIGHTS_FROM_DISTRIBUTED.path,
+                P.UpdateWeightsFromDistributedReqInput(
+                    names=plan.names,
+                    dtypes=plan.dtypes,
+                    shapes=plan.shapes,
+                    group_name=name,
+                    flush_cache=version is not None,
+                    weight_version=version,
+                    load_format="flattened_bucket",
+                ),
+            )
 
     def await_begun(self) -> None:
         """After the first bucket's request: wait for pause + begin to be answered, so that an engine
@@ -286,10 +305,10 @@ class WeightSender:
             pipeline.send(route, request)
 
     def _close_pipelines(self) -> None:
-        for pipeline in self._pipelines:
+        for pipeline in [*self._pipelines, *(p for lane in self._lanes.values() for p in lane)]:
             with contextlib.suppress(OSError):
                 pipeline.close()
-        self._pipelines = []
+        self._pipelines, self._lanes = [], {}
 
 
 def push(

@@ -13,12 +13,20 @@ The engines see SGLang's weight-update API unchanged: each trainer rank's group 
 /init_weights_update_group of its own (its group_name; the trainer rank is rank 0 of it, as rank 0
 is of the broadcast channel's), and each bucket's /update_weights_from_distributed names the
 group it arrives on (SGLang keeps a process group per name). Rank 0 alone speaks to the engines
-during a push: pause and begin, every bucket's request in the plan's order, then end and continue,
-pipelined as the broadcast channel's (relax_hpc.weights.sender). An engine takes the buckets one
-at a time in that order, whichever rank sends each, and every rank broadcasts its own buckets in
-the same order: no engine waits in one group while another engine waits in a second. The groups
-are formed one rank after the other for the same reason (an engine's join blocks until its group
-is complete).
+during a push: pause and begin, every bucket's request, then end and continue, pipelined as the
+broadcast channel's (relax_hpc.weights.sender). The groups are formed one rank after the other
+(an engine's join blocks until its group is complete: two at once could leave one engine waiting
+in the first group and another in the second). Then, per the engines' kind:
+- concurrent (the built-in engine): each group's buckets go over a connection of their own per
+  engine, which the engine serves on a thread of its own, receiving into a receiver of that group
+  and taking its model lock only to copy; so the ranks' broadcasts run at the same time, each on
+  its own link. The version rides on a bucket of rank 0's sent last, once every engine answered
+  every other bucket: an engine reports the version only once it holds all of it.
+- ordered (SGLang, whose weight updates take turns under one lock): one connection per engine
+  carries every bucket's request in the plan's order, the version on the last; every rank
+  broadcasts its own buckets in that order, so no engine waits in one group while another waits
+  in a second. The ranks then share the engines' time, not their links: the busiest rank sends
+  1/N of the bytes, but a push takes about as long as the broadcast channel's.
 
 A push fails on every rank when it failed on any (each rank's outcome is gathered), and every rank
 then drops its group; the next push forms new ones with the engines that answer. Rank 0 watches
@@ -36,7 +44,7 @@ import torch.distributed as dist
 
 from relax_hpc.protocol.client import EngineRequestError, EngineUnavailable
 from relax_hpc.protocol.registry import EngineRecord
-from relax_hpc.weights.buckets import BucketPacker, assign, plan_buckets
+from relax_hpc.weights.buckets import BucketPacker, assign, pack, plan_buckets
 from relax_hpc.weights.channel import BroadcastChannel, FullParameters
 from relax_hpc.weights.layout import EngineLayout
 from relax_hpc.weights.sender import WeightSender, WeightSyncError, engine_key
@@ -47,7 +55,9 @@ log = logging.getLogger("relax_hpc.weights")
 class ShardedChannel(BroadcastChannel):
     """The broadcast channel with every rank a sender: `sender` is this rank's (its group with the
     engines); rank 0's also decides the engines and sends them every request. `stages` is the
-    backend's weight_stages()."""
+    backend's weight_stages(). `concurrent` (the built-in engine) sends each group's buckets over
+    a connection of its own, so that an engine takes every rank's at the same time; otherwise
+    (SGLang, whose weight updates take turns) one connection per engine carries them in order."""
 
     def __init__(
         self,
@@ -56,6 +66,7 @@ class ShardedChannel(BroadcastChannel):
         bucket_bytes: int,
         stages: tuple[int, dict[str, int]],
         catch_up: bool = False,
+        concurrent: bool = True,
     ) -> None:
         super().__init__(sender, layout, bucket_bytes, catch_up)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -66,6 +77,13 @@ class ShardedChannel(BroadcastChannel):
         self.buckets = plan_buckets(layout.specs(), bucket_bytes, key)
         holders = [[r for r, s in enumerate(rank_stages) if s == key(b.names[0])] for b in self.buckets]
         self.owner = assign(self.buckets, holders)
+        # The bucket the version rides on. Ordered: the plan's last, which every engine takes last.
+        # Concurrent: one of rank 0's (rank 0 is in stage 0, which holds the first bucket), sent
+        # once all the others are in.
+        self.concurrent = concurrent
+        if concurrent and 0 not in self.owner:
+            self.owner[0] = 0
+        self.carrier = max(k for k, o in enumerate(self.owner) if o == 0) if concurrent else len(self.buckets) - 1
         self.group_names: list[str] = []  # each rank's group, by rank
         log.info("sharded weight channel: rank %d sends %d of %d buckets, %.1f MiB", self.rank,
                  self.owner.count(self.rank), len(self.buckets), self.shares()[self.rank] / 2**20)  # fmt: skip
@@ -136,27 +154,42 @@ class ShardedChannel(BroadcastChannel):
 
     def _send(self, params: Iterator[tuple[str, torch.Tensor | None]], version: int) -> None:
         """Rank 0 queues every request of the push; every rank broadcasts its own buckets in the
-        plan's order (each engine joins them in that order)."""
+        plan's order. Ordered, the version rides on the plan's last bucket. Concurrent, each
+        group's requests go over a connection of their own, and the version rides on rank 0's
+        carrier, sent once every other bucket is in every engine."""
         assert self.sender is not None, "every rank sends"
-        if self.rank == 0:
-            self.sender.open_push()
-            last = len(self.buckets) - 1
+        sender, rank = self.sender, self.rank
+        if rank == 0:
+            sender.open_push()
+            sender.await_begun()  # before any lane: an engine takes buckets only once begun
+            if self.concurrent:
+                sender.open_lanes(self.group_names)
             for k, plan in enumerate(self.buckets):
-                self.sender.request_bucket(plan, str(version) if k == last else None, self.group_names[self.owner[k]])
-            self.sender.await_begun()
+                if k != self.carrier or not self.concurrent:
+                    version_ = str(version) if k == self.carrier else None
+                    sender.request_bucket(plan, version_, self.group_names[self.owner[k]])
+        carried: torch.Tensor | None = None
         packer: BucketPacker | None = None
         for k, plan in enumerate(self.buckets):
             tensors = [next(params)[1] for _ in plan.names]
-            if self.owner[k] != self.rank:
+            if self.owner[k] != rank:
                 continue
             full = [t for t in tensors if t is not None]
             if len(full) != len(tensors):
-                raise RuntimeError(f"rank {self.rank} sends bucket {k} but does not hold all of its tensors")
+                raise RuntimeError(f"rank {rank} sends bucket {k} but does not hold all of its tensors")
+            if self.concurrent and k == self.carrier:
+                carried = pack(full)  # sent last, after the collectives every rank's iteration runs
+                continue
             if packer is None:  # the buffers go where the parameters are
-                largest = max(b.nbytes for b, o in zip(self.buckets, self.owner, strict=True) if o == self.rank)
+                largest = max(b.nbytes for b, o in zip(self.buckets, self.owner, strict=True) if o == rank)
                 packer = BucketPacker(full[0].device, largest)
-            packer.consumed(self.sender.broadcast(packer.pack(full)))
+            packer.consumed(sender.broadcast(packer.pack(full)))
         if packer is not None:
             packer.drain()
-        if self.rank == 0:
-            self.sender.end()
+        if carried is not None:
+            sender.wait_lanes()  # every other bucket is in every engine
+            sender.request_bucket(self.buckets[self.carrier], str(version), self.group_names[0])
+            sender.broadcast(carried).wait()
+            sender.wait_lanes()  # the carrier's answer: the engines hold the version; end comes after
+        if rank == 0:
+            sender.end()

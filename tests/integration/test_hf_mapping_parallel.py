@@ -44,8 +44,9 @@ MODELS = {
     "ep2": (["qwen3-moe"], 2),
     "dp2": (["qwen2"], 2),
 }
-# The sharded channel's pushes of the shipped tiny model (untied) to two engines: layout -> version.
-SHARDED = {"tp2": 1, "pp2": 2}
+# The sharded channel's pushes of the shipped tiny model (untied) to two engines, in turn: case ->
+# (layout, concurrent: each rank's buckets over connections of their own, else all in one order).
+SHARDED = {"tp2": ("tp2", True), "pp2": ("pp2", True), "pp2-ordered": ("pp2", False)}
 # Global layers and experts each rank must hold (None: all of them).
 HOLDS: dict[str, dict[int, tuple[list[int] | None, list[int] | None]]] = {
     "tp2": {0: (None, None), 1: (None, None)},
@@ -102,13 +103,16 @@ def untied_copy(folder: Path) -> Path:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("layout", SHARDED)
-def test_the_sharded_channel_pushes_each_stages_tensors_from_its_own_ranks(layout, reports):
+@pytest.mark.parametrize("case", SHARDED)
+def test_the_sharded_channel_pushes_each_stages_tensors_from_its_own_ranks(case, reports):
     """weights.channel=sharded from megatron ranks to two built-in engines: both ranks send (TP=2:
-    about half the bytes each; PP=2: each stage its own tensors), and both engines then hold the
-    trainer's weights bit for bit at the pushed version."""
-    facts = reports[0]["sharded"][layout]
-    assert facts["served"] == 2 and facts["versions"] == [str(SHARDED[layout])] * 2
+    about half the bytes each; PP=2: each stage its own tensors), concurrently (the built-in
+    engine's way) or in one order (SGLang's), and both engines then hold the trainer's weights bit
+    for bit at the pushed version."""
+    layout, _ = SHARDED[case]
+    facts = reports[0]["sharded"][case]
+    version = str(list(SHARDED).index(case) + 1)
+    assert facts["served"] == 2 and facts["versions"] == [version] * 2
     assert facts["mismatched"] == [] and facts["compared"] == facts["tensors"] > 0
     shares = facts["shares"]
     assert min(shares) > 0 and sum(shares) == facts["bytes"]
@@ -321,7 +325,7 @@ def _vision_logprob_gap(model, folder: str, config) -> float:
     return float((got.cpu() - expected).abs().max())
 
 
-def _push_sharded(run: str, layout: str, version: int) -> dict:
+def _push_sharded(run: str, layout: str, version: int, concurrent: bool) -> dict:
     """Perturb the run's model held in `layout`, push it through the sharded channel, and (rank
     0) compare every engine's weights with the model's HF tensors."""
     import torch.distributed as dist
@@ -361,6 +365,7 @@ def _push_sharded(run: str, layout: str, version: int) -> dict:
         channel = ShardedChannel(
             WeightSender(paths.engines, paths.read_token(), "gloo", 30.0), EngineLayout(specs, None),
             int(cfg.weights.bucket_mb * 2**20), (ps.get_pipeline_model_parallel_rank(), hf_stages(model, config)),
+            concurrent=concurrent,
         )  # fmt: skip
         served = channel.push(lambda: export_hf(model, config, to="stage"), version)
         full = {name: t for name, t in export_hf(model, config) if t is not None}  # rank 0: every tensor
@@ -391,7 +396,10 @@ def _worker(folders_json: str, out_dir: str, run: str) -> None:
         layout: {kind: _run_model(folder, layout) for kind, folder in models.items()}
         for layout, models in folders.items()
     }
-    report["sharded"] = {layout: _push_sharded(run, layout, version) for layout, version in SHARDED.items()}
+    report["sharded"] = {
+        case: _push_sharded(run, layout, version, concurrent)
+        for version, (case, (layout, concurrent)) in enumerate(SHARDED.items(), start=1)
+    }
     Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
 

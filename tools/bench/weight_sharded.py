@@ -8,14 +8,16 @@ for the same model pushed to the same 2 built-in engines, beside a raw gloo broa
 A random Qwen3-architecture model (tools/bench/weight_sync.py builds it; the defaults make 1.1B
 parameters) in bfloat16, held by `--ranks` trainer processes under FSDP2 (gloo), as the torch
 backend holds it; each push streams every full tensor (FSDP2's full_tensor, on every rank) through
-the channel: `broadcast` (weights.channel broadcast: rank 0 sends every bucket) and `sharded`
-(every rank sends its share over a group of its own). A push's peak is the rise of the rank's
+the channel: `broadcast` (weights.channel broadcast: rank 0 sends every bucket), `sharded` (every
+rank sends its share over a group of its own, concurrently: the built-in engine's way) and
+`sharded_ordered` (the same, every bucket in one order: SGLang's way). A push's peak is the rise of the rank's
 resident memory over its level before the push (the kernel's high-water mark, reset first).
 Prints one JSON object.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import multiprocessing as mp
 import os
@@ -56,6 +58,7 @@ def reset_peak() -> None:
 
 
 def trainer_rank(rank: int, world: int, port: int, run: str, model_dir: str, bucket_mb: float, repeat: int) -> None:
+    faulthandler.enable()  # a rank that aborts in C++ says where
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -67,7 +70,7 @@ def trainer_rank(rank: int, world: int, port: int, run: str, model_dir: str, buc
     layout = EngineLayout([(n, p.shape, p.dtype) for n, p in model.named_parameters()], None)
 
     def full_parameters() -> Iterator[tuple[str, torch.Tensor]]:
-        return ((n, p.full_tensor().detach()) for n, p in model.named_parameters())  # type: ignore[operator]
+        return ((n, p.full_tensor().detach()) for n, p in model.named_parameters())  # type: ignore[attr-defined]  # DTensors under FSDP2
 
     def sender() -> WeightSender:
         return WeightSender(paths.engines, paths.read_token(), "gloo", 300.0)
@@ -75,6 +78,7 @@ def trainer_rank(rank: int, world: int, port: int, run: str, model_dir: str, buc
     bucket_bytes = int(bucket_mb * 2**20)
     channels: dict[str, WeightChannel] = {
         "broadcast": BroadcastChannel(sender() if rank == 0 else None, layout, bucket_bytes),
+        "sharded_ordered": ShardedChannel(sender(), layout, bucket_bytes, (0, {}), concurrent=False),
         "sharded": ShardedChannel(sender(), layout, bucket_bytes, (0, {})),
     }
     report, version = {}, 1
@@ -91,10 +95,11 @@ def trainer_rank(rank: int, world: int, port: int, run: str, model_dir: str, buc
             peaks.append(resident_kib("VmHWM") - before)
         version += 1
         buckets = channel.buckets  # type: ignore[attr-defined]  # both channels plan buckets
-        shares = channel.shares() if isinstance(channel, ShardedChannel) else [sum(b.nbytes for b in buckets), 0]
+        whole = sum(b.nbytes for b in buckets)  # the broadcast: rank 0 sends it all
+        shares = channel.shares() if isinstance(channel, ShardedChannel) else [whole] + [0] * (world - 1)
         report[name] = {"sent_bytes": shares[rank], "push_s": seconds, "peak_mib": max(peaks) / 1024}
-        if channel.sender is not None:  # type: ignore[attr-defined]
-            channel.sender.drop_group()  # type: ignore[attr-defined]
+        # Every group stays formed to the end: a group dropped lets its connections go on a thread
+        # of its own, which the process's exit would cut short (gloo then aborts the process).
     (Path(run) / f"rank{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
 
@@ -130,7 +135,7 @@ def main() -> None:
     out: dict = {"benchmark": "weight_sharded_cpu_gloo", "params_b": round(params_b, 2), "mib": round(nbytes / 2**20),
                  "ranks": args.ranks, "engines": 2, "bucket_mb": args.bucket_mb, "engine_versions": versions,
                  "raw_broadcast_s_median": round(raw, 3)}  # fmt: skip
-    for name in ("broadcast", "sharded"):
+    for name in ("broadcast", "sharded_ordered", "sharded"):
         sent = [rep[name]["sent_bytes"] for rep in reports]
         push_s = statistics.median(max(rep[name]["push_s"][i] for rep in reports) for i in range(args.repeat))
         out[name] = {

@@ -73,7 +73,7 @@ def random_qwen3(folder: Path, hidden: int, layers: int, dtype: torch.dtype = to
         head_dim=hidden // 8,
         tie_word_embeddings=False,
     )
-    model = Qwen3ForCausalLM(config).to(dtype)
+    model = Qwen3ForCausalLM(config).to(dtype)  # type: ignore[arg-type]  # transformers' stub of to()
     model.save_pretrained(folder)
     return model
 
