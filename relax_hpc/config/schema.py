@@ -573,9 +573,10 @@ class WeightsConfig(Section):
     """How each version reaches the engines. `broadcast`: rank 0 broadcasts flat buckets over a
     collective group the engines join (NCCL or gloo: the engines must reach the trainer's rank 0).
     `sharded`: every trainer rank broadcasts its share of the buckets over a group of its own
-    (megatron: the full tensors of its own pipeline stage, none sent across stages), in
-    parallel with the others; the engines must reach every trainer rank. Built-in and SGLang
-    engines, not with launch.colocate or trainer.lora.
+    (megatron: the full tensors of its own pipeline stage, none sent across stages); built-in
+    engines take every rank's buckets at the same time, SGLang engines one after the other. The
+    engines must reach every trainer rank. Built-in and SGLang engines, not with launch.colocate
+    or trainer.lora.
     `file`: the trainer ranks write the version as safetensors to RUN_DIR/weights/files/vN, each
     its share of the buckets, and every engine loads it (SGLang and the built-in engine with
     /update_weights_from_disk, vLLM by reloading its weights in place from the folder): for engines
