@@ -28,13 +28,15 @@ rate (2e-3: adapters move less per step); its last 10 steps reached 0.41 / 0.55 
 from __future__ import annotations
 
 import json
-import subprocess
+import os
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from relax_hpc.launch.forkserver import ForkServer
 from relax_hpc.metrics.jsonl import read_jsonl
 
 pytestmark = [pytest.mark.integration, pytest.mark.learning]
@@ -87,39 +89,42 @@ def last10(records: list[dict]) -> float:
 
 @pytest.fixture(scope="module")
 def learning_runs(tmp_path_factory) -> dict[str, list[list[dict] | str]]:
-    """All cases, two at a time (one per core: each run is single-threaded). A case that misses
-    its level at seed 0 runs again at seed 1: these short runs are chaotic, and which seed
-    collapses depends on the CPU's rounding (seq-mis reached 0.744 at seed 0 on the machine its
-    level was set on, 0.030 on another of the same kind, where seeds 1 and 2 reached 0.944 and
+    """All cases, two at a time (one per core: each run is single-threaded), each forked from one
+    process that imported the loop once (the local executor's fork server: a fresh interpreter
+    per run spent about 5 CPU-seconds importing, over 20 runs a third of the suite's CPU). A case
+    that misses its level at seed 0 runs again at seed 1: these short runs are chaotic, and which
+    seed collapses depends on the CPU's rounding (seq-mis reached 0.744 at seed 0 on the machine
+    its level was set on, 0.030 on another of the same kind, where seeds 1 and 2 reached 0.944 and
     0.852). One seed reaching the level shows the objective learns; BENCHMARKS.md has 3 seeds."""
     root = tmp_path_factory.mktemp("learning")
     rows = (REPO / "assets" / "addition.jsonl").read_text().splitlines()
     data = root / "addition-9.jsonl"
     data.write_text("\n".join(rows[::12]) + "\n")
+    forks = ForkServer({"relax_hpc.inprocess"}, os.environ)
 
     def run_seed(name: str, seed: int) -> list[dict] | str:
         """One case's run, ended as soon as its last 10 steps reach the level (past step
         MIN_STEPS): the run has then shown what the test asks, and the rest is CI time."""
-        out, err = root / f"{name}-{seed}.jsonl", root / f"{name}-{seed}.err"
+        out, log = root / f"{name}-{seed}.jsonl", root / f"{name}-{seed}.log"
         level, overrides = CASES[name]
         argv = [
-            sys.executable, "-m", "relax_hpc.inprocess", "--config", f"configs/tiny-{name}.yaml",
+            sys.executable, "-m", "relax_hpc.inprocess", "--config", str(REPO / "configs" / f"tiny-{name}.yaml"),
             "--steps", str(STEPS), "--out", str(out), f"data.path={data}", "rollout.prompts_per_step=9",
             f"trainer.lr={LR}", f"run.seed={seed}", *overrides,
         ]  # fmt: skip
+        proc = forks.start(argv, os.environ, log)
         records: list[dict] = []
-        with err.open("w") as stderr:
-            proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True)
-            assert proc.stdout is not None
-            for line in proc.stdout:  # "step N/STEPS | ...", printed once the step's record is written
-                if line.startswith("step "):
-                    records = read_jsonl(out)
-                    if len(records) >= MIN_STEPS and last10(records) >= level:
-                        proc.terminate()
-                        break
-            proc.communicate(timeout=600)
-        if len(records) < STEPS and not (len(records) >= MIN_STEPS and last10(records) >= level):
-            return err.read_text()[-3000:]
+        reached, deadline = False, time.monotonic() + 600
+        while not reached and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+            records = read_jsonl(out)  # one record per step, each written whole
+            reached = len(records) >= MIN_STEPS and last10(records) >= level
+        proc.kill()
+        proc.wait(timeout=60)
+        if not reached:
+            records = read_jsonl(out)
+        if len(records) < STEPS and not reached:
+            return log.read_text()[-3000:]
         return records
 
     def run(name: str) -> tuple[str, list[list[dict] | str]]:
@@ -130,8 +135,11 @@ def learning_runs(tmp_path_factory) -> dict[str, list[list[dict] | str]]:
                 break
         return name, tries
 
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(pool.map(run, CASES))
+    try:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            return dict(pool.map(run, CASES))
+    finally:
+        forks.close()
 
 
 @pytest.mark.parametrize("name", list(CASES))

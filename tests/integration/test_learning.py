@@ -10,23 +10,30 @@ from tests.integration.conftest import Job
 pytestmark = [pytest.mark.integration, pytest.mark.learning, pytest.mark.slow]
 
 
+# Long enough to show the rise with a margin, no longer (CI's time): here, 2026-12-04, the first 10
+# steps' mean 0.054 and the last 10's 0.176, greedy accuracy 0.08 -> 0.34. The full run to 0.8 (the
+# README's command, 400 steps) is BENCHMARKS.md's "Learning the embedded default".
+STEPS = 70
+
+
 def test_reward_rises_and_every_artifact_is_there(tmp_path):
-    job = Job(tmp_path / "run", "trainer.total_steps=100", "rollout.eval_every=50", "ckpt.every_steps=50")
+    job = Job(tmp_path / "run", f"trainer.total_steps={STEPS}", "rollout.eval_every=35", "ckpt.every_steps=35")
     assert job.run(timeout_s=900) == 0, job.text()[-3000:]
     steps = job.steps()
-    assert [s["step"] for s in steps] == list(range(1, 101))
+    assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
     first = sum(s["reward"] for s in steps[:10]) / 10
     last = sum(s["reward"] for s in steps[-10:]) / 10
+    print(json.dumps({"first10": round(first, 3), "last10": round(last, 3)}))
     assert first < 0.15, first  # starts near chance (1 in 19)
     assert last >= first + 0.05, (first, last)
     evals = read_jsonl(job.run_dir / "metrics" / "eval.jsonl")
-    assert evals[0]["version"] == 0 and evals[-1]["version"] == 100
+    assert evals[0]["version"] == 0 and evals[-1]["version"] == STEPS
     assert evals[-1]["greedy_accuracy"] > evals[0]["greedy_accuracy"]
     # The artifacts a user and a resume rely on.
     run = job.run_dir
-    assert (run / "ckpt" / "latest").resolve().name == "step-00000100"
-    assert json.loads((run / "ckpt" / "latest" / "trainer_state.json").read_text())["step"] == 100
-    assert sorted(p.name for p in (run / "ckpt").iterdir()) == ["latest", "step-00000050", "step-00000100"]
+    assert (run / "ckpt" / "latest").resolve().name == f"step-{STEPS:08d}"
+    assert json.loads((run / "ckpt" / "latest" / "trainer_state.json").read_text())["step"] == STEPS
+    assert sorted(p.name for p in (run / "ckpt").iterdir()) == ["latest", "step-00000035", f"step-{STEPS:08d}"]
     assert (run / "config.yaml").is_file() and (run / "metrics" / "rollout.jsonl").is_file()
-    assert "step 100/100" in job.text()
+    assert f"step {STEPS}/{STEPS}" in job.text()
     assert all(0 <= s["staleness_max"] <= 1 for s in steps)
