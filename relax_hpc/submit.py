@@ -75,11 +75,6 @@ def dataset_problems(cfg: JobConfig) -> list[str]:
         for kind in d.media
         if kind not in kinds
     ]
-    if "audio" in d.media and cfg.trainer.backend == "megatron":
-        problems.append(
-            "data.media.audio: trainer.backend=megatron trains text and vision-language (Qwen2.5-VL, Qwen3-VL) models; "
-            "audio and omni models use trainer.backend=torch (megatron support: issue 29 item 2)"
-        )
     if problems:
         return problems
     try:

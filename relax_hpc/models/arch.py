@@ -28,6 +28,10 @@ VISION_MODEL_TYPES = {
     "qwen2_5_vl": ("qwen2", "model.", "visual."),
     "qwen3_vl": ("qwen3", "model.language_model.", "model.visual."),
 }
+# Audio-language models: the language model as megatron's GPT, the audio tower and its projector
+# beside it (relax_hpc/models/megatron_audio.py); the checkpoint's prefix of the language model's
+# tensors and its output layer's name (the tower's and projector's names are the checkpoint's own).
+AUDIO_MODEL_TYPES = {"qwen2_audio": ("qwen2", "language_model.model.", "language_model.lm_head.weight")}
 
 
 @dataclass(frozen=True)
@@ -59,10 +63,23 @@ class Arch:
     deepstack_layers: int = 0  # Qwen3-VL: layers whose outputs get the tower's DeepStack features
     hf_prefix: str = "model."  # the checkpoint names of the language model's tensors start with it
     hf_vision_prefix: str = ""  # and the vision tower's with this
+    hf_lm_head: str = "lm_head.weight"  # the untied output layer's checkpoint name
+    audio: bool = False  # an audio tower and projector before the first layer (Qwen2-Audio)
 
     @property
     def vision(self) -> bool:
         return bool(self.mrope_section)
+
+    @property
+    def encoders(self) -> bool:
+        """Media encoders sit before the first layer (vision or audio)."""
+        return self.vision or self.audio
+
+    @property
+    def hf_tower_prefixes(self) -> tuple[str, ...]:
+        """The checkpoint's prefixes of the towers, what trainer.freeze_encoder keeps as loaded
+        (as the torch backend: Qwen2-Audio's projector trains)."""
+        return (self.hf_vision_prefix,) * self.vision + ("audio_tower.",) * self.audio
 
     @property
     def moe(self) -> bool:
@@ -75,10 +92,14 @@ def arch_of(hf_config: Any) -> Arch:
     model_type = getattr(hf_config, "model_type", None)
     if model_type in VISION_MODEL_TYPES:
         return _vision_arch(hf_config, model_type)
+    if model_type in AUDIO_MODEL_TYPES:
+        text_type, hf_prefix, hf_lm_head = AUDIO_MODEL_TYPES[model_type]
+        arch = _text_arch(hf_config, text_type)
+        return replace(arch, audio=True, hf_prefix=hf_prefix, hf_lm_head=hf_lm_head)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"megatron backend: unsupported architecture model_type={model_type!r}; "
-            f"supported: {', '.join([*SUPPORTED_MODEL_TYPES, *VISION_MODEL_TYPES])}"
+            f"supported: {', '.join([*SUPPORTED_MODEL_TYPES, *VISION_MODEL_TYPES, *AUDIO_MODEL_TYPES])}"
         )
     if hf_config.hidden_act != "silu":
         raise ValueError(f"megatron backend: hidden_act={hf_config.hidden_act!r} is not supported (SwiGLU/silu only)")
@@ -109,15 +130,25 @@ def arch_of(hf_config: Any) -> Arch:
     )
 
 
-def _vision_arch(hf_config: Any, model_type: str) -> Arch:
+def _text_config(hf_config: Any) -> Any:
+    """A multimodal config's language model config (config.json read as a dict, or transformers')."""
     text = hf_config.text_config
-    text = SimpleNamespace(**text) if isinstance(text, dict) else text  # config.json read as a dict
+    return SimpleNamespace(**text) if isinstance(text, dict) else text
+
+
+def _text_arch(hf_config: Any, text_type: str) -> Arch:
+    """The Arch of a multimodal config's language model, built like a `text_type` model."""
+    fields = {**vars(_text_config(hf_config)), "model_type": text_type}
+    fields["tie_word_embeddings"] = getattr(hf_config, "tie_word_embeddings", False)  # the top level ties
+    return arch_of(SimpleNamespace(**fields))
+
+
+def _vision_arch(hf_config: Any, model_type: str) -> Arch:
+    text = _text_config(hf_config)
     params = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
     section = tuple(params.get("mrope_section") or ())
     text_type, hf_prefix, hf_vision_prefix = VISION_MODEL_TYPES[model_type]
-    fields = {**vars(text), "model_type": text_type}
-    fields["tie_word_embeddings"] = getattr(hf_config, "tie_word_embeddings", False)  # the top level ties
-    arch = arch_of(SimpleNamespace(**fields))
+    arch = _text_arch(hf_config, text_type)
     if 2 * sum(section) != arch.head_dim:
         raise ValueError(
             f"megatron backend: mrope_section={list(section)} must split head_dim / 2 = {arch.head_dim // 2}"
@@ -202,24 +233,26 @@ def megatron_problems(arch: Arch, par: MegatronConfig, te: bool) -> list[str]:
         )
     if not arch.moe and par.expert_parallel > 1:
         problems.append("trainer.megatron.expert_parallel > 1 needs an MoE model")
-    return problems + _vision_problems(arch, par, te)
+    return problems + _encoder_problems(arch, par, te)
 
 
-def _vision_problems(arch: Arch, par: MegatronConfig, te: bool) -> list[str]:
-    """A vision-language model: the vision tower sits before the first layer, replicated, and its
-    embeddings go into the full (not sequence-split) token embeddings; RoPE is multimodal."""
-    if not arch.vision:
+def _encoder_problems(arch: Arch, par: MegatronConfig, te: bool) -> list[str]:
+    """A vision- or audio-language model: its encoders sit before the first layer, replicated, and
+    their embeddings go into the full (not sequence-split) token embeddings; a vision-language
+    model's RoPE is multimodal."""
+    if not arch.encoders:
         return []
+    kind = "a vision-language model" if arch.vision else "an audio-language model"
     problems = []
-    if te:
+    if te and arch.vision:
         problems.append(
             "a vision-language model's multimodal RoPE needs trainer.megatron.attention=sdpa or auto "
             "(Transformer Engine's RoPE is one-dimensional)"
         )
     if par.pipeline_parallel > 1:
-        problems.append("a vision-language model needs trainer.megatron.pipeline_parallel=1")
+        problems.append(f"{kind} needs trainer.megatron.pipeline_parallel=1")
     if par.context_parallel > 1:
-        problems.append("a vision-language model needs trainer.megatron.context_parallel=1")
+        problems.append(f"{kind} needs trainer.megatron.context_parallel=1")
     if arch.deepstack_layers and par.recompute:
         # the features join the layers' outputs by forward hooks that recomputation would miss
         problems.append("Qwen3-VL's DeepStack features need trainer.megatron.recompute=false")

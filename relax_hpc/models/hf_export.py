@@ -31,6 +31,7 @@ from relax_hpc.models.hf_mapping import (
     unwrap,
     with_expert,
 )
+from relax_hpc.models.megatron_audio import AUDIO_PREFIX, HF_AUDIO_PREFIXES
 from relax_hpc.models.megatron_vision import VISION_PREFIX
 
 
@@ -114,6 +115,8 @@ def _unit_of_hf(name: str, arch: Arch) -> str | int:
         return "embed"
     if arch.vision and name.startswith(arch.hf_vision_prefix):
         return "vision"
+    if arch.audio and name.startswith(HF_AUDIO_PREFIXES):
+        return "audio"
     if name.startswith(hf_layers(arch)):
         return int(name.removeprefix(hf_layers(arch)).split(".")[0])
     return "final"
@@ -124,6 +127,8 @@ def _unit_of_mcore(name: str) -> str | int:
         return "embed"
     if name.startswith(VISION_PREFIX):
         return "vision"
+    if name.startswith(AUDIO_PREFIX):
+        return "audio"
     match = LAYER.fullmatch(name)
     return int(match[1]) if match else "final"
 
@@ -139,11 +144,11 @@ def _local_units(gpt: GPTModel, arch: Arch) -> dict[str | int, list[_Local]]:
 def _unit_owners(config: TransformerConfig, arch: Arch) -> dict[str | int, int]:
     stages = config.pipeline_model_parallel_size
     owners: dict[str | int, int] = {"embed": 0, "final": stages - 1}
-    if arch.vision:
-        owners["vision"] = 0  # before the first layer (the config refuses more than one stage)
+    encoders = [unit for unit, present in (("vision", arch.vision), ("audio", arch.audio)) if present]
+    owners.update(dict.fromkeys(encoders, 0))  # before the first layer (the config refuses more than one stage)
     for stage in range(stages):
         owners.update(dict.fromkeys(stage_layers(config, stage), stage))
-    if len(owners) != arch.num_layers + 2 + arch.vision:
+    if len(owners) != arch.num_layers + 2 + len(encoders):
         raise ValueError("megatron's pipeline stages do not cover every layer exactly once")
     return owners
 

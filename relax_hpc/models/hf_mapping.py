@@ -1,5 +1,5 @@
-"""HF <-> megatron-core weights of Qwen2 / Qwen3 / Qwen3-MoE and Qwen2.5-VL / Qwen3-VL (the language
-model under the checkpoint's prefix, Arch.hf_prefix): names, layouts, shards. Beside it, by
+"""HF <-> megatron-core weights of Qwen2 / Qwen3 / Qwen3-MoE, Qwen2.5-VL / Qwen3-VL and Qwen2-Audio
+(the language model under the checkpoint's prefix, Arch.hf_prefix): names, layouts, shards. Beside it, by
 concern: hf_loading (an HF safetensors folder into a rank's shards), hf_export (the full HF
 tensors gathered from the shards) and hf_checkpoint (a megatron distributed checkpoint to HF).
 
@@ -19,7 +19,9 @@ Layouts of the full (unsharded) megatron tensor, dim 0 = output rows:
   rank splits its own output into gate and up. With t = 1 it is [gate; up].
 - vocab: embedding / output-layer rows, padded with zero rows to a multiple of TP.
 - copy: the HF tensor itself. A vision-language model's tower (relax_hpc/models/megatron_vision.py)
-  is all copies: megatron's `vision.<name>` is the checkpoint's `visual.<name>`, replicated.
+  is all copies: megatron's `vision.<name>` is the checkpoint's `visual.<name>`, replicated; so is
+  an audio-language model's tower and projector (relax_hpc/models/megatron_audio.py): megatron's
+  `audio.<name>` is the checkpoint's `<name>` (audio_tower.*, multi_modal_projector.*).
 
 Sharding: `Entry.split` is the dim that TP splits (0: column-parallel linear_qkv, linear_fc1,
 embedding, output layer; 1: row-parallel linear_proj, linear_fc2; None: replicated norms and
@@ -45,9 +47,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 
 from relax_hpc.models.arch import Arch, arch_of, padded_vocab_size
+from relax_hpc.models.megatron_audio import AUDIO_PREFIX, audio_shapes
 from relax_hpc.models.megatron_vision import VISION_PREFIX, vision_shapes
-
-HF_LM_HEAD = "lm_head.weight"
 
 # Experts of SequentialMLP (local_experts.J.linear_fcK.weight) and TEGroupedMLP (linear_fcK.weightJ).
 _EXPERT = re.compile(
@@ -106,17 +107,19 @@ def hf_specs(hf_config: Any, dtype: torch.dtype) -> list[tuple[str, torch.Size, 
 
 
 def _hf_shapes(hf_config: Any) -> dict[str, torch.Size]:
-    """Names and shapes in export order: the embedding, a vision tower's tensors, each layer's,
-    the final norm and head."""
+    """Names and shapes in export order: the embedding, the encoders' tensors, each layer's, the
+    final norm and head."""
     arch = arch_of(hf_config)
     shapes = {hf_embed(arch): torch.Size((arch.vocab, arch.hidden))}
     if arch.vision:
         shapes.update(vision_shapes(hf_config))
+    if arch.audio:
+        shapes.update(audio_shapes(hf_config))
     for layer in range(arch.num_layers):
         shapes.update(_hf_layer_shapes(arch, layer))
     shapes[hf_norm(arch)] = torch.Size((arch.hidden,))
     if not arch.tied:
-        shapes[HF_LM_HEAD] = torch.Size((arch.vocab, arch.hidden))
+        shapes[arch.hf_lm_head] = torch.Size((arch.vocab, arch.hidden))
     return shapes
 
 
@@ -157,6 +160,8 @@ def mcore_names(hf_config: Any, te: bool = False) -> list[str]:
     names = ["embedding.word_embeddings.weight"]
     if arch.vision:
         names += [VISION_PREFIX + name.removeprefix(arch.hf_vision_prefix) for name in vision_shapes(hf_config)]
+    if arch.audio:
+        names += [AUDIO_PREFIX + name for name in audio_shapes(hf_config)]
     for layer in range(arch.num_layers):
         names += [f"decoder.layers.{layer}.{rest}" for rest in _layer_names(arch, te)]
     names.append("decoder.final_layernorm.weight")
@@ -189,11 +194,13 @@ def entry(name: str, arch: Arch) -> Entry:
         return Entry((hf_embed(arch),), "vocab", 0)
     if name == "output_layer.weight":
         # Tied: a pipeline's last stage keeps its own copy of the embedding; export skips it.
-        return Entry((hf_embed(arch) if arch.tied else HF_LM_HEAD,), "vocab", 0, export=not arch.tied)
+        return Entry((hf_embed(arch) if arch.tied else arch.hf_lm_head,), "vocab", 0, export=not arch.tied)
     if name == "decoder.final_layernorm.weight":
         return Entry((hf_norm(arch),), "copy", None)
     if name.startswith(VISION_PREFIX):  # the replicated HF vision tower, under its own names
         return Entry((arch.hf_vision_prefix + name.removeprefix(VISION_PREFIX),), "copy", None)
+    if name.startswith(AUDIO_PREFIX):  # the replicated audio tower and projector, likewise
+        return Entry((name.removeprefix(AUDIO_PREFIX),), "copy", None)
     match = LAYER.fullmatch(name)
     found = _layer_entry(match[2], f"{hf_layers(arch)}{match[1]}.", arch) if match else None
     if found is None:

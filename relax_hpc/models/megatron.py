@@ -1,5 +1,5 @@
-"""megatron-core GPT models of HF Qwen2 / Qwen3 / Qwen3-MoE checkpoints, and of Qwen2.5-VL / Qwen3-VL (their
-language model as GPT, its vision tower beside it: relax_hpc/models/megatron_vision.py).
+"""megatron-core GPT models of HF Qwen2 / Qwen3 / Qwen3-MoE checkpoints, and of Qwen2.5-VL / Qwen3-VL and
+Qwen2-Audio (their language model as GPT, their towers beside it: relax_hpc/models/megatron_multimodal.py).
 
 `transformer_config` turns an HF config plus the job's parallelism into megatron's TransformerConfig,
 `layer_spec` picks the layer implementation (Transformer Engine, or megatron's local modules with
@@ -28,7 +28,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from relax_hpc.config.schema import MegatronConfig
 from relax_hpc.models.arch import Arch, arch_of, megatron_problems, padded_vocab_size, use_transformer_engine
 from relax_hpc.models.megatron_layers import RMSNorm, SDPAttention
-from relax_hpc.models.megatron_vision import VisionGPTModel
+from relax_hpc.models.megatron_multimodal import MultimodalGPTModel
 
 
 def transformer_config(
@@ -154,8 +154,8 @@ def build_model(
         _define_router_gemm_fallback()
     layers = [layer_spec(hf_config, par)] * get_num_layers_to_build(config)
     final_norm = _te_norm() if te else RMSNorm
-    vision = {"hf_config": hf_config} if arch.vision else {}
-    model = (VisionGPTModel if arch.vision else GPTModel)(
+    media = {"hf_config": hf_config} if arch.encoders else {}
+    model = (MultimodalGPTModel if arch.encoders else GPTModel)(
         config=config,
         transformer_layer_spec=TransformerBlockSubmodules(layer_specs=layers, layer_norm=final_norm),
         vocab_size=padded_vocab_size(arch.vocab, par.tensor_parallel),
@@ -166,7 +166,7 @@ def build_model(
         # Transformer Engine's attention takes megatron's RoPE; the local SDPAttention applies its own.
         position_embedding_type="rope" if te else "none",
         rotary_base=arch.rope_theta,
-        **vision,
+        **media,
     )
     # megatron allocates on the current GPU, except the MoE router (created on the CPU and moved
     # at its first forward): put every parameter on one device from the start.

@@ -13,11 +13,12 @@ parameters replicated (data parallelism all-reduces their gradients like any oth
 tensor-parallel rank computes the same tower on the same pixels, the first layer's
 column-parallel input gradient having been all-reduced). It is small (675M of Qwen2.5-VL-7B's 8B).
 
-`VisionGPTModel.forward` takes the processor's `pixel_values` and `image_grid_thw` of the images
-of a packed micro-batch, in token order, and scatters the tower's merged embeddings into the token
-embeddings at the image-token positions (any number per document); Qwen3-VL's DeepStack features
-of the tower's inner blocks are added to the outputs of the first decoder layers at the same
-positions (forward hooks on those layers, for the one forward). Multimodal RoPE: the positions
+`MultimodalGPTModel.forward` (relax_hpc/models/megatron_multimodal.py) takes the processor's
+`pixel_values` and `image_grid_thw` of the images of a packed micro-batch, in token order, and
+scatters the tower's merged embeddings into the token embeddings at the image-token positions (any
+number per document); Qwen3-VL's DeepStack features of the tower's inner blocks are added to the
+outputs of the first decoder layers at the same positions (forward hooks on those layers, for the
+one forward). Multimodal RoPE: the positions
 come from the HF model's own index (transformers' get_rope_index, on a weightless copy of the
 model) and reach the core attention inside the packing metadata (`MropePackedSeqParams`), which
 rotates each frequency by its temporal, height or width position (Qwen2.5-VL: in sections;
@@ -26,12 +27,10 @@ Qwen3-VL: interleaved; relax_hpc/models/megatron_layers.py).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from megatron.core.models.gpt import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from relax_hpc.models.arch import arch_of
@@ -88,64 +87,3 @@ def mrope_positions(
     rope = rope_positions(index_model, input_ids, attention_mask, media)
     assert rope is not None, "Qwen VL models have a multimodal RoPE index"
     return rope[0]
-
-
-class VisionGPTModel(GPTModel):
-    """megatron's GPTModel with the HF vision tower (`vision`) before its first layer; built by
-    relax_hpc.models.megatron.build_model (one pipeline stage: the config refuses more)."""
-
-    def __init__(self, *args: Any, hf_config: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.vision = vision_tower(hf_config)
-        self.image_token_id = int(hf_config.image_token_id)
-
-    def forward(  # GPTModel's, plus the images
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        decoder_input: torch.Tensor | None = None,
-        pixel_values: torch.Tensor | None = None,
-        image_grid_thw: torch.Tensor | None = None,
-        **kwargs: Any,
-    ) -> torch.Tensor:
-        if pixel_values is None:
-            return super().forward(input_ids, position_ids, attention_mask, decoder_input=decoder_input, **kwargs)
-        if decoder_input is not None:
-            raise ValueError("VisionGPTModel: pass images or decoder_input, not both")
-        if image_grid_thw is None:
-            raise ValueError("VisionGPTModel: pixel_values need image_grid_thw")
-        embeds = self.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h]
-        out = self.vision(pixel_values.to(embeds.dtype), grid_thw=image_grid_thw)
-        slots = (input_ids == self.image_token_id).transpose(0, 1).unsqueeze(-1)  # [s, b, 1]
-        # One host sync per micro-batch: a mismatch would silently shift every image.
-        if int(slots.sum()) != out.pooler_output.shape[0]:
-            raise ValueError(
-                f"VisionGPTModel: {int(slots.sum())} image tokens but the images give "
-                f"{out.pooler_output.shape[0]} embeddings"
-            )
-        decoder_input = _scatter(embeds, slots, out.pooler_output)
-        deepstack = getattr(out, "deepstack_features", None) or []  # Qwen3-VL: one per first layers
-        hooks = [
-            layer.register_forward_hook(functools.partial(_add_deepstack, slots=slots, features=features))
-            for layer, features in zip(self.decoder.layers[: len(deepstack)], deepstack, strict=True)
-        ]
-        try:
-            return super().forward(input_ids, position_ids, attention_mask, decoder_input=decoder_input, **kwargs)
-        finally:
-            for hook in hooks:
-                hook.remove()
-
-
-def _scatter(hidden: torch.Tensor, slots: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-    """`hidden` [s, b, h] with `features` [slots, h] in place of the rows `slots` marks."""
-    return hidden.masked_scatter(slots, features.to(hidden.dtype))
-
-
-def _add_deepstack(layer: torch.nn.Module, args: Any, output: Any, slots: torch.Tensor, features: torch.Tensor) -> Any:
-    """Qwen3-VL's DeepStack: a decoder layer's output plus the tower's features of that depth at
-    the image tokens (transformers' _deepstack_process), as a forward hook on the layer. A
-    megatron layer returns (hidden_states, context)."""
-    hidden = output[0] if isinstance(output, tuple) else output
-    added = hidden + _scatter(torch.zeros_like(hidden), slots, features)
-    return (added, *output[1:]) if isinstance(output, tuple) else added

@@ -17,7 +17,8 @@ with the torch backend. What differs is how a rank's share of the batch is compu
 - with algo.off_policy.routing_replay, every forward of an MoE model routes each token through the
   experts the engine chose for it (relax_hpc/models/megatron_routing.py);
 - a vision-language model (Qwen2.5-VL, Qwen3-VL: relax_hpc/models/megatron_vision.py) gets each
-  micro-batch's images and the multimodal RoPE positions transformers computes for the batch;
+  micro-batch's images and the multimodal RoPE positions transformers computes for the batch; an
+  audio-language model (Qwen2-Audio: relax_hpc/models/megatron_audio.py) its clips' features;
 - gae's critic is the policy's GPTModel with a scalar head in place of its output layer
   (relax_hpc/models/megatron.py, ValueHead), loaded from model.path, with its own megatron
   optimizer; its value loss is summed over micro-batches like the policy loss;
@@ -55,8 +56,9 @@ from relax_hpc.models.hf_export import Holders, export_hf, hf_stages
 from relax_hpc.models.hf_loading import load_hf_weights
 from relax_hpc.models.hf_mapping import hf_specs
 from relax_hpc.models.megatron import as_value_model, build_model
+from relax_hpc.models.megatron_multimodal import MultimodalGPTModel
 from relax_hpc.models.megatron_routing import replaying
-from relax_hpc.models.megatron_vision import MropePackedSeqParams, VisionGPTModel, mrope_positions, rope_index_model
+from relax_hpc.models.megatron_vision import MropePackedSeqParams, mrope_positions, rope_index_model
 from relax_hpc.trainer import megatron_state, packing
 from relax_hpc.trainer.backend import BackendConfig, DistComm, NonFiniteLossError, StepResult
 from relax_hpc.trainer.batching import TrainBatch
@@ -106,8 +108,9 @@ def _build(config: BackendConfig, hf_config: PretrainedConfig, path: str, traina
     if not trainable:
         model.requires_grad_(False)
         model.eval()
-    elif config.trainer.freeze_encoder and isinstance(model, VisionGPTModel):
-        model.vision.requires_grad_(False)  # before DDP and the optimizer: neither takes it
+    elif config.trainer.freeze_encoder and isinstance(model, MultimodalGPTModel):
+        for tower in model.towers():
+            tower.requires_grad_(False)  # before DDP and the optimizer: neither takes it
     return model
 
 
@@ -486,8 +489,8 @@ class MegatronBackend:
         return [spec for spec in hf_specs(self.hf_config, self.dtype) if not self._frozen(spec[0])]
 
     def _frozen(self, hf_name: str) -> bool:
-        """A tensor of the vision tower under trainer.freeze_encoder: the engines keep theirs."""
-        return self.cfg.freeze_encoder and self.arch.vision and hf_name.startswith(self.arch.hf_vision_prefix)
+        """A tensor of a tower under trainer.freeze_encoder: the engines keep theirs."""
+        return self.cfg.freeze_encoder and hf_name.startswith(self.arch.hf_tower_prefixes)
 
     def save_checkpoint(self, folder: Path) -> None:
         megatron_state.save(self.model, self.optimizer, folder)

@@ -9,7 +9,8 @@ import torch.distributed as dist
 def one_gpu_world():
     from tests.unit.test_hf_mapping import free_port
 
-    torch.backends.cuda.matmul.allow_tf32 = False  # exact fp32 products on both sides
+    torch.backends.cuda.matmul.allow_tf32 = False  # exact fp32 products on both sides,
+    torch.backends.cudnn.allow_tf32 = False  # convolutions' too (the towers' patch and mel convs)
     torch.cuda.set_device(0)
     # The trainer's group: NCCL for CUDA tensors, gloo for the CPU ones (checkpoint flags, counts).
     dist.init_process_group(

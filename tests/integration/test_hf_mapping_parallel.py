@@ -1,7 +1,8 @@
 """HF <-> megatron mapping across real process groups: two torchrun ranks on CPU (gloo; on a
 machine with two GPUs, NCCL) with TP=2, PP=2, EP=2 or data parallel alone (TP=2 also for the
-shipped tiny Qwen2.5-VL: its language model sharded, its vision tower replicated, and its
-log-probabilities on a prompt with a picture those of transformers' model within 1e-5). Every rank loads an HF
+shipped tiny Qwen2.5-VL and Qwen2-Audio: the language model sharded, the towers replicated, and
+the log-probabilities on a prompt with a picture or a clip those of transformers' model within
+1e-5). Every rank loads an HF
 folder, holds exactly the block of every tensor that an independent, naive computation expects, and
 export_hf run on all ranks gives rank 0 the HF checkpoint bit for bit (the other rank gets the same
 names with None); with every_rank (colocated ranks) both ranks get it bit for bit, and with "stage" (the sharded
@@ -20,15 +21,20 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
 
 from tests.integration.conftest import Engines, make_run
 
+if TYPE_CHECKING:
+    from relax_hpc.config.schema import MediaKind
+
 REPO = Path(__file__).resolve().parents[2]
 VISION = REPO / "assets/tiny-qwen2.5-vl-shapes"
+AUDIO = REPO / "assets/tiny-qwen2-audio-beeps"
+SHIPPED = {"qwen2.5-vl": VISION, "qwen2-audio": AUDIO}  # the shipped multimodal models, read as they are
 LAYOUTS: dict[str, dict[str, Any]] = {  # MegatronConfig's parallel sizes
     "tp2": {"tensor_parallel": 2},
     "pp2": {"pipeline_parallel": 2},
@@ -39,7 +45,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {  # MegatronConfig's parallel sizes
 # GPUs only (megatron moves the last stage's copy of the embedding to CUDA while building).
 TIED_PP = ["qwen3-tied"] if torch.cuda.is_available() else []
 MODELS = {
-    "tp2": (["qwen2", "qwen3-tied", "qwen3-moe", "qwen2.5-vl"], 2),
+    "tp2": (["qwen2", "qwen3-tied", "qwen3-moe", "qwen2.5-vl", "qwen2-audio"], 2),
     "pp2": (["qwen2", "qwen3", "qwen3-moe", *TIED_PP], 4),
     "ep2": (["qwen3-moe"], 2),
     "dp2": (["qwen2"], 2),
@@ -72,8 +78,8 @@ def reports(tmp_path_factory, engine_forks) -> Iterator[dict]:
     for layout, (kinds, num_layers) in MODELS.items():
         configs = tiny_configs(num_layers)
         for seed, kind in enumerate(kinds):
-            folder = VISION if kind == "qwen2.5-vl" else root / layout / kind
-            if kind != "qwen2.5-vl":
+            folder = SHIPPED.get(kind, root / layout / kind)
+            if kind not in SHIPPED:
                 save_random_hf(configs[kind], folder, seed=seed)
             folders.setdefault(layout, {})[kind] = str(folder)
     (root / "folders.json").write_text(json.dumps(folders))
@@ -138,8 +144,8 @@ def test_two_ranks_hold_their_shards_and_export_the_checkpoint(layout, reports):
             assert facts["every_rank"] == facts["specs"]  # every_rank: this rank got every tensor, checked
             if layout != "pp2":  # one stage: every rank holds every tensor for the sharded channel
                 assert facts["stage"] == facts["specs"], kind
-            if kind == "qwen2.5-vl":  # fp32, sums in another order (measured 1e-6)
-                assert facts["vision_logprob_gap"] < 1e-5
+            if kind in SHIPPED:  # fp32, sums in another order (measured 1e-6)
+                assert facts["media_logprob_gap"] < 1e-5, kind
     if layout == "pp2":  # two stages: each tensor on the ranks of exactly one, both stages sending
         for kind in kinds:
             held = [reports[rank][layout][kind]["stage"] for rank in (0, 1)]
@@ -150,30 +156,35 @@ def test_two_ranks_hold_their_shards_and_export_the_checkpoint(layout, reports):
 
 
 def _expected_shards(model, hf: dict, groups: int, tp: tuple[int, int], etp: tuple[int, int]) -> dict:
-    """Each parameter's expected block, computed naively from the HF tensors (no mapping code)."""
+    """Each parameter's expected block, computed naively from the HF tensors (no mapping code).
+    Qwen2-Audio's checkpoint keeps the language model under language_model."""
     expected, layers, experts = {}, set(), set()
+    lm = "language_model." if "language_model.model.embed_tokens.weight" in hf else ""
     for name, param in model.named_parameters():
         if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
             source = (
-                hf["lm_head.weight"]
-                if name == "output_layer.weight" and "lm_head.weight" in hf
-                else hf["model.embed_tokens.weight"]
+                hf[f"{lm}lm_head.weight"]
+                if name == "output_layer.weight" and f"{lm}lm_head.weight" in hf
+                else hf[f"{lm}model.embed_tokens.weight"]
             )
             padded = torch.cat([source, source.new_zeros(param.shape[0] * tp[1] - source.shape[0], source.shape[1])])
             expected[name] = padded.chunk(tp[1])[tp[0]]
             continue
         if name == "decoder.final_layernorm.weight":
-            expected[name] = hf["model.norm.weight"]
+            expected[name] = hf[f"{lm}model.norm.weight"]
             continue
         if name.startswith("vision."):  # the vision tower: whole on every rank
             expected[name] = hf["visual." + name.removeprefix("vision.")]
+            continue
+        if name.startswith("audio."):  # the audio tower and projector: whole on every rank
+            expected[name] = hf[name.removeprefix("audio.")]
             continue
         match = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name)
         assert match is not None, name
         index, rest = match.groups()
         layer = model.decoder.layers[int(index)]
         layers.add(layer.layer_number - 1)
-        prefix = f"model.layers.{layer.layer_number - 1}."
+        prefix = f"{lm}model.layers.{layer.layer_number - 1}."
         expert = re.fullmatch(r"mlp\.experts\.local_experts\.(\d+)\.(.+)", rest)
         if expert:
             global_expert = layer.mlp.local_expert_indices[int(expert[1])]
@@ -264,8 +275,10 @@ def _run_model(folder: str, layout: str) -> dict:
         for name, full in staged:
             assert (full is not None) == (stages[name] == stage), name
             assert full is None or torch.equal(full.cpu(), hf[name]), name
-        vision = getattr(config, "vision_config", None) is not None
-        gap = {"vision_logprob_gap": _vision_logprob_gap(model, folder, config)} if vision else {}
+        media: MediaKind | None = (
+            "image" if hasattr(config, "vision_config") else "audio" if hasattr(config, "audio_config") else None
+        )
+        gap = {"media_logprob_gap": _media_logprob_gap(model, folder, config, media)} if media else {}
         return {
             **gap,
             "layers": facts["layers"],
@@ -282,45 +295,54 @@ def _run_model(folder: str, layout: str) -> dict:
         ps.destroy_model_parallel()
 
 
-def _vision_logprob_gap(model, folder: str, config) -> float:
+def _media_logprob_gap(model, folder: str, config, kind: MediaKind) -> float:
     """max |megatron - transformers| log-probability of every next token of a prompt with a
-    picture (the tower's embeddings at the image tokens, multimodal RoPE, vocabulary-parallel
-    log-probabilities over the TP group)."""
+    picture or a clip (the tower's embeddings at the media tokens; a vision model's multimodal
+    RoPE; vocabulary-parallel log-probabilities over the TP group)."""
     from megatron.core import parallel_state as ps
-    from transformers import AutoModelForImageTextToText
 
-    from relax_hpc.config.schema import MediaKind
     from relax_hpc.data.processor import MediaProcessor
     from relax_hpc.data.prompts import PromptRow
+    from relax_hpc.models.hf import load_policy
     from relax_hpc.models.megatron_vision import MropePackedSeqParams, mrope_positions, rope_index_model
     from relax_hpc.trainer.vocab_parallel import logprobs_and_entropy
 
     processor = MediaProcessor(folder)
-    picture: tuple[MediaKind, bytes] = ("image", (REPO / "assets/shapes/0001.png").read_bytes())
-    prompt = processor.process(processor.prompt_ids(PromptRow(0, "<image>how many?", "")), [picture])
+    item = REPO / ("assets/shapes/0001.png" if kind == "image" else "assets/beeps/0002.flac")
+    mark = "<image>" if kind == "image" else "<audio>"
+    prompt = processor.process(processor.prompt_ids(PromptRow(0, f"{mark}how many?", "")), [(kind, item.read_bytes())])
     ids = torch.tensor([prompt.input_ids])
-    grids = {"image_grid_thw": prompt.tensors["image_grid_thw"]}
-    positions = mrope_positions(rope_index_model(config), ids, torch.ones_like(ids), grids)  # [3, 1, length]
     length, pad = ids.shape[1], ids.shape[1] % 2  # TP=2 takes an even packed length: one pad token
     device = next(model.parameters()).device
     cu = torch.tensor([0, length, length + pad][: 3 if pad else 2], dtype=torch.int32, device=device)
+    if kind == "image":
+        grids = {"image_grid_thw": prompt.tensors["image_grid_thw"]}
+        positions = mrope_positions(rope_index_model(config), ids, torch.ones_like(ids), grids)  # [3, 1, length]
+        mrope, position_ids, hf_positions = (
+            torch.cat([positions[:, 0], positions.new_zeros(3, pad)], 1),
+            None,
+            positions,
+        )
+    else:  # one-dimensional RoPE: each packed document counts from 0
+        mrope, hf_positions = None, torch.arange(length)[None]
+        position_ids = torch.cat([torch.arange(length), torch.arange(pad)])[None].to(device)
     params = MropePackedSeqParams(
         qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=length, max_seqlen_kv=length,
-        mrope_positions=torch.cat([positions[:, 0], positions.new_zeros(3, pad)], 1).to(device),
+        mrope_positions=None if mrope is None else mrope.to(device),
     )  # fmt: skip
     packed = torch.cat([ids, ids.new_zeros(1, pad)], 1).to(device)
     inputs = {k: v.to(device) for k, v in prompt.tensors.items()}
     targets = ids[0, 1:]
     with torch.no_grad():
-        logits = model(packed, None, None, packed_seq_params=params, **inputs).reshape(length + pad, -1)
+        logits = model(packed, position_ids, None, packed_seq_params=params, **inputs).reshape(length + pad, -1)
         got, _ = logprobs_and_entropy(
             logits[: length - 1].float(), targets.to(device),
             vocab_start=ps.get_tensor_model_parallel_rank() * logits.shape[-1],
             group=ps.get_tensor_model_parallel_group(), entropy_grad=False, temperature=1.0,
             vocab_size=config.get_text_config().vocab_size,
         )  # fmt: skip
-        hf = AutoModelForImageTextToText.from_pretrained(folder).eval()
-        out = hf(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=positions, **prompt.tensors)
+        hf = load_policy(folder, torch.float32).eval()
+        out = hf(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=hf_positions, **prompt.tensors)
         expected = torch.log_softmax(out.logits[0, :-1].float(), -1).gather(1, targets[:, None])[:, 0]
     return float((got.cpu() - expected).abs().max())
 

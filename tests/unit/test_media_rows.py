@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import itertools
 import json
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from relax_hpc.config.load import ConfigError
 from relax_hpc.data.media import Kind, MediaRef, data_uri, decode_audio, parse_data_uri
 from relax_hpc.data.prompts import DatasetError, load_prompts
 from relax_hpc.submit import check_inputs
+from tests.models.qwen3_family import build_qwen3_omni
 
 REPO = Path(__file__).resolve().parents[2]
 MEDIA: dict[Kind, str] = {"image": "images", "audio": "audios"}
@@ -126,17 +128,19 @@ def test_audio_decodes_to_mono_at_the_processor_rate():
     assert samples.shape == (1600,) and np.allclose(samples, 0.2, atol=1e-3)
 
 
-def test_submit_refuses_media_the_model_cannot_take():
+def test_submit_refuses_media_the_model_cannot_take(tmp_path):
     text_model = load_config(None, ["data.path=assets/shapes/shapes.jsonl", "data.media={image: images}"])
     with pytest.raises(ConfigError, match=r"data.media.image: .*tiny-qwen3-addition has no image encoder"):
         check_inputs(text_model)
     megatron = ["trainer.backend=megatron", "launch.executor=slurm"]
-    with pytest.raises(ConfigError, match=r"data.media.audio: .*audio and omni .*issue 29 item 2"):
-        check_inputs(load_config(REPO / "configs/tiny-audio-grpo.yaml", megatron))
-    for engine in ("sglang", "torch"):  # a vision-language model, either engine: only the missing GPUs
-        with pytest.raises(ConfigError) as vision:
-            check_inputs(load_config(REPO / "configs/tiny-vision-grpo.yaml", [*megatron, f"rollout.engine={engine}"]))
-        assert str(vision.value).startswith("trainer.backend=megatron runs one rank per GPU"), engine
+    for config, engine in itertools.product(("tiny-vision-grpo.yaml", "tiny-audio-grpo.yaml"), ("sglang", "torch")):
+        # a vision- or audio-language model on megatron, either engine: only the missing GPUs
+        with pytest.raises(ConfigError) as refused:
+            check_inputs(load_config(REPO / "configs" / config, [*megatron, f"rollout.engine={engine}"]))
+        assert str(refused.value).startswith("trainer.backend=megatron runs one rank per GPU"), (config, engine)
+    omni = build_qwen3_omni(tmp_path / "omni")  # an omni thinker: the torch backend's alone
+    with pytest.raises(ConfigError, match=r"trainer.backend=megatron: megatron backend: unsupported architecture"):
+        check_inputs(load_config(REPO / "configs/tiny-audio-grpo.yaml", [*megatron, f"model.path={omni}"]))
     wrong_kind = load_config(REPO / "configs/tiny-vision-grpo.yaml", ["data.media={audio: images}"])
     with pytest.raises(ConfigError, match=r"data.media.audio: .* has no audio encoder"):
         check_inputs(wrong_kind)

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Issue 29 item 1's one-GPU proof (vision-language models in the megatron backend), in one go:
-#   OUT=results [STEPS=120] [WHL=dir] [CPU=1] bash tools/bench/vision_megatron_gpu.sh [equal] [learn] [throughput]
+# Issue 29 items 1 and 2's one-GPU proof (vision- and audio-language models in the megatron
+# backend), in one go:
+#   OUT=results [STEPS=120] [CONFIG=configs/gpu-tiny-audio-colocated.yaml] [WHL=dir] [CPU=1] \
+#     bash tools/bench/multimodal_megatron_gpu.sh [equal] [learn] [throughput]
 # (each part fits a 10-minute call: on the device machine run them one call each, same OUT)
-# equal:      tests/gpu/test_megatron_vision_gpu.py: the tiny Qwen2.5-VL and Qwen3-VL, megatron against
+# equal:      tests/gpu/test_megatron_multimodal_gpu.py: the tiny Qwen2.5-VL, Qwen3-VL and Qwen2-Audio, megatron against
 #             the torch backend on CUDA in fp32 and bf16 (log-probabilities, one GRPO step, the export);
 #             each test's MEASURED line, and the pytest outcome
-# learn:      configs/gpu-tiny-vision-colocated.yaml (one built-in engine colocated with the trainer,
+# learn:      $CONFIG (default configs/gpu-tiny-vision-colocated.yaml; the audio task:
+#             configs/gpu-tiny-audio-colocated.yaml: one built-in engine colocated with the trainer,
 #             weights by CUDA IPC under the checkpoint's names) for $STEPS steps with
 #             trainer.backend=megatron and then torch: last-10 mean reward of each, and the gap
 #             (issue 29: within 0.1)
@@ -16,7 +19,7 @@
 # EQUAL_TIMEOUT, LEARN_TIMEOUT (each backend), THROUGHPUT_TIMEOUT: seconds (500, 280, 580).
 # WHL: a folder of wheels (megatron-core, pydantic, ...) installed into /tmp/relax-whl first when
 # megatron-core is not importable. CPU=1 checks the script on a machine without a GPU: `equal` runs
-# the CPU form (tests/integration/test_megatron_vision.py), `learn` the torch backend alone for 3
+# the CPU form (tests/integration/test_megatron_multimodal.py), `learn` the torch backend alone for 3
 # steps, `throughput` a toy vision-language shape on the torch backend.
 set -uo pipefail
 OUT=${OUT:?set OUT to a folder for the results}
@@ -25,6 +28,7 @@ OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 CPU=${CPU:-}
+CONFIG=${CONFIG:-configs/gpu-tiny-vision-colocated.yaml}
 STEPS=${STEPS:-$([ -n "$CPU" ] && echo 3 || echo 120)}
 export PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH}
 if [ -n "${WHL:-}" ]; then
@@ -35,8 +39,8 @@ fi
 record() { echo "$1" | tee -a "$OUT/results.jsonl"; }
 
 equal() {
-  local tests=tests/gpu/test_megatron_vision_gpu.py marker=gpu
-  [ -n "$CPU" ] && tests=tests/integration/test_megatron_vision.py marker=integration
+  local tests=tests/gpu/test_megatron_multimodal_gpu.py marker=gpu
+  [ -n "$CPU" ] && tests=tests/integration/test_megatron_multimodal.py marker=integration
   timeout "${EQUAL_TIMEOUT:-500}" $PY -m pytest "$tests" -m $marker -s -q -p no:cacheprovider >"$OUT/equal.log" 2>&1
   local rc=$?
   grep '^MEASURED ' "$OUT/equal.log" | sed 's/^MEASURED //' | tee -a "$OUT/results.jsonl"
@@ -51,15 +55,15 @@ learn() {
   for b in "${backends[@]}"; do
     rm -rf "/tmp/vg-$b"
     local start=$SECONDS
-    timeout "${LEARN_TIMEOUT:-280}" $PY -m relax_hpc.submit --config configs/gpu-tiny-vision-colocated.yaml run.dir="/tmp/vg-$b" \
+    timeout "${LEARN_TIMEOUT:-280}" $PY -m relax_hpc.submit --config "$CONFIG" run.dir="/tmp/vg-$b" \
       trainer.backend="$b" trainer.total_steps="$STEPS" ckpt.every_steps=1000 >"$OUT/learn-$b.log" 2>&1
     echo "$? $((SECONDS - start))" >"$OUT/learn-$b.status"
     cp "/tmp/vg-$b/metrics/train.jsonl" "$OUT/learn-$b.jsonl" 2>/dev/null || : >"$OUT/learn-$b.jsonl"
   done
-  record "$($PY - "$OUT" "$STEPS" "${backends[@]}" <<'EOF'
-import json, statistics, sys
-out, steps, backends = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-result = {"benchmark": "tiny_vision_colocated", "steps": steps}
+  record "$($PY - "$OUT" "$STEPS" "$CONFIG" "${backends[@]}" <<'EOF'
+import json, os, statistics, sys
+out, steps, config, backends = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
+result = {"benchmark": os.path.basename(config).removesuffix(".yaml"), "steps": steps}
 for b in backends:
     rc, wall = open(f"{out}/learn-{b}.status").read().split()
     rows = [r for r in map(json.loads, open(f"{out}/learn-{b}.jsonl")) if "reward" in r]

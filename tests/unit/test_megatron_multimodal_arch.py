@@ -1,6 +1,6 @@
-"""Qwen2.5-VL and Qwen3-VL in the megatron backend, the parts that need no model: what the config
-gives and refuses, and SDPAttention's multimodal RoPE against transformers' (the whole models
-against the torch backend: tests/integration/test_megatron_vision.py)."""
+"""Qwen2.5-VL, Qwen3-VL and Qwen2-Audio in the megatron backend, the parts that need no model: what
+the config gives and refuses, and SDPAttention's multimodal RoPE against transformers' (the whole
+models against the torch backend: tests/integration/test_megatron_multimodal.py)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from tests.unit.test_hf_mapping import mp
 
 __all__ = ["mp"]  # the fixture, requested by name
 MODEL = Path(__file__).resolve().parents[2] / "assets/tiny-qwen2.5-vl-shapes"
+AUDIO = Path(__file__).resolve().parents[2] / "assets/tiny-qwen2-audio-beeps"
 
 
 def test_the_language_model_is_read_from_the_text_config_with_its_multimodal_rope():
@@ -53,6 +54,20 @@ def test_a_layout_the_vision_model_cannot_take_is_refused_with_the_reason():
     config.text_config.rope_parameters["mrope_section"] = [4, 6, 4]
     with pytest.raises(ValueError, match=r"mrope_section=\[4, 6, 4\] must split head_dim / 2 = 16"):
         arch_of(config)
+
+
+def test_qwen2_audio_reads_as_qwen2_under_its_checkpoint_names():
+    config = AutoConfig.from_pretrained(AUDIO)
+    arch = arch_of(config)
+    assert arch.audio and not arch.vision and arch.qkv_bias and not arch.tied
+    assert arch.hidden == config.text_config.hidden_size and arch.vocab == config.text_config.vocab_size
+    assert (arch.hf_prefix, arch.hf_lm_head) == ("language_model.model.", "language_model.lm_head.weight")
+    assert arch.hf_tower_prefixes == ("audio_tower.",)  # trainer.freeze_encoder: the projector trains
+    assert use_transformer_engine("auto", arch) is use_transformer_engine("auto")  # one-dimensional RoPE
+    assert check_megatron_job(str(AUDIO), MegatronConfig()) == []
+    problems = check_megatron_job(str(AUDIO), MegatronConfig(pipeline_parallel=2, context_parallel=2))
+    assert "an audio-language model needs trainer.megatron.pipeline_parallel=1" in problems
+    assert "an audio-language model needs trainer.megatron.context_parallel=1" in problems
 
 
 @pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl"])

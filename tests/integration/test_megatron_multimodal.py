@@ -1,22 +1,25 @@
-"""The tiny Qwen2.5-VL (the shipped asset) and a tiny Qwen3-VL (built for the test: interleaved
-multimodal RoPE, DeepStack features) on the megatron backend, on the CPU (megatron's GPU code
-redirected as in test_megatron_checkpoint.py): the real MegatronBackend, loaded from the HF
-folder, against the torch backend (transformers' own model) on the same weights and one batch of
-rows with zero, one and two pictures, packed several to a micro-batch.
+"""The tiny Qwen2.5-VL (the shipped asset), a tiny Qwen3-VL (built for the test: interleaved
+multimodal RoPE, DeepStack features) and the tiny Qwen2-Audio (the shipped asset) on the megatron
+backend, on the CPU (megatron's GPU code redirected as in test_megatron_checkpoint.py): the real
+MegatronBackend, loaded from the HF folder, against the torch backend (transformers' own model)
+on the same weights and one batch of rows with zero, one and two pictures (clips), packed several
+to a micro-batch.
 
 - per-token log-probabilities agree: the megatron GPT language model, the HF vision tower's
-  embeddings scattered at the image tokens and the multimodal RoPE reproduce transformers'
-  forward (fp32; 1e-5 absolute, measured 5e-7: the two compute the same sums in other orders,
-  fused q/k/v and [gate; up] matmuls, per-document attention. One-dimensional RoPE in place of
-  the multimodal one gave 1.6e-3 on this tiny model, leaving the images out 5.8e-2);
+  embeddings scattered at the image tokens and the multimodal RoPE (the audio tower's and
+  projector's at the audio tokens) reproduce transformers' forward (fp32; 1e-5 absolute, measured
+  5e-7: the two compute the same sums in other orders, fused q/k/v and [gate; up] matmuls,
+  per-document attention. One-dimensional RoPE in place of the multimodal one gave 1.6e-3 on
+  this tiny model, leaving the images out 5.8e-2);
 - one GRPO step gives the same loss and gradient norm (1e-4 relative: the gradient's size), and
-  the same weights after it (every HF tensor, vision tower included; WEIGHT_ATOL below: its sign);
+  the same weights after it (every HF tensor, the towers included; WEIGHT_ATOL below: its sign);
 - the weights export to the HF checkpoint exactly, and so does a megatron checkpoint of them,
   which a fresh backend resumes from exactly;
 - the built-in engine takes the export under the checkpoint's names (what SGLang loads) over each
   channel's receiving path: the broadcast (gloo side group), the colocated one (shared memory,
   CUDA IPC's CPU form) and the file one; it then holds the trainer's weights bit for bit, and its
-  log-probabilities of what it samples for a prompt with a picture are the megatron backend's.
+  log-probabilities of what it samples for a prompt with a picture (a clip) are the megatron
+  backend's.
 """
 
 from __future__ import annotations
@@ -24,9 +27,12 @@ from __future__ import annotations
 import io
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
+import soundfile
 import torch
 import torch.distributed as dist
 from PIL import Image, ImageDraw
@@ -72,18 +78,49 @@ MEGATRON = [
 ]
 
 
-@pytest.fixture(scope="module", params=["qwen2.5-vl", "qwen3-vl"])
+AUDIO = REPO / "assets/tiny-qwen2-audio-beeps"
+
+
+@dataclass(frozen=True)
+class Media:
+    """What differs between a vision- and an audio-language model in these tests."""
+
+    kind: MediaKind
+    config: str  # the shipped tiny config of the kind
+    placeholder: str  # in a prompt's text
+    items: tuple[Path, ...]  # three of the kind's assets
+    hf_tower: str  # in the checkpoint's names of the tower (trainer.freeze_encoder keeps it)
+    mcore_tower: str  # megatron's names of the tower start with it
+    media_input: str  # a micro-batch with media carries this processor tensor
+    first_attention: str  # in the names of the tower's first attention block (one step moves it)
+
+
+VISION = Media(
+    "image", "tiny-vision-grpo.yaml", "<image>", tuple(REPO / f"assets/shapes/{i:04d}.png" for i in range(3)),
+    "visual.", "vision.", "pixel_values", "visual.blocks.0.attn",
+)  # fmt: skip
+SOUND = Media(
+    "audio", "tiny-audio-grpo.yaml", "<audio>", tuple(REPO / f"assets/beeps/{i:04d}.flac" for i in range(3)),
+    "audio_tower.", "audio.audio_tower.", "input_features", "audio_tower.layers.0.self_attn",
+)  # fmt: skip
+
+
+def media_of(model: Path) -> Media:
+    return SOUND if model == AUDIO else VISION
+
+
+@pytest.fixture(scope="module", params=["qwen2.5-vl", "qwen3-vl", "qwen2-audio"])
 def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     if request.param == "qwen2.5-vl":
         return REPO / "assets/tiny-qwen2.5-vl-shapes"
+    if request.param == "qwen2-audio":
+        return AUDIO
     return build_qwen3_vl(tmp_path_factory.mktemp("qwen3-vl"))
 
 
 def _config(model: Path, *overrides: str) -> BackendConfig:
-    cfg = load_config(
-        REPO / "configs/tiny-vision-grpo.yaml", [*OVERRIDES, f"model.path={model}", *overrides], base_dir=REPO
-    )
-    return BackendConfig.of(cfg)
+    config = REPO / "configs" / media_of(model).config
+    return BackendConfig.of(load_config(config, [*OVERRIDES, f"model.path={model}", *overrides], base_dir=REPO))
 
 
 @pytest.fixture
@@ -100,16 +137,17 @@ def reference(request: pytest.FixtureRequest, model: Path, tmp_path: Path) -> It
 
 
 def _batch(model: Path) -> TrainBatch:
-    """Two groups of two rows: one picture, two pictures, one wide picture, none (0, 4 and 8
-    image tokens, grids of two shapes); prompts of several lengths, completions of 2 to 5 tokens."""
-    processor = MediaProcessor(str(model))
-    pictures: list[tuple[MediaKind, bytes]] = [
-        ("image", (REPO / f"assets/shapes/{i:04d}.png").read_bytes()) for i in range(3)
-    ]
+    """Two groups of two rows: one item, two items, one item of another size (a wide picture, a
+    short clip), none (pictures: 0, 4 and 8 image tokens, grids of two shapes); prompts of several
+    lengths, completions of 2 to 5 tokens."""
+    processor, spec = MediaProcessor(str(model)), media_of(model)
+    items: list[tuple[MediaKind, bytes]] = [(spec.kind, path.read_bytes()) for path in spec.items]
+    other = _wide_picture() if spec.kind == "image" else _short_clip()
+    mark = spec.placeholder
     prompts: list[tuple[str, list[tuple[MediaKind, bytes]]]] = [
-        ("<image>how many shapes?", pictures[:1]),
-        ("<image><image>how many in both?", pictures[1:3]),
-        ("<image>count them", [("image", _wide_picture())]),  # another grid: its tokens in one row
+        (f"{mark}how many?", items[:1]),
+        (f"{mark}{mark}how many in both?", items[1:3]),
+        (f"{mark}count them", [(spec.kind, other)]),  # another size: its tokens in one row
         ("how many?", []),
     ]
     sequences, masks, media = [], [], []
@@ -134,6 +172,14 @@ def _wide_picture() -> bytes:
     return out.getvalue()
 
 
+def _short_clip() -> bytes:
+    """0.3 s of a 440 Hz tone: fewer audio tokens than the beeps' clips."""
+    out = io.BytesIO()
+    t = np.arange(4800) / 16000
+    soundfile.write(out, (0.3 * np.sin(2 * np.pi * 440 * t)).astype(np.float32), 16000, format="FLAC")
+    return out.getvalue()
+
+
 def _torch_logprobs(backend: TorchBackend, batch: TrainBatch) -> torch.Tensor:
     with torch.no_grad():
         return token_logprobs_and_entropy(backend.model, batch)[0]
@@ -155,7 +201,8 @@ def test_megatron_logprobs_and_step_are_the_torch_backends(model, reference, tmp
     batch = _batch(model)
     megatron = _megatron(model)
     mbs = megatron._microbatches(batch)
-    assert len(mbs) > 1 and any(len(mb.rows) > 1 and "pixel_values" in mb.media for mb in mbs)
+    media = media_of(model)
+    assert len(mbs) > 1 and any(len(mb.rows) > 1 and media.media_input in mb.media for mb in mbs)
     expected = _torch_logprobs(reference, batch)
     got = megatron._frozen_logprobs(megatron.model, batch)
     assert got is not None
@@ -172,7 +219,8 @@ def test_megatron_logprobs_and_step_are_the_torch_backends(model, reference, tmp
     source = load_file(model / "model.safetensors")
     before, after, torch_after = source, _hf_weights(megatron), _hf_weights(reference)
     assert after.keys() == torch_after.keys() == source.keys()
-    assert all(not torch.equal(after[n], before[n]) for n in after if "visual.blocks.0.attn" in n)
+    tower = [n for n in after if media.first_attention in n]
+    assert tower and all(not torch.equal(after[n], before[n]) for n in tower)
     for name in after:
         assert torch.allclose(after[name], torch_after[name], atol=WEIGHT_ATOL, rtol=0), name
     # the trained weights through a megatron checkpoint (tools/dcp_to_hf.py's reading), exactly
@@ -183,10 +231,10 @@ def test_megatron_logprobs_and_step_are_the_torch_backends(model, reference, tmp
     converted = megatron_checkpoint_to_hf(tmp_path / "ckpt", megatron.hf_config)
     assert converted.keys() == after.keys()
     assert all(torch.equal(converted[n], after[n]) for n in after)
-    # and into transformers' model as tools/dcp_to_hf.py loads them (module names; the tied head aside)
+    # and into transformers' model as tools/dcp_to_hf.py loads them (module names; a tied head aside)
     policy = empty_policy(str(model), torch.float32)
     missing, unexpected = policy.load_state_dict(module_names(policy, converted), strict=False, assign=True)
-    assert unexpected == [] and missing == ["lm_head.weight"]
+    assert unexpected == [] and missing == (["lm_head.weight"] if megatron.arch.tied else [])
 
 
 def test_megatron_loads_and_exports_the_hf_weights_exactly(model, megatron_on_cpu):
@@ -198,13 +246,14 @@ def test_megatron_loads_and_exports_the_hf_weights_exactly(model, megatron_on_cp
     ]
     assert exported.keys() == source.keys()
     assert all(torch.equal(exported[n], source[n]) for n in source)
-    # trainer.freeze_encoder: the tower neither trains nor goes to the engines
+    # trainer.freeze_encoder: the tower neither trains nor goes to the engines (a projector does)
+    media = media_of(model)
     frozen = MegatronBackend(_config(model, *MEGATRON, "trainer.freeze_encoder=true"), torch.device("cpu"))
-    tower = [n for n in source if "visual." in n]
+    tower = [n for n in source if media.hf_tower in n]
     assert tower and {n for n, _, _ in frozen.parameter_specs()} == set(source) - set(tower)
     assert set(_hf_weights(frozen)) == set(source) - set(tower)
     trained = {n for n, p in frozen.model.module.named_parameters() if p.requires_grad}
-    assert trained and not any(n.startswith("vision.") for n in trained)
+    assert trained and not any(n.startswith(media.mcore_tower) for n in trained)
 
 
 Push = Callable[[TorchEngine, list[BucketPlan], dict[str, torch.Tensor], Path], None]
@@ -277,19 +326,20 @@ def test_the_built_in_engine_takes_the_megatron_export(model, engine, push: Push
     assert engine.weight_version == "1"
     assert all(torch.equal(engine.params[n], t) for n, t in expected.items())
 
-    # the engine samples for a prompt with a picture; megatron scores the same tokens
-    processor = MediaProcessor(str(model))
-    picture = REPO / "assets/shapes/0000.png"
-    prompt = processor.prompt_ids(PromptRow(0, "<image>how many shapes?", ""))
+    # the engine samples for a prompt with a picture (a clip); megatron scores the same tokens
+    processor, media = MediaProcessor(str(model)), media_of(model)
+    item = media.items[0]
+    prompt = processor.prompt_ids(PromptRow(0, f"{media.placeholder}how many?", ""))
     sampling = {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 4}
-    request = P.GenerateReqInput(prompt, sampling, return_logprob=True, image_data=str(picture))
+    image, audio = (str(item), None) if media.kind == "image" else (None, str(item))
+    request = P.GenerateReqInput(prompt, sampling, return_logprob=True, image_data=image, audio_data=audio)
     request.return_prompt_token_ids = True
     out = engine.generate(request)
     assert isinstance(out, dict)
     keep = up_to_media_token(out["output_ids"], processor.media_token_ids)
-    assert keep > 1  # random weights may sample an image token: scored up to it
+    assert keep > 1  # random weights may sample a media token: scored up to it
     sampled = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"][:keep]]
-    processed = processor.process(prompt, [("image", picture.read_bytes())])
+    processed = processor.process(prompt, [(media.kind, item.read_bytes())])
     assert processed.input_ids == out["prompt_token_ids"]
     sequence = processed.input_ids + out["output_ids"][:keep]
     mask = [0] * len(processed.input_ids) + [1] * keep

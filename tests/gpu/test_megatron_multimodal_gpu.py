@@ -1,13 +1,14 @@
-"""tests/integration/test_megatron_vision.py's proofs on a GPU (the CUDA kernels: SDPA's packed
-attention, megatron's fused layers, bf16): the shipped tiny Qwen2.5-VL and a tiny Qwen3-VL on the
-megatron backend against the torch backend, the same batch of rows with 0, 1 and 2 pictures.
+"""tests/integration/test_megatron_multimodal.py's proofs on a GPU (the CUDA kernels: SDPA's packed
+attention, megatron's fused layers, bf16): the shipped tiny Qwen2.5-VL, a tiny Qwen3-VL and the
+shipped tiny Qwen2-Audio on the megatron backend against the torch backend, the same batch of rows
+with 0, 1 and 2 pictures (clips).
 
 - fp32 (TF32 off): per-token log-probabilities, one GRPO step's loss and gradient norm, and the
   weights after it agree as on the CPU, with GPU-sized tolerances (other kernels' summation orders);
 - bf16: the same, within bf16's rounding (each side rounds differently);
 - loading then exporting gives the HF tensors bit for bit in either dtype.
-Each test prints one `MEASURED {...}` line (what BENCHMARKS.md quotes; tools/bench/vision_megatron_gpu.sh
-collects them). Run on the GPU machine: `python -m pytest tests/gpu/test_megatron_vision_gpu.py -m gpu -s`.
+Each test prints one `MEASURED {...}` line (what BENCHMARKS.md quotes; tools/bench/multimodal_megatron_gpu.sh
+collects them). Run on the GPU machine: `python -m pytest tests/gpu/test_megatron_multimodal_gpu.py -m gpu -s`.
 """
 
 from __future__ import annotations
@@ -27,20 +28,22 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 TOLERANCES = {"float32": (1e-4, 1e-3, (5e-5, 0.0)), "bfloat16": (0.25, 5e-2, (2e-3, 1e-2))}
 
 
-@pytest.fixture(scope="module", params=["qwen2.5-vl", "qwen3-vl"])
+@pytest.fixture(scope="module", params=["qwen2.5-vl", "qwen3-vl", "qwen2-audio"])
 def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.integration.test_megatron_vision import REPO
+    from tests.integration.test_megatron_multimodal import AUDIO, REPO
     from tests.models.qwen3_family import build_qwen3_vl
 
     if request.param == "qwen2.5-vl":
         return REPO / "assets/tiny-qwen2.5-vl-shapes"
+    if request.param == "qwen2-audio":
+        return AUDIO
     return build_qwen3_vl(tmp_path_factory.mktemp("qwen3-vl"))
 
 
 def _backends(model: Path, dtype: str):
     from relax_hpc.trainer.megatron_backend import MegatronBackend
     from relax_hpc.trainer.torch_backend import TorchBackend
-    from tests.integration.test_megatron_vision import MEGATRON, _config
+    from tests.integration.test_megatron_multimodal import MEGATRON, _config
 
     device = torch.device("cuda", 0)
     torch.manual_seed(0)
@@ -51,7 +54,7 @@ def _backends(model: Path, dtype: str):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_megatron_logprobs_and_step_are_the_torch_backends_on_cuda(model, dtype, megatron_world):
     from relax_hpc.trainer.batching import token_logprobs_and_entropy
-    from tests.integration.test_megatron_vision import _batch, _hf_weights
+    from tests.integration.test_megatron_multimodal import _batch, _hf_weights
 
     logprob_atol, rel, (weight_atol, weight_rtol) = TOLERANCES[dtype]
     reference, megatron = _backends(model, dtype)
@@ -71,7 +74,7 @@ def test_megatron_logprobs_and_step_are_the_torch_backends_on_cuda(model, dtype,
         "model": model.name, "dtype": dtype, "logprob_max": diff.max().item(), "logprob_mean": diff.mean().item(),
         "loss": [want.loss, result.loss], "grad_norm": [want.grad_norm, result.grad_norm], "weight_max": weight_diff,
     }  # fmt: skip
-    print("MEASURED " + json.dumps({"test": "vision_equality", **measured}), flush=True)
+    print("MEASURED " + json.dumps({"test": "multimodal_equality", **measured}), flush=True)
     assert diff.max() < logprob_atol
     assert result.loss == pytest.approx(want.loss, rel=rel, abs=1e-5)
     assert result.grad_norm == pytest.approx(want.grad_norm, rel=rel)
@@ -84,7 +87,7 @@ def test_megatron_logprobs_and_step_are_the_torch_backends_on_cuda(model, dtype,
 def test_megatron_loads_and_exports_the_hf_weights_exactly_on_cuda(model, dtype, megatron_world):
     from relax_hpc.models.hf import torch_dtype
     from relax_hpc.trainer.megatron_backend import MegatronBackend
-    from tests.integration.test_megatron_vision import MEGATRON, _config, _hf_weights
+    from tests.integration.test_megatron_multimodal import MEGATRON, _config, _hf_weights
 
     megatron = MegatronBackend(_config(model, f"model.dtype={dtype}", *MEGATRON), torch.device("cuda", 0))
     source = {n: t.to(torch_dtype(dtype)) for n, t in load_file(model / "model.safetensors").items()}
