@@ -152,6 +152,26 @@ class ShardedChannel(BroadcastChannel):
             raise RuntimeError(f"forming the weight-sync groups failed: {'; '.join(problems)}")
         self.group_names = [str(n) for n, _ in formed]
 
+    def _begin(self) -> bool:
+        """Rank 0 opens the push (pause and begin, answered; the lanes), and every rank learns
+        whether it did: a rank that broadcast into its group while the engines had refused would
+        wait there for weights.timeout_s. Rank 0 raises its error; the others return False."""
+        assert self.sender is not None, "every rank sends"
+        failure: Exception | None = None
+        if self.rank == 0:
+            try:
+                self.sender.open_push()
+                self.sender.await_begun()  # before any lane: an engine takes buckets only once begun
+                if self.concurrent:
+                    self.sender.open_lanes(self.group_names)
+            except (EngineUnavailable, EngineRequestError, RuntimeError) as e:
+                failure = e
+        began = [failure is None]
+        dist.broadcast_object_list(began, src=0)
+        if failure is not None:
+            raise failure
+        return bool(began[0])
+
     def _send(self, params: Iterator[tuple[str, torch.Tensor | None]], version: int) -> None:
         """Rank 0 queues every request of the push; every rank broadcasts its own buckets in the
         plan's order. Ordered, the version rides on the plan's last bucket. Concurrent, each
@@ -159,11 +179,9 @@ class ShardedChannel(BroadcastChannel):
         carrier, sent once every other bucket is in every engine."""
         assert self.sender is not None, "every rank sends"
         sender, rank = self.sender, self.rank
+        if not self._begin():
+            return  # rank 0 raised why
         if rank == 0:
-            sender.open_push()
-            sender.await_begun()  # before any lane: an engine takes buckets only once begun
-            if self.concurrent:
-                sender.open_lanes(self.group_names)
             for k, plan in enumerate(self.buckets):
                 if k != self.carrier or not self.concurrent:
                     version_ = str(version) if k == self.carrier else None

@@ -90,6 +90,7 @@ def main() -> None:
                     "engines": engines,
                     "served": served,
                     "restarted": pushed_files.restarted,
+                    "refused_s": pushed_files.refused_s,
                     "folders": sorted(p.name for p in paths.weight_files.iterdir()) if path == "file" else None,
                     "refused_while_released": refused,
                     "buckets": len(buckets),
@@ -110,6 +111,7 @@ def main() -> None:
 class Pushed:
     served: list[int] = field(default_factory=list)  # engines each push served
     restarted: int | None = None  # the pid of the engine started again
+    refused_s: float | None = None  # the sharded push that could not open: its slowest rank's failure
 
 
 def push_files(channel: WeightChannel, cfg: JobConfig, paths: RunPaths, backend: TorchBackend, version: int) -> Pushed:
@@ -142,28 +144,49 @@ def push_files(channel: WeightChannel, cfg: JobConfig, paths: RunPaths, backend:
 def push_sharded(
     channel: WeightChannel, cfg: JobConfig, paths: RunPaths, backend: TorchBackend, version: int
 ) -> Pushed:
-    """Three versions through the sharded channel: the second engine is killed (-9) as the second
-    push begins (rank 0 has paused the engines; the buckets, half of them rank 1's, are due),
-    which fails that push on both ranks; started again (as the launcher would), it missed that
-    version and takes the third with the first engine."""
+    """Four versions through the sharded channel. The first cannot open (rank 0 finds an engine
+    unreachable as it opens the push), which fails it on both ranks at once (`refused_s`: the
+    slowest rank's time to the failure), not after weights.timeout_s. The third: the second engine
+    is killed (-9) as the push begins (rank 0 has paused the engines; the buckets, half of them
+    rank 1's, are due), which fails that push on both ranks; started again (as the launcher
+    would), it missed that version and takes the fourth with the first engine."""
     assert isinstance(channel, ShardedChannel), "the sharded path builds a ShardedChannel"
     second = None
     if dist.get_rank() == 0:
         second = sorted(read_records(paths.engines), key=lambda r: r.engine_id)[1]
+        unreachable_once(channel)
     out = Pushed()
-    for pushed in (version - 2, version - 1, version):
+    for pushed in (version - 3, version - 2, version - 1, version):
         if out.served:
             perturb(backend.model)
         if second is not None and pushed == version - 1:
             kill_once_begun(channel, second.pid)
+        started = time.monotonic()
         try:
             out.served.append(channel.push(backend.full_parameters, pushed))
         except WeightSyncError:
             out.served.append(-1)  # on every rank
+            if pushed == version - 3:
+                took: list[float] = [0.0] * dist.get_world_size()
+                dist.all_gather_object(took, time.monotonic() - started)
+                out.refused_s = max(took)
         if second is not None and pushed == version - 1:
             out.restarted = restart(cfg, paths, second)
         dist.barrier()
     return out
+
+
+def unreachable_once(channel: ShardedChannel) -> None:
+    """Rank 0's next open_push fails as a vanished engine's connection does (once)."""
+    assert channel.sender is not None, "every rank sends"
+    sender = channel.sender
+    open_push = sender.open_push
+
+    def refused() -> None:
+        sender.open_push = open_push  # type: ignore[method-assign]  # once
+        raise EngineUnavailable("engine-1: connection refused (injected)")
+
+    sender.open_push = refused  # type: ignore[method-assign]
 
 
 def kill_once_begun(channel: ShardedChannel, pid: int) -> None:

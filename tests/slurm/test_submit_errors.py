@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
 import pytest
+import yaml
 
 from tests.models.qwen3_family import build_qwen3_omni, build_qwen3_vl
 from tests.slurm.jobs import REPO, submit
@@ -65,21 +67,25 @@ def test_slurm_tools_missing_from_path(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("recipe", "build", "data"),
+    ("recipe", "build", "data", "backend"),
     [
-        ("qwen3-vl-4b-grpo.yaml", build_qwen3_vl, "shapes/shapes.jsonl"),
-        ("qwen3-omni-grpo.yaml", build_qwen3_omni, "beeps/beeps.jsonl"),
+        ("qwen3-vl-4b-grpo", build_qwen3_vl, "shapes/shapes.jsonl", "megatron"),
+        ("qwen3-omni-grpo", build_qwen3_omni, "beeps/beeps.jsonl", "torch"),  # omni on megatron: not built
     ],
 )
-def test_the_multimodal_gpu_recipes_validate_and_lay_out_their_jobs(slurm_cluster, tmp_path, recipe, build, data):
+def test_the_multimodal_gpu_recipes_validate_and_lay_out_their_jobs(
+    slurm_cluster, tmp_path, recipe, build, data, backend
+):
     """The recipes as a user submits them, their model and data replaced by a tiny model of the
     same family and a shipped dataset, and their GPUs by the test cluster's 2 a node (Slurm
-    itself judges the job): --dry-run checks every input (each picture and clip decoded) and
-    shows the job: torch backend, SGLang engines."""
+    itself judges the job): --dry-run checks every input (each picture and clip decoded, the
+    megatron layout against the model) and shows the job: its backend, SGLang engines; and
+    `sbatch --test-only` takes the recipe's batch script, its GPUs and CPUs scaled to the
+    cluster's nodes."""
     model = build(tmp_path / "model")
     media = "data.media={image: images}" if "shapes" in data else "data.media={audio: audios}"
     argv = [
-        sys.executable, "-m", "relax_hpc.submit", "--config", str(REPO / "configs" / recipe),
+        sys.executable, "-m", "relax_hpc.submit", "--config", str(REPO / "configs" / f"{recipe}.yaml"),
         f"run.dir={tmp_path / 'run'}",
         f"model.path={model}", f"data.path={REPO / 'assets' / data}", media, "--dry-run",
         "trainer.num_ranks=1", "launch.slurm.trainer.gpus_per_node=1", "rollout.num_engines=1",
@@ -88,4 +94,13 @@ def test_the_multimodal_gpu_recipes_validate_and_lay_out_their_jobs(slurm_cluste
     out = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, check=False, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "relax_hpc.engines.sglang_engine" in out.stdout and "relax_hpc.trainer.main" in out.stdout
+    assert yaml.safe_load(out.stdout.split("# submission file")[0])["trainer"]["backend"] == backend
     assert not (tmp_path / "run").exists()
+    script = (REPO / "sbatch" / f"{recipe}.sbatch").read_text()
+    scaled = re.sub(
+        r"--cpus-per-task=\d+", "--cpus-per-task=4", re.sub(r"--gpus-per-node=\d+", "--gpus-per-node=2", script)
+    )
+    (tmp_path / "recipe.sbatch").write_text(scaled)
+    tested = subprocess.run(["sbatch", "--test-only", str(tmp_path / "recipe.sbatch")], capture_output=True,
+                            text=True, check=False, timeout=60, cwd=tmp_path)  # fmt: skip
+    assert tested.returncode == 0 and "to start at" in tested.stderr, tested.stderr
