@@ -30,14 +30,9 @@ TOLERANCES = {"float32": (1e-4, 1e-3, (5e-5, 0.0)), "bfloat16": (0.25, 5e-2, (2e
 
 @pytest.fixture(scope="module", params=["qwen2.5-vl", "qwen3-vl", "qwen2-audio"])
 def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.integration.test_megatron_multimodal import AUDIO, REPO
-    from tests.models.qwen3_family import build_qwen3_vl
+    from tests.integration.test_megatron_multimodal import model_folder
 
-    if request.param == "qwen2.5-vl":
-        return REPO / "assets/tiny-qwen2.5-vl-shapes"
-    if request.param == "qwen2-audio":
-        return AUDIO
-    return build_qwen3_vl(tmp_path_factory.mktemp("qwen3-vl"))
+    return model_folder(request.param, tmp_path_factory)
 
 
 def _backends(model: Path, dtype: str):

@@ -109,13 +109,18 @@ def media_of(model: Path) -> Media:
     return SOUND if model == AUDIO else VISION
 
 
-@pytest.fixture(scope="module", params=["qwen2.5-vl", "qwen3-vl", "qwen2-audio"])
-def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if request.param == "qwen2.5-vl":
+def model_folder(name: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model of each family: the shipped assets, Qwen3-VL built (tests/gpu uses it too)."""
+    if name == "qwen2.5-vl":
         return REPO / "assets/tiny-qwen2.5-vl-shapes"
-    if request.param == "qwen2-audio":
+    if name == "qwen2-audio":
         return AUDIO
     return build_qwen3_vl(tmp_path_factory.mktemp("qwen3-vl"))
+
+
+@pytest.fixture(scope="module", params=["qwen2.5-vl", "qwen3-vl", "qwen2-audio"])
+def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return model_folder(request.param, tmp_path_factory)
 
 
 def _config(model: Path, *overrides: str) -> BackendConfig:
