@@ -57,7 +57,8 @@ def check_inputs(cfg: JobConfig, in_allocation: bool = False, ignored: tuple[str
         else:
             problems += eval_data_problems(cfg.eval)
         if cfg.trainer.backend == "megatron":
-            problems += check_megatron_job(cfg.model.path, cfg.trainer.megatron)
+            engine = cfg.rollout.engine if cfg.kind == "rl" else None
+            problems += check_megatron_job(cfg.model.path, cfg.trainer.megatron, engine)
             problems += megatron_gpu_problems(cfg, in_allocation)
         problems += missing_sinks(cfg)
         problems += notify_problems(cfg)

@@ -29,11 +29,12 @@ from transformers import AutoConfig
 from relax_hpc.ckpt.layout import latest_dir
 from relax_hpc.config.load import read_frozen
 from relax_hpc.models import lora
-from relax_hpc.models.hf import empty_policy, is_omni, load_policy, module_names, torch_dtype
+from relax_hpc.models.hf import empty_policy, is_omni, load_policy, torch_dtype
 from relax_hpc.paths import CkptDirs, RunPaths
 from relax_hpc.weights.lora import SCALING, merge_all
 
 MODEL_PREFIX = "model."  # the torch backend's state is {"model": ..., "optim": ...}
+SHARD_SIZE = "50GB"  # transformers' save_pretrained default
 
 
 class ExportError(RuntimeError):
@@ -88,24 +89,49 @@ def convert(
             return folder
         base = load_policy(cfg.model.path, torch_dtype(cfg.model.dtype)).state_dict()
         tensors = base | merge_all(base, adapter)  # what the engines hold: relax_hpc.weights.lora
-    model = empty_policy(cfg.model.path, torch_dtype(cfg.model.dtype))
-    if cfg.trainer.backend == "megatron":  # checkpoint names (Qwen2.5-VL's differ from its modules')
-        tensors = module_names(model, tensors)
+    if cfg.trainer.backend == "megatron":
+        _save_checkpoint_layout(out, tensors, hf_config, cfg.model.dtype)
+    else:
+        _save_policy(out, tensors, cfg.model.path, cfg.model.dtype, folder)
+    _copy_companions(Path(cfg.model.path), out)
+    _readable_like_other_output(out)
+    return folder
+
+
+def _save_checkpoint_layout(out: Path, tensors: dict[str, torch.Tensor], hf_config: Any, dtype: str) -> None:
+    """The megatron backend's tensors, already the checkpoint's names and layout
+    (relax_hpc.models.hf_mapping: an Omni thinker's under thinker.*, MoE experts one tensor each),
+    written as they are, beside the base's config (an Omni model's whole: thinker, talker,
+    code2wav). transformers' module would not take them as they are: it fuses MoE experts at
+    load, and save_pretrained splits them again."""
+    from huggingface_hub import save_torch_state_dict
+
+    out.mkdir(parents=True, exist_ok=True)
+    # Views into a larger tensor (q, k and v of megatron's fused projection) get storages of their
+    # own: safetensors refuses to save a part of a storage.
+    whole = {
+        n: t if t.untyped_storage().nbytes() == t.nbytes and t.is_contiguous() else t.clone()
+        for n, t in tensors.items()
+    }
+    save_torch_state_dict(whole, out, max_shard_size=SHARD_SIZE, metadata={"format": "pt"})
+    hf_config.dtype = dtype
+    hf_config.save_pretrained(out)
+
+
+def _save_policy(out: Path, tensors: dict[str, torch.Tensor], base: str, dtype: str, folder: Path) -> None:
+    """The torch backend's tensors (transformers' module names) through the policy's own
+    save_pretrained; an Omni thinker's as the full model's folder."""
+    model = empty_policy(base, torch_dtype(dtype))
     missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     tied = any(getattr(c, "tie_word_embeddings", False) for c in (model.config, model.config.get_text_config()))
     missing = [k for k in missing if not (k == "lm_head.weight" and tied)]
     if missing or unexpected:
-        raise ExportError(
-            f"{folder} does not match {cfg.model.path}: missing {missing[:5]}, unexpected {unexpected[:5]}"
-        )
+        raise ExportError(f"{folder} does not match {base}: missing {missing[:5]}, unexpected {unexpected[:5]}")
     model.tie_weights()
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    if is_omni(cfg.model.path):
-        _as_full_omni(out, Path(cfg.model.path))
-    _copy_companions(Path(cfg.model.path), out)
-    _readable_like_other_output(out)
-    return folder
+    model.save_pretrained(out, max_shard_size=SHARD_SIZE)
+    if is_omni(base):
+        _as_full_omni(out, Path(base))
 
 
 def convert_into_place(

@@ -32,6 +32,10 @@ VISION_MODEL_TYPES = {
 # beside it (relax_hpc/models/megatron_audio.py); the checkpoint's prefix of the language model's
 # tensors and its output layer's name (the tower's and projector's names are the checkpoint's own).
 AUDIO_MODEL_TYPES = {"qwen2_audio": ("qwen2", "language_model.model.", "language_model.lm_head.weight")}
+# Omni models: the thinker (its thinker_config) is a vision-language model with an audio tower too,
+# its language model a Qwen3-MoE; every tensor under thinker.* (the talker and code2wav are not
+# trained). The policy is the thinker alone, as on the torch backend (relax_hpc/models/hf.py).
+OMNI_MODEL_TYPES = {"qwen3_omni_moe": "qwen3_moe"}
 
 
 @dataclass(frozen=True)
@@ -64,11 +68,18 @@ class Arch:
     hf_prefix: str = "model."  # the checkpoint names of the language model's tensors start with it
     hf_vision_prefix: str = ""  # and the vision tower's with this
     hf_lm_head: str = "lm_head.weight"  # the untied output layer's checkpoint name
-    audio: bool = False  # an audio tower and projector before the first layer (Qwen2-Audio)
+    # An audio encoder before the first layer: "qwen2_audio" (tower and projector) or "qwen3_omni"
+    # (the Omni thinker's tower), its tensors' checkpoint names under hf_audio_prefix.
+    audio_encoder: str = ""
+    hf_audio_prefix: str = ""
 
     @property
     def vision(self) -> bool:
         return bool(self.mrope_section)
+
+    @property
+    def audio(self) -> bool:
+        return bool(self.audio_encoder)
 
     @property
     def encoders(self) -> bool:
@@ -79,7 +90,7 @@ class Arch:
     def hf_tower_prefixes(self) -> tuple[str, ...]:
         """The checkpoint's prefixes of the towers, what trainer.freeze_encoder keeps as loaded
         (as the torch backend: Qwen2-Audio's projector trains)."""
-        return (self.hf_vision_prefix,) * self.vision + ("audio_tower.",) * self.audio
+        return (self.hf_vision_prefix,) * self.vision + (self.hf_audio_prefix + "audio_tower.",) * self.audio
 
     @property
     def moe(self) -> bool:
@@ -91,15 +102,21 @@ def arch_of(hf_config: Any) -> Arch:
     A vision-language config gives its language model's facts, with its multimodal RoPE."""
     model_type = getattr(hf_config, "model_type", None)
     if model_type in VISION_MODEL_TYPES:
-        return _vision_arch(hf_config, model_type)
+        text_type, hf_prefix, hf_vision_prefix = VISION_MODEL_TYPES[model_type]
+        return _vision_arch(hf_config, text_type, hf_prefix, hf_vision_prefix)
     if model_type in AUDIO_MODEL_TYPES:
         text_type, hf_prefix, hf_lm_head = AUDIO_MODEL_TYPES[model_type]
         arch = _text_arch(hf_config, text_type)
-        return replace(arch, audio=True, hf_prefix=hf_prefix, hf_lm_head=hf_lm_head)
+        return replace(arch, audio_encoder="qwen2_audio", hf_prefix=hf_prefix, hf_lm_head=hf_lm_head)
+    if model_type in OMNI_MODEL_TYPES:
+        thinker = media_config(hf_config)
+        arch = _vision_arch(thinker, OMNI_MODEL_TYPES[model_type], "thinker.model.", "thinker.visual.")
+        lm_head = "thinker.lm_head.weight"
+        return replace(arch, audio_encoder="qwen3_omni", hf_audio_prefix="thinker.", hf_lm_head=lm_head)
     if model_type not in SUPPORTED_MODEL_TYPES:
+        supported = (*SUPPORTED_MODEL_TYPES, *VISION_MODEL_TYPES, *AUDIO_MODEL_TYPES, *OMNI_MODEL_TYPES)
         raise ValueError(
-            f"megatron backend: unsupported architecture model_type={model_type!r}; "
-            f"supported: {', '.join([*SUPPORTED_MODEL_TYPES, *VISION_MODEL_TYPES, *AUDIO_MODEL_TYPES])}"
+            f"megatron backend: unsupported architecture model_type={model_type!r}; supported: {', '.join(supported)}"
         )
     if hf_config.hidden_act != "silu":
         raise ValueError(f"megatron backend: hidden_act={hf_config.hidden_act!r} is not supported (SwiGLU/silu only)")
@@ -130,6 +147,15 @@ def arch_of(hf_config: Any) -> Arch:
     )
 
 
+def media_config(hf_config: Any) -> Any:
+    """The config that holds the encoders' configs and media token ids: an Omni model's
+    thinker_config, any other model's own (config.json read as a dict, or transformers')."""
+    thinker = getattr(hf_config, "thinker_config", None)
+    if thinker is None:
+        return hf_config
+    return SimpleNamespace(**thinker) if isinstance(thinker, dict) else thinker
+
+
 def _text_config(hf_config: Any) -> Any:
     """A multimodal config's language model config (config.json read as a dict, or transformers')."""
     text = hf_config.text_config
@@ -143,11 +169,10 @@ def _text_arch(hf_config: Any, text_type: str) -> Arch:
     return arch_of(SimpleNamespace(**fields))
 
 
-def _vision_arch(hf_config: Any, model_type: str) -> Arch:
+def _vision_arch(hf_config: Any, text_type: str, hf_prefix: str, hf_vision_prefix: str) -> Arch:
     text = _text_config(hf_config)
     params = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
     section = tuple(params.get("mrope_section") or ())
-    text_type, hf_prefix, hf_vision_prefix = VISION_MODEL_TYPES[model_type]
     arch = _text_arch(hf_config, text_type)
     if 2 * sum(section) != arch.head_dim:
         raise ValueError(
@@ -158,8 +183,10 @@ def _vision_arch(hf_config: Any, model_type: str) -> Arch:
     deepstack = len(getattr(vision, "deepstack_visual_indexes", None) or [])
     if deepstack > arch.num_layers:
         raise ValueError(f"megatron backend: {deepstack} DeepStack features for {arch.num_layers} layers")
+    # Qwen3's families (Qwen3-VL, Qwen3-Omni) interleave the axes over the frequencies.
+    interleaved = text_type.startswith("qwen3") or bool(params.get("mrope_interleaved"))
     return replace(
-        arch, mrope_section=section, mrope_interleaved=model_type == "qwen3_vl", deepstack_layers=deepstack,
+        arch, mrope_section=section, mrope_interleaved=interleaved, deepstack_layers=deepstack,
         hf_prefix=hf_prefix, hf_vision_prefix=hf_vision_prefix,
     )  # fmt: skip
 
@@ -242,7 +269,9 @@ def _encoder_problems(arch: Arch, par: MegatronConfig, te: bool) -> list[str]:
     model's RoPE is multimodal."""
     if not arch.encoders:
         return []
-    kind = "a vision-language model" if arch.vision else "an audio-language model"
+    kind = {(True, True): "an omni model", (True, False): "a vision-language model"}.get(
+        (arch.vision, arch.audio), "an audio-language model"
+    )
     problems = []
     if te and arch.vision:
         problems.append(
@@ -259,8 +288,9 @@ def _encoder_problems(arch: Arch, par: MegatronConfig, te: bool) -> list[str]:
     return problems
 
 
-def check_megatron_job(model_dir: str, par: MegatronConfig) -> list[str]:
-    """The checks of a megatron job that need only the model's config.json (what submit runs)."""
+def check_megatron_job(model_dir: str, par: MegatronConfig, engine: str | None = None) -> list[str]:
+    """The checks of a megatron job that need only the model's config.json (what submit runs);
+    `engine`: rollout.engine, when the job has engines."""
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError) as e:
@@ -270,4 +300,12 @@ def check_megatron_job(model_dir: str, par: MegatronConfig) -> list[str]:
         te = use_transformer_engine(par.attention, arch)
     except (ValueError, AttributeError) as e:
         return [f"trainer.backend=megatron: {e}"]
-    return megatron_problems(arch, par, te)
+    problems = megatron_problems(arch, par, te)
+    if arch.moe and engine == "torch":
+        # megatron exports the checkpoint's layout (one tensor per expert, what SGLang loads); the
+        # built-in engine holds transformers' in-memory one, whose experts are fused.
+        problems.append(
+            "rollout.engine=torch with trainer.backend=megatron and an MoE model: the built-in engine holds "
+            "transformers' fused experts and megatron sends one tensor per expert; use rollout.engine=sglang"
+        )
+    return problems

@@ -115,7 +115,7 @@ def _unit_of_hf(name: str, arch: Arch) -> str | int:
         return "embed"
     if arch.vision and name.startswith(arch.hf_vision_prefix):
         return "vision"
-    if arch.audio and name.startswith(HF_AUDIO_PREFIXES):
+    if arch.audio and name.startswith(tuple(arch.hf_audio_prefix + p for p in HF_AUDIO_PREFIXES)):
         return "audio"
     if name.startswith(hf_layers(arch)):
         return int(name.removeprefix(hf_layers(arch)).split(".")[0])

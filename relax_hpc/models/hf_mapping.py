@@ -20,8 +20,9 @@ Layouts of the full (unsharded) megatron tensor, dim 0 = output rows:
 - vocab: embedding / output-layer rows, padded with zero rows to a multiple of TP.
 - copy: the HF tensor itself. A vision-language model's tower (relax_hpc/models/megatron_vision.py)
   is all copies: megatron's `vision.<name>` is the checkpoint's `visual.<name>`, replicated; so is
-  an audio-language model's tower and projector (relax_hpc/models/megatron_audio.py): megatron's
-  `audio.<name>` is the checkpoint's `<name>` (audio_tower.*, multi_modal_projector.*).
+  an audio encoder (relax_hpc/models/megatron_audio.py): megatron's `audio.<name>` is the
+  checkpoint's `<name>` (Qwen2-Audio's audio_tower.*, multi_modal_projector.*) or `thinker.<name>`
+  (Qwen3-Omni's audio_tower.*).
 
 Sharding: `Entry.split` is the dim that TP splits (0: column-parallel linear_qkv, linear_fc1,
 embedding, output layer; 1: row-parallel linear_proj, linear_fc2; None: replicated norms and
@@ -161,7 +162,7 @@ def mcore_names(hf_config: Any, te: bool = False) -> list[str]:
     if arch.vision:
         names += [VISION_PREFIX + name.removeprefix(arch.hf_vision_prefix) for name in vision_shapes(hf_config)]
     if arch.audio:
-        names += [AUDIO_PREFIX + name for name in audio_shapes(hf_config)]
+        names += [AUDIO_PREFIX + name.removeprefix(arch.hf_audio_prefix) for name in audio_shapes(hf_config)]
     for layer in range(arch.num_layers):
         names += [f"decoder.layers.{layer}.{rest}" for rest in _layer_names(arch, te)]
     names.append("decoder.final_layernorm.weight")
@@ -199,8 +200,8 @@ def entry(name: str, arch: Arch) -> Entry:
         return Entry((hf_norm(arch),), "copy", None)
     if name.startswith(VISION_PREFIX):  # the replicated HF vision tower, under its own names
         return Entry((arch.hf_vision_prefix + name.removeprefix(VISION_PREFIX),), "copy", None)
-    if name.startswith(AUDIO_PREFIX):  # the replicated audio tower and projector, likewise
-        return Entry((name.removeprefix(AUDIO_PREFIX),), "copy", None)
+    if name.startswith(AUDIO_PREFIX):  # the replicated audio tower (and projector), likewise
+        return Entry((arch.hf_audio_prefix + name.removeprefix(AUDIO_PREFIX),), "copy", None)
     match = LAYER.fullmatch(name)
     found = _layer_entry(match[2], f"{hf_layers(arch)}{match[1]}.", arch) if match else None
     if found is None:

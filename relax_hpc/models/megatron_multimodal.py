@@ -1,6 +1,7 @@
 """megatron's GPTModel with media encoders before its first layer: a vision tower
-(relax_hpc/models/megatron_vision.py: Qwen2.5-VL, Qwen3-VL) or an audio tower and projector
-(relax_hpc/models/megatron_audio.py: Qwen2-Audio). Each encoder's embeddings replace the token
+(relax_hpc/models/megatron_vision.py: Qwen2.5-VL, Qwen3-VL), an audio encoder
+(relax_hpc/models/megatron_audio.py: Qwen2-Audio), or both (the Qwen3-Omni thinker; one document
+may hold pictures and clips). Each encoder's embeddings replace the token
 embeddings at its placeholder tokens (any number per document of a packed micro-batch, in token
 order); the decoder is the text model's, unchanged. Built by relax_hpc.models.megatron.build_model
 (one pipeline stage: the config refuses more)."""
@@ -13,21 +14,21 @@ from typing import Any
 import torch
 from megatron.core.models.gpt import GPTModel
 
-from relax_hpc.models.arch import arch_of
+from relax_hpc.models.arch import arch_of, media_config
 from relax_hpc.models.megatron_audio import AudioEncoder
 from relax_hpc.models.megatron_vision import vision_tower
 
 
 class MultimodalGPTModel(GPTModel):
-    """GPTModel plus `vision` (the HF vision tower) or `audio` (AudioEncoder), per the HF config."""
+    """GPTModel plus `vision` (the HF vision tower) and/or `audio` (AudioEncoder), per the HF config."""
 
     def __init__(self, *args: Any, hf_config: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        arch = arch_of(hf_config)
+        arch, media = arch_of(hf_config), media_config(hf_config)
         self.vision = vision_tower(hf_config) if arch.vision else None
         self.audio = AudioEncoder(hf_config) if arch.audio else None
-        self.image_token_id = int(hf_config.image_token_id) if arch.vision else -1
-        self.audio_token_id = int(hf_config.audio_token_id) if arch.audio else -1
+        self.image_token_id = int(media.image_token_id) if arch.vision else -1
+        self.audio_token_id = int(media.audio_token_id) if arch.audio else -1
 
     def towers(self) -> list[torch.nn.Module]:
         """What trainer.freeze_encoder keeps as loaded (Arch.hf_tower_prefixes' modules)."""

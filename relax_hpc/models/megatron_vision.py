@@ -47,8 +47,8 @@ class MropePackedSeqParams(PackedSeqParams):
 
 
 def vision_tower(hf_config: Any) -> torch.nn.Module:
-    """The HF vision tower (patch embedding, blocks, merger; Qwen3-VL's DeepStack mergers) of a
-    vision-language config."""
+    """The HF vision tower (patch embedding, blocks, merger; Qwen3-VL's and Qwen3-Omni's DeepStack
+    mergers) of a vision-language or Omni config."""
     if hf_config.model_type == "qwen2_5_vl":
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 
@@ -57,6 +57,10 @@ def vision_tower(hf_config: Any) -> torch.nn.Module:
         from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
         return Qwen3VLVisionModel._from_config(hf_config.vision_config)
+    if hf_config.model_type == "qwen3_omni_moe":
+        from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeVisionEncoder
+
+        return Qwen3OmniMoeVisionEncoder._from_config(hf_config.thinker_config.vision_config)
     raise ValueError(f"megatron backend: no vision tower for model_type={hf_config.model_type!r}")
 
 
@@ -70,10 +74,14 @@ def vision_shapes(hf_config: Any) -> dict[str, torch.Size]:
 
 def rope_index_model(hf_config: Any) -> torch.nn.Module:
     """The HF model without weights (meta tensors), for `mrope_positions`: what transformers'
-    get_rope_index reads is its config alone."""
+    get_rope_index reads is its config alone (an Omni model's: its thinker's)."""
     from transformers import AutoModelForImageTextToText
 
     with torch.device("meta"):
+        if hf_config.model_type == "qwen3_omni_moe":
+            from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
+
+            return Qwen3OmniMoeThinkerForConditionalGeneration._from_config(hf_config.thinker_config)
         return AutoModelForImageTextToText.from_config(hf_config)
 
 

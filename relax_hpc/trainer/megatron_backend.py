@@ -76,10 +76,10 @@ def _loss_output(loss: torch.Tensor) -> LossOutput:
 
 
 def _pad_token_id(hf_config: PretrainedConfig) -> int:
-    """The pad token (a vision-language config keeps it in its text_config), 0 where none."""
+    """The pad token (a multimodal config keeps it in its text config), 0 where none."""
     pad = getattr(hf_config, "pad_token_id", None)
     if pad is None:
-        pad = getattr(getattr(hf_config, "text_config", None), "pad_token_id", None)
+        pad = getattr(hf_config.get_text_config(), "pad_token_id", None)
     return pad if pad is not None else 0
 
 
@@ -195,15 +195,17 @@ class MegatronBackend:
 
     def _mrope(self, batch: TrainBatch) -> torch.Tensor | None:
         """A vision-language model's [3, n, width] multimodal RoPE positions of the batch (images
-        or not: text rows get theirs too), as the HF model computes them; None for a text model."""
+        or not: text rows get theirs too), as the HF model computes them; None for a text model.
+        An Omni model's audio items take positions by their clips' lengths (the feature masks)."""
         if self.rope_index is None:
             return None
         # On the CPU: transformers' rope index is per-sample Python over small tensors (on the GPU
         # each of its steps would sync), and its inputs must share one device (a batch on the CPU
         # with grids on the GPU failed on the H200). Only the result travels.
-        grids = [{"image_grid_thw": m["image_grid_thw"].cpu()} for m in batch.media if "image_grid_thw" in m]
+        keys = ("image_grid_thw", "feature_attention_mask")
+        layout = [{k: m[k].cpu() for k in keys if k in m} for m in batch.media]
         cpu = (batch.input_ids.cpu(), batch.attention_mask.cpu())
-        return mrope_positions(self.rope_index, *cpu, concat_inputs(grids)).to(self.device)
+        return mrope_positions(self.rope_index, *cpu, concat_inputs(layout)).to(self.device)
 
     def _forward(self, model: torch.nn.Module, mb: packing.Microbatch) -> torch.Tensor:
         """The model's output on a packed micro-batch; through the engine's experts where the

@@ -1,7 +1,7 @@
 """tests/integration/test_megatron_multimodal.py's proofs on a GPU (the CUDA kernels: SDPA's packed
-attention, megatron's fused layers, bf16): the shipped tiny Qwen2.5-VL, a tiny Qwen3-VL and the
-shipped tiny Qwen2-Audio on the megatron backend against the torch backend, the same batch of rows
-with 0, 1 and 2 pictures (clips).
+attention, megatron's fused layers, bf16): the shipped tiny Qwen2.5-VL, a tiny Qwen3-VL, the
+shipped tiny Qwen2-Audio and a tiny Qwen3-Omni on the megatron backend against the torch backend,
+the same batch of rows with 0, 1 and 2 pictures (clips; the Omni rows mix both).
 
 - fp32 (TF32 off): per-token log-probabilities, one GRPO step's loss and gradient norm, and the
   weights after it agree as on the CPU, with GPU-sized tolerances (other kernels' summation orders);
@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 TOLERANCES = {"float32": (1e-4, 1e-3, (5e-5, 0.0)), "bfloat16": (0.25, 5e-2, (2e-3, 1e-2))}
 
 
-@pytest.fixture(scope="module", params=["qwen2.5-vl", "qwen3-vl", "qwen2-audio"])
+@pytest.fixture(scope="module", params=["qwen2.5-vl", "qwen3-vl", "qwen2-audio", "qwen3-omni"])
 def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.integration.test_megatron_multimodal import model_folder
 

@@ -70,7 +70,7 @@ def test_slurm_tools_missing_from_path(tmp_path, monkeypatch):
     ("recipe", "build", "data", "backend"),
     [
         ("qwen3-vl-4b-grpo", build_qwen3_vl, "shapes/shapes.jsonl", "megatron"),
-        ("qwen3-omni-grpo", build_qwen3_omni, "beeps/beeps.jsonl", "torch"),  # omni on megatron: not built
+        ("qwen3-omni-grpo", build_qwen3_omni, "beeps/beeps.jsonl", "megatron"),
     ],
 )
 def test_the_multimodal_gpu_recipes_validate_and_lay_out_their_jobs(
@@ -89,7 +89,7 @@ def test_the_multimodal_gpu_recipes_validate_and_lay_out_their_jobs(
         f"run.dir={tmp_path / 'run'}",
         f"model.path={model}", f"data.path={REPO / 'assets' / data}", media, "--dry-run",
         "trainer.num_ranks=1", "launch.slurm.trainer.gpus_per_node=1", "rollout.num_engines=1",
-        "launch.slurm.rollout.gpus_per_node=1", "rollout.sglang.tp_size=1",
+        "launch.slurm.rollout.gpus_per_node=1", "rollout.sglang.tp_size=1", "trainer.megatron.expert_parallel=1",
     ]  # fmt: skip
     out = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, check=False, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -138,8 +138,8 @@ def test_submit_refuses_media_the_model_cannot_take(tmp_path):
         with pytest.raises(ConfigError) as refused:
             check_inputs(load_config(REPO / "configs" / config, [*megatron, f"rollout.engine={engine}"]))
         assert str(refused.value).startswith("trainer.backend=megatron runs one rank per GPU"), (config, engine)
-    omni = build_qwen3_omni(tmp_path / "omni")  # an omni thinker: the torch backend's alone
-    with pytest.raises(ConfigError, match=r"trainer.backend=megatron: megatron backend: unsupported architecture"):
+    omni = build_qwen3_omni(tmp_path / "omni")  # an Omni thinker (MoE) on megatron: SGLang's engines
+    with pytest.raises(ConfigError, match=r"rollout.engine=torch with trainer.backend=megatron and an MoE model"):
         check_inputs(load_config(REPO / "configs/tiny-audio-grpo.yaml", [*megatron, f"model.path={omni}"]))
     wrong_kind = load_config(REPO / "configs/tiny-vision-grpo.yaml", ["data.media={audio: images}"])
     with pytest.raises(ConfigError, match=r"data.media.audio: .* has no audio encoder"):

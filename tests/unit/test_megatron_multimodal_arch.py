@@ -1,6 +1,6 @@
-"""Qwen2.5-VL, Qwen3-VL and Qwen2-Audio in the megatron backend, the parts that need no model: what
-the config gives and refuses, and SDPAttention's multimodal RoPE against transformers' (the whole
-models against the torch backend: tests/integration/test_megatron_multimodal.py)."""
+"""Qwen2.5-VL, Qwen3-VL, Qwen2-Audio and the Qwen3-Omni thinker in the megatron backend, the parts
+that need no model: what the config gives and refuses, and SDPAttention's multimodal RoPE against
+transformers' (the whole models against the torch backend: tests/integration/test_megatron_multimodal.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from relax_hpc.config.schema import MegatronConfig
 from relax_hpc.models.arch import arch_of, check_megatron_job, use_transformer_engine
 from relax_hpc.models.megatron import SDPAttention
 from relax_hpc.models.megatron_vision import MropePackedSeqParams
-from tests.models.qwen3_family import build_qwen3_vl
+from tests.models.qwen3_family import build_qwen3_omni, build_qwen3_vl
 from tests.unit.test_hf_mapping import mp
 
 __all__ = ["mp"]  # the fixture, requested by name
@@ -68,6 +68,21 @@ def test_qwen2_audio_reads_as_qwen2_under_its_checkpoint_names():
     problems = check_megatron_job(str(AUDIO), MegatronConfig(pipeline_parallel=2, context_parallel=2))
     assert "an audio-language model needs trainer.megatron.pipeline_parallel=1" in problems
     assert "an audio-language model needs trainer.megatron.context_parallel=1" in problems
+
+
+def test_the_omni_thinker_reads_as_qwen3_moe_with_both_towers_and_refuses_the_built_in_engine(tmp_path):
+    folder = build_qwen3_omni(tmp_path / "omni")
+    arch = arch_of(AutoConfig.from_pretrained(folder))
+    assert arch.moe and arch.qk_norm and arch.vision and arch.audio and arch.mrope_interleaved
+    assert arch.deepstack_layers == 2 and arch.audio_encoder == "qwen3_omni" and not arch.tied
+    assert (arch.hf_prefix, arch.hf_vision_prefix, arch.hf_lm_head) == (
+        "thinker.model.", "thinker.visual.", "thinker.lm_head.weight",
+    )  # fmt: skip
+    assert arch.hf_tower_prefixes == ("thinker.visual.", "thinker.audio_tower.")
+    assert check_megatron_job(str(folder), MegatronConfig(), "sglang") == []
+    problems = check_megatron_job(str(folder), MegatronConfig(pipeline_parallel=2), "torch")
+    assert "an omni model needs trainer.megatron.pipeline_parallel=1" in problems
+    assert any(p.startswith("rollout.engine=torch with trainer.backend=megatron and an MoE model") for p in problems)
 
 
 @pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl"])
