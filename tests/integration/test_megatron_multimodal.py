@@ -299,7 +299,9 @@ def test_a_megatron_checkpoint_exports_as_the_folder_transformers_loads(model, m
     paths.config.write_text(to_yaml(cfg))
     megatron = MegatronBackend(BackendConfig.of(cfg), torch.device("cpu"))
     batch = _batch(model)
-    batch.rollout_logprobs = megatron._frozen_logprobs(megatron.model, batch)  # on-policy: one step
+    logprobs = megatron._frozen_logprobs(megatron.model, batch)
+    assert logprobs is not None
+    batch.rollout_logprobs = logprobs  # on-policy: one step
     megatron.train_step(batch, 0)
     assert Checkpointer(paths.ckpt, keep=2).save(1, megatron.save_checkpoint, {}, {"step": 1, "version": 1})
     convert(paths.root, tmp_path / "hf")
