@@ -25,7 +25,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from relax_hpc.config.load import load_config
 from relax_hpc.config.schema import JobConfig
-from relax_hpc.data.processor import MediaProcessor, media_processor, prompt_encoder, up_to_media_token
+from relax_hpc.data.processor import MediaProcessor, media_processor, prompt_encoder, up_to_media_token, video_spec
 from relax_hpc.data.prompts import load_prompts
 from relax_hpc.engines.sampling import SamplingSpec, sample
 from relax_hpc.envs.base import Sampled
@@ -124,7 +124,7 @@ class InProcessRun:
         self.tokenizer = PreTrainedTokenizerFast.from_pretrained(cfg.model.path)
         self.processor = media_processor(cfg.model.path)
         d = cfg.data
-        self.rows = load_prompts(d.path, d.prompt_key, d.answer_key, d.media)
+        self.rows = load_prompts(d.path, d.prompt_key, d.answer_key, d.media, video=video_spec(cfg.model.path))
         encode = prompt_encoder(cfg.model.path, self.processor)
         self.backend = TorchBackend(BackendConfig.of(cfg), torch.device("cpu"))
         self.sampler = load_policy(cfg.model.path, torch_dtype(cfg.model.dtype)).eval()

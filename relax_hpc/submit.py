@@ -21,8 +21,8 @@ from pathlib import Path
 
 from relax_hpc.config.load import ConfigError, load_config, read_frozen, to_yaml
 from relax_hpc.config.path_options import path_problems
-from relax_hpc.config.schema import RESUMABLE_CHANGES, EvalConfig, JobConfig, SftConfig
-from relax_hpc.data.processor import media_kinds, sampling_rate
+from relax_hpc.config.schema import RESUMABLE_CHANGES, EvalConfig, JobConfig, MediaKind, SftConfig
+from relax_hpc.data.processor import media_kinds, sampling_rate, video_spec
 from relax_hpc.data.prompts import DatasetError, load_prompts
 from relax_hpc.launch.allocation import AllocationError
 from relax_hpc.launch.gpus import NO_GPU, place_local, span, visible_gpu_count
@@ -71,18 +71,27 @@ def dataset_problems(cfg: JobConfig) -> list[str]:
     engines will decode it (images; audio at the model's sampling rate)."""
     d, model = cfg.data, cfg.model.path
     kinds = media_kinds(model)
-    problems = [
-        f"data.media.{kind}: {model} has no {kind} encoder (its config.json names none)"
-        for kind in d.media
-        if kind not in kinds
-    ]
+    problems = [_missing_encoder(model, kind, kinds) for kind in d.media if kind not in kinds]
     if problems:
         return problems
     try:
-        load_prompts(d.path, d.prompt_key, d.answer_key, d.media, sampling_rate(model), check_media=True)
+        load_prompts(
+            d.path, d.prompt_key, d.answer_key, d.media, sampling_rate(model), check_media=True,
+            video=video_spec(model),
+        )  # fmt: skip
     except DatasetError as e:
         return [str(e)]
     return []
+
+
+def _missing_encoder(model: str, kind: str, kinds: set[MediaKind]) -> str:
+    if kind == "video" and "image" in kinds:
+        return (
+            f"data.media.video: {model} is not a Qwen2-VL or Qwen2.5-VL model; relax_hpc samples and "
+            "patches videos as those models' processor does (Qwen3-VL writes timestamps into the prompt: "
+            "not supported yet)"
+        )
+    return f"data.media.{kind}: {model} has no {kind} encoder (its config.json names none)"
 
 
 def eval_data_problems(ev: EvalConfig) -> list[str]:

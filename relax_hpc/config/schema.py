@@ -68,8 +68,8 @@ class ModelConfig(Section):
 
 # The kinds of media a row may hold (data.media's keys); the data layer reads them, the spool stores
 # them: both import them from here, the layer below both.
-MediaKind = Literal["image", "audio"]
-MEDIA_KINDS: tuple[MediaKind, ...] = ("image", "audio")
+MediaKind = Literal["image", "audio", "video"]
+MEDIA_KINDS: tuple[MediaKind, ...] = ("image", "audio", "video")
 # The --max-lora-rank values vLLM 0.32 accepts (vllm/config/lora.py MaxLoRARanks).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -83,12 +83,15 @@ class DataConfig(Section):
     answer_key: str = "answer"
     """Field of each row that holds the reference answer the reward compares against."""
     media: dict[MediaKind, str] = Field(default={})
-    """Which row fields hold media, e.g. `{image: images}` or `{audio: audios}`: a field holds one
-    item or a list, each a file path (relative to the dataset file, or absolute) or a `data:`
-    URI. A string prompt marks where each item goes with `<image>` / `<audio>` (without markers,
-    its items come before the text); chat-message prompts use `{"type": "image"}` content parts.
-    Rows with media or messages go through the model's chat template and processor; every item
-    is read and decoded before a job starts. Video is not supported."""
+    """Which row fields hold media, e.g. `{image: images}`, `{audio: audios}` or `{video: videos}`:
+    a field holds one item or a list, each a file path (relative to the dataset file, or
+    absolute) or a `data:` URI. A string prompt marks where each item goes with `<image>` /
+    `<audio>` / `<video>` (without markers, its items come before the text); chat-message prompts
+    use `{"type": "image"}` content parts. Rows with media or messages go through the model's
+    chat template and processor; every item is read and decoded before a job starts. Videos (any
+    format FFmpeg reads; Qwen2-VL and Qwen2.5-VL models) are sampled at the model's video fps
+    (2 by default) and sized to its pixel bounds once per prompt group, as SGLang samples them
+    (docs/DESIGN.md, "Video")."""
     shuffle: bool = True
     """Reshuffle the prompts every epoch (seeded by run.seed)."""
 

@@ -1,13 +1,13 @@
-"""Media in datasets: images and audio clips that rows refer to, read, checked and handed on.
+"""Media in datasets: images, audio clips and videos that rows refer to, read, checked and handed on.
 
 A row's media are given in the row fields that `data.media` names (`{image: images, audio:
-audios}`), one item or a list per field; an item is a file path (relative to the dataset file, or
-absolute) or a `data:` URI (`data:image/png;base64,...`). What travels: the item's encoded bytes
-as they are (PNG, JPEG, WAV, FLAC, ...), as a data URI over HTTP to the engines (the form SGLang
-0.5.23 accepts for both images and audio) and as raw bytes in the spool; every consumer decodes
-them with the same functions here, so the engine and the trainer see the same pixels and samples.
-
-Video is not supported: it needs torchvision, which these machines cannot run.
+audios, video: videos}`), one item or a list per field; an item is a file path (relative to the
+dataset file, or absolute) or a `data:` URI (`data:image/png;base64,...`). What travels: an image's
+or a clip's encoded bytes as they are (PNG, JPEG, WAV, FLAC, ...), and a video's canonical clip
+(its sampled, sized frames, lossless: relax_hpc.data.video), as a data URI over HTTP to the engines
+(the form SGLang 0.5.23 accepts for all three) and as raw bytes in the spool; every consumer
+decodes them with the same functions here, so the engine and the trainer see the same pixels and
+samples.
 """
 
 from __future__ import annotations
@@ -17,12 +17,14 @@ import binascii
 import io
 import mimetypes
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
 from relax_hpc.config.schema import MediaKind as Kind
+from relax_hpc.data.video import VideoError, VideoSpec, canonical, decode
 
 
 class MediaError(ValueError):
@@ -31,13 +33,21 @@ class MediaError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class MediaRef:
-    """One image or audio clip of a row: a file path, or a data: URI."""
+    """One image, audio clip or video of a row: a file path, or a data: URI. A video read for a
+    model (`video` set: the driver's rows) reads as its canonical clip."""
 
     kind: Kind
     source: str
+    video: VideoSpec | None = None
 
     def read(self) -> bytes:
-        """The item's encoded bytes."""
+        """The item's encoded bytes (a video's canonical clip where `video` says how to sample it)."""
+        if self.kind == "video" and self.video is not None:
+            return _canonical_video(self, self.video)
+        return self.read_raw()
+
+    def read_raw(self) -> bytes:
+        """The bytes of the file or data URI, as they are."""
         if self.source.startswith("data:"):
             return parse_data_uri(self.source)[1]
         try:
@@ -49,12 +59,22 @@ class MediaRef:
         return f"{self.kind} {self.source[:40] + '...' if self.source.startswith('data:') else self.source}"
 
 
-def resolve(kind: Kind, value: str, base: Path) -> MediaRef:
-    """A dataset's item: data URIs as they are, paths made absolute against the dataset's folder."""
+@lru_cache(maxsize=8)
+def _canonical_video(ref: MediaRef, spec: VideoSpec) -> bytes:
+    """Cached by item: the episodes of a prompt group read their row's video in turn."""
+    try:
+        return canonical(ref.read_raw(), spec)
+    except VideoError as e:
+        raise MediaError(str(e)) from None
+
+
+def resolve(kind: Kind, value: str, base: Path, video: VideoSpec | None = None) -> MediaRef:
+    """A dataset's item: data URIs as they are, paths made absolute against the dataset's folder;
+    videos sampled as `video` says."""
     if value.startswith("data:"):
-        return MediaRef(kind, value)
+        return MediaRef(kind, value, video)
     path = Path(value)
-    return MediaRef(kind, str(path if path.is_absolute() else (base / path).resolve()))
+    return MediaRef(kind, str(path if path.is_absolute() else (base / path).resolve()), video)
 
 
 def parse_data_uri(uri: str) -> tuple[str, bytes]:
@@ -80,6 +100,8 @@ def sniff_mime(kind: Kind, data: bytes) -> str:
                 return Image.MIME.get(image.format or "", "image/png")
         except OSError:
             return "image/png"
+    if kind == "video":
+        return "video/x-msvideo" if data[8:12] == b"AVI " else "video/mp4"
     if data[:4] == b"fLaC":
         return "audio/flac"
     if data[:4] == b"OggS":
@@ -119,5 +141,15 @@ def check(ref: MediaRef, sampling_rate: int | None) -> None:
     data = ref.read()
     if ref.kind == "image":
         decode_image(data)
+    elif ref.kind == "video":
+        decode_video(data)
     elif sampling_rate is not None:
         decode_audio(data, sampling_rate)
+
+
+def decode_video(data: bytes) -> None:
+    """Decode a video (raises MediaError): a canonical clip's frames are the model's."""
+    try:
+        decode(data)
+    except VideoError as e:
+        raise MediaError(str(e)) from None

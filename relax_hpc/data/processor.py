@@ -4,12 +4,15 @@ The driver, the built-in engine and the trainer all go through `MediaProcessor`,
 a sample was generated from are the ids it is trained on:
 
 - `prompt_ids(row)`: the chat template applied to the row's messages, tokenized: one placeholder
-  token per media item (`<|image_pad|>` between `<|vision_start|>`/`<|vision_end|>`, `<|AUDIO|>`
-  between `<|audio_bos|>`/`<|audio_eos|>`). This is what goes to an engine with the media: SGLang
-  0.5.23 expands the placeholders itself and refuses ids that are expanded already.
+  token per media item (`<|image_pad|>` or `<|video_pad|>` between `<|vision_start|>`/
+  `<|vision_end|>`, `<|AUDIO|>` between `<|audio_bos|>`/`<|audio_eos|>`). This is what goes to an
+  engine with the media: SGLang 0.5.23 expands the placeholders itself and refuses ids that are
+  expanded already.
 - `process(prompt_ids, media)`: the HF processor on the decoded prompt and the decoded media: the
   expanded ids (each placeholder repeated once per image patch group or audio frame group) and
-  the model's inputs (pixel_values and image_grid_thw, input_features and feature_attention_mask).
+  the model's inputs (pixel_values and image_grid_thw, pixel_values_videos, video_grid_thw and
+  second_per_grid_ts, input_features and feature_attention_mask). Videos go through
+  relax_hpc.data.video's VideoPatcher, the model's video processor without torchvision.
   It checks that the expansion only repeated placeholders: a tokenizer whose decode and encode do
   not round-trip would otherwise shift the response against its log-probabilities.
 
@@ -27,14 +30,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from relax_hpc.data.media import Kind, decode_audio, decode_image
+from relax_hpc.data.media import Kind, MediaError, decode_audio, decode_image
 from relax_hpc.data.prompts import PromptRow
+from relax_hpc.data.video import VIDEO_MODEL_TYPES, VideoError, VideoPatcher, VideoSpec, frames, metadata
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: the driver encodes text prompts without it
     import torch
 
 # The processor outputs a model takes as forward arguments, concatenated over a batch's items.
-MODEL_INPUTS = ("pixel_values", "image_grid_thw", "input_features", "feature_attention_mask")
+MODEL_INPUTS = (
+    "pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts", "input_features",
+    "feature_attention_mask",
+)  # fmt: skip
 # Special tokens a completion must not contain: a sampled placeholder would break the count of
 # tokens against features when the trainer reprocesses the sample.
 MEDIA_TOKENS = (
@@ -57,11 +64,21 @@ class Processed:
 
 def media_kinds(model_path: str) -> set[Kind]:
     """The media the folder's model has an encoder for (from its config.json; an omni model's
-    thinker holds its encoders)."""
+    thinker holds its encoders). Video: the vision encoder of a Qwen2-VL or Qwen2.5-VL model
+    (relax_hpc.data.video reproduces their video processor, not Qwen3-VL's)."""
     config = json.loads((Path(model_path) / "config.json").read_text())
+    model_type = config.get("model_type")
     config = config.get("thinker_config", config)
     encoders: dict[Kind, str] = {"image": "vision_config", "audio": "audio_config"}
-    return {kind for kind, key in encoders.items() if key in config}
+    kinds = {kind for kind, key in encoders.items() if key in config}
+    if "image" in kinds and model_type in VIDEO_MODEL_TYPES:
+        kinds.add("video")
+    return kinds
+
+
+def video_spec(model_path: str) -> VideoSpec | None:
+    """How the folder's model samples and patches videos, or None for a model without video."""
+    return VideoSpec.from_folder(model_path) if "video" in media_kinds(model_path) else None
 
 
 def is_multimodal(model_path: str) -> bool:
@@ -132,11 +149,18 @@ class MediaProcessor:
 
     def __init__(self, model_path: str) -> None:
         self.hf = _load_hf_processor(model_path)
+        self.video = video_spec(model_path)
+        if self.video is not None:  # one video path on every machine, with or without torchvision
+            self.hf.video_processor = VideoPatcher(self.video)
         self.tokenizer = self.hf.tokenizer
         extractor = getattr(self.hf, "feature_extractor", None)
         self.sampling_rate: int | None = getattr(extractor, "sampling_rate", None)
         self.placeholders: dict[Kind, int] = {}
-        kinds: tuple[tuple[Kind, str], ...] = (("image", "image_token"), ("audio", "audio_token"))
+        kinds: tuple[tuple[Kind, str], ...] = (
+            ("image", "image_token"),
+            ("audio", "audio_token"),
+            ("video", "video_token"),
+        )
         for kind, name in kinds:
             token = getattr(self.hf, name, None) or getattr(self.tokenizer, name, None)
             if token is not None:
@@ -159,11 +183,14 @@ class MediaProcessor:
         """Expand the prompt's placeholders for its media and make the model's inputs."""
         images = [decode_image(data) for kind, data in media if kind == "image"]
         audios = [decode_audio(data, self.sampling_rate or 16000) for kind, data in media if kind == "audio"]
+        clips = [self._clip(data) for kind, data in media if kind == "video"]
         kwargs: dict[str, Any] = {}
         if images:
             kwargs["images"] = images
         if audios:
             kwargs.update(audio=audios, sampling_rate=self.sampling_rate)
+        if clips:
+            kwargs.update(videos=[c.frames for c in clips], video_metadata=[metadata(c) for c in clips])
         text = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
         try:
             out = self.hf(text=[text], return_tensors="pt", **kwargs)
@@ -173,6 +200,14 @@ class MediaProcessor:
         if self.collapse(expanded) != prompt_ids:
             raise ProcessorError("the processor's expansion changed the prompt beyond its placeholders")
         return Processed(expanded, {k: out[k] for k in MODEL_INPUTS if k in out})
+
+    def _clip(self, data: bytes) -> Any:
+        if self.video is None:
+            raise ProcessorError("a video for a model without a video processor (Qwen2-VL and Qwen2.5-VL have one)")
+        try:
+            return frames(data, self.video)
+        except VideoError as e:
+            raise MediaError(str(e)) from None
 
     def collapse(self, ids: list[int]) -> list[int]:
         """Expanded ids back to one placeholder per item (runs of a placeholder become one)."""
@@ -263,10 +298,12 @@ def rope_positions(
     image_id: int = getattr(config, "image_token_id", -1)
     video_id: int = getattr(config, "video_token_id", -1)
     mm_token_type_ids = input_ids.eq(image_id).long() + 2 * input_ids.eq(video_id).long()
+    videos = {k: inputs[k] for k in ("video_grid_thw", "second_per_grid_ts") if k in inputs}
     positions, deltas = rope_index(
         input_ids,
         mm_token_type_ids=mm_token_type_ids,
         image_grid_thw=inputs.get("image_grid_thw"),
         attention_mask=attention_mask,
+        **videos,
     )
     return positions, deltas

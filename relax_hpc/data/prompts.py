@@ -1,10 +1,10 @@
 """Prompt datasets (JSONL) and a deterministic, resumable prompt order.
 
 A row holds a prompt (a string, or a list of chat messages whose content is a string or a list of
-parts: {"type": "text", "text": ...}, {"type": "image"}, {"type": "audio"}), a reference answer,
-and, in the fields `data.media` names, its media (relax_hpc.data.media). A string prompt marks
-where each item goes with <image> / <audio>, or gets its items before the text; every item needs
-a place and every place an item.
+parts: {"type": "text", "text": ...}, {"type": "image"}, {"type": "audio"}, {"type": "video"}), a
+reference answer, and, in the fields `data.media` names, its media (relax_hpc.data.media). A
+string prompt marks where each item goes with <image> / <audio> / <video>, or gets its items
+before the text; every item needs a place and every place an item.
 
 The order is a pure function of (seed, position): batch `seq` always holds the same prompts, so the
 rollout driver's position is fully described by the sequence number of the last batch it
@@ -24,6 +24,7 @@ import numpy as np
 
 from relax_hpc.config.schema import MEDIA_KINDS as KINDS
 from relax_hpc.data.media import Kind, MediaError, MediaRef, check, resolve
+from relax_hpc.data.video import VideoSpec
 
 
 class DatasetError(ValueError):
@@ -32,7 +33,8 @@ class DatasetError(ValueError):
 
 Message = dict[str, Any]
 # Where a string prompt puts each media item; without markers, a row's media come before its text.
-MARKERS: dict[Kind, str] = {"image": "<image>", "audio": "<audio>"}
+MARKERS: dict[Kind, str] = {"image": "<image>", "audio": "<audio>", "video": "<video>"}
+_KIND_OF_MARKER: dict[str, Kind] = {marker: kind for kind, marker in MARKERS.items()}
 _MARKER = re.compile("|".join(re.escape(m) for m in MARKERS.values()))
 
 
@@ -53,7 +55,7 @@ class PromptRow:
         return not isinstance(self.prompt, str) or bool(self.media)
 
     def messages(self) -> list[Message]:
-        """Chat messages whose content parts place the media ({"type": "image"} / {"type": "audio"})."""
+        """Chat messages whose content parts place the media ({"type": "image"}, "audio", "video")."""
         if not isinstance(self.prompt, str):
             return [dict(m) for m in self.prompt]
         parts: list[Message] = []
@@ -66,7 +68,7 @@ class PromptRow:
             if piece:
                 parts.append({"type": "text", "text": piece})
             if i < len(kinds):
-                parts.append({"type": "image" if kinds[i] == MARKERS["image"] else "audio"})
+                parts.append({"type": _KIND_OF_MARKER[kinds[i]]})
         return [{"role": "user", "content": parts}]
 
 
@@ -94,17 +96,19 @@ def load_prompts(
     media: Mapping[Kind, str] | None = None,
     sampling_rate: int | None = None,
     check_media: bool = False,
+    video: VideoSpec | None = None,
 ) -> list[PromptRow]:
     """Read a JSONL file of prompts; every defect raises DatasetError naming the line and the reason.
 
     `media` names the row fields that hold each kind of media; `check_media` reads and decodes every
-    item (as the engines will; audio at `sampling_rate`), which submit does before a job starts."""
+    item (as the engines will; audio at `sampling_rate`), which submit does before a job starts;
+    `video` says how the model samples videos (a video then reads as its canonical clip)."""
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"data.path: {path} does not exist or is not a file")
     rows: list[PromptRow] = []
     for where, record in jsonl_objects(path):
-        row = _row(record, len(rows), where, prompt_key, answer_key, media or {}, path.parent)
+        row = _row(record, len(rows), where, prompt_key, answer_key, media or {}, path.parent, video)
         if check_media:
             for ref in row.media:
                 try:
@@ -125,6 +129,7 @@ def _row(
     answer_key: str,
     media: Mapping[Kind, str],
     base: Path,
+    video: VideoSpec | None = None,
 ) -> PromptRow:
     for key, option in ((prompt_key, "data.prompt_key"), (answer_key, "data.answer_key")):
         if key not in record:
@@ -136,7 +141,7 @@ def _row(
     if not isinstance(answer, str | int | float):
         raise DatasetError(f"{where}: field {answer_key!r} must be a string, got {answer!r}")
     prompt = _prompt(record[prompt_key], where, prompt_key)
-    refs = tuple(ref for kind, field in media.items() for ref in _items(record, kind, field, where, base))
+    refs = tuple(ref for kind, field in media.items() for ref in _items(record, kind, field, where, base, video))
     media_in_order = _in_prompt_order(PromptRow(index, prompt, "", refs), where)
     return PromptRow(index, prompt, str(answer), media_in_order, record)
 
@@ -166,12 +171,14 @@ def _is_part(part: Any) -> bool:
     return part.get("type") in KINDS
 
 
-def _items(record: dict[str, Any], kind: Kind, field: str, where: str, base: Path) -> list[MediaRef]:
+def _items(
+    record: dict[str, Any], kind: Kind, field: str, where: str, base: Path, video: VideoSpec | None
+) -> list[MediaRef]:
     value = record.get(field, [])
     values = [value] if isinstance(value, str) else value
     if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
         raise DatasetError(f"{where}: field {field!r} (data.media.{kind}) must hold a path or a list of paths")
-    refs = [resolve(kind, v, base) for v in values]
+    refs = [resolve(kind, v, base, video) for v in values]
     for ref in refs:
         if not ref.source.startswith("data:") and not Path(ref.source).is_file():
             raise DatasetError(f"{where}: {kind} file {ref.source} does not exist")

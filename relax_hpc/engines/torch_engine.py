@@ -106,7 +106,9 @@ def _media_of(req: P.GenerateReqInput, batched: bool, n: int) -> list[list[tuple
     prompt an item or a list; for a batch one entry (item or list) per prompt, or one item that
     every prompt shares."""
     out: list[list[tuple[Kind, bytes]]] = [[] for _ in range(n)]
-    kinds: tuple[tuple[Kind, P.MediaData | None], ...] = (("image", req.image_data), ("audio", req.audio_data))
+    kinds: tuple[tuple[Kind, P.MediaData | None], ...] = (
+        ("image", req.image_data), ("audio", req.audio_data), ("video", req.video_data)
+    )  # fmt: skip
     for kind, value in kinds:
         if value is None or value == []:
             continue
@@ -229,7 +231,9 @@ class TorchEngine:
         """Each prompt with its placeholders expanded for its media, and its processor tensors."""
         if self.processor is None:
             if any(media):
-                raise P.ProtocolError(f"{self.model_path} is a text model: it takes no image_data or audio_data")
+                raise P.ProtocolError(
+                    f"{self.model_path} is a text model: it takes no image_data, audio_data or video_data"
+                )
             return prompts, [{} for _ in prompts]
         out = []
         placeholders = set(self.processor.placeholders.values())

@@ -76,7 +76,7 @@ ROUTED = "routed_experts"
 TEACHER = "teacher_logprobs"
 _OPTIONAL = (ROUTED, TEACHER)
 _ALL = ARRAYS_OF[SCHEMA_VERSION]
-KIND_CODES: dict[MediaKind, int] = {"image": 0, "audio": 1}  # how media_kind stores a kind: never renumber
+KIND_CODES: dict[MediaKind, int] = {"image": 0, "audio": 1, "video": 2}  # how media_kind stores a kind: never renumber
 _KINDS: tuple[MediaKind, ...] = tuple(sorted(KIND_CODES, key=KIND_CODES.__getitem__))
 
 

@@ -46,6 +46,7 @@ class GenerateReqInput:
     stream: bool = False
     image_data: MediaData | None = None
     audio_data: MediaData | None = None
+    video_data: MediaData | None = None  # relax_hpc sends canonical clips (relax_hpc.data.video)
     # The prompt ids the engine conditioned on (placeholders expanded), as a top-level
     # `prompt_token_ids` of each answer.
     return_prompt_token_ids: bool = False

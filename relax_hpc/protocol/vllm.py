@@ -241,6 +241,7 @@ def sglang_answer(completion: Completion) -> dict[str, Any]:
 UNSUPPORTED = {
     "image_data": "media",
     "audio_data": "media",
+    "video_data": "media",
 }
 # Requests of all engines in flight at once: vLLM's scheduler batches them, so they must all be
 # there together; a driver sends at most a step's calls (prompts_per_step x group_size).

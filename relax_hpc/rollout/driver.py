@@ -31,7 +31,7 @@ from relax_hpc import fence
 from relax_hpc.ckpt.layout import read_trainer_state
 from relax_hpc.config.load import read_frozen
 from relax_hpc.config.schema import JobConfig
-from relax_hpc.data.processor import media_processor, prompt_encoder
+from relax_hpc.data.processor import media_processor, prompt_encoder, video_spec
 from relax_hpc.data.prompts import load_prompts
 from relax_hpc.exchange.spool import SampleBatch, Spool
 from relax_hpc.metrics.heartbeat import Heartbeat
@@ -67,7 +67,7 @@ class Driver:
         # CPU at every start), and a text run's driver only turns prompts into token ids.
         self.tokenizer = PreTrainedTokenizerFast.from_pretrained(cfg.model.path)
         d = cfg.data
-        self.rows = load_prompts(d.path, d.prompt_key, d.answer_key, d.media)
+        self.rows = load_prompts(d.path, d.prompt_key, d.answer_key, d.media, video=video_spec(cfg.model.path))
         # A multimodal model's processor places the media; the engines expand the placeholders.
         self.processor = media_processor(cfg.model.path)
         encode = prompt_encoder(cfg.model.path, self.processor)

@@ -206,6 +206,7 @@ class EnginePolicy:
             return_logprob=True,
             image_data=media["image"] if has["image"] else None,
             audio_data=media["audio"] if has["audio"] else None,
+            video_data=media["video"] if has["video"] else None,
             return_prompt_token_ids=any(has.values()),
             return_routed_experts=self.routing,
         )
