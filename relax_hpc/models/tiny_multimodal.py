@@ -1,6 +1,7 @@
 """The embedded multimodal policies and their tasks: a tiny Qwen2.5-VL that counts shapes in a
-picture and a tiny Qwen2-Audio that counts beeps in a clip, built offline from transformers'
-config classes (no hub) with a character tokenizer that carries Qwen's chat and media tokens.
+picture, another that tells which way a dot moves in a video, and a tiny Qwen2-Audio that counts
+beeps in a clip, built offline from transformers' config classes (no hub) with a character
+tokenizer that carries Qwen's chat and media tokens.
 
 Both architectures are what SGLang 0.5.23 serves (Qwen2_5_VLForConditionalGeneration,
 Qwen2AudioForConditionalGeneration) and transformers 5.23 trains. The folders `tools/
@@ -12,7 +13,10 @@ The tasks are drawn by the tool and shipped as files: a picture of a 3 x 3 grid 
 (one merged vision token each), some cells holding a shape (square, disc or triangle of a random
 colour), and the question how many; a one-second clip of four 250 ms slots (six audio tokens
 each), some slots holding a beep (a buzz of random pitch), and the question how many. Answers are
-the count, 0 to 4.
+the count, 0 to 4. The video task: two seconds (8 frames at 4 fps, H.264) of a random texture
+sliding across a 56-pixel square left, right, up or down (answers 0-3); its still twin shows one
+of those frames throughout, so only motion tells the answer (the baseline that must stay near
+chance).
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ CHAT_TEMPLATE = (
     "{% else %}{% for c in m['content'] %}"
     "{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
     "{% elif c['type'] == 'audio' %}<|audio_bos|><|AUDIO|><|audio_eos|>"
+    "{% elif c['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
     "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -67,7 +72,14 @@ TEXT = {
 }  # fmt: skip
 CELL, GRID = 28, 2  # pixels per cell (one merged 2 x 2 group of 14-pixel patches), cells per side
 SAMPLING_RATE, CLIP_S, SLOTS = 16000, 1.0, 4
-MAX_COUNT = 4  # both tasks answer 0-4: chance is 0.2, and only the media tell the count
+MAX_COUNT = 4  # both counting tasks answer 0-4: chance is 0.2, and only the media tell the count
+# The motion task: a texture of BLOCK-pixel squares slides STEP pixels per frame over FRAMES frames
+# at VIDEO_FPS in a SIDE-pixel square (one merged 2 x 2 group of 14-pixel patches per 28 pixels);
+# sampled at 2 fps, the model sees 4 frames (2 temporal patches). Directions: 0 left, 1 right, 2 up,
+# 3 down. (A lone moving dot is not learnt by this tiny model: telling where it is needs positions
+# its multimodal RoPE barely resolves; a sliding texture shows the motion in every patch.)
+SIDE, BLOCK, STEP, FRAMES, VIDEO_FPS = 56, 7, 2, 8, 4
+DIRECTIONS = ((-1, 0), (1, 0), (0, -1), (0, 1))
 COLOURS = [(220, 40, 40), (40, 160, 40), (40, 80, 220), (200, 160, 20), (160, 40, 180)]
 
 
@@ -123,6 +135,20 @@ def image_processor() -> Qwen2VLImageProcessorPil:
         patch_size=14, merge_size=2, temporal_patch_size=2, size={"shortest_edge": pixels, "longest_edge": pixels},
         image_mean=[0.5] * 3, image_std=[0.5] * 3,
     )  # fmt: skip
+
+
+def write_video_processor_config(folder: Path) -> None:
+    """The video processor's configuration (transformers' Qwen2VLVideoProcessor, which cannot be
+    built without torchvision): frames stay SIDE x SIDE, 2 frames per second."""
+    pixels = SIDE * SIDE
+    config = {
+        "video_processor_type": "Qwen2VLVideoProcessor", "processor_class": "Qwen2_5_VLProcessor",
+        "size": {"shortest_edge": pixels, "longest_edge": pixels}, "patch_size": 14, "temporal_patch_size": 2,
+        "merge_size": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3, "do_sample_frames": False, "fps": 2.0,
+        "cap_pixels_per_frame": False, "resample": 3, "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255,
+        "do_normalize": True, "do_convert_rgb": True,
+    }  # fmt: skip
+    (folder / "video_preprocessor_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def build_audio_model(tokenizer: PreTrainedTokenizerFast) -> Qwen2AudioForConditionalGeneration:
@@ -188,7 +214,31 @@ def synth_beeps(count: int, rng: random.Random) -> bytes:
     return out.getvalue()
 
 
-def write_task(folder: Path, kind: str, size: int, seed: int) -> Path:
+def draw_motion(direction: int, rng: random.Random, still: bool = False) -> bytes:
+    """An H.264 clip of a random texture of BLOCK-pixel squares sliding across the square in
+    `direction`, STEP pixels a frame; `still` holds one of its frames (chosen at random)
+    throughout. Every patch sees the motion and no single frame tells it."""
+    import av
+
+    dx, dy = DIRECTIONS[direction]
+    margin = STEP * (FRAMES - 1)
+    cells = -(-(SIDE + 2 * margin) // BLOCK)
+    gen = np.random.default_rng(rng.getrandbits(32))
+    texture = np.kron(gen.integers(0, 2, (cells, cells)) * 200 + 20, np.ones((BLOCK, BLOCK))).astype(np.uint8)
+    shown = [rng.randrange(FRAMES)] * FRAMES if still else list(range(FRAMES))
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=VIDEO_FPS, options={"crf": "12", "preset": "medium"})
+        stream.width, stream.height, stream.pix_fmt = SIDE, SIDE, "yuv420p"
+        for k in shown:
+            y, x = margin + dy * STEP * k, margin + dx * STEP * k
+            frame = np.repeat(texture[y : y + SIDE, x : x + SIDE, None], 3, axis=2)
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+    return buffer.getvalue()
+
+
+def write_task(folder: Path, kind: str, size: int, seed: int, still: bool = False) -> Path:
     """A dataset of `size` rows (counts spread evenly over 0..MAX_COUNT) with its media files."""
     rng = random.Random(seed)
     folder.mkdir(parents=True, exist_ok=True)
@@ -197,6 +247,10 @@ def write_task(folder: Path, kind: str, size: int, seed: int) -> Path:
         count = i % (MAX_COUNT + 1)
         if kind == "image":
             name, data, prompt = f"{i:04d}.png", draw_shapes(count, rng), "<image>how many shapes?"
+        elif kind == "video":
+            count = i % len(DIRECTIONS)
+            question = "<video>which way does it move? 0 left 1 right 2 up 3 down"
+            name, data, prompt = f"{i:04d}.mp4", draw_motion(count, rng, still), question
         else:
             name, data, prompt = f"{i:04d}.flac", synth_beeps(count, rng), "<audio>how many beeps?"
         (folder / name).write_bytes(data)
@@ -216,10 +270,10 @@ DATASET_SIZE = 200  # rows per task: 40 of each count
 WARMUP_STEPS = 30
 
 
-def format_warmup(folder: Path, dataset: Path, steps: int, rng: random.Random) -> float:
+def format_warmup(folder: Path, dataset: Path, steps: int, rng: random.Random, answers: int = 10) -> float:
     """Teach the answer format only, in place: the task's question without its picture or clip,
-    answered with a random digit and the end of the answer. Without the media (whose tokens would
-    then predict nothing), the model learns the format without learning to ignore them, and RL
+    answered with a random digit (of the first `answers`) and the end of the answer. Without the
+    media (whose tokens would then predict nothing), the model learns the format without learning to ignore them, and RL
     starts near chance. Returns the last step's loss."""
     from transformers import AutoModelForMultimodalLM
 
@@ -233,7 +287,7 @@ def format_warmup(folder: Path, dataset: Path, steps: int, rng: random.Random) -
     for marker in MARKERS.values():
         questions = {q.replace(marker, "") for q in questions}
     prompts = [processor.prompt_ids(PromptRow(0, q, "")) for q in sorted(questions)]
-    digits = [tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)]
+    digits = [tokenizer.convert_tokens_to_ids(str(d)) for d in range(answers)]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     loss = torch.zeros(())
     for _ in range(steps):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from relax_hpc.data.media import Kind
-from relax_hpc.data.processor import MediaProcessor, prompt_encoder, up_to_media_token
+from relax_hpc.data.processor import MediaProcessor, prompt_encoder, up_to_media_token, video_spec
 from relax_hpc.data.prompts import PromptRow, load_prompts
 from relax_hpc.engines.torch_engine import TorchEngine
 from relax_hpc.envs.base import Sampled, Trajectory
@@ -33,14 +33,18 @@ from tests.models.qwen3_family import build_qwen3_omni, build_qwen3_vl
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
 SHAPES, BEEPS = ASSETS / "shapes/shapes.jsonl", ASSETS / "beeps/beeps.jsonl"
+MOTION = ASSETS / "motion/motion.jsonl"
 # name -> (model folder or builder, dataset, media field, placeholder tokens per item)
 TASKS: dict[str, tuple[Path | Callable[[Path], Path], Path, str, int]] = {
     "qwen2.5-vl": (ASSETS / "tiny-qwen2.5-vl-shapes", SHAPES, "images", GRID * GRID),
     "qwen2-audio": (ASSETS / "tiny-qwen2-audio-beeps", BEEPS, "audios", 25),
+    # 4 frames of 56 x 56 (2 s at 2 fps): 2 temporal patches of 2 x 2 merged tokens
+    "qwen2.5-vl-video": (ASSETS / "tiny-qwen2.5-vl-motion", MOTION, "videos", 8),
     "qwen3-vl": (build_qwen3_vl, SHAPES, "images", 4),  # 64 x 64 pixels: 2 x 2 merged patches of 16
     "qwen3-omni-image": (build_qwen3_omni, SHAPES, "images", 4),
     "qwen3-omni-audio": (build_qwen3_omni, BEEPS, "audios", 13),  # 1 s: 100 frames, 13 tokens
 }
+KINDS: dict[str, Kind] = {"images": "image", "audios": "audio", "videos": "video"}
 COPIES, NEW_TOKENS = 2, 4
 
 
@@ -48,10 +52,10 @@ COPIES, NEW_TOKENS = 2, 4
 def task(request, tmp_path_factory) -> SimpleNamespace:
     source, data, field, tokens = TASKS[request.param]
     model = source if isinstance(source, Path) else source(tmp_path_factory.mktemp(request.param))
-    kind: Kind = "image" if field == "images" else "audio"
+    kind: Kind = KINDS[field]
     engine = TorchEngine(str(model), "float32")
     assert engine.processor is not None
-    rows = load_prompts(data, "prompt", "answer", {kind: field})[:2]
+    rows = load_prompts(data, "prompt", "answer", {kind: field}, video=video_spec(str(model)))[:2]
     marker = f"<{kind}>"
     rows += [
         PromptRow(2, f"{marker}count them all, please", "1", rows[0].media),  # a longer prompt, same item
@@ -109,6 +113,9 @@ def test_prompts_hold_one_placeholder_per_item_and_the_processor_expands_it(task
         assert processed.tensors["image_grid_thw"].tolist() == [[1, GRID * CELL // 14, GRID * CELL // 14]]
     elif task.kind == "audio":
         assert int(processed.tensors["feature_attention_mask"].sum()) == 100  # 10 ms frames of 1 s
+    elif task.kind == "video":  # 2 s of 8 frames at 4 fps, kept at 2 fps: 4 frames, 2 temporal patches
+        assert processed.tensors["video_grid_thw"].tolist() == [[2, 4, 4]]
+        assert processed.tensors["second_per_grid_ts"].tolist() == [1.0]
 
 
 def test_the_engine_answers_with_the_expanded_prompt(task):
@@ -175,7 +182,7 @@ def test_the_engine_refuses_media_it_cannot_read(task):
 
 def test_a_text_engine_refuses_media():
     engine = TorchEngine(str(ASSETS / "tiny-qwen3-addition"), "float32")
-    with pytest.raises(P.ProtocolError, match=r"is a text model: it takes no image_data or audio_data"):
+    with pytest.raises(P.ProtocolError, match=r"is a text model: it takes no image_data, audio_data or video_data"):
         engine.generate(P.GenerateReqInput(input_ids=[5, 6], image_data="data:image/png;base64,AA=="))
 
 
@@ -195,3 +202,23 @@ def test_the_engines_parameters_answer_to_the_checkpoints_names_too():
     with pytest.raises(KeyError):
         params["visual.no_such.weight"]
     assert list(params) == list(module) and len(params) == len(module)  # iterated by module name only
+
+
+def test_a_rank_without_media_trains_a_media_row_without_loss(task, tmp_path):
+    """FSDP gathers an encoder's shards in its forward: a rank whose share holds no media (here
+    the second of two ranks, with one group to share) must still run the encoders. It gets the
+    group's first row with its media and no loss; the first rank's share is the group as it is."""
+    _, outputs = generate(task)
+    groups = groups_of(task, outputs)[:1]
+    write_batch(tmp_path / "b.h5", to_sample_batch(0, groups), writer="test")
+    batch = read_batch(tmp_path / "b.h5")
+    pad = task.processor.tokenizer.pad_token_id
+    rows = list(range(batch.num_samples))
+    first, _ = share_of(batch, rows, 0, 2, pad, task.processor)
+    idle, _ = share_of(batch, rows, 1, 2, pad, task.processor)
+    assert first.num_samples == COPIES and first.loss_mask.any()
+    assert idle.num_samples == 1 and not idle.loss_mask.any()
+    assert torch.equal(idle.input_ids[0], first.input_ids[0])
+    assert idle.media[0].keys() == first.media[0].keys() and len(idle.media[0]) > 0
+    for key, value in idle.media[0].items():
+        assert torch.equal(value, first.media[0][key])
