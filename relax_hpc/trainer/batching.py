@@ -230,9 +230,9 @@ def share_of(
     groups = sorted(set(batch.group_ids[trained].tolist()))
     trained_rows = np.asarray(trained, dtype=np.int64)
     rows = trained_rows[np.isin(batch.group_ids[trained_rows], groups[rank::world])].tolist()
-    media, mismatched = _group_inputs(batch, rows, processor) if len(batch.media_kind) else ((), set())
+    media, mismatched = _group_inputs(batch, rows, processor) if len(batch.media_kind) else (None, set())
     kept = [k for k, i in enumerate(rows) if int(batch.group_ids[i]) not in mismatched]
-    rows, media = [rows[k] for k in kept], tuple(media[k] for k in kept) if media else ()
+    rows, media = [rows[k] for k in kept], None if media is None else tuple(media[k] for k in kept)
     stats = {
         "reward_sum": float(batch.rewards[trained].sum()),
         "num_samples": len(trained),
@@ -240,6 +240,13 @@ def share_of(
         "policy_versions": batch.policy_version[trained],
         "media_mismatched_groups": len(mismatched),
     }
+    idle = _idle_media_row(batch, trained_rows, groups, processor) if media is not None and not any(media) else None
+    if idle is not None:
+        # A rank whose share carries no media (fewer groups than ranks, or text-only groups) runs
+        # every encoder anyway: FSDP gathers an encoder's shards in its forward and reduces its
+        # gradients in the backward, collectives every rank must join. It adds a row with media,
+        # without loss (its loss mask cleared below).
+        rows, media = [*rows, idle[0]], (*(media or ()), idle[1])
     if not rows:
         # A rank without a group (fewer groups than ranks) trains a row without loss tokens: it
         # must still join every collective of the step.
@@ -257,7 +264,9 @@ def share_of(
     assert batch.reward_baseline is not None, "derived at construction"
     flat = Flat(batch.tokens, loss_mask, batch.rollout_logprobs, batch.offsets)
     picked = np.asarray(rows)
-    tb = padded(flat, picked, batch.rewards, batch.group_ids, batch.reward_baseline, pad_id, media)
+    tb = padded(flat, picked, batch.rewards, batch.group_ids, batch.reward_baseline, pad_id, media or ())
+    if idle is not None:
+        tb.loss_mask[-1] = 0
     if batch.routed_experts is not None:
         routed = flat.take(batch.routed_experts.astype(np.int64), flat.grid(picked), -1)
         tb.routed = routed.masked_fill(routed == np.iinfo(batch.routed_experts.dtype).max, -1)
@@ -265,6 +274,20 @@ def share_of(
         teacher = np.asarray(batch.teacher_logprobs, dtype=np.float32)
         tb.teacher_logprobs = flat.take(teacher, flat.grid(picked, shift=1), 0)
     return tb, stats
+
+
+def _idle_media_row(
+    batch: SampleBatch, trained: np.ndarray, groups: list[int], processor: MediaProcessor | None
+) -> tuple[int, dict[str, torch.Tensor]] | None:
+    """A trained row with media and its model inputs (the first group's that processes), or None."""
+    for group in groups:
+        if not batch.group_media(group):
+            continue
+        row = int(trained[batch.group_ids[trained] == group][0])
+        inputs, mismatched = _group_inputs(batch, [row], processor)
+        if not mismatched:
+            return row, inputs[0]
+    return None
 
 
 def _group_inputs(
