@@ -1,5 +1,5 @@
 """megatron's GPTModel with media encoders before its first layer: a vision tower
-(relax_hpc/models/megatron_vision.py: Qwen2.5-VL, Qwen3-VL), an audio encoder
+(relax_hpc/models/megatron_vision.py: Qwen2.5-VL, Qwen3-VL; pictures and, for Qwen2.5-VL, videos), an audio encoder
 (relax_hpc/models/megatron_audio.py: Qwen2-Audio), or both (the Qwen3-Omni thinker; one document
 may hold pictures and clips). Each encoder's embeddings replace the token
 embeddings at its placeholder tokens (any number per document of a packed micro-batch, in token
@@ -28,6 +28,7 @@ class MultimodalGPTModel(GPTModel):
         self.vision = vision_tower(hf_config) if arch.vision else None
         self.audio = AudioEncoder(hf_config) if arch.audio else None
         self.image_token_id = int(media.image_token_id) if arch.vision else -1
+        self.video_token_id = int(getattr(media, "video_token_id", -1)) if arch.vision else -1
         self.audio_token_id = int(media.audio_token_id) if arch.audio else -1
 
     def towers(self) -> list[torch.nn.Module]:
@@ -44,9 +45,12 @@ class MultimodalGPTModel(GPTModel):
         image_grid_thw: torch.Tensor | None = None,
         input_features: torch.Tensor | None = None,
         feature_attention_mask: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
+        second_per_grid_ts: torch.Tensor | None = None,  # positions only: in the mrope positions already
         **kwargs: Any,
     ) -> torch.Tensor:
-        if pixel_values is None and input_features is None:
+        if pixel_values is None and input_features is None and pixel_values_videos is None:
             return super().forward(input_ids, position_ids, attention_mask, decoder_input=decoder_input, **kwargs)
         if decoder_input is not None:
             raise ValueError("MultimodalGPTModel: pass media or decoder_input, not both")
@@ -54,6 +58,10 @@ class MultimodalGPTModel(GPTModel):
         hooks: list[Any] = []
         if pixel_values is not None:
             embeds, hooks = self._images(input_ids, embeds, pixel_values, image_grid_thw)
+        if pixel_values_videos is not None:
+            # a video is the tower's input as a picture is, its frames in temporal patches
+            embeds, video_hooks = self._images(input_ids, embeds, pixel_values_videos, video_grid_thw, "video")
+            hooks += video_hooks
         if input_features is not None:
             embeds = self._audio(input_ids, embeds, input_features, feature_attention_mask)
         try:
@@ -63,16 +71,22 @@ class MultimodalGPTModel(GPTModel):
                 hook.remove()
 
     def _images(
-        self, input_ids: torch.Tensor, embeds: torch.Tensor, pixel_values: torch.Tensor, grid: torch.Tensor | None
+        self,
+        input_ids: torch.Tensor,
+        embeds: torch.Tensor,
+        pixel_values: torch.Tensor,
+        grid: torch.Tensor | None,
+        kind: str = "image",
     ) -> tuple[torch.Tensor, list[Any]]:
-        """The embeddings with the tower's at the image tokens, and the forward hooks that add
-        Qwen3-VL's DeepStack features to the first layers' outputs (removed after the forward)."""
+        """The embeddings with the tower's at the image (video) tokens, and the forward hooks that
+        add Qwen3-VL's DeepStack features to the first layers' outputs (removed after the forward)."""
         if self.vision is None:
-            raise ValueError("MultimodalGPTModel: images for a model without a vision tower")
+            raise ValueError(f"MultimodalGPTModel: {kind}s for a model without a vision tower")
         if grid is None:
-            raise ValueError("MultimodalGPTModel: pixel_values need image_grid_thw")
+            raise ValueError(f"MultimodalGPTModel: {kind} pixel values need their {kind}_grid_thw")
         out = self.vision(pixel_values.to(embeds.dtype), grid_thw=grid)
-        slots = _slots(input_ids, self.image_token_id, out.pooler_output, "image")
+        token_id = self.video_token_id if kind == "video" else self.image_token_id
+        slots = _slots(input_ids, token_id, out.pooler_output, kind)
         deepstack = getattr(out, "deepstack_features", None) or []  # Qwen3-VL: one per first layers
         hooks = [
             layer.register_forward_hook(functools.partial(_add_deepstack, slots=slots, features=features))

@@ -202,7 +202,7 @@ class MegatronBackend:
         # On the CPU: transformers' rope index is per-sample Python over small tensors (on the GPU
         # each of its steps would sync), and its inputs must share one device (a batch on the CPU
         # with grids on the GPU failed on the H200). Only the result travels.
-        keys = ("image_grid_thw", "feature_attention_mask")
+        keys = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts", "feature_attention_mask")
         layout = [{k: m[k].cpu() for k in keys if k in m} for m in batch.media]
         cpu = (batch.input_ids.cpu(), batch.attention_mask.cpu())
         return mrope_positions(self.rope_index, *cpu, concat_inputs(layout)).to(self.device)

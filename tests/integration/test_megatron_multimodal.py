@@ -82,6 +82,7 @@ MEGATRON = [
 
 
 AUDIO = REPO / "assets/tiny-qwen2-audio-beeps"
+VIDEO_MODEL = REPO / "assets/tiny-qwen2.5-vl-motion"
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,11 @@ SOUND = Media(
     "audio", "tiny-audio-grpo.yaml", "<audio>", tuple(REPO / f"assets/beeps/{i:04d}.flac" for i in range(3)),
     ("audio_tower.",), ("audio.audio_tower.",), "input_features", "audio_tower.layers.0.self_attn",
 )  # fmt: skip
+# The tiny Qwen2.5-VL of the motion task: videos (8 frames at 4 fps, kept at 2 fps: 4 frames)
+MOTION = Media(
+    "video", "tiny-video-grpo.yaml", "<video>", tuple(REPO / f"assets/motion/{i:04d}.mp4" for i in range(3)),
+    ("visual.",), ("vision.",), "pixel_values_videos", "visual.blocks.0.attn",
+)  # fmt: skip
 # The Qwen3-Omni thinker: pictures and clips, one row with both (its batch: _batch).
 OMNI = Media(
     "image", "tiny-vision-grpo.yaml", "<image>", VISION.items, ("visual.", "audio_tower."),
@@ -116,6 +122,8 @@ OMNI = Media(
 def media_of(model: Path) -> Media:
     if model == AUDIO:
         return SOUND
+    if model == VIDEO_MODEL:
+        return MOTION
     return OMNI if model.name.startswith("qwen3-omni") else VISION
 
 
@@ -133,12 +141,14 @@ def model_folder(name: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
         return REPO / "assets/tiny-qwen2.5-vl-shapes"
     if name == "qwen2-audio":
         return AUDIO
+    if name == "qwen2.5-vl-video":
+        return VIDEO_MODEL
     if name == "qwen3-omni":
         return build_qwen3_omni(tmp_path_factory.mktemp("qwen3-omni"))
     return build_qwen3_vl(tmp_path_factory.mktemp("qwen3-vl"))
 
 
-@pytest.fixture(scope="module", params=["qwen2.5-vl", "qwen3-vl", "qwen2-audio", "qwen3-omni"])
+@pytest.fixture(scope="module", params=["qwen2.5-vl", "qwen3-vl", "qwen2-audio", "qwen3-omni", "qwen2.5-vl-video"])
 def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return model_folder(request.param, tmp_path_factory)
 
@@ -167,7 +177,7 @@ def _batch(model: Path) -> TrainBatch:
     lengths, completions of 2 to 5 tokens."""
     processor, spec = MediaProcessor(str(model)), media_of(model)
     items: list[tuple[MediaKind, bytes]] = [(spec.kind, path.read_bytes()) for path in spec.items]
-    other = _wide_picture() if spec.kind == "image" else _short_clip()
+    other = {"image": _wide_picture, "audio": _short_clip, "video": _wide_video}[spec.kind]()
     mark = spec.placeholder
     prompts: list[tuple[str, list[tuple[MediaKind, bytes]]]] = [
         (f"{mark}how many?", items[:1]),
@@ -197,6 +207,23 @@ def _wide_picture() -> bytes:
     ImageDraw.Draw(image).rectangle([30, 4, 80, 24], fill=(200, 40, 40))
     out = io.BytesIO()
     image.save(out, format="PNG")
+    return out.getvalue()
+
+
+def _wide_video() -> bytes:
+    """3 s at 2 fps of a bar crossing a 112 x 28 strip: 6 frames, 3 temporal patches of a 1 x 4
+    grid of merged tokens, where the motion clips give 2 of 2 x 2."""
+    import av
+
+    out = io.BytesIO()
+    with av.open(out, "w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=2, options={"crf": "18"})
+        stream.width, stream.height, stream.pix_fmt = 112, 28, "yuv420p"
+        for k in range(6):
+            image = Image.new("RGB", (112, 28), (255, 255, 255))
+            ImageDraw.Draw(image).rectangle([10 + 15 * k, 4, 25 + 15 * k, 24], fill=(40, 40, 200))
+            container.mux(stream.encode(av.VideoFrame.from_image(image)))
+        container.mux(stream.encode())
     return out.getvalue()
 
 
