@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import json
 import logging
 import os
 import shlex
@@ -42,6 +43,7 @@ from pathlib import Path
 from relax_hpc import fence
 from relax_hpc.config.load import read_frozen
 from relax_hpc.config.schema import JobConfig
+from relax_hpc.data.processor import video_spec
 from relax_hpc.paths import RunPaths
 from relax_hpc.protocol.client import EngineClient, EngineRequestError, EngineUnavailable
 from relax_hpc.protocol.registry import EngineRecord, remove_record, write_record
@@ -85,6 +87,10 @@ def server_args(
         argv.append("--enable-memory-saver")  # /release_memory_occupation frees nothing without it
     if cfg.algo.off_policy.routing_replay and pool == "policy":
         argv.append("--enable-return-routed-experts")  # without it the routing is silently absent
+    if "video" in cfg.data.media and pool == "policy" and (video := video_spec(str(model))) is not None:
+        # SGLang samples and sizes videos by its own constants unless told the model's: the same
+        # rule then keeps every frame of the driver's canonical clips as they are (relax_hpc.data.video)
+        argv += ["--mm-process-config", json.dumps({"video": video.sglang_config()})]
     if cfg.lora_adapters and cfg.trainer.lora is not None and pool == "policy":
         # The adapters come later (/load_lora_adapter, relax_hpc.weights.adapters): the server
         # reserves their rank and modules now. None at start: version 0 is the base model.

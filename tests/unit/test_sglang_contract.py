@@ -44,6 +44,7 @@ import pytest
 import torch
 
 from relax_hpc.config import load_config
+from relax_hpc.data.processor import video_spec
 from relax_hpc.data.prompts import PromptRow, load_prompts
 from relax_hpc.engines.sglang_engine import server_args
 from relax_hpc.engines.torch_engine import _ACTIONS
@@ -175,18 +176,23 @@ def teacher_request() -> P.GenerateReqInput:
 
 def media_requests(sampling: dict[str, Any]) -> list[P.GenerateReqInput]:
     """The driver's requests for rows with images, with audio, and for a batch mixing rows with
-    and without media, built from the shipped datasets."""
+    and without media (a video's canonical clip among them), built from the shipped datasets."""
     images = load_prompts(REPO / "assets/shapes/shapes.jsonl", "prompt", "answer", {"image": "images"})[:2]
     audios = load_prompts(REPO / "assets/beeps/beeps.jsonl", "prompt", "answer", {"audio": "audios"})[:2]
-    both = [*images, audios[0], PromptRow(9, "text only", "1")]
+    motion = str(REPO / "assets/tiny-qwen2.5-vl-motion")
+    videos = load_prompts(
+        REPO / "assets/motion/motion.jsonl", "prompt", "answer", {"video": "videos"}, video=video_spec(motion)
+    )[:1]  # fmt: skip
+    both = [*images, audios[0], videos[0], PromptRow(9, "text only", "1")]
     requests = []
-    for rows, indices in ((images, [0, 0, 1, 1]), (audios, [0, 1]), (both, [0, 2, 3, 3])):
+    for rows, indices in ((images, [0, 0, 1, 1]), (audios, [0, 1]), (both, [0, 2, 3, 4, 4])):
         calls = [
             GenerateCall([5, 6, 7], {**sampling, "sampling_seed": k}, [(r.kind, r.read()) for r in rows[i].media])
             for k, i in enumerate(indices)
         ]
         requests.append(policy_request(calls))
     assert all(r.return_prompt_token_ids for r in requests) and requests[2].image_data and requests[2].audio_data
+    assert requests[2].video_data and requests[2].video_data[2][0].startswith("data:video/x-msvideo;base64,")
     return requests
 
 
@@ -437,8 +443,10 @@ class _Parser(argparse.ArgumentParser):
          "rollout.sglang.extra_args=[--attention-backend, fa3, --cuda-graph-max-bs-decode, '256']"],
         ["launch.colocate=true", "rollout.max_staleness=0", "algo.off_policy.routing_replay=true"],
         ["trainer.lora.rank=4", "trainer.lora.target_modules=[q_proj,v_proj,down_proj]"],
+        ["model.path=assets/tiny-qwen2.5-vl-motion", "data.path=assets/motion/motion.jsonl",
+         "data.media={video: videos}"],
     ],
-    ids=["defaults", "everything", "colocated", "lora"],
+    ids=["defaults", "everything", "colocated", "lora", "video"],
 )  # fmt: skip
 def test_launch_server_arguments_are_server_args(sglang, overrides):
     import msgspec
@@ -466,6 +474,9 @@ def test_launch_server_arguments_are_server_args(sglang, overrides):
     lora = cfg.trainer.lora  # adapter sync: the server reserves the adapters' rank and modules
     served = (True, lora.rank, lora.target_modules) if lora is not None else (None, None, None)
     assert (parsed.enable_lora, parsed.max_lora_rank, parsed.lora_target_modules) == served
+    # videos: SGLang's sampling told the model's rate and pixel bounds (the tiny model's 56 x 56)
+    video = {"video": {"fps": 2.0, "min_pixels": 3136, "max_pixels": 3136}} if cfg.data.media else None
+    assert parsed.mm_process_config == video
 
 
 def test_sglang_serves_adapters_as_adapter_sync_expects(sglang):
