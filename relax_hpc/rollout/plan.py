@@ -100,8 +100,12 @@ class BatchPlan:
 def to_sample_batch(seq: int, groups: list[Group]) -> SampleBatch:
     """The groups' trajectories as one spool batch: prompt then the trajectory's tokens, with its
     loss mask, log-probabilities and per-token versions; a sample's policy version is the oldest
-    of its sampled tokens (what staleness is judged by)."""
+    of its sampled tokens (what staleness is judged by). A sample without one (its completion cut
+    before a media token it sampled first) has nothing to age: it takes the batch's newest version.
+    Version 0 made its whole group stale, and a batch of such groups, trained by nothing, stalled
+    the driver at its staleness bound (the motion task's seed 2, at step 81)."""
     samples = [(grp, t, r) for grp in groups for t, r in zip(grp.trajectories, grp.rewards, strict=True)]
+    newest = max((v for _, t, _ in samples for v in t.versions if v >= 0), default=0)
     return SampleBatch.from_samples(
         seq=seq,
         sequences=[t.prompt_ids + t.tokens for _, t, _ in samples],
@@ -109,7 +113,7 @@ def to_sample_batch(seq: int, groups: list[Group]) -> SampleBatch:
         logprobs=[t.logprobs for _, t, _ in samples],
         rewards=[r for _, _, r in samples],
         group_ids=[grp.group_id for grp, _, _ in samples],
-        policy_version=[min((v for v in t.versions if v >= 0), default=0) for _, t, _ in samples],
+        policy_version=[min((v for v in t.versions if v >= 0), default=newest) for _, t, _ in samples],
         prompt_index=[grp.prompt_index for grp, _, _ in samples],
         media={grp.group_id: grp.trajectories[0].media for grp in groups if grp.trajectories[0].media},
         loss_masks=[t.loss_mask for _, t, _ in samples],

@@ -19,12 +19,13 @@ from relax_hpc.envs import load_env
 from relax_hpc.envs.base import EnvError, Sampled, Trajectory
 from relax_hpc.envs.calculator import Calculator, tool_output
 from relax_hpc.envs.context import Batcher, EpisodeContext, GenerateCall, call_seed, run_episodes
-from relax_hpc.exchange.spool import read_batch, write_batch
+from relax_hpc.exchange.spool import BatchHeader, read_batch, write_batch
 from relax_hpc.inprocess import LocalPolicy
 from relax_hpc.rewards import make_scorer
 from relax_hpc.rollout.plan import Group, to_sample_batch
 from relax_hpc.rollout.rounds import Rounds
 from relax_hpc.trainer.batching import share_of
+from relax_hpc.trainer.claims import fresh_samples
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = REPO / "assets" / "tiny-qwen3-calculator"
@@ -207,3 +208,15 @@ def test_the_calculator_appends_the_tools_output_and_scores_the_answer(policy):
     stats = rounds.take_stats()
     assert calls > 0 and stats["env_tool_calls"] == calls / 16 and 0 < stats["masked_token_share"] < 1
     assert json.dumps(stats)  # plain numbers for rollout.jsonl
+
+
+def test_a_sample_without_sampled_tokens_takes_the_batchs_newest_version():
+    """Its completion was cut before the media token it sampled first: it has no token to age.
+    At version 0 it made its whole group stale for the trainer (and a batch of such groups stalled
+    the run); at the batch's newest version its group trains."""
+    sampled = Trajectory([5, 6]).add_sampled(Sampled([7, 8], [-0.1, -0.2], [4, 5], "stop", "", None))
+    cut = Trajectory([5, 6]).add_sampled(Sampled([], [], [], "stop", "", None))
+    batch = to_sample_batch(6, [Group(1, 0, [sampled, cut], [1.0, 0.0])])
+    assert batch.policy_version.tolist() == [4, 5]
+    header = BatchHeader(batch.seq, batch.group_ids, batch.policy_version, batch.rewards, batch.newest_version)
+    assert fresh_samples(header, version=6, max_staleness=2) == ([0, 1], [])
