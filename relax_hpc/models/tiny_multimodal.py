@@ -222,16 +222,19 @@ def draw_motion(direction: int, rng: random.Random, still: bool = False) -> byte
 
     dx, dy = DIRECTIONS[direction]
     margin = STEP * (FRAMES - 1)
-    cells = -(-(SIDE + 2 * margin) // BLOCK)
+    cells = -(-(SIDE + 2 * margin + BLOCK) // BLOCK)
     gen = np.random.default_rng(rng.getrandbits(32))
     texture = np.kron(gen.integers(0, 2, (cells, cells)) * 200 + 20, np.ones((BLOCK, BLOCK))).astype(np.uint8)
+    # where the blocks' edges fall in a frame, at random on both axes: else a frame's block phase
+    # would tell the axis of motion (a still baseline reached 0.5 that way)
+    phase = (rng.randrange(BLOCK), rng.randrange(BLOCK))
     shown = [rng.randrange(FRAMES)] * FRAMES if still else list(range(FRAMES))
     buffer = io.BytesIO()
     with av.open(buffer, "w", format="mp4") as container:
         stream = container.add_stream("libx264", rate=VIDEO_FPS, options={"crf": "12", "preset": "medium"})
         stream.width, stream.height, stream.pix_fmt = SIDE, SIDE, "yuv420p"
         for k in shown:
-            y, x = margin + dy * STEP * k, margin + dx * STEP * k
+            y, x = margin + phase[0] + dy * STEP * k, margin + phase[1] + dx * STEP * k
             frame = np.repeat(texture[y : y + SIDE, x : x + SIDE, None], 3, axis=2)
             container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         container.mux(stream.encode())
