@@ -111,16 +111,18 @@ def time_it(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
-def processor_vs_forward(model_path: Path, px: int, repeat: int) -> dict:
+def processor_vs_forward(
+    model_path: Path, prompt: str, media: list[tuple[Kind, bytes]], completion: int, repeat: int
+) -> dict:
+    """The processor's time per sample (decode, resize, patchify, expand) against the model's
+    forward over the same sample, `prompt` with `media` and a `completion`-token answer."""
     from relax_hpc.models.hf import load_policy
 
     processor = MediaProcessor(str(model_path))
     model = load_policy(str(model_path), torch.float32).eval()
-    row = PromptRow(0, "<image>what is in the picture? answer in one word.", "", ())
-    ids = processor.prompt_ids(row)
-    media = [("image", photo(px, 1))]
-    processed = processor.process(ids, media)  # type: ignore[arg-type]  # a literal kind
-    input_ids = torch.tensor([processed.input_ids + [7] * 64])  # and a 64-token completion
+    ids = processor.prompt_ids(PromptRow(0, prompt, "", ()))
+    processed = processor.process(ids, media)
+    input_ids = torch.tensor([processed.input_ids + [7] * completion])
     mask = torch.ones_like(input_ids)
 
     @torch.no_grad()
@@ -129,15 +131,22 @@ def processor_vs_forward(model_path: Path, px: int, repeat: int) -> dict:
         rope = rope_positions(model, input_ids, mask, inputs)
         model(input_ids=input_ids, attention_mask=mask, position_ids=rope[0] if rope else None, **inputs)
 
-    process_s = time_it(lambda: processor.process(ids, media), repeat)  # type: ignore[arg-type]  # a literal kind
+    process_s = time_it(lambda: processor.process(ids, media), repeat)
     forward_s = time_it(forward, repeat)
+    kind = media[0][0]
     return {
         "tokens": int(input_ids.shape[1]),
-        "image_tokens": processed.input_ids.count(processor.placeholders["image"]),
+        f"{kind}_tokens": processed.input_ids.count(processor.placeholders[kind]),
         "processor_ms": round(process_s * 1000, 2),
         "forward_ms": round(forward_s * 1000, 2),
         "processor_over_forward": process_s / forward_s,
     }
+
+
+def picture_vs_forward(model_path: Path, px: int, repeat: int) -> dict:
+    """A photo-like picture of `px` x `px` and a 64-token answer."""
+    prompt = "<image>what is in the picture? answer in one word."
+    return processor_vs_forward(model_path, prompt, [("image", photo(px, 1))], 64, repeat)
 
 
 def engine_throughput(prompts: int, repeat: int) -> dict:
@@ -180,8 +189,8 @@ def main() -> None:
         folder = Path(tmp)
         result = {
             "spool": spool_bytes(folder, args.groups, args.group_size, args.image_px),
-            "processor_tiny": processor_vs_forward(TINY_VL, tm.CELL * tm.GRID, args.repeat),
-            "processor_small": processor_vs_forward(small_vl(folder / "small"), args.image_px, args.repeat),
+            "processor_tiny": picture_vs_forward(TINY_VL, tm.CELL * tm.GRID, args.repeat),
+            "processor_small": picture_vs_forward(small_vl(folder / "small"), args.image_px, args.repeat),
             "engine": engine_throughput(args.prompts, args.repeat),
             "torch_threads": torch.get_num_threads(),
         }

@@ -1,0 +1,170 @@
+"""Video: what the motion task takes to learn, and what videos cost, each against its baseline
+measured in the same run.
+
+    python tools/bench/video.py learn [--seeds 0 1 2] [--steps 250] [--cores-per-run 2]
+    python tools/bench/video.py cost [--repeat 3]
+
+- learn: configs/tiny-video-grpo.yaml for each seed, and its still twin (assets/motion-still: one
+  frame held, the same questions) as the baseline that must stay near chance (0.25). Runs go side
+  by side when the machine has `cores-per-run` cores for each (each pinned to its own cores with
+  taskset), else one after another. Per run: the first step whose 10-step mean reward reaches
+  0.7, the seconds from the command to that step, and the last 10 steps' mean.
+- cost: spool bytes per sample of the canonical clip stored once per group (what the spool does)
+  against once per sample, and against the source file, for the motion task's clips and a
+  photo-like 448 x 448 one; the processor's time per sample (decode the clip, patch its frames,
+  expand the placeholder: what every trainer rank does once per group) against the tiny model's
+  forward pass over the same sample.
+
+Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from multimodal import processor_vs_forward  # a sibling script (tools/bench is no package)
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "configs/tiny-video-grpo.yaml"
+MODEL = REPO / "assets/tiny-qwen2.5-vl-motion"
+LEVEL, CHANCE = 0.7, 0.25
+QUESTION = "<video>which way does it move? 0 left 1 right 2 up 3 down"
+
+
+def learn(seeds: list[int], steps: int, cores_per_run: int, out: Path, still: bool = True) -> dict[str, Any]:
+    runs = [(f"seed{s}", s, "assets/motion/motion.jsonl") for s in seeds]
+    if still:
+        runs.append(("still", seeds[0], "assets/motion-still/motion-still.jsonl"))
+    cores = sorted(os.sched_getaffinity(0))
+    parallel = len(cores) >= cores_per_run * len(runs)
+    started: dict[str, tuple[float, subprocess.Popen[bytes]]] = {}
+    results = {}
+    for k, (name, seed, data) in enumerate(runs):
+        pin = (
+            ["taskset", "-c", ",".join(map(str, cores[k * cores_per_run : (k + 1) * cores_per_run]))]
+            if parallel
+            else []
+        )
+        command = [
+            *pin, sys.executable, "-m", "relax_hpc.submit", "--config", str(CONFIG), f"run.dir={out / name}",
+            f"run.seed={seed}", f"data.path={data}", f"trainer.total_steps={steps}", "rollout.eval_every=0",
+        ]  # fmt: skip
+        log = (out / f"{name}.log").open("wb")
+        started[name] = (time.time(), subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
+        if not parallel:
+            results[name] = _finish(name, *started[name], out)
+    for name, (start, process) in started.items():
+        if name not in results:
+            results[name] = _finish(name, start, process, out)
+    return {"parallel": parallel, "cores_per_run": cores_per_run, "level": LEVEL, "chance": CHANCE, "runs": results}
+
+
+def _finish(name: str, start: float, process: subprocess.Popen[bytes], out: Path) -> dict[str, Any]:
+    code = process.wait()
+    records = [json.loads(line) for line in (out / name / "metrics/train.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "reward" in r]
+    rewards = [r["reward"] for r in steps]
+    reached = next((i for i in range(10, len(rewards) + 1) if np.mean(rewards[i - 10 : i]) >= LEVEL), None)
+    return {
+        "exit": code,
+        "steps": len(rewards),
+        "first10": round(float(np.mean(rewards[:10])), 3),
+        "last10": round(float(np.mean(rewards[-10:])), 3),
+        "best10": round(max(float(np.mean(rewards[i - 10 : i])) for i in range(10, len(rewards) + 1)), 3),
+        "step_at_level": reached,
+        "s_to_level": None if reached is None else round(steps[reached - 1]["time"] - start, 1),
+        "s_total": round(time.time() - start, 1),
+    }
+
+
+def photo_video(side: int, frames: int, fps: int) -> bytes:
+    """An H.264 clip that compresses like camera footage: smooth shapes drifting, sensor noise."""
+    import av
+
+    rng = np.random.default_rng(0)
+    y, x = np.mgrid[0:side, 0:side] / side
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=fps, options={"crf": "23"})
+        stream.width, stream.height, stream.pix_fmt = side, side, "yuv420p"
+        for k in range(frames):
+            t = k / fps
+            base = np.stack([np.sin(6 * x + t), np.cos(5 * y - t), x * y], axis=-1)
+            pixels = np.clip((base * 0.5 + 0.5) * 255 + rng.normal(0, 8, (side, side, 3)), 0, 255).astype(np.uint8)
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
+        container.mux(stream.encode())
+    return buffer.getvalue()
+
+
+def spool_bytes(source: bytes, spec: Any, group_size: int, folder: Path) -> dict[str, Any]:
+    from relax_hpc.data.video import canonical
+    from relax_hpc.exchange.spool import SampleBatch, write_batch
+
+    clip = canonical(source, spec)
+    n = 4 * group_size  # four groups
+    sizes = {}
+    for name, per_sample in (("per_group", False), ("per_sample", True)):
+        group_ids = list(range(n)) if per_sample else [i // group_size for i in range(n)]
+        batch = SampleBatch.from_samples(
+            seq=0, sequences=[[5] * 100 + [7] * 20] * n, prompt_lens=[100] * n, logprobs=[[-0.5] * 20] * n,
+            rewards=[0.0] * n, group_ids=group_ids, policy_version=[0] * n, prompt_index=group_ids,
+            media={g: [("video", clip)] for g in set(group_ids)},
+        )  # fmt: skip
+        path = folder / f"{name}.h5"
+        write_batch(path, batch, writer="bench")
+        sizes[name] = path.stat().st_size / n
+    return {
+        "source_bytes": len(source),
+        "canonical_bytes": len(clip),
+        "bytes_per_sample_per_group": round(sizes["per_group"]),
+        "bytes_per_sample_per_sample": round(sizes["per_sample"]),
+        "ratio": round(sizes["per_sample"] / sizes["per_group"], 2),
+    }
+
+
+def cost(repeat: int) -> dict[str, Any]:
+    from relax_hpc.data.video import VideoSpec, canonical
+
+    motion = (REPO / "assets/motion/0000.mp4").read_bytes()
+    spec = VideoSpec.from_folder(str(MODEL))
+    photo = photo_video(448, 240, 24)  # 10 s at 24 fps: 20 frames kept
+    with tempfile.TemporaryDirectory() as tmp:
+        return {
+            "spool_motion": spool_bytes(motion, spec, 8, Path(tmp)),
+            "spool_photo_448": spool_bytes(photo, VideoSpec(), 8, Path(tmp)),
+            "processor_motion": processor_vs_forward(MODEL, QUESTION, [("video", canonical(motion, spec))], 2, repeat),
+        }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python tools/bench/video.py", description=__doc__.splitlines()[0])
+    parser.add_argument("part", choices=["learn", "cost"])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=250)
+    parser.add_argument("--cores-per-run", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=None, help="learn: where the runs go (a temporary folder)")
+    parser.add_argument("--no-still", action="store_true", help="learn: leave out the still baseline")
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    if args.part == "cost":
+        print(json.dumps(cost(args.repeat), indent=1))
+        return
+    out = args.out or Path(tempfile.mkdtemp(prefix="video-bench-"))
+    out.mkdir(parents=True, exist_ok=True)
+    print(json.dumps(learn(args.seeds, args.steps, args.cores_per_run, out, not args.no_still), indent=1))
+
+
+if __name__ == "__main__":
+    main()
