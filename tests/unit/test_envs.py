@@ -218,5 +218,6 @@ def test_a_sample_without_sampled_tokens_takes_the_batchs_newest_version():
     cut = Trajectory([5, 6]).add_sampled(Sampled([], [], [], "stop", "", None))
     batch = to_sample_batch(6, [Group(1, 0, [sampled, cut], [1.0, 0.0])])
     assert batch.policy_version.tolist() == [4, 5]
+    assert batch.newest_version is not None, "derived at construction"
     header = BatchHeader(batch.seq, batch.group_ids, batch.policy_version, batch.rewards, batch.newest_version)
     assert fresh_samples(header, version=6, max_staleness=2) == ([0, 1], [])
