@@ -83,10 +83,12 @@ def test_a_prompt_without_markers_gets_its_items_before_the_text(tmp_path):
         ({"prompt": "<image>?", "images": ["a.png"], "audios": ["c.wav"]}, r"0 audio placeholder\(s\) but the row gives 1"),  # noqa: E501
         ({"prompt": "<image>?", "images": ["missing.png"]}, r"image file .*missing.png does not exist"),
         ({"prompt": "<image>?", "images": [3]}, r"field 'images' \(data.media.image\) must hold a path or a list"),
-        ({"prompt": [{"role": "user", "content": [{"type": "video"}]}]}, r"content is a string or a list of parts"),
+        ({"prompt": [{"role": "user", "content": [{"type": "gif"}]}]}, r"content is a string or a list of parts"),
+        ({"prompt": "<video>which way?"}, r"1 video placeholder\(s\) but the row gives 0 video"),
         ({"prompt": [{"content": "hi"}]}, r"a chat message needs a 'role' and a 'content'"),
     ],
-    ids=["too-few-items", "item-without-place", "missing-file", "not-a-path", "unknown-part", "no-role"],
+    ids=["too-few-items", "item-without-place", "missing-file", "not-a-path", "unknown-part", "video-without-item",
+         "no-role"],
 )  # fmt: skip
 def test_defective_rows_are_named_with_their_line(tmp_path, row, message):
     path = dataset(tmp_path, {"prompt": "fine", "answer": "1"}, {**row, "answer": "1"})
