@@ -141,7 +141,7 @@ def check(ref: MediaRef, sampling_rate: int | None) -> None:
     data = ref.read()
     if ref.kind == "image":
         decode_image(data)
-    elif ref.kind == "video":
+    elif ref.kind == "video" and ref.video is None:  # with a spec, read() decoded and sampled it already
         decode_video(data)
     elif sampling_rate is not None:
         decode_audio(data, sampling_rate)

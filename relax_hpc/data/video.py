@@ -155,19 +155,20 @@ def frame_size(height: int, width: int, frames: int, spec: VideoSpec) -> tuple[i
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: float, max_pixels: float) -> tuple[int, int]:
     """Sides that are multiples of `factor`, with the area within the bounds and the aspect
-    ratio kept as closely as that allows (the Qwen-VL rule, as SGLang and transformers write it)."""
+    ratio kept as closely as that allows: SGLang 0.5.23's rule for videos (it differs from
+    transformers' at the edges: at least `factor` before the bounds apply, no floor after)."""
     if max(height, width) / min(height, width) > MAX_ASPECT:
         raise VideoError(f"frames of {width}x{height}: the aspect ratio is over {MAX_ASPECT}")
     h_bar = max(factor, round(height / factor) * factor)
     w_bar = max(factor, round(width / factor) * factor)
     if h_bar * w_bar > max_pixels:
         beta = math.sqrt(height * width / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+        h_bar, w_bar = math.floor(height / beta / factor) * factor, math.floor(width / beta / factor) * factor
     elif h_bar * w_bar < min_pixels:
         beta = math.sqrt(min_pixels / (height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
+        h_bar, w_bar = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    if not (h_bar and w_bar):
+        raise VideoError(f"frames of {width}x{height} size to nothing within {max_pixels:g} pixels")
     return h_bar, w_bar
 
 
@@ -249,9 +250,11 @@ class VideoPatcher:
         size already fits."""
         import torch
 
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
+
         height, width = frames.shape[-2:]
         spec = self.spec
-        size = smart_resize(height, width, spec.factor, spec.min_pixels, spec.max_pixels)
+        size = hf_smart_resize(height, width, spec.factor, spec.min_pixels, spec.max_pixels)
         if size == (height, width):
             return frames
         return torch.nn.functional.interpolate(frames, size=size, mode="bicubic", align_corners=False, antialias=True)

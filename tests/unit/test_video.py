@@ -104,7 +104,14 @@ def test_frame_counts_and_sizes_are_sglangs(qwen_vl):
     spec = V.VideoSpec()
     for total, fps in ((8, 4.0), (300, 30.0), (175, 24.0), (3, 30.0), (2000, 30.0), (13, 2.0), (5, 1.0)):
         assert V.frame_count(total, fps, spec) == qwen_vl.smart_nframes({}, total, fps), (total, fps)
-    for height, width, frames in ((56, 56, 4), (480, 640, 20), (1080, 1920, 400), (33, 999, 8), (720, 1280, 768)):
+    for height, width, frames in (
+        (56, 56, 4),
+        (480, 640, 20),
+        (1080, 1920, 400),
+        (33, 999, 8),
+        (720, 1280, 768),
+        (10, 1000, 4),
+    ):
         max_pixels = max(
             min(qwen_vl.VIDEO_MAX_PIXELS, qwen_vl.VIDEO_TOTAL_PIXELS / frames * qwen_vl.FRAME_FACTOR),
             int(qwen_vl.VIDEO_MIN_PIXELS * 1.05),
