@@ -249,7 +249,6 @@ class VideoPatcher:
         bounds, bicubic with antialias on uint8 (torchvision's CPU path); unchanged when the
         size already fits."""
         import torch
-
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
 
         height, width = frames.shape[-2:]
