@@ -26,7 +26,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 from relax_hpc.config.load import load_config
 from relax_hpc.config.schema import JobConfig
 from relax_hpc.data.processor import MediaProcessor, media_processor, prompt_encoder, up_to_media_token, video_spec
-from relax_hpc.data.prompts import load_prompts
+from relax_hpc.data.prompts import load_data
 from relax_hpc.engines.sampling import SamplingSpec, sample
 from relax_hpc.envs.base import Sampled
 from relax_hpc.envs.context import GenerateCall
@@ -123,8 +123,8 @@ class InProcessRun:
         self.cfg = cfg
         self.tokenizer = PreTrainedTokenizerFast.from_pretrained(cfg.model.path)
         self.processor = media_processor(cfg.model.path)
-        d = cfg.data
-        self.rows = load_prompts(d.path, d.prompt_key, d.answer_key, d.media, video=video_spec(cfg.model.path))
+        video = video_spec(cfg.model.path)
+        self.rows = load_data(cfg.data, video)
         encode = prompt_encoder(cfg.model.path, self.processor)
         self.backend = TorchBackend(BackendConfig.of(cfg), torch.device("cpu"))
         self.sampler = load_policy(cfg.model.path, torch_dtype(cfg.model.dtype)).eval()
@@ -134,14 +134,18 @@ class InProcessRun:
         self.merger = AdapterMerger(dict(self.sampler.named_parameters()), torch.device("cpu"))
         self.policy = LocalPolicy(self.sampler, self.tokenizer, self.processor)
         self.policy.routing = cfg.algo.off_policy.routing_replay
-        self.rounds = Rounds(
-            cfg, self.rows, [encode(r) for r in self.rows], self.tokenizer, self.policy, make_scorer(cfg.reward)
-        )
+        scorer = make_scorer(cfg.reward)
+        self.rounds = Rounds(cfg, self.rows, [encode(r) for r in self.rows], self.tokenizer, self.policy, scorer)
+        self.eval_rounds = self.rounds
+        if cfg.data.eval_path:
+            held_out = load_data(cfg.data, video, held_out=True)
+            self.eval_rounds = Rounds(cfg, held_out, [encode(r) for r in held_out], self.tokenizer, self.policy, scorer)
         self.loop = asyncio.Runner()  # one event loop for the run (a remote reward's client lives in it)
 
     def greedy_accuracy(self) -> float:
-        """Greedy accuracy of the sampler's weights over the whole dataset."""
-        return self.loop.run(self.rounds.evaluate(list(range(len(self.rows)))))
+        """Greedy accuracy of the sampler's weights over the whole evaluation dataset (data.eval_path
+        if set, else the training prompts)."""
+        return self.loop.run(self.eval_rounds.evaluate(list(range(len(self.eval_rounds.rows)))))
 
     def train(self, step: int, version: int) -> dict:
         self.policy.version = version

@@ -23,7 +23,7 @@ from relax_hpc.config.load import ConfigError, load_config, read_frozen, to_yaml
 from relax_hpc.config.path_options import path_problems
 from relax_hpc.config.schema import RESUMABLE_CHANGES, EvalConfig, JobConfig, MediaKind, SftConfig
 from relax_hpc.data.processor import media_kinds, sampling_rate, video_spec
-from relax_hpc.data.prompts import DatasetError, load_prompts
+from relax_hpc.data.prompts import DatasetError, load_data, load_prompts
 from relax_hpc.launch.allocation import AllocationError
 from relax_hpc.launch.gpus import NO_GPU, place_local, span, visible_gpu_count
 from relax_hpc.metrics.evaluation import finished as finished_evaluations
@@ -67,21 +67,21 @@ def check_inputs(cfg: JobConfig, in_allocation: bool = False, ignored: tuple[str
 
 
 def dataset_problems(cfg: JobConfig) -> list[str]:
-    """The dataset's rows, and its media against the model: every item is read and decoded as the
-    engines will decode it (images; audio at the model's sampling rate)."""
+    """The datasets' rows (data.path and data.eval_path), and their media against the model: every
+    item is read and decoded as the engines will decode it (images; audio at the model's sampling
+    rate; videos sampled as the model samples them)."""
     d, model = cfg.data, cfg.model.path
     kinds = media_kinds(model)
     problems = [_missing_encoder(model, kind, kinds) for kind in d.media if kind not in kinds]
     if problems:
         return problems
-    try:
-        load_prompts(
-            d.path, d.prompt_key, d.answer_key, d.media, sampling_rate(model), check_media=True,
-            video=video_spec(model),
-        )  # fmt: skip
-    except DatasetError as e:
-        return [str(e)]
-    return []
+    video, rate = video_spec(model), sampling_rate(model)
+    for held_out in [False, True] if d.eval_path else [False]:
+        try:
+            load_data(d, video, held_out, sampling_rate=rate, check_media=True)
+        except DatasetError as e:
+            problems.append(str(e))
+    return problems
 
 
 def _missing_encoder(model: str, kind: str, kinds: set[MediaKind]) -> str:

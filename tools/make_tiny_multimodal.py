@@ -5,7 +5,9 @@
 
 Writes:
 - assets/tiny-qwen2.5-vl-shapes/   a tiny Qwen2.5-VL (random weights, then the format warm-up)
-- assets/shapes/                   pictures of 0-4 shapes and shapes.jsonl ("how many shapes?")
+- assets/shapes/                   pictures of 0-4 shapes and shapes.jsonl ("how many shapes?");
+                                   every task folder also holds heldout.jsonl and its own media
+                                   (heldout-NNNN), never trained on: the runs' data.eval_path
 - assets/tiny-qwen2-audio-beeps/   a tiny Qwen2-Audio (random weights, then the format warm-up)
 - assets/beeps/                    clips of 0-4 beeps and beeps.jsonl ("how many beeps?")
 - assets/tiny-qwen2.5-vl-motion/   a tiny Qwen2.5-VL with a video processor configuration
@@ -42,8 +44,10 @@ def main() -> None:
         torch.manual_seed(args.seed)
         name, kind, build, processor = TASKS[task]
         data = tm.write_task(args.out / task, kind, size=tm.DATASET_SIZE, seed=args.seed)
+        tm.write_task(args.out / task, kind, size=tm.HELD_OUT_SIZE, seed=args.seed, held_out=True)
         if kind == "video":
-            tm.write_task(args.out / f"{task}-still", kind, size=tm.DATASET_SIZE, seed=args.seed, still=True)
+            for held_out, size in ((False, tm.DATASET_SIZE), (True, tm.HELD_OUT_SIZE)):
+                tm.write_task(args.out / f"{task}-still", kind, size, args.seed, still=True, held_out=held_out)
         tokenizer = tm.build_tokenizer()
         model = build(tokenizer)
         folder = args.out / name

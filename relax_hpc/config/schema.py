@@ -92,6 +92,11 @@ class DataConfig(Section):
     format FFmpeg reads; Qwen2-VL and Qwen2.5-VL models) are sampled at the model's video fps
     (2 by default) and sized to its pixel bounds once per prompt group, as SGLang samples them
     (docs/DESIGN.md, "Video")."""
+    eval_path: Annotated[str | None, PathOption("file")] = None
+    """A held-out JSONL dataset (rows with the same keys and media fields as data.path) that the
+    run's evaluations score (rollout.eval_every, ckpt.export_version=best) instead of the
+    training prompts. None: they score the training prompts, which a model can learn by heart
+    (docs/DESIGN.md, "Evaluation")."""
     shuffle: bool = True
     """Reshuffle the prompts every epoch (seeded by run.seed)."""
 
@@ -196,7 +201,8 @@ class RolloutConfig(Section):
     max_engine_restarts: int = Field(default=5, ge=0)
     """Restarts of each engine process before the run gives up."""
     eval_every: int = Field(default=25, ge=0)
-    """Greedy accuracy over the whole dataset every N policy versions (0 = only at the end)."""
+    """Greedy accuracy over the whole dataset (data.eval_path if set, else data.path) every N
+    policy versions (0 = only at the end)."""
     eval_engines: int = Field(default=0, ge=0)
     """Engines of their own for those evaluations (roles engine-eval-N). They get every weight
     push like the rollout engines but no rollout requests, and the driver evaluates on them

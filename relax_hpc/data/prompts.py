@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from relax_hpc.config.schema import MEDIA_KINDS as KINDS
+from relax_hpc.config.schema import DataConfig
 from relax_hpc.data.media import Kind, MediaError, MediaRef, check, resolve
 from relax_hpc.data.video import VideoSpec
 
@@ -97,15 +98,17 @@ def load_prompts(
     sampling_rate: int | None = None,
     check_media: bool = False,
     video: VideoSpec | None = None,
+    option: str = "data.path",
 ) -> list[PromptRow]:
     """Read a JSONL file of prompts; every defect raises DatasetError naming the line and the reason.
 
     `media` names the row fields that hold each kind of media; `check_media` reads and decodes every
     item (as the engines will; audio at `sampling_rate`), which submit does before a job starts;
-    `video` says how the model samples videos (a video then reads as its canonical clip)."""
+    `video` says how the model samples videos (a video then reads as its canonical clip); `option`
+    names the config option the errors point at."""
     path = Path(path)
     if not path.is_file():
-        raise DatasetError(f"data.path: {path} does not exist or is not a file")
+        raise DatasetError(f"{option}: {path} does not exist or is not a file")
     rows: list[PromptRow] = []
     for where, record in jsonl_objects(path):
         row = _row(record, len(rows), where, prompt_key, answer_key, media or {}, path.parent, video)
@@ -117,8 +120,18 @@ def load_prompts(
                     raise DatasetError(f"{where}: {ref.describe()}: {e}") from None
         rows.append(row)
     if not rows:
-        raise DatasetError(f"data.path: {path} holds no rows")
+        raise DatasetError(f"{option}: {path} holds no rows")
     return rows
+
+
+def load_data(d: DataConfig, video: VideoSpec | None, held_out: bool = False, **checks: Any) -> list[PromptRow]:
+    """The configured training prompts (data.path), or with `held_out` the evaluation's
+    (data.eval_path, whose rows take the same keys and media fields); `checks`: load_prompts'
+    sampling_rate and check_media."""
+    path, option = (d.eval_path, "data.eval_path") if held_out else (d.path, "data.path")
+    if path is None:
+        raise DatasetError("data.eval_path is not set")
+    return load_prompts(path, d.prompt_key, d.answer_key, d.media, video=video, option=option, **checks)
 
 
 def _row(

@@ -241,24 +241,27 @@ def draw_motion(direction: int, rng: random.Random, still: bool = False) -> byte
     return buffer.getvalue()
 
 
-def write_task(folder: Path, kind: str, size: int, seed: int, still: bool = False) -> Path:
-    """A dataset of `size` rows (counts spread evenly over 0..MAX_COUNT) with its media files."""
-    rng = random.Random(seed)
+def write_task(folder: Path, kind: str, size: int, seed: int, still: bool = False, held_out: bool = False) -> Path:
+    """A dataset of `size` rows (counts spread evenly over 0..MAX_COUNT) with its media files.
+    `held_out`: rows training never sees, for data.eval_path: media drawn from another seed's
+    stream, files named heldout-NNNN, rows in heldout.jsonl."""
+    rng = random.Random(seed + HELD_OUT_SEED if held_out else seed)
+    prefix = "heldout-" if held_out else ""
     folder.mkdir(parents=True, exist_ok=True)
     rows = []
     for i in range(size):
         count = i % (MAX_COUNT + 1)
         if kind == "image":
-            name, data, prompt = f"{i:04d}.png", draw_shapes(count, rng), "<image>how many shapes?"
+            name, data, prompt = f"{prefix}{i:04d}.png", draw_shapes(count, rng), "<image>how many shapes?"
         elif kind == "video":
             count = i % len(DIRECTIONS)
             question = "<video>which way does it move? 0 left 1 right 2 up 3 down"
-            name, data, prompt = f"{i:04d}.mp4", draw_motion(count, rng, still), question
+            name, data, prompt = f"{prefix}{i:04d}.mp4", draw_motion(count, rng, still), question
         else:
-            name, data, prompt = f"{i:04d}.flac", synth_beeps(count, rng), "<audio>how many beeps?"
+            name, data, prompt = f"{prefix}{i:04d}.flac", synth_beeps(count, rng), "<audio>how many beeps?"
         (folder / name).write_bytes(data)
         rows.append({"prompt": prompt, "answer": str(count), f"{kind}s": [name]})
-    path = folder / f"{folder.name}.jsonl"
+    path = folder / ("heldout.jsonl" if held_out else f"{folder.name}.jsonl")
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -270,6 +273,8 @@ def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, proce
 
 
 DATASET_SIZE = 200  # rows per task: 40 of each count
+HELD_OUT_SIZE = 40  # rows of each task's held-out set
+HELD_OUT_SEED = 1000  # added to the task's seed for its held-out media
 WARMUP_STEPS = 30
 
 

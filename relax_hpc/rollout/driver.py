@@ -10,7 +10,8 @@ waits for the weights of step seq). The episodes' generate calls go to the engin
 when an engine dies). The driver resumes from the spool (Spool.next_seq), so a restart neither
 skips nor repeats a batch. With teacher engines (algo.teacher.num_engines) the teacher scores every
 batch before it is published (relax_hpc.rollout.teacher). It also measures greedy accuracy over
-the whole dataset every `rollout.eval_every` versions and at the last one, then exits. With
+the whole dataset (data.eval_path's held-out rows if set) every `rollout.eval_every` versions and
+at the last one, then exits. With
 ckpt.export_version=best the trainer holds each of those versions until it is evaluated
 (relax_hpc.trainer.loop), so the newest version at an eval point is exactly the eval point.
 """
@@ -32,7 +33,7 @@ from relax_hpc.ckpt.layout import read_trainer_state
 from relax_hpc.config.load import read_frozen
 from relax_hpc.config.schema import JobConfig
 from relax_hpc.data.processor import media_processor, prompt_encoder, video_spec
-from relax_hpc.data.prompts import load_prompts
+from relax_hpc.data.prompts import load_data
 from relax_hpc.exchange.spool import SampleBatch, Spool
 from relax_hpc.metrics.heartbeat import Heartbeat
 from relax_hpc.metrics.jsonl import JsonlWriter, read_jsonl
@@ -66,12 +67,16 @@ class Driver:
         # The fast tokenizer class, not AutoTokenizer: AutoTokenizer imports torch (about 3 s of
         # CPU at every start), and a text run's driver only turns prompts into token ids.
         self.tokenizer = PreTrainedTokenizerFast.from_pretrained(cfg.model.path)
-        d = cfg.data
-        self.rows = load_prompts(d.path, d.prompt_key, d.answer_key, d.media, video=video_spec(cfg.model.path))
+        video = video_spec(cfg.model.path)
+        self.rows = load_data(cfg.data, video)
         # A multimodal model's processor places the media; the engines expand the placeholders.
         self.processor = media_processor(cfg.model.path)
         encode = prompt_encoder(cfg.model.path, self.processor)
         self.prompt_ids = [encode(r) for r in self.rows]  # tokenized once
+        eval_rows, eval_ids = self.rows, self.prompt_ids
+        if cfg.data.eval_path:
+            eval_rows = load_data(cfg.data, video, held_out=True)
+            eval_ids = [encode(r) for r in eval_rows]
         self.spool = Spool(paths.spool)
         self.pool = EnginePool(paths, self.ro.request_timeout_s, self.ro.engine)
         self.stopping = False
@@ -96,8 +101,8 @@ class Driver:
         self.teacher = TeacherScorer(cfg, paths) if cfg.algo.teacher.num_engines else None
         self.rounds = Rounds(cfg, self.rows, self.prompt_ids, self.tokenizer, self.policy, scorer, self.failures.log)
         # Evaluations: on the rollout engines, between batches; or on engines of their own
-        # (rollout.eval_engines), beside generation.
-        self.eval_pool, self.eval_policy, self.eval_rounds = self.pool, self.policy, self.rounds
+        # (rollout.eval_engines), beside generation. Over data.eval_path's rows if set.
+        self.eval_pool, self.eval_policy = self.pool, self.policy
         if self.ro.eval_engines:
             self.eval_pool = EnginePool(paths, self.ro.request_timeout_s, self.ro.engine, evaluation=True)
             self.eval_policy = EnginePolicy(
@@ -107,8 +112,10 @@ class Driver:
                 stopping=lambda: self.stopping,
                 adapters=cfg.lora_adapters,
             )
+        self.eval_rounds = self.rounds
+        if self.eval_policy is not self.policy or eval_rows is not self.rows:
             self.eval_rounds = Rounds(
-                cfg, self.rows, self.prompt_ids, self.tokenizer, self.eval_policy, scorer, self.failures.log
+                cfg, eval_rows, eval_ids, self.tokenizer, self.eval_policy, scorer, self.failures.log
             )
         self.next_eval = 0  # the next policy version to evaluate (run() sets it)
         self._evaluation: asyncio.Task[int] | None = None  # one on the evaluation engines
@@ -138,14 +145,21 @@ class Driver:
         return batch, stats
 
     async def evaluate(self, version: int) -> int:
-        """Greedy accuracy over the dataset on engines holding at least `version`; returns the
-        version evaluated (the oldest that answered)."""
+        """Greedy accuracy over the evaluation's dataset on engines holding at least `version`;
+        returns the version evaluated (the oldest that answered)."""
         self.eval_policy.min_version = version
         started = time.monotonic()
-        accuracy = await self.eval_rounds.evaluate(list(range(len(self.rows))))
+        problems = len(self.eval_rounds.rows)
+        accuracy = await self.eval_rounds.evaluate(list(range(problems)))
         evaluated = max(version, min((e.version for e in self.eval_pool.eligible(version)), default=version))
         seconds = round(time.monotonic() - started, 4)
-        record = {"version": evaluated, "greedy_accuracy": accuracy, "problems": len(self.rows), "seconds": seconds}
+        record = {
+            "version": evaluated,
+            "greedy_accuracy": accuracy,
+            "problems": problems,
+            "dataset": "eval_path" if self.cfg.data.eval_path else "path",
+            "seconds": seconds,
+        }
         self.evals.log(record)
         log.info("eval at version %d: greedy accuracy %.3f", evaluated, accuracy)
         return evaluated

@@ -48,12 +48,12 @@ def processes_of(run_dir: Path) -> list[psutil.Process]:
     return [p for p in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(p.info["cmdline"] or [])]
 
 
-def greedy_accuracy(path: Path, problems: int = PROBLEMS) -> float:
-    """A model's greedy accuracy on the first `problems` prompts, computed here: HF weights, the
-    engines' sampler, exact match."""
+def greedy_accuracy(path: Path, problems: int = PROBLEMS, dataset: Path = REPO / "assets" / "addition.jsonl") -> float:
+    """A model's greedy accuracy on the first `problems` prompts of `dataset`, computed here: HF
+    weights, the engines' sampler, exact match."""
     tok = PreTrainedTokenizerFast.from_pretrained(path)
     model = Qwen3ForCausalLM.from_pretrained(path).eval()
-    rows = [json.loads(line) for line in (REPO / "assets" / "addition.jsonl").read_text().splitlines()][:problems]
+    rows = [json.loads(line) for line in dataset.read_text().splitlines()][:problems]
     prompts = [tok(r["prompt"])["input_ids"] for r in rows]
     spec = SamplingSpec(max_new_tokens=4, temperature=0.0)
     with torch.no_grad():

@@ -16,7 +16,7 @@ from PIL import Image
 from relax_hpc.config import load_config
 from relax_hpc.config.load import ConfigError
 from relax_hpc.data.media import Kind, MediaRef, data_uri, decode_audio, parse_data_uri
-from relax_hpc.data.prompts import DatasetError, load_prompts
+from relax_hpc.data.prompts import DatasetError, load_data, load_prompts
 from relax_hpc.submit import check_inputs
 from tests.models.qwen3_family import build_qwen3_omni
 
@@ -146,6 +146,23 @@ def test_submit_refuses_media_the_model_cannot_take(tmp_path):
     wrong_kind = load_config(REPO / "configs/tiny-vision-grpo.yaml", ["data.media={audio: images}"])
     with pytest.raises(ConfigError, match=r"data.media.audio: .* has no audio encoder"):
         check_inputs(wrong_kind)
+
+
+def test_submit_reads_the_held_out_set_as_it_reads_the_training_set(tmp_path):
+    config = REPO / "configs/tiny-vision-grpo.yaml"
+    check_inputs(load_config(config, []))  # the shipped held-out set passes
+    broken = tmp_path / "heldout.jsonl"
+    broken.write_text(json.dumps({"prompt": "<image>how many?", "answer": "1", "images": ["gone.png"]}) + "\n")
+    with pytest.raises(ConfigError, match=r"heldout.jsonl:1: image .*gone.png") as refused:
+        check_inputs(load_config(config, [f"data.eval_path={broken}"]))
+    assert "shapes.jsonl" not in str(refused.value)  # the training set is fine: only the held-out one is named
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ConfigError, match=r"^data.eval_path: .*empty.jsonl holds no rows$"):
+        check_inputs(load_config(config, [f"data.eval_path={tmp_path / 'empty.jsonl'}"]))
+    rows = load_data(load_config(config, []).data, None, held_out=True)
+    assert len(rows) == 40 and rows[0].media[0].source.endswith("heldout-0000.png")
+    with pytest.raises(DatasetError, match="data.eval_path is not set"):
+        load_data(load_config(None, []).data, None, held_out=True)
 
 
 def test_a_media_ref_names_what_it_could_not_read(tmp_path):
