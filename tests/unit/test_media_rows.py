@@ -161,7 +161,7 @@ def test_submit_reads_the_held_out_set_as_it_reads_the_training_set(tmp_path):
         check_inputs(load_config(config, [f"data.eval_path={tmp_path / 'empty.jsonl'}"]))
     rows = load_data(load_config(config, []).data, None, held_out=True)
     assert len(rows) == 40 and rows[0].media[0].source.endswith("heldout-0000.png")
-    with pytest.raises(DatasetError, match="data.eval_path is not set"):
+    with pytest.raises(DatasetError, match=r"data\.eval_path is not set"):
         load_data(load_config(None, []).data, None, held_out=True)
 
 
