@@ -122,6 +122,8 @@ def _save_policy(out: Path, tensors: dict[str, torch.Tensor], base: str, dtype: 
     """The torch backend's tensors (transformers' module names) through the policy's own
     save_pretrained; an Omni thinker's as the full model's folder."""
     model = empty_policy(base, torch_dtype(dtype))
+    # a bf16 run's checkpoint holds fp32 master weights: the export holds what the engines serve
+    tensors = {n: t.to(torch_dtype(dtype)) for n, t in tensors.items()}
     missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     tied = any(getattr(c, "tie_word_embeddings", False) for c in (model.config, model.config.get_text_config()))
     missing = [k for k in missing if not (k == "lm_head.weight" and tied)]

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForTokenClassification
 
@@ -50,16 +50,19 @@ from relax_hpc.weights.lora import SCALING
 _Model = TypeVar("_Model", bound=torch.nn.Module)
 
 
-def _sharded(model: _Model, device: torch.device) -> _Model:
+def _sharded(model: _Model, device: torch.device, compute: torch.dtype | None = None) -> _Model:
     """FSDP2 units: each decoder layer, each encoder (a vision tower must be a unit of its own:
     generate calls it outside the root's forward), then the rest; on a mesh of `device`'s kind
-    (FSDP2's default mesh is CUDA's wherever a GPU is visible, and would move a CPU model there)."""
+    (FSDP2's default mesh is CUDA's wherever a GPU is visible, and would move a CPU model there).
+    With `compute`, the sharded parameters (fp32: the optimizer's master weights) are gathered in
+    that dtype for the forward and backward, and gradients are reduced in fp32."""
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute else None)
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
     for encoder in encoders(model).values():
-        fully_shard(encoder, mesh=mesh)
-    fully_shard(model, mesh=mesh)  # in place: the model's class becomes a subclass of FSDPModule and of its own
+        fully_shard(encoder, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)  # in place: the class becomes a subclass of FSDPModule
     return model
 
 
@@ -78,7 +81,13 @@ class TorchBackend:
         self.temperature = config.temperature
         self.objective = Objective(algo, DistComm())
         dtype = torch_dtype(config.model.dtype)
-        hf_model = load_policy(model_path, dtype)
+        # bf16 training keeps fp32 master weights and Adam moments, as megatron's mixed precision
+        # does: a bf16 weight rounds away any update under half its spacing (2^-9 of the weight
+        # or more, so every update at lr 1e-6), and bf16 moments make an update lr only to within
+        # their rounding. LoRA trains fp32 adapters beside the frozen base, which stays in dtype.
+        master = dtype if cfg.lora is not None else torch.float32
+        self.compute = dtype if dtype != master else None  # what forward, backward and the engines use
+        hf_model = load_policy(model_path, master)
         if cfg.lora is not None:  # the engines hold the base already: only the adapters are synced
             lora.add_adapters(hf_model, cfg.lora, model_path, config.seed)
         if cfg.gradient_checkpointing:
@@ -95,7 +104,7 @@ class TorchBackend:
         # it sets the adapters alone (dcp.load has already refused a checkpoint that lacks one).
         self.state_options = StateDictOptions(ignore_frozen_params=cfg.lora is not None)
         self.load_options = StateDictOptions(ignore_frozen_params=cfg.lora is not None, strict=cfg.lora is None)
-        self.model = _sharded(hf_model.to(device), device)  # type: ignore[arg-type]  # transformers types .to() as taking a model
+        self.model = _sharded(hf_model.to(device), device, self.compute)  # type: ignore[arg-type]  # transformers types .to() as taking a model
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr, betas=cfg.betas,
             weight_decay=cfg.weight_decay,
@@ -110,9 +119,9 @@ class TorchBackend:
         self.critic: torch.nn.Module | None = None
         self.critic_optimizer: torch.optim.Optimizer | None = None
         if self.objective.needs_critic:
-            critic = AutoModelForTokenClassification.from_pretrained(model_path, num_labels=1, dtype=dtype)
+            critic = AutoModelForTokenClassification.from_pretrained(model_path, num_labels=1, dtype=master)
             torch.nn.init.zeros_(critic.score.weight)  # start at V = 0: no random initial baseline
-            self.critic = _sharded(critic.to(device), device)
+            self.critic = _sharded(critic.to(device), device, self.compute)
             self.critic_optimizer = torch.optim.AdamW(
                 self.critic.parameters(), lr=algo.critic.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
             )
@@ -275,7 +284,7 @@ class TorchBackend:
         for name, param in self.model.named_parameters():
             if name in synced:
                 full = param.full_tensor() if isinstance(param, DTensor) else param
-                yield lora.sync_name(name), full.detach()
+                yield lora.sync_name(name), full.detach().to(self.compute or full.dtype)
         if self.cfg.lora is not None:
             yield SCALING, lora.scaling(self.cfg.lora)
 
@@ -287,7 +296,8 @@ class TorchBackend:
 
     def parameter_specs(self) -> list[tuple[str, torch.Size, torch.dtype]]:
         synced = set(self.synced)
-        specs = [(lora.sync_name(n), p.shape, p.dtype) for n, p in self.model.named_parameters() if n in synced]
+        params = self.model.named_parameters()
+        specs = [(lora.sync_name(n), p.shape, self.compute or p.dtype) for n, p in params if n in synced]
         if self.cfg.lora is not None:
             specs.append((SCALING, torch.Size([1]), torch.float32))
         return specs

@@ -231,3 +231,21 @@ def test_the_backends_sft_step_is_transformers_cross_entropy_on_the_responses(on
     result = TorchBackend(BackendConfig.of(cfg), torch.device("cpu")).sft_step(batch, 0, "token_mean")
     assert result.loss == pytest.approx(expected.item(), rel=1e-5)
     assert result.stats.sums["tokens"] == sum(sum(e.loss_mask) for e in examples)
+
+
+def test_bf16_training_keeps_fp32_master_weights_so_small_steps_are_not_rounded_away(one_rank, tok):
+    """model.dtype=bfloat16 on the torch backend: the forward and backward run in bf16, but the
+    optimizer steps fp32 master weights (as megatron does). A step of lr 1e-6 moves every weight
+    with a gradient by about lr; on bf16 weights (spacing at least 2^-9 of the weight) it would
+    round away for all but the tiniest. The engines still get bf16 tensors."""
+    cfg = load_config(SFT, ["trainer.num_ranks=1", "model.dtype=bfloat16", "trainer.lr=1e-6"], base_dir=REPO)
+    examples = load_examples(REPO / "assets" / "addition-sft.jsonl", "prompt_response", KEYS, tok, 64)[::9]
+    backend = TorchBackend(BackendConfig.of(cfg), torch.device("cpu"))
+    assert {p.dtype for p in backend.model.parameters()} == {torch.float32}
+    assert {dtype for _, _, dtype in backend.parameter_specs()} == {torch.bfloat16}
+    assert {t.dtype for _, t in backend.full_parameters()} == {torch.bfloat16}
+    before = {n: p.full_tensor().clone() for n, p in backend.model.named_parameters()}
+    backend.sft_step(examples_batch(examples, list(range(len(examples))), tok.pad_token_id), 0, "token_mean")
+    moved = [(p.full_tensor() - before[n]).abs() for n, p in backend.model.named_parameters() if p.grad is not None]
+    changed = sum(int((m > 0.5e-6).sum()) for m in moved) / sum(m.numel() for m in moved)
+    assert changed > 0.9 and max(float(m.max()) for m in moved) <= 1.1e-6, changed  # lr and fp32's rounding
