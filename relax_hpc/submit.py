@@ -87,9 +87,9 @@ def dataset_problems(cfg: JobConfig) -> list[str]:
 def _missing_encoder(model: str, kind: str, kinds: set[MediaKind]) -> str:
     if kind == "video" and "image" in kinds:
         return (
-            f"data.media.video: {model} is not a Qwen2-VL or Qwen2.5-VL model; relax_hpc samples and "
-            "patches videos as those models' processor does (Qwen3-VL writes timestamps into the prompt: "
-            "not supported yet)"
+            f"data.media.video: {model} is not a Qwen2-VL, Qwen2.5-VL or Qwen3-VL model; relax_hpc samples "
+            "and patches videos as those models' processors do (an Omni model's video, with its audio track "
+            "and its own timing: not supported yet)"
         )
     return f"data.media.{kind}: {model} has no {kind} encoder (its config.json names none)"
 

@@ -89,7 +89,7 @@ class DataConfig(Section):
     `<audio>` / `<video>` (without markers, its items come before the text); chat-message prompts
     use `{"type": "image"}` content parts. Rows with media or messages go through the model's
     chat template and processor; every item is read and decoded before a job starts. Videos (any
-    format FFmpeg reads; Qwen2-VL and Qwen2.5-VL models) are sampled at the model's video fps
+    format FFmpeg reads; Qwen2-VL, Qwen2.5-VL and Qwen3-VL models) are sampled at the model's video fps
     (2 by default) and sized to its pixel bounds once per prompt group, as SGLang samples them
     (docs/DESIGN.md, "Video")."""
     eval_path: Annotated[str | None, PathOption("file")] = None

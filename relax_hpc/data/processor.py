@@ -64,8 +64,8 @@ class Processed:
 
 def media_kinds(model_path: str) -> set[Kind]:
     """The media the folder's model has an encoder for (from its config.json; an omni model's
-    thinker holds its encoders). Video: the vision encoder of a Qwen2-VL or Qwen2.5-VL model
-    (relax_hpc.data.video reproduces their video processor, not Qwen3-VL's)."""
+    thinker holds its encoders). Video: the vision encoder of a Qwen2-VL, Qwen2.5-VL or Qwen3-VL
+    model (relax_hpc.data.video reproduces their video processors, not the Omni models')."""
     config = json.loads((Path(model_path) / "config.json").read_text())
     model_type = config.get("model_type")
     config = config.get("thinker_config", config)
@@ -165,6 +165,11 @@ class MediaProcessor:
             token = getattr(self.hf, name, None) or getattr(self.tokenizer, name, None)
             if token is not None:
                 self.placeholders[kind] = self.tokenizer.convert_tokens_to_ids(token)
+        # Qwen3-VL writes each video frame as <time> <|vision_start|> pads <|vision_end|>
+        self.frame_start, self.frame_end = (
+            self.tokenizer.convert_tokens_to_ids(getattr(self.hf, name, None) or "")
+            for name in ("vision_start_token", "vision_end_token")
+        )
         self.media_token_ids = sorted(
             {
                 self.tokenizer.convert_tokens_to_ids(t)
@@ -203,20 +208,60 @@ class MediaProcessor:
 
     def _clip(self, data: bytes) -> Any:
         if self.video is None:
-            raise ProcessorError("a video for a model without a video processor (Qwen2-VL and Qwen2.5-VL have one)")
+            raise ProcessorError("a video for a model without a video processor (the Qwen2/2.5/3-VL models have one)")
         try:
             return frames(data, self.video)
         except VideoError as e:
             raise MediaError(str(e)) from None
 
     def collapse(self, ids: list[int]) -> list[int]:
-        """Expanded ids back to one placeholder per item (runs of a placeholder become one)."""
+        """Expanded ids back to one placeholder per item (runs of a placeholder become one, and a
+        Qwen3-VL video's timed frames its one placeholder)."""
+        if self.video is not None and self.video.timestamps:
+            ids = self._untimed(ids)
         out: list[int] = []
         repeatable = set(self.placeholders.values())
         for token in ids:
             if not (out and token == out[-1] and token in repeatable):
                 out.append(token)
         return out
+
+    def _untimed(self, ids: list[int]) -> list[int]:
+        """Qwen3-VL's video expansion undone: <|vision_start|>, then per frame its time's text,
+        <|vision_start|>, video pads and <|vision_end|>, then the template's <|vision_end|>, back
+        to <|vision_start|><|video_pad|><|vision_end|>."""
+        out: list[int] = []
+        i = 0
+        while i < len(ids):
+            out.append(ids[i])
+            closing = self._frames_end(ids, i + 1) if ids[i] == self.frame_start else None
+            if closing is None:
+                i += 1
+            else:
+                out.append(self.placeholders["video"])
+                i = closing
+        return out
+
+    def _frames_end(self, ids: list[int], i: int) -> int | None:
+        """Where a run of timed frames starting at `i` closes (the template's <|vision_end|>), or
+        None if the ids from `i` are not one."""
+        start, end, pad = self.frame_start, self.frame_end, self.placeholders["video"]
+        frames = 0
+        while i < len(ids):
+            if ids[i] == end and frames:
+                return i
+            time = i  # the frame's time: text up to its <|vision_start|>
+            while i < len(ids) and ids[i] not in (start, end, pad):
+                i += 1
+            if i == time or i >= len(ids) or ids[i] != start:
+                return None
+            pads = i = i + 1
+            while i < len(ids) and ids[i] == pad:
+                i += 1
+            if i == pads or i >= len(ids) or ids[i] != end:
+                return None
+            i, frames = i + 1, frames + 1
+        return None
 
 
 def concat_inputs(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -12,13 +12,19 @@ The path of one video item:
    size, so SGLang (told the same bounds through `--mm-process-config`, see `sglang_config`),
    the built-in engine and the trainer all see the frames the driver chose, bit for bit.
 3. `VideoPatcher`, in the engine and the trainer: the model's video processor (transformers'
-   Qwen2VLVideoProcessor, which needs torchvision) rewritten with torch ops: its resize
-   (bicubic with antialias on uint8, as torchvision runs it on CPU), its fused rescale and
-   normalisation, and its patch order. tests/gpu/test_video_patcher_gpu.py holds it equal to
-   transformers' own on the GPU machine, where torchvision loads.
+   Qwen2VLVideoProcessor or Qwen3VLVideoProcessor, which need torchvision) rewritten with torch
+   ops: its resize (bicubic with antialias on uint8, as torchvision runs it on CPU), its fused
+   rescale and normalisation, and its patch order. tests/gpu/test_video_patcher_gpu.py holds it
+   equal to transformers' own on the GPU machine, where torchvision loads.
 
-Qwen2-VL and Qwen2.5-VL only: Qwen3-VL's processor writes timestamps into the prompt and sizes
-the whole clip against one budget, which this does not reproduce (submit refuses it).
+Qwen3-VL (`VideoSpec.timestamps`): SGLang samples and sizes its videos with the same rule and the
+same constants as Qwen2.5-VL's (factor 28 and its default per-frame bounds, whatever the model's
+patch size), then hands the frames to the model's own processor with their metadata and
+`do_sample_frames=False`. That processor sizes them again, at the model's factor (32) within one
+budget for the whole clip, and writes each temporal patch's time (`<0.2 seconds>`) before its
+frame tokens, from the frame indices and rate of the clip it was given: the canonical clip's, so
+every party writes the same times (those of the kept frames at the clip's even rate, which can
+differ from the source's by a fraction of a frame interval).
 """
 
 from __future__ import annotations
@@ -41,11 +47,17 @@ if TYPE_CHECKING:
 FPS, FRAME_FACTOR, MIN_FRAMES, MAX_FRAMES = 2.0, 2, 4, 768
 TOTAL_PIXELS = int(128000 * 28 * 28 * 0.9)
 MAX_ASPECT = 200
-# transformers' Qwen2VLVideoProcessor defaults, for a folder whose configuration omits them.
+# transformers' Qwen2VLVideoProcessor defaults, for a folder whose configuration omits them; they
+# are SGLang's per-frame bounds too, and with SAMPLE_FACTOR what it sizes a Qwen3-VL video to.
 DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS = 128 * 28 * 28, 768 * 28 * 28
+SAMPLE_FACTOR = 28  # SGLang's IMAGE_FACTOR, preprocess_video's default factor
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+# transformers' Qwen3VLVideoProcessor defaults (whole-clip bounds, IMAGENET_STANDARD mean and std)
+QWEN3_MIN_PIXELS, QWEN3_MAX_PIXELS = 128 * 32 * 32, 768 * 32 * 32
+QWEN3_MAX_VIDEO_TOKENS = 768
+VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+TIMESTAMPED_PROCESSORS = ("Qwen3VLVideoProcessor",)
 
 
 class VideoError(ValueError):
@@ -67,7 +79,9 @@ class Clip:
 @dataclass(frozen=True)
 class VideoSpec:
     """How a model's videos are sampled, sized and patched (from its folder's video processor
-    configuration, with transformers' defaults for what it omits)."""
+    configuration, with transformers' defaults for what it omits). `timestamps`: Qwen3-VL's
+    processor (min_pixels and max_pixels bound the whole clip's t x h x w, optionally capped per
+    frame, and each temporal patch's time goes into the prompt)."""
 
     min_pixels: int = DEFAULT_MIN_PIXELS
     max_pixels: int = DEFAULT_MAX_PIXELS
@@ -77,11 +91,22 @@ class VideoSpec:
     mean: tuple[float, ...] = CLIP_MEAN
     std: tuple[float, ...] = CLIP_STD
     fps: float = FPS
+    timestamps: bool = False
+    cap_pixels_per_frame: bool = False
+    max_video_tokens: int = QWEN3_MAX_VIDEO_TOKENS
 
     @property
     def factor(self) -> int:
-        """What frame sides are multiples of: one merged patch group."""
+        """What the model's processor makes frame sides multiples of: one merged patch group."""
         return self.patch_size * self.merge_size
+
+    @property
+    def sampling(self) -> tuple[int, int, int]:
+        """(factor, min_pixels, max_pixels) of SGLang's per-frame sizing: the model's own for
+        Qwen2-VL and Qwen2.5-VL; SGLang's constants for Qwen3-VL, whose bounds mean the whole clip."""
+        if self.timestamps:
+            return SAMPLE_FACTOR, DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS
+        return self.factor, self.min_pixels, self.max_pixels
 
     @classmethod
     def from_folder(cls, model_path: str) -> VideoSpec:
@@ -97,6 +122,20 @@ class VideoSpec:
     def from_dict(cls, config: dict[str, Any], video: bool = True) -> VideoSpec:
         size = config.get("size") if video else None
         size = size or {}
+        if config.get("video_processor_type") in TIMESTAMPED_PROCESSORS:
+            return cls(
+                min_pixels=int(size.get("shortest_edge") or QWEN3_MIN_PIXELS),
+                max_pixels=int(size.get("longest_edge") or QWEN3_MAX_PIXELS),
+                patch_size=int(config.get("patch_size", 16)),
+                merge_size=int(config.get("merge_size", 2)),
+                temporal_patch_size=int(config.get("temporal_patch_size", 2)),
+                mean=tuple(config.get("image_mean", (0.5, 0.5, 0.5))),
+                std=tuple(config.get("image_std", (0.5, 0.5, 0.5))),
+                fps=float(config.get("fps") or FPS),
+                timestamps=True,
+                cap_pixels_per_frame=bool(config.get("cap_pixels_per_frame")),
+                max_video_tokens=int(config.get("max_video_tokens", QWEN3_MAX_VIDEO_TOKENS)),
+            )
         return cls(
             min_pixels=int(size.get("shortest_edge") or config.get("min_pixels") or DEFAULT_MIN_PIXELS),
             max_pixels=int(size.get("longest_edge") or config.get("max_pixels") or DEFAULT_MAX_PIXELS),
@@ -109,7 +148,11 @@ class VideoSpec:
         )
 
     def sglang_config(self) -> dict[str, Any]:
-        """The `video` entry of SGLang's --mm-process-config that makes its sampling this one."""
+        """The `video` entry of SGLang's --mm-process-config that makes its sampling this one (for
+        Qwen3-VL the fps alone: its per-frame bounds stay SGLang's, and SGLang leaves the model's
+        own to its processor)."""
+        if self.timestamps:
+            return {"fps": self.fps}
         return {"fps": self.fps, "min_pixels": self.min_pixels, "max_pixels": self.max_pixels}
 
 
@@ -148,9 +191,10 @@ def frame_count(total: int, fps: float, spec: VideoSpec) -> int:
 def frame_size(height: int, width: int, frames: int, spec: VideoSpec) -> tuple[int, int]:
     """(height, width) to size frames to: SGLang's smart_resize, with its cap on the whole
     clip's pixels shared out over the frames."""
-    max_pixels = max(min(spec.max_pixels, TOTAL_PIXELS / frames * FRAME_FACTOR), int(spec.min_pixels * 1.05))
-    max_pixels = min(spec.max_pixels, max_pixels)
-    return smart_resize(height, width, spec.factor, spec.min_pixels, max_pixels)
+    factor, low, high = spec.sampling
+    max_pixels = max(min(high, TOTAL_PIXELS / frames * FRAME_FACTOR), int(low * 1.05))
+    max_pixels = min(high, max_pixels)
+    return smart_resize(height, width, factor, low, max_pixels)
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: float, max_pixels: float) -> tuple[int, int]:
@@ -218,9 +262,10 @@ def frames(data: bytes, spec: VideoSpec) -> Clip:
 
 
 class VideoPatcher:
-    """transformers' Qwen2VLVideoProcessor in torch ops (it needs torchvision, which does not
-    load beside torch's CPU build): resize, fused rescale and normalisation, and its patch
-    layout, called as the model's processor calls its video processor."""
+    """transformers' Qwen2VLVideoProcessor, or Qwen3VLVideoProcessor with `spec.timestamps`, in
+    torch ops (they need torchvision, which does not load beside torch's CPU build): resize, fused
+    rescale and normalisation, and their patch layout (the same for both), called as the model's
+    processor calls its video processor."""
 
     def __init__(self, spec: VideoSpec) -> None:
         self.spec = spec
@@ -229,7 +274,7 @@ class VideoPatcher:
     def __call__(self, videos: list[np.ndarray], video_metadata: list[Any] | None = None, **_: Any) -> Any:
         """pixel_values_videos [patches, C*t*p*p] and video_grid_thw [n, 3] of clips' frames
         ([T, H, W, 3] uint8 each), with their metadata passed on (Qwen2.5-VL's processor takes
-        second_per_grid_ts from each clip's rate there)."""
+        second_per_grid_ts from each clip's rate there, Qwen3-VL's the frames' times)."""
         import torch
         from transformers.feature_extraction_utils import BatchFeature
 
@@ -249,14 +294,29 @@ class VideoPatcher:
         bounds, bicubic with antialias on uint8 (torchvision's CPU path); unchanged when the
         size already fits."""
         import torch
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
 
         height, width = frames.shape[-2:]
-        spec = self.spec
-        size = hf_smart_resize(height, width, spec.factor, spec.min_pixels, spec.max_pixels)
+        size = self.size(len(frames), height, width)
         if size == (height, width):
             return frames
         return torch.nn.functional.interpolate(frames, size=size, mode="bicubic", align_corners=False, antialias=True)
+
+    def size(self, count: int, height: int, width: int) -> tuple[int, int]:
+        """The model's processor's frame size: Qwen2-VL's smart_resize per frame, or Qwen3-VL's
+        over the whole clip (its bounds capped per frame where the configuration says so)."""
+        spec = self.spec
+        if not spec.timestamps:
+            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as per_frame
+
+            return tuple(per_frame(height, width, spec.factor, spec.min_pixels, spec.max_pixels))
+        from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as whole_clip
+
+        max_pixels = spec.max_pixels
+        if spec.cap_pixels_per_frame:
+            cap = spec.max_video_tokens * spec.factor**2
+            max_pixels = max(min(cap, spec.max_pixels // count), int(spec.min_pixels * 1.05)) * count
+        size = whole_clip(count, height, width, spec.temporal_patch_size, spec.factor, spec.min_pixels, max_pixels)
+        return tuple(size)
 
     def normalize(self, frames: torch.Tensor) -> torch.Tensor:
         """The fused rescale and normalisation: (x - 255 mean) / (255 std), in float32."""
@@ -282,8 +342,12 @@ class VideoPatcher:
 
 
 def metadata(clip: Clip) -> Any:
-    """What transformers' processors read of a clip: its frame count and rate."""
+    """What transformers' processors read of a clip: its frame count and rate, and (for Qwen3-VL's
+    times) which frames were kept: all of them, as SGLang's sampling of a canonical clip keeps."""
     from transformers.video_utils import VideoMetadata
 
     height, width = clip.frames.shape[1:3]
-    return VideoMetadata(total_num_frames=len(clip.frames), fps=clip.fps, height=height, width=width)
+    count = len(clip.frames)
+    return VideoMetadata(
+        total_num_frames=count, fps=clip.fps, height=height, width=width, frames_indices=list(range(count))
+    )

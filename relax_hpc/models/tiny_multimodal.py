@@ -92,7 +92,7 @@ def char_tokenizer(specials: list[str], named: dict[str, str], chat_template: st
     """One id per character of the text default, after `specials` (each one id, `named` as the
     processor finds them) and with `chat_template`."""
     vocab = {token: i for i, token in enumerate(specials)}
-    for ch in ALPHABET + "\n:.,":
+    for ch in ALPHABET + "\n:.,<>":  # <>: Qwen3-VL's frame times (<0.5 seconds>)
         vocab.setdefault(ch, len(vocab))
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD_TOKEN))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")

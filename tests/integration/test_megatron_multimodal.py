@@ -59,7 +59,7 @@ from relax_hpc.weights.group import SideGroup
 from relax_hpc.weights.sender import free_port
 from relax_hpc.weights.tensors import FLATTENED_BUCKET, bucket_records, serialize_bucket
 from tests.integration.test_megatron_checkpoint import megatron_on_cpu
-from tests.models.qwen3_family import build_qwen3_omni, build_qwen3_vl
+from tests.models.qwen3_family import build_qwen3_omni, build_qwen3_vl, build_qwen3_vl_video
 
 __all__ = ["megatron_on_cpu"]  # the fixture, requested by name
 pytestmark = [
@@ -122,7 +122,7 @@ OMNI = Media(
 def media_of(model: Path) -> Media:
     if model == AUDIO:
         return SOUND
-    if model == VIDEO_MODEL:
+    if model == VIDEO_MODEL or model.name.startswith("qwen3-vl-video"):
         return MOTION
     return OMNI if model.name.startswith("qwen3-omni") else VISION
 
@@ -145,16 +145,22 @@ def model_folder(name: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
         return VIDEO_MODEL
     if name == "qwen3-omni":
         return build_qwen3_omni(tmp_path_factory.mktemp("qwen3-omni"))
+    if name == "qwen3-vl-video":
+        return build_qwen3_vl_video(tmp_path_factory.mktemp("qwen3-vl-video"))
     return build_qwen3_vl(tmp_path_factory.mktemp("qwen3-vl"))
 
 
-@pytest.fixture(scope="module", params=["qwen2.5-vl", "qwen3-vl", "qwen2-audio", "qwen3-omni", "qwen2.5-vl-video"])
+@pytest.fixture(
+    scope="module", params=["qwen2.5-vl", "qwen3-vl", "qwen2-audio", "qwen3-omni", "qwen2.5-vl-video", "qwen3-vl-video"]
+)
 def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return model_folder(request.param, tmp_path_factory)
 
 
 def _config(model: Path, *overrides: str) -> BackendConfig:
     config = REPO / "configs" / media_of(model).config
+    if model.name.startswith("qwen3-vl-video"):  # each frame's time in the prompt: longer rows, two a micro-batch
+        overrides = (*overrides, "trainer.megatron.max_tokens_per_microbatch=192")
     return BackendConfig.of(load_config(config, [*OVERRIDES, f"model.path={model}", *overrides], base_dir=REPO))
 
 

@@ -60,6 +60,23 @@ def build_qwen3_vl(out: Path) -> Path:
     return out
 
 
+def build_qwen3_vl_video(out: Path) -> Path:
+    """The tiny Qwen3-VL with a video processor configuration (transformers' Qwen3VLVideoProcessor,
+    which cannot be built without torchvision): a clip's frames end at 64 x 64 whatever SGLang's
+    sampling sized them to (4 frames: 2 temporal patches of 2 x 2 merged tokens, each after its time)."""
+    build_qwen3_vl(out)
+    clip = 4 * PIXELS  # the whole clip's budget: t x h x w
+    config = {
+        "video_processor_type": "Qwen3VLVideoProcessor", "processor_class": "Qwen3VLProcessor",
+        "size": {"shortest_edge": clip, "longest_edge": clip}, "patch_size": 16, "temporal_patch_size": 2,
+        "merge_size": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3, "fps": 2, "do_sample_frames": True,
+        "cap_pixels_per_frame": False, "resample": 3, "do_resize": True, "do_rescale": True,
+        "rescale_factor": 1 / 255, "do_normalize": True, "do_convert_rgb": True,
+    }  # fmt: skip
+    (out / "video_preprocessor_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
 # Qwen3-Omni's own placeholders: <|audio_start|><|audio_pad|><|audio_end|> for audio.
 OMNI_SPECIALS = [
     PAD_TOKEN, EOS_TOKEN, "<|im_start|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>",

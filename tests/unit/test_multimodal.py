@@ -29,7 +29,7 @@ from relax_hpc.protocol import requests as P
 from relax_hpc.rollout.engine_policy import EnginePolicy
 from relax_hpc.rollout.plan import Group, to_sample_batch
 from relax_hpc.trainer.batching import share_of, token_logprobs_and_entropy
-from tests.models.qwen3_family import build_qwen3_omni, build_qwen3_vl
+from tests.models.qwen3_family import build_qwen3_omni, build_qwen3_vl, build_qwen3_vl_video
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
 SHAPES, BEEPS = ASSETS / "shapes/shapes.jsonl", ASSETS / "beeps/beeps.jsonl"
@@ -41,6 +41,8 @@ TASKS: dict[str, tuple[Path | Callable[[Path], Path], Path, str, int]] = {
     # 4 frames of 56 x 56 (2 s at 2 fps): 2 temporal patches of 2 x 2 merged tokens
     "qwen2.5-vl-video": (ASSETS / "tiny-qwen2.5-vl-motion", MOTION, "videos", 8),
     "qwen3-vl": (build_qwen3_vl, SHAPES, "images", 4),  # 64 x 64 pixels: 2 x 2 merged patches of 16
+    # the motion clips at 64 x 64: 2 temporal patches of 2 x 2 merged tokens, each after its time
+    "qwen3-vl-video": (build_qwen3_vl_video, MOTION, "videos", 8),
     "qwen3-omni-image": (build_qwen3_omni, SHAPES, "images", 4),
     "qwen3-omni-audio": (build_qwen3_omni, BEEPS, "audios", 13),  # 1 s: 100 frames, 13 tokens
 }
@@ -113,9 +115,13 @@ def test_prompts_hold_one_placeholder_per_item_and_the_processor_expands_it(task
         assert processed.tensors["image_grid_thw"].tolist() == [[1, GRID * CELL // 14, GRID * CELL // 14]]
     elif task.kind == "audio":
         assert int(processed.tensors["feature_attention_mask"].sum()) == 100  # 10 ms frames of 1 s
-    elif task.kind == "video":  # 2 s of 8 frames at 4 fps, kept at 2 fps: 4 frames, 2 temporal patches
+    elif task.name == "qwen2.5-vl-video":  # 2 s of 8 frames at 4 fps, kept at 2 fps: 4 frames, 2 temporal patches
         assert processed.tensors["video_grid_thw"].tolist() == [[2, 4, 4]]
         assert processed.tensors["second_per_grid_ts"].tolist() == [1.0]
+    elif task.kind == "video":  # Qwen3-VL: each temporal patch after its time (frames 0-1, 2-3 at 2 fps)
+        assert processed.tensors["video_grid_thw"].tolist() == [[2, 4, 4]]
+        text = processor.tokenizer.decode(processed.input_ids)
+        assert "<0.2 seconds><|vision_start|>" in text and "<1.2 seconds><|vision_start|>" in text
 
 
 def test_the_engine_answers_with_the_expanded_prompt(task):

@@ -445,12 +445,18 @@ class _Parser(argparse.ArgumentParser):
         ["trainer.lora.rank=4", "trainer.lora.target_modules=[q_proj,v_proj,down_proj]"],
         ["model.path=assets/tiny-qwen2.5-vl-motion", "data.path=assets/motion/motion.jsonl",
          "data.media={video: videos}"],
+        ["model.path={qwen3_vl_video}", "data.path=assets/motion/motion.jsonl", "data.media={video: videos}"],
     ],
-    ids=["defaults", "everything", "colocated", "lora", "video"],
+    ids=["defaults", "everything", "colocated", "lora", "video", "qwen3-vl-video"],
 )  # fmt: skip
-def test_launch_server_arguments_are_server_args(sglang, overrides):
+def test_launch_server_arguments_are_server_args(sglang, overrides, tmp_path):
     import msgspec
 
+    from tests.models.qwen3_family import build_qwen3_vl_video
+
+    if any("{qwen3_vl_video}" in o for o in overrides):
+        folder = build_qwen3_vl_video(tmp_path / "qwen3-vl")
+        overrides = [o.replace("{qwen3_vl_video}", str(folder)) for o in overrides]
     cfg = load_config(None, ["rollout.engine=sglang", "run.seed=7", *overrides])
     device = "cuda:1" if cfg.launch.colocate else None
     argv = server_args(cfg, "0.0.0.0", 30001, "the-run-token", device=device)
@@ -474,8 +480,11 @@ def test_launch_server_arguments_are_server_args(sglang, overrides):
     lora = cfg.trainer.lora  # adapter sync: the server reserves the adapters' rank and modules
     served = (True, lora.rank, lora.target_modules) if lora is not None else (None, None, None)
     assert (parsed.enable_lora, parsed.max_lora_rank, parsed.lora_target_modules) == served
-    # videos: SGLang's sampling told the model's rate and pixel bounds (the tiny model's 56 x 56)
+    # videos: SGLang's sampling told the model's rate and pixel bounds (the tiny model's 56 x 56); a
+    # Qwen3-VL model's rate alone (its bounds are the whole clip's, applied by its own processor)
     video = {"video": {"fps": 2.0, "min_pixels": 3136, "max_pixels": 3136}} if cfg.data.media else None
+    if "qwen3-vl" in cfg.model.path:
+        video = {"video": {"fps": 2.0}}
     assert parsed.mm_process_config == video
 
 

@@ -118,6 +118,12 @@ def test_frame_counts_and_sizes_are_sglangs(qwen_vl):
         )
         expected = qwen_vl.smart_resize(height, width, 28, qwen_vl.VIDEO_MIN_PIXELS, max_pixels)
         assert V.frame_size(height, width, frames, spec) == expected, (height, width, frames)
+    # Qwen3-VL: SGLang's preprocess_video runs at its default factor and bounds (only fps is passed),
+    # whatever the model's own: a Qwen3-VL spec samples with exactly those
+    qwen3 = V.VideoSpec(timestamps=True, patch_size=16, min_pixels=4096, max_pixels=10**8)
+    assert qwen3.sampling == (qwen_vl.IMAGE_FACTOR, qwen_vl.VIDEO_MIN_PIXELS, qwen_vl.VIDEO_MAX_PIXELS)
+    sglang_size = qwen_vl.smart_resize(56, 56, qwen_vl.IMAGE_FACTOR, qwen_vl.VIDEO_MIN_PIXELS, qwen_vl.VIDEO_MAX_PIXELS)
+    assert V.frame_size(56, 56, 4, qwen3) == sglang_size
 
 
 def test_the_patcher_lays_out_patches_as_the_models_image_processor_does():
@@ -170,22 +176,43 @@ def test_a_video_reads_as_its_canonical_clip_and_bad_videos_are_refused(tmp_path
         load_prompts(rows, "prompt", "answer", {"video": "videos"}, check_media=True, video=spec)
 
 
-def test_only_qwen2_and_qwen2_5_vl_models_take_videos(tmp_path):
+def test_qwen_vl_models_take_videos_and_omni_models_are_refused(tmp_path):
     from relax_hpc.config.schema import JobConfig
     from relax_hpc.submit import dataset_problems
-    from tests.models.qwen3_family import build_qwen3_vl
+    from tests.models.qwen3_family import build_qwen3_omni, build_qwen3_vl_video
 
     assert media_kinds(str(MOTION_MODEL)) == {"image", "video"}
-    qwen3 = build_qwen3_vl(tmp_path / "qwen3-vl")
-    assert media_kinds(str(qwen3)) == {"image"}
-    cfg = JobConfig.model_validate(
-        {
-            "model": {"path": str(qwen3)},
-            "data": {"path": str(ASSETS / "motion/motion.jsonl"), "media": {"video": "videos"}},
-        }
-    )
-    (problem,) = dataset_problems(cfg)
-    assert "not a Qwen2-VL or Qwen2.5-VL model" in problem and "Qwen3-VL" in problem
+    qwen3 = build_qwen3_vl_video(tmp_path / "qwen3-vl")
+    assert media_kinds(str(qwen3)) == {"image", "video"}
+    omni = build_qwen3_omni(tmp_path / "omni")
+    assert media_kinds(str(omni)) == {"image", "audio"}
+    data = {"path": str(ASSETS / "motion/motion.jsonl"), "media": {"video": "videos"}}
+    assert dataset_problems(JobConfig.model_validate({"model": {"path": str(qwen3)}, "data": data})) == []
+    (problem,) = dataset_problems(JobConfig.model_validate({"model": {"path": str(omni)}, "data": data}))
+    assert "not a Qwen2-VL, Qwen2.5-VL or Qwen3-VL model" in problem and "Omni" in problem
+
+
+def test_qwen3_vl_sampling_is_sglangs_and_its_processor_sizes_the_whole_clip(tmp_path):
+    """Qwen3-VL: SGLang samples and sizes frames with its own constants (factor 28, per-frame
+    bounds), which --mm-process-config leaves alone (fps only); the model's processor then sizes
+    the whole clip at factor 32 within its t x h x w budget, optionally capped per frame."""
+    from tests.models.qwen3_family import build_qwen3_vl_video
+
+    spec = V.VideoSpec.from_folder(str(build_qwen3_vl_video(tmp_path / "q")))
+    assert spec.timestamps and spec.factor == 32 and spec.sampling == (28, 128 * 28 * 28, 768 * 28 * 28)
+    assert spec.sglang_config() == {"fps": 2.0}
+    assert V.frame_size(56, 56, 4, spec) == (336, 336)  # SGLang's per-frame minimum, at factor 28
+    patcher = V.VideoPatcher(spec)
+    assert patcher.size(4, 336, 336) == (64, 64)  # the clip's budget: 4 x 64 x 64
+    whole = V.VideoSpec(timestamps=True, patch_size=16, min_pixels=4096, max_pixels=32 * 32 * 768 * 10)
+    # 20 frames share 7.86 M pixels: scaled by sqrt(20 x 720 x 1280 / 7.86 M), floored to 32
+    assert V.VideoPatcher(whole).size(20, 720, 1280) == (448, 832)
+    capped = V.VideoSpec(**{**whole.__dict__, "cap_pixels_per_frame": True, "max_video_tokens": 64})
+    assert V.VideoPatcher(capped).size(20, 720, 1280) == (192, 320)  # at most 64 tokens (65,536 pixels) a frame
+    out = patcher([np.zeros((5, 336, 336, 3), np.uint8)], [V.metadata(V.Clip(np.zeros((5, 8, 8, 3)), 2.0))])
+    # 5 frames: the last repeated into a third temporal patch, and 32 x 32 frames (4 x 64 x 64 is the budget)
+    assert out["video_grid_thw"].tolist() == [[3, 2, 2]]
+    assert out["video_metadata"][0].frames_indices == [0, 1, 2, 3, 4]
 
 
 def test_the_clip_rate_survives_as_a_fraction():
