@@ -22,7 +22,7 @@ from pathlib import Path
 from relax_hpc.config.load import ConfigError, load_config, read_frozen, to_yaml
 from relax_hpc.config.path_options import path_problems
 from relax_hpc.config.schema import RESUMABLE_CHANGES, EvalConfig, JobConfig, MediaKind, SftConfig
-from relax_hpc.data.processor import media_kinds, sampling_rate, video_spec
+from relax_hpc.data.processor import is_multimodal, media_kinds, sampling_rate, video_spec
 from relax_hpc.data.prompts import DatasetError, load_data, load_prompts
 from relax_hpc.launch.allocation import AllocationError
 from relax_hpc.launch.gpus import NO_GPU, place_local, span, visible_gpu_count
@@ -52,6 +52,7 @@ def check_inputs(cfg: JobConfig, in_allocation: bool = False, ignored: tuple[str
     if not problems:
         if cfg.kind == "rl":
             problems += dataset_problems(cfg)
+            problems += critic_problems(cfg.algo.advantage.estimator, cfg.trainer.backend, cfg.model.path)
         elif cfg.kind == "sft":
             problems += sft_data_problems(cfg.sft, cfg.model.path)
         else:
@@ -82,6 +83,20 @@ def dataset_problems(cfg: JobConfig) -> list[str]:
         except DatasetError as e:
             problems.append(str(e))
     return problems
+
+
+def critic_problems(estimator: str, backend: str, model: str) -> list[str]:
+    """gae's critic on the torch backend is transformers' token-classification model of the
+    folder's architecture, which the multimodal models do not have (megatron's critic is the
+    policy's own model with a value head, towers included)."""
+    if estimator != "gae" or backend != "torch" or not is_multimodal(model):
+        return []
+    problem = (
+        f"algo.advantage.estimator=gae: the torch backend's critic is transformers' token-classification "
+        f"model, which {model} (a multimodal model) does not have; trainer.backend=megatron trains "
+        "its critic with media"
+    )
+    return [problem]
 
 
 def _missing_encoder(model: str, kind: str, kinds: set[MediaKind]) -> str:

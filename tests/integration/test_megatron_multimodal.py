@@ -448,3 +448,51 @@ def test_the_built_in_engine_takes_the_megatron_export(dense_model, engine, push
     got = megatron._frozen_logprobs(megatron.model, batch)
     assert got is not None
     assert (got[batch.loss_mask.bool()] - torch.tensor(sampled)).abs().max() < ATOL
+
+
+def test_an_omni_thinker_replays_the_given_experts_as_the_torch_backend_does(request, tmp_path_factory, tmp_path):
+    """Routing replay with media (the Omni thinker is MoE): both backends route every token of a
+    batch with pictures and clips through the experts the batch names, and then agree on the
+    log-probabilities as they do when their routers decide; other experts change them."""
+    from relax_hpc.models.megatron_routing import recording
+
+    model = model_folder("qwen3-omni", tmp_path_factory)
+    replay = "algo.off_policy.routing_replay=true"
+    started = not dist.is_initialized()
+    if started:  # the torch backend first, before megatron's CPU patches (the reference fixture's order)
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    reference = TorchBackend(_config(model, replay), torch.device("cpu"))
+    request.getfixturevalue("megatron_on_cpu")
+    megatron = MegatronBackend(_config(model, *MEGATRON, replay), torch.device("cpu"))
+    batch = _batch(model)
+    n, width = batch.input_ids.shape
+    layers = megatron.hf_config.thinker_config.text_config.num_hidden_layers
+    top_k = megatron.hf_config.thinker_config.text_config.num_experts_per_tok
+    experts = torch.arange(top_k).repeat(layers)  # experts 0..k-1 in every layer, for every token
+    real = batch.attention_mask.bool()
+    logprobs = {}
+    for shift in (0, 1):
+        batch.routed = ((experts + shift) % 4).expand(n, width, -1).clone()
+        with recording(megatron.model) as calls:
+            got = megatron._frozen_logprobs(megatron.model, batch)
+        assert got is not None and calls
+        assert all(torch.equal(c.unique(), torch.arange(shift, shift + top_k) % 4) for c in calls)
+        expected = _torch_logprobs(reference, batch)
+        assert (got[real] - expected[real]).abs().max() < ATOL
+        logprobs[shift] = got[real]
+    assert (logprobs[0] - logprobs[1]).abs().max() > 1e-3
+    if started:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-vl", "qwen3-omni"])
+def test_the_critic_learns_the_values_of_rows_with_media(name, tmp_path_factory, megatron_on_cpu):
+    """gae on the megatron backend with media: the critic (the policy's model, towers included,
+    with a value head) takes each micro-batch's pictures and clips, and on a fixed batch its value
+    loss falls (lambda = 1: the returns are the rewards)."""
+    model = model_folder(name, tmp_path_factory)
+    gae = ["algo.advantage.estimator=gae", "algo.advantage.lam=1.0", "algo.critic.lr=1e-3"]
+    backend = MegatronBackend(_config(model, *MEGATRON, *gae), torch.device("cpu"))
+    batch = _batch(model)
+    losses = [backend.train_step(batch, step).stats.sums["value_loss"] for step in range(6)]
+    assert losses[-1] < 0.7 * losses[0], losses

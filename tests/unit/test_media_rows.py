@@ -143,6 +143,11 @@ def test_submit_refuses_media_the_model_cannot_take(tmp_path):
     omni = build_qwen3_omni(tmp_path / "omni")  # an Omni thinker (MoE) on megatron: SGLang's engines
     with pytest.raises(ConfigError, match=r"rollout.engine=torch with trainer.backend=megatron and an MoE model"):
         check_inputs(load_config(REPO / "configs/tiny-audio-grpo.yaml", [*megatron, f"model.path={omni}"]))
+    gae = ["algo.advantage.estimator=gae"]  # the torch backend's critic is a text-only class
+    with pytest.raises(ConfigError, match=r"^algo.advantage.estimator=gae: the torch backend's critic"):
+        check_inputs(load_config(REPO / "configs/tiny-vision-grpo.yaml", gae))
+    with pytest.raises(ConfigError, match=r"^trainer.backend=megatron runs one rank per GPU"):  # not the critic
+        check_inputs(load_config(REPO / "configs/tiny-vision-grpo.yaml", [*megatron, *gae]))
     wrong_kind = load_config(REPO / "configs/tiny-vision-grpo.yaml", ["data.media={audio: images}"])
     with pytest.raises(ConfigError, match=r"data.media.audio: .* has no audio encoder"):
         check_inputs(wrong_kind)
