@@ -159,6 +159,7 @@ class InProcessRun:
             "reward": float(batch.rewards.mean()),
             "loss": result.loss,
             "grad_norm": result.grad_norm,
+            "reward_sampled": selection.sampled_reward,
             "groups_dropped": selection.dropped,
             **self.rounds.take_stats(),
             **reduce_stats(result.stats, self.cfg.algo.epochs),

@@ -33,18 +33,31 @@ def run_one(job: tuple[str, list[str], dict, int, int, int]) -> dict:
     overrides = [*fixed, *(f"{k}={json.dumps(v)}" for k, v in setting.items()), f"run.seed={seed}"]
     cfg = load_config(config, overrides)
     start = time.perf_counter()
-    records = run_inprocess(cfg, steps, greedy_every)
-    rewards = [round(r["reward"], 3) for r in records]
+    elapsed: list[float] = []
+    records = run_inprocess(cfg, steps, greedy_every, on_step=lambda _: elapsed.append(time.perf_counter() - start))
+    # The reward of the batch's own prompts before dynamic sampling drops any group: the policy's.
+    rewards = [round(r["reward_sampled"], 3) for r in records]
+    crossing = first_crossing(rewards, 0.8)
     return {
         "setting": setting,
         "seed": seed,
-        "seconds": round(time.perf_counter() - start, 1),
+        "seconds": round(elapsed[-1], 1),
+        "first_step_at_0.8": crossing,
+        "seconds_to_0.8": None if crossing is None else round(elapsed[crossing - 1], 1),
         "reward_10step_means": [
             round(sum(rewards[i : i + 10]) / len(rewards[i : i + 10]), 3) for i in range(0, len(rewards), 10)
         ],
         "greedy": [(r["step"], r["greedy_accuracy"]) for r in records if "greedy_accuracy" in r],
         "rewards": rewards,
     }
+
+
+def first_crossing(rewards: list[float], level: float, window: int = 10) -> int | None:
+    """The first step (1-based) whose trailing `window`-step mean reward reaches `level`."""
+    for end in range(window, len(rewards) + 1):
+        if sum(rewards[end - window : end]) / window >= level:
+            return end
+    return None
 
 
 def main() -> None:

@@ -132,6 +132,7 @@ class Driver:
         self.policy.min_version = seq - self.ro.max_staleness
         selection = await self.rounds.plan.select(lambda round_: self.rounds.sample_round(seq, round_))
         stats = {
+            "reward_sampled": selection.sampled_reward,
             "sampling_rounds": selection.rounds,
             "groups_dropped": selection.dropped,
             "groups_topped_up": selection.topped_up,

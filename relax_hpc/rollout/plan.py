@@ -45,6 +45,9 @@ class Selection:
     rounds: int  # sampling rounds it took
     dropped: int  # groups set aside because their rewards were all equal
     topped_up: int  # of those, how many were put back to keep the batch size
+    # The mean reward of the batch's own prompts (round 0) before any group is dropped: the
+    # policy's reward on the data, which the kept groups' mean is not once zero-signal groups go.
+    sampled_reward: float
 
 
 class BatchPlan:
@@ -84,17 +87,29 @@ class BatchPlan:
     async def select(self, sample_round: Callable[[int], Awaitable[list[Group]]]) -> Selection:
         """Sample rounds until prompts_per_step informative groups are found (or rounds run out)."""
         wanted = self.cfg.rollout.prompts_per_step
+        first = await sample_round(0)
+        sampled_reward = _mean_reward(first)
         if self.rounds == 1:
-            return Selection(await sample_round(0), 1, 0, 0)
+            return Selection(first, 1, 0, 0, sampled_reward)
         kept: list[Group] = []
         dropped: list[Group] = []
-        rounds = 0
-        while len(kept) < wanted and rounds < self.rounds:
-            for group in await sample_round(rounds):
+        rounds, groups = 0, first
+        while True:
+            for group in groups:
                 (kept if informative(group.rewards) else dropped).append(group)
             rounds += 1
+            if len(kept) >= wanted or rounds == self.rounds:
+                break
+            groups = await sample_round(rounds)
         top_up = max(0, wanted - len(kept))
-        return Selection(kept[:wanted] + dropped[:top_up], rounds, len(dropped), min(top_up, len(dropped)))
+        return Selection(
+            kept[:wanted] + dropped[:top_up], rounds, len(dropped), min(top_up, len(dropped)), sampled_reward
+        )
+
+
+def _mean_reward(groups: list[Group]) -> float:
+    rewards = [r for group in groups for r in group.rewards]
+    return sum(rewards) / max(len(rewards), 1)
 
 
 def to_sample_batch(seq: int, groups: list[Group]) -> SampleBatch:

@@ -47,3 +47,7 @@ def test_ppo_with_critic_and_dynamic_sampling_resumes_exactly(tmp_path):
     # Near chance most groups are all-wrong: dynamic sampling drops them and samples more rounds.
     assert sum(r["groups_dropped"] for r in rollout) > 0
     assert max(r["sampling_rounds"] for r in rollout) > 1
+    # The policy's reward on its batches is reported apart from the kept groups': with all-wrong
+    # groups dropped the kept ones score higher than what was sampled.
+    assert all(0 <= r["reward_sampled"] <= 1 for r in rollout)
+    assert sum(r["reward_sampled"] < r["reward"] for r in rollout) > 0

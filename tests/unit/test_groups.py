@@ -49,6 +49,15 @@ def test_uninformative_groups_are_replaced_from_later_rounds():
     assert (sel.rounds, sel.dropped, sel.topped_up) == (2, 3, 0)
 
 
+def test_the_sampled_reward_is_the_first_rounds_before_any_group_is_dropped():
+    sample_round, _ = rounds_with([[[1, 1], [0, 1], [1, 1]], [[0, 0], [1, 0], [1, 0]]])
+    sel = select(plan("algo.dynamic_sampling.enabled=true"), sample_round)
+    kept = [r for g in sel.groups for r in g.rewards]
+    assert sel.sampled_reward == 5 / 6 and sum(kept) / len(kept) == 0.5  # the kept groups' mean is not the policy's
+    sample_round, _ = rounds_with([[[1, 1], [0, 1], [0, 0]]])
+    assert select(plan(), sample_round).sampled_reward == 0.5
+
+
 def test_a_batch_still_short_after_max_rounds_is_topped_up_with_dropped_groups():
     sample_round, asked = rounds_with([[[1, 1], [0, 1], [0, 0]], [[0, 0], [0, 0], [1, 1]]])
     sel = select(plan("algo.dynamic_sampling.enabled=true", "algo.dynamic_sampling.max_rounds=2"), sample_round)
