@@ -4,7 +4,7 @@ Each case runs a shipped config (configs/tiny-NAME.yaml) through the single-proc
 (`python -m relax_hpc.inprocess`: the driver's batch construction, the trainer's backend
 and objective, asynchrony simulated at the config's max_staleness), shortened so that all of them
 fit in CI: 9 of the 100 problems (every 12th), 9 prompts x 16 samples per step, at most 100 steps
-at the default recipe's learning rate (5e-4). Chance is 1/19 (about 0.05): the first 10 steps'
+at the schema's default learning rate (5e-4). Chance is 1/19 (about 0.05): the first 10 steps'
 mean reward stays below 0.2 and the last 10 steps' mean must reach the case's stated level. A run
 stops as soon as they do (from step 20 on, when the last 10 steps are past the first 10): it has
 shown what the test asks by then.

@@ -72,20 +72,23 @@ def learn(seeds: list[int], steps: int, cores_per_run: int, out: Path, still: bo
         log = (out / f"{name}.log").open("wb")
         started[name] = (time.time(), subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
         if not parallel:
-            results[name] = _finish(name, *started[name], out)
+            results[name] = finish_run(out / name, *started[name], LEVEL)
     for name, (start, process) in started.items():
         if name not in results:
-            results[name] = _finish(name, start, process, out)
+            results[name] = finish_run(out / name, start, process, LEVEL)
     return {"parallel": parallel, "cores_per_run": cores_per_run, "level": LEVEL, "chance": CHANCE, "runs": results}
 
 
-def _finish(name: str, start: float, process: subprocess.Popen[bytes], out: Path) -> dict[str, Any]:
+def finish_run(run_dir: Path, start: float, process: subprocess.Popen[bytes], level: float) -> dict[str, Any]:
+    """A run's figures once its command ends: the first step whose 10-step mean reward reaches
+    `level` and the seconds from `start` (the command's) to it, the first, last and best 10
+    steps' means, and its evaluations' greedy accuracy by version."""
     code = process.wait()
-    records = [json.loads(line) for line in (out / name / "metrics/train.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (run_dir / "metrics/train.jsonl").read_text().splitlines()]
     steps = [r for r in records if "reward" in r]
     rewards = [r["reward"] for r in steps]
-    reached = next((i for i in range(10, len(rewards) + 1) if np.mean(rewards[i - 10 : i]) >= LEVEL), None)
-    evals = [json.loads(line) for line in (out / name / "metrics/eval.jsonl").read_text().splitlines()]
+    reached = next((i for i in range(10, len(rewards) + 1) if np.mean(rewards[i - 10 : i]) >= level), None)
+    evals = [json.loads(line) for line in (run_dir / "metrics/eval.jsonl").read_text().splitlines()]
     return {
         "exit": code,
         "steps": len(rewards),
@@ -95,7 +98,7 @@ def _finish(name: str, start: float, process: subprocess.Popen[bytes], out: Path
         "step_at_level": reached,
         "s_to_level": None if reached is None else round(steps[reached - 1]["time"] - start, 1),
         "s_total": round(time.time() - start, 1),
-        "heldout_greedy": {r["version"]: round(r["greedy_accuracy"], 3) for r in evals if "greedy_accuracy" in r},
+        "greedy": {r["version"]: round(r["greedy_accuracy"], 3) for r in evals if "greedy_accuracy" in r},
     }
 
 
