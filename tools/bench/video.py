@@ -39,7 +39,9 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))
 from multimodal import processor_vs_forward  # a sibling script (tools/bench is no package)
+from recipe_sweep import first_crossing  # tools/recipe_sweep.py: the same 10-step window
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs/tiny-video-grpo.yaml"
@@ -87,7 +89,7 @@ def finish_run(run_dir: Path, start: float, process: subprocess.Popen[bytes], le
     records = [json.loads(line) for line in (run_dir / "metrics/train.jsonl").read_text().splitlines()]
     steps = [r for r in records if "reward" in r]
     rewards = [r["reward"] for r in steps]
-    reached = next((i for i in range(10, len(rewards) + 1) if np.mean(rewards[i - 10 : i]) >= level), None)
+    reached = first_crossing(rewards, level)
     evals = [json.loads(line) for line in (run_dir / "metrics/eval.jsonl").read_text().splitlines()]
     return {
         "exit": code,
