@@ -12,8 +12,10 @@ import torch
 
 from relax_hpc.data.processor import MediaProcessor, ProcessorError, concat_inputs, rope_positions
 from relax_hpc.exchange.spool import SampleBatch
+from relax_hpc.models.hf import encoders
 from relax_hpc.models.routing import replaying
 from relax_hpc.models.routing import shape as routing_shape
+from relax_hpc.trainer.prefix import PackedGroups, pack_groups, worth_it
 
 log = logging.getLogger("relax_hpc.trainer")
 TENSORS = (
@@ -189,21 +191,46 @@ def padded(
 
 
 def token_logprobs_and_entropy(
-    model: torch.nn.Module, batch: TrainBatch, temperature: float = 1.0
+    model: torch.nn.Module, batch: TrainBatch, temperature: float = 1.0, share_prefix: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of every target token and the entropy of its distribution, both [n, T],
     under the sampling distribution: logits divided by the temperature, as the engines report
-    their log-probabilities (so that ratios against them are 1 for the same weights)."""
+    their log-probabilities (so that ratios against them are 1 for the same weights). With
+    `share_prefix`, each prompt group's common prefix runs once where that is cheaper and the
+    model allows it (relax_hpc.trainer.prefix); the values are the padded forward's up to rounding."""
+    packed = _packed(model, batch) if share_prefix else None
+    if packed is not None:
+        logits = model(input_ids=packed.input_ids, attention_mask=packed.mask, position_ids=packed.position_ids).logits
+        logprobs, entropy = _logprobs_and_entropy(logits.float(), temperature)
+        return packed.rows(logprobs).gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1), packed.rows(entropy)
     inputs = batch.model_inputs(model)
     replay = nullcontext() if batch.routed is None else replaying(model, _per_layer(model, batch.routed))
     with replay:
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **inputs).logits.float()
+    logp_all, entropy = _logprobs_and_entropy(logits, temperature)
+    return torch.gather(logp_all, -1, batch.targets.unsqueeze(-1)).squeeze(-1), entropy
+
+
+def _logprobs_and_entropy(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every vocabulary entry's log-probability and the distribution's entropy, per position."""
     if temperature not in (0.0, 1.0):
         logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
-    logprobs = torch.gather(logp_all, -1, batch.targets.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logprobs, entropy
+    return logp_all, -(logp_all.exp() * logp_all).sum(-1)
+
+
+def _packed(model: torch.nn.Module, batch: TrainBatch) -> PackedGroups | None:
+    """The batch packed by prompt group, or None where the padded forward stays: rows with media
+    or replayed routes (their per-row inputs are laid out for padded rows), a model with encoders
+    or an attention kernel that takes no 4-D mask (flash attention), or no saving."""
+    config = getattr(model, "config", None)
+    if batch.media or batch.routed is not None or encoders(model) or config is None:
+        return None
+    if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
+        return None
+    packed = pack_groups(batch.input_ids, batch.attention_mask, batch.group_ids)
+    rows, width = batch.input_ids.shape
+    return packed if worth_it(packed, rows, width, int(config.hidden_size)) else None
 
 
 def _per_layer(model: torch.nn.Module, routed: torch.Tensor) -> torch.Tensor:

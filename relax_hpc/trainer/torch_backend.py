@@ -155,7 +155,10 @@ class TorchBackend:
 
     @torch.no_grad()
     def _frozen_logprobs(self, model: torch.nn.Module | None, batch: TrainBatch) -> torch.Tensor | None:
-        return None if model is None else token_logprobs_and_entropy(model, batch, self.temperature)[0]
+        return None if model is None else self._logprobs_and_entropy(model, batch)[0]
+
+    def _logprobs_and_entropy(self, model: torch.nn.Module, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        return token_logprobs_and_entropy(model, batch, self.temperature, self.cfg.prefix_sharing)
 
     def _global_counts(self, parts: list[TrainBatch]) -> list[Normalizer]:
         counts = torch.tensor([local_counts(p.loss_mask) for p in parts], dtype=torch.float64)
@@ -199,7 +202,7 @@ class TorchBackend:
         self.timer.take()
         for _ in range(algo.epochs):
             for r, part, norm in zip(rows, parts, norms, strict=True):
-                logprobs, entropy = token_logprobs_and_entropy(self.model, part, self.temperature)
+                logprobs, entropy = self._logprobs_and_entropy(self.model, part)
                 if advantages is None:
                     old = logprobs.detach()
                     advantages = self._advantages(batch, old, ref, teacher, old_values)
