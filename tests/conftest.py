@@ -45,6 +45,7 @@ LONGEST = (
     "tests/integration/test_vllm_run.py",  # 193
     "tests/integration/test_learning.py",  # 123
     "tests/integration/test_weight_sync.py",  # 119
+    "tests/integration/test_vllm_resume.py",  # 56 alone
 )
 
 

@@ -15,7 +15,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
 def test_packed_groups_on_cuda_are_the_padded_forward(dtype, atol):
     torch.backends.cuda.matmul.allow_tf32 = False
-    model = load_policy(str(MODEL), dtype).cuda()
+    model: torch.nn.Module = load_policy(str(MODEL), dtype)
+    model.cuda()
     b = batch([s for s, _ in ROWS], [g for _, g in ROWS]).to(torch.device("cuda"))
     assert _packed(model, b) is not None
     weights = torch.randn(b.input_ids.shape, device="cuda")

@@ -11,8 +11,9 @@ a random 4-layer Qwen3 of width 512); and a long-answer shape (one group of 16, 
 256-token answers, the same model), where the cost estimate keeps rows padded. CUDA shapes: a
 random Qwen3-0.6B-shaped model (tools/bench/train_throughput.py's) in bf16, 4 groups of 16 with
 256-token prompts and 64-token answers, and one group of 16 with 64-token prompts and 512-token
-answers (kept padded: its packed sequence would pass 8,192 tokens). Prints one JSON object: per shape, seconds padded and shared (medians), their ratio,
-whether packing applied, and the largest log-probability difference.
+answers (kept padded: its packed sequence would pass 8,192 tokens). Prints one JSON object: per
+shape, seconds padded and shared (medians), their ratio, whether packing applied, and the largest
+log-probability difference.
 """
 
 from __future__ import annotations
