@@ -563,7 +563,7 @@ class TrainerConfig(Section):
     sample: the same log-probabilities up to rounding, less arithmetic where prompts are long
     against the answers (on the embedded default, 0.43 of the padded forward and backward).
     Applied only where the estimated cost is lower and the model allows it: text rows, no routing
-    replay, sdpa or eager attention; the critic keeps padded rows."""
+    replay, sdpa or eager attention, no sliding-window layers; the critic keeps padded rows."""
     freeze_encoder: bool = Field(default=False)
     """Multimodal models: keep the vision and audio encoders as loaded (not trained, not sent to
     the engines at weight sync); the language model (and Qwen2-Audio's projector) train."""

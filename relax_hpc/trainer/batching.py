@@ -221,13 +221,16 @@ def _logprobs_and_entropy(logits: torch.Tensor, temperature: float) -> tuple[tor
 
 def _packed(model: torch.nn.Module, batch: TrainBatch) -> PackedGroups | None:
     """The batch packed by prompt group, or None where the padded forward stays: rows with media
-    or replayed routes (their per-row inputs are laid out for padded rows), a model with encoders
-    or an attention kernel that takes no 4-D mask (flash attention), or no saving."""
+    or replayed routes (their per-row inputs are laid out for padded rows), a model with encoders,
+    sliding-window layers or an attention kernel that takes no 4-D mask (flash attention), or no
+    saving."""
     config = getattr(model, "config", None)
     if batch.media or batch.routed is not None or encoders(model) or config is None:
         return None
     if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
         return None
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        return None  # a custom mask replaces the model's own, and with it the window
     packed = pack_groups(batch.input_ids, batch.attention_mask, batch.group_ids)
     rows, width = batch.input_ids.shape
     return packed if worth_it(packed, rows, width, int(config.hidden_size)) else None

@@ -73,7 +73,7 @@ def test_logprobs_entropies_and_gradients_are_the_padded_forwards(temperature):
         torch.testing.assert_close(a, c, atol=2e-5, rtol=1e-4)
 
 
-def test_long_continuations_and_routed_batches_stay_padded():
+def test_long_continuations_routed_batches_and_sliding_windows_stay_padded():
     model = load_policy(str(MODEL), torch.float32)
     # a 2-token prompt, 16 rows of 40 tokens: one 642-token sequence with a 642^2 mask costs
     # more than 16 rows of 42
@@ -82,3 +82,5 @@ def test_long_continuations_and_routed_batches_stay_padded():
     short = batch([s for s, _ in ROWS], [g for _, g in ROWS])
     routed = TrainBatch(**{**{f: getattr(short, f) for f in short.__slots__}, "routed": torch.zeros(9, 8, 4)})
     assert _packed(model, routed) is None
+    model.config.layer_types = ["sliding_attention", "full_attention"]  # the window lives in the model's own mask
+    assert _packed(model, short) is None
