@@ -32,6 +32,10 @@ from relax_hpc.metrics.summary import completed_steps, run_summary
 from relax_hpc.models.arch import check_megatron_job
 from relax_hpc.paths import RunPaths, write_atomic
 
+# relax_hpc.launch.supervisor.EXIT_STOPPED (stopped, resumable), not imported from there: a Ctrl-C
+# during that module's imports is what it answers.
+STOPPED_BEFORE_START = 75
+
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
     out = {}
@@ -272,7 +276,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, AllocationError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from relax_hpc.launch.local import run_local  # heavy imports after validation
+    try:
+        from relax_hpc.launch.local import run_local  # heavy imports after validation
+    except KeyboardInterrupt:  # Ctrl-C (SIGINT) during them: no role started, nothing to checkpoint
+        print("stopped before any role started; run the same command again to start", file=sys.stderr)
+        return STOPPED_BEFORE_START
 
     startup.finish(paths.metrics, "launcher", "checks")  # config, inputs and RUN_DIR; then the roles start
     return run_local(cfg, paths)
