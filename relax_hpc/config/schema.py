@@ -591,8 +591,9 @@ class WeightsConfig(Section):
     `sharded`: every trainer rank broadcasts its share of the buckets over a group of its own
     (megatron: the full tensors of its own pipeline stage, none sent across stages); built-in
     engines take every rank's buckets at the same time, SGLang engines one after the other. The
-    engines must reach every trainer rank. Built-in and SGLang engines, not with launch.colocate
-    or trainer.lora.
+    engines must reach every trainer rank. With launch.colocate (one trainer node), every rank
+    hands its share by reference to every engine of the node instead of the whole model to its
+    own. Built-in and SGLang engines, not with trainer.lora.
     `file`: the trainer ranks write the version as safetensors to RUN_DIR/weights/files/vN, each
     its share of the buckets, and every engine loads it (SGLang and the built-in engine with
     /update_weights_from_disk, vLLM by reloading its weights in place from the folder): for engines
@@ -1278,9 +1279,10 @@ class JobConfig(Section):
         return self
 
     def _sharded_channel(self) -> None:
+        nodes = self.launch.slurm.trainer.nodes
         for setting, on, why in (
-            ("launch.colocate", self.launch.colocate,
-             "colocated engines take the weights by reference on each rank's own device"),
+            ("launch.colocate on more than one trainer node", self.launch.colocate and nodes > 1,
+             "ranks hand their shares by reference to the engines of their own node only"),
             ("trainer.lora", self.trainer.lora is not None,
              "LoRA sends its adapters and a few modules, rank 0's broadcast is enough"),
             ("rollout.engine=vllm", self.rollout.engine == "vllm",

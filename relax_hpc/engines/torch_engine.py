@@ -394,11 +394,13 @@ class TorchEngine:
                 raise P.ProtocolError(f"LoRA with name {req.lora_name} does not exist; loaded: {sorted(self.adapters)}")
 
     def update_version(self, req: P.UpdateWeightVersionReqInput) -> bool:
-        """Report `new_version` from now on. Returns True: it changed the weight version."""
+        """Report `new_version` from now on: after an adapter load, or once every rank's buckets of
+        a sharded colocated push are in (the weights are then all of it). Returns True: it changed
+        the weight version."""
         if req.abort_all_requests:
             self.abort(P.AbortReq(abort_all=True))
         with self._model_lock:  # between batches, as a pushed version
-            self.weight_version = req.new_version
+            self._holds(req.new_version)
         return True
 
     # -- weights --------------------------------------------------------------------------------

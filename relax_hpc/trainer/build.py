@@ -18,7 +18,7 @@ from relax_hpc.weights.colocated import ColocatedSender
 from relax_hpc.weights.files import ClientSettings, FileChannel
 from relax_hpc.weights.layout import EngineLayout
 from relax_hpc.weights.sender import WeightSender
-from relax_hpc.weights.sharded import ShardedChannel
+from relax_hpc.weights.sharded import ShardedChannel, ShardedColocatedChannel
 from relax_hpc.weights.vllm_channel import VllmSender
 
 
@@ -68,7 +68,10 @@ def build_channel(job: JobConfig, paths: RunPaths, backend: Backend, device: tor
             layout, bucket_bytes,
         )  # fmt: skip
     if job.launch.colocate:
-        return ColocatedChannel(ColocatedSender(paths.engines, token, timeout_s, rank, world), layout, bucket_bytes)
+        by_reference = ColocatedSender(paths.engines, token, timeout_s, rank, world)
+        if job.weights.channel == "sharded":  # every rank hands its share to every engine of the node
+            return ShardedColocatedChannel(by_reference, layout, bucket_bytes, backend.weight_stages())
+        return ColocatedChannel(by_reference, layout, bucket_bytes)
     auto = "nccl" if device.type == "cuda" else "gloo"
     group_backend = job.weights.backend if job.weights.backend != "auto" else auto
     sender = WeightSender(paths.engines, token, group_backend, timeout_s, job.rollout.partial)

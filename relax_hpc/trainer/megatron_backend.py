@@ -121,9 +121,9 @@ class MegatronBackend:
             init_parallel(par, config.seed)
         megatron_state.use_torch_multi_tensor_ops()
         self.cfg, self.algo, self.par, self.device = cfg, algo, par, device
-        # Who gets the full tensors: every rank serves its own engines (colocated), every rank of
-        # a stage sends its share (sharded), or rank 0 sends them all.
-        self.weights_to: Holders = "every_rank" if config.colocate else "stage" if config.sharded else "rank0"
+        # Who gets the full tensors: every rank of a stage sends its share (sharded, colocated or
+        # not), every rank serves its own engines (colocated), or rank 0 sends them all.
+        self.weights_to: Holders = "stage" if config.sharded else "every_rank" if config.colocate else "rank0"
         self.temperature = config.temperature
         self.hf_config = AutoConfig.from_pretrained(config.model.path)
         self.dtype = torch_dtype(config.model.dtype)

@@ -22,12 +22,20 @@ again only once its engines have answered its update, which they do after their 
 finished. The version rides on the last bucket, as in the broadcast path.
 
 Every rank gathers the full parameters (a collective), so every rank can serve its engines.
+
+With weights.channel sharded (relax_hpc.weights.channel.ShardedColocatedChannel, one node) a rank
+instead hands only its own share of the buckets to every engine of the node, and no rank needs
+the whole model (megatron: a stage's ranks hand over that stage's tensors): rank 0 opens the
+push on every engine (open_push), each rank sends its buckets (send_share), and once all are
+answered rank 0 reports the version and closes it (close_push). An engine on another GPU of the
+node maps the handle of the sender's GPU (every role of a node sees the same GPUs).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -78,8 +86,11 @@ class ColocatedSender:
         self.released = False
         self._records: tuple[list[BucketPlan], list[list[SimpleNamespace]]] | None = None  # per plan list
 
-    def engines(self) -> list[EngineRecord]:
-        mine = [r for r in read_records(self.registry) if served_by(r.engine_id, self.rank, self.world)]
+    def engines(self, everyone: bool = False) -> list[EngineRecord]:
+        """The engines this rank serves (engine-i: rank i modulo the ranks), or with `everyone`
+        every engine (the sharded push: each rank hands its share to all of them)."""
+        records = read_records(self.registry)
+        mine = [r for r in records if everyone or served_by(r.engine_id, self.rank, self.world)]
         return [r for r in mine if EngineClient(r.url, self.api_key, 5.0).healthy(5.0)]
 
     def _open(self, engines: list[EngineRecord]) -> list[RequestPipeline]:
@@ -102,9 +113,9 @@ class ColocatedSender:
     def push(
         self, buckets: list[BucketPlan], params: Iterable[tuple[str, torch.Tensor | None]], version: int
     ) -> tuple[int, float, float]:
-        """After a step: the engines take their memory back and the new weights. Collective over
-        the ranks (params is every rank's full-parameter stream). Returns (engines updated,
-        seconds of resume, seconds of the update)."""
+        """After a step: the engines take their memory back and the new weights, over one
+        connection per engine, pipelined. Collective over the ranks (params is every rank's
+        full-parameter stream). Returns (engines updated, seconds of resume, of the update)."""
         fence.check("weight push (colocated)")
         engines = self.engines()
         pipes = self._open(engines)
@@ -114,51 +125,113 @@ class ColocatedSender:
             _answered(pipes)
             resumed = time.monotonic()
             _send(pipes, R.BEGIN_WEIGHT_UPDATE.path, P.BeginWeightUpdateReqInput())
-            self._updates(pipes, buckets, iter(params), version)
-            _send(pipes, R.END_WEIGHT_UPDATE.path, P.EndWeightUpdateReqInput())
-            _send(pipes, R.CONTINUE_GENERATION.path, P.ContinueGenerationReqInput())
-            _answered(pipes)
+            self._updates(pipes, buckets, iter(params), lambda _: True, version)
+            _finish(pipes, None)
         finally:
             _close(pipes)
         self.released = False
         return len(engines), resumed - started, time.monotonic() - resumed
+
+    # The sharded push (relax_hpc.weights.channel.ShardedColocatedChannel): one rank opens and
+    # closes it on every engine, each rank sends its own buckets in between.
+
+    def open_push(self, engines: list[EngineRecord]) -> float:
+        """The engines take their memory back and begin a weight update, answered. Returns the
+        seconds of the resume."""
+        fence.check("weight push (colocated)")
+        pipes = self._open(engines)
+        try:
+            started = time.monotonic()
+            _send(pipes, R.RESUME_MEMORY_OCCUPATION.path, P.ResumeMemoryOccupationReqInput())
+            _answered(pipes)
+            resumed = time.monotonic()
+            _send(pipes, R.BEGIN_WEIGHT_UPDATE.path, P.BeginWeightUpdateReqInput())
+            _answered(pipes)
+        finally:
+            _close(pipes)
+        return resumed - started
+
+    def send_share(
+        self,
+        engines: list[EngineRecord],
+        buckets: list[BucketPlan],
+        params: Iterable[tuple[str, torch.Tensor | None]],
+        mine: Callable[[int], bool],
+    ) -> None:
+        """The buckets `mine` picks (by index) to every engine, answered; no version (close_push
+        reports it once every rank's are in). Iterates all of `params`."""
+        pipes = self._open(engines)
+        try:
+            self._updates(pipes, buckets, iter(params), mine, None)
+            _answered(pipes)
+        finally:
+            _close(pipes)
+        self.released = False
+
+    def close_push(self, engines: list[EngineRecord], version: int) -> None:
+        """Every bucket is in: the engines report `version`, end the update and continue."""
+        pipes = self._open(engines)
+        try:
+            _finish(pipes, version)
+        finally:
+            _close(pipes)
 
     def _updates(
         self,
         pipes: list[RequestPipeline],
         buckets: list[BucketPlan],
         params: Iterator[tuple[str, torch.Tensor | None]],
-        version: int,
+        mine: Callable[[int], bool],
+        version: int | None,
     ) -> None:
-        """One /update_weights_from_tensor per bucket, sent without waiting for the last answer."""
+        """One /update_weights_from_tensor per bucket of `mine`, sent without waiting for the last
+        answer; the other buckets' parameters are passed over."""
         packer: BucketPacker | None = None
         if self._records is None or self._records[0] is not buckets:  # the same plans every push
             self._records = (buckets, [bucket_records(plan) for plan in buckets])
+        sent = [i for i in range(len(buckets)) if mine(i)]
         for i, plan in enumerate(buckets):
-            tensors = [_tensor(next(params)) for _ in plan.names]
+            named = [next(params) for _ in plan.names]
+            if not mine(i):
+                continue
+            tensors = [_tensor(param) for param in named]
             device = tensors[0].device
+            # One pickling per engine: pickling a shared CPU storage takes a reference that its
+            # receiver gives back, so a payload two engines open would be freed under the sender.
+            payloads: Callable[[], list[str]]
             if self.pack or device.type == "cpu":
-                packer = packer or BucketPacker(device, max(b.nbytes for b in buckets))
-                flat = packer.pack(tensors)  # waits until the buffer's previous bucket is answered
-                payloads = serialize_bucket(flat, self._records[1][i], self.tp_size)
-                load_format = FLATTENED_BUCKET
+                packer = packer or BucketPacker(device, max(buckets[k].nbytes for k in sent))
+                flat, records = packer.pack(tensors), self._records[1][i]  # waits for the buffer's last answers
+                payloads, load_format = partial(serialize_bucket, flat, records, self.tp_size), FLATTENED_BUCKET
             else:  # the trainer's own tensors: unchanged until the push ends
-                named = [(name, t.contiguous()) for name, t in zip(plan.names, tensors, strict=True)]
-                payloads, load_format = serialize(named, self.tp_size), None
+                pairs = [(name, t.contiguous()) for name, t in zip(plan.names, tensors, strict=True)]
+                payloads, load_format = partial(serialize, pairs, self.tp_size), None
             if device.type == "cuda":
                 torch.cuda.current_stream(device).synchronize()  # the bytes are there before the engine maps them
-            last = i == len(buckets) - 1
-            request = P.UpdateWeightsFromTensorReqInput(
-                serialized_named_tensors=payloads,
-                load_format=load_format,
-                flush_cache=last,
-                weight_version=str(version) if last else None,
-            )
-            _send(pipes, R.UPDATE_WEIGHTS_FROM_TENSOR.path, request)
+            last = i == sent[-1]
+            carries = version is not None and i == len(buckets) - 1
+            for pipe in pipes:
+                request = P.UpdateWeightsFromTensorReqInput(
+                    serialized_named_tensors=payloads(),
+                    load_format=load_format,
+                    flush_cache=last,
+                    weight_version=str(version) if carries else None,
+                )
+                pipe.send(R.UPDATE_WEIGHTS_FROM_TENSOR.path, request)
             if packer is not None:
                 packer.consumed(_Answered(pipes))
         if packer is not None:
             packer.drain()
+
+
+def _finish(pipes: list[RequestPipeline], version: int | None) -> None:
+    """End the weight update (reporting `version` from now on, where the buckets did not carry
+    it) and continue generation, answered."""
+    if version is not None:
+        _send(pipes, R.UPDATE_WEIGHT_VERSION.path, P.UpdateWeightVersionReqInput(str(version), False))
+    _send(pipes, R.END_WEIGHT_UPDATE.path, P.EndWeightUpdateReqInput())
+    _send(pipes, R.CONTINUE_GENERATION.path, P.ContinueGenerationReqInput())
+    _answered(pipes)
 
 
 def _send(pipes: list[RequestPipeline], route: str, request: object) -> None:

@@ -37,6 +37,7 @@ an engine dies, and a hung engine holds it for at most weights.timeout_s.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 
 import torch
@@ -44,12 +45,35 @@ import torch.distributed as dist
 
 from relax_hpc.protocol.client import EngineRequestError, EngineUnavailable
 from relax_hpc.protocol.registry import EngineRecord
-from relax_hpc.weights.buckets import BucketPacker, assign, pack, plan_buckets
-from relax_hpc.weights.channel import BroadcastChannel, FullParameters
+from relax_hpc.weights.buckets import BucketPacker, BucketPlan, assign, pack, plan_buckets
+from relax_hpc.weights.channel import BroadcastChannel, ColocatedChannel, FullParameters
+from relax_hpc.weights.colocated import ColocatedSender
 from relax_hpc.weights.layout import EngineLayout
 from relax_hpc.weights.sender import WeightSender, WeightSyncError, engine_key
 
 log = logging.getLogger("relax_hpc.weights")
+
+
+def plan_shares(
+    layout: EngineLayout, bucket_bytes: int, stages: tuple[int, dict[str, int]]
+) -> tuple[list[BucketPlan], list[int]]:
+    """Collective: the buckets, none across a pipeline stage, and the rank that sends each (the
+    least loaded of the ranks holding its stage). `stages` is the backend's weight_stages()."""
+    stage, stage_of = stages
+    rank_stages: list[int] = [0] * dist.get_world_size()
+    dist.all_gather_object(rank_stages, stage)
+    key = lambda name: stage_of.get(name, 0)  # noqa: E731
+    buckets = plan_buckets(layout.specs(), bucket_bytes, key)
+    holders = [[r for r, s in enumerate(rank_stages) if s == key(b.names[0])] for b in buckets]
+    return buckets, assign(buckets, holders)
+
+
+def shares(buckets: list[BucketPlan], owner: list[int], world: int) -> list[int]:
+    """The bytes each rank sends in a push."""
+    out = [0] * world
+    for plan, rank in zip(buckets, owner, strict=True):
+        out[rank] += plan.nbytes
+    return out
 
 
 class ShardedChannel(BroadcastChannel):
@@ -70,13 +94,7 @@ class ShardedChannel(BroadcastChannel):
     ) -> None:
         super().__init__(sender, layout, bucket_bytes, catch_up)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        stage, stage_of = stages
-        rank_stages: list[int] = [0] * self.world
-        dist.all_gather_object(rank_stages, stage)
-        key = lambda name: stage_of.get(name, 0)  # noqa: E731
-        self.buckets = plan_buckets(layout.specs(), bucket_bytes, key)
-        holders = [[r for r, s in enumerate(rank_stages) if s == key(b.names[0])] for b in self.buckets]
-        self.owner = assign(self.buckets, holders)
+        self.buckets, self.owner = plan_shares(layout, bucket_bytes, stages)
         # The bucket the version rides on. Ordered: the plan's last, which every engine takes last.
         # Concurrent: one of rank 0's (rank 0 is in stage 0, which holds the first bucket), sent
         # once all the others are in.
@@ -90,10 +108,7 @@ class ShardedChannel(BroadcastChannel):
 
     def shares(self) -> list[int]:
         """The bytes each rank sends in a push."""
-        out = [0] * self.world
-        for plan, owner in zip(self.buckets, self.owner, strict=True):
-            out[owner] += plan.nbytes
-        return out
+        return shares(self.buckets, self.owner, self.world)
 
     def push(self, full_parameters: FullParameters, version: int) -> int:
         params = iter(self.layout.tensors(full_parameters()))
@@ -211,3 +226,51 @@ class ShardedChannel(BroadcastChannel):
             sender.wait_lanes()  # the carrier's answer: the engines hold the version; end comes after
         if rank == 0:
             sender.end()
+
+
+class ShardedColocatedChannel(ColocatedChannel):
+    """launch.colocate with weights.channel sharded, on one node: every rank hands its own share
+    of the buckets by reference to every engine (relax_hpc.weights.colocated), so no rank sends,
+    and with megatron no rank holds, the whole model. Rank 0 opens the push on every engine and,
+    once every rank's buckets are answered, reports the version and closes it. Before a step each
+    rank releases its own engines, as the colocated channel's."""
+
+    def __init__(
+        self, sender: ColocatedSender, layout: EngineLayout, bucket_bytes: int, stages: tuple[int, dict[str, int]]
+    ) -> None:
+        super().__init__(sender, layout, bucket_bytes)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.buckets, self.owner = plan_shares(layout, bucket_bytes, stages)
+        mine = shares(self.buckets, self.owner, self.world)[self.rank]
+        log.info("sharded colocated weight channel: rank %d sends %d of %d buckets, %.1f MiB", self.rank,
+                 self.owner.count(self.rank), len(self.buckets), mine / 2**20)  # fmt: skip
+
+    def push(self, full_parameters: FullParameters, version: int) -> int:
+        params = iter(self.layout.tensors(full_parameters()))
+        sender, error = self.sender, None
+        decision: list[list[EngineRecord] | None] = [None]
+        try:
+            if self.rank == 0:
+                engines = sender.engines(everyone=True)
+                self.resume_s = sender.open_push(engines)
+                decision = [engines]
+        except (EngineUnavailable, EngineRequestError, RuntimeError) as e:
+            error = f"rank 0: {e}"
+        dist.broadcast_object_list(decision, src=0)
+        engines = decision[0] or []
+        started = time.monotonic()
+        try:
+            if engines:
+                sender.send_share(engines, self.buckets, params, lambda k: self.owner[k] == self.rank)
+        except (EngineUnavailable, EngineRequestError, RuntimeError) as e:
+            error = f"rank {self.rank}: {e}"
+        for _ in params:  # every rank gathers every parameter, also after a failure: keep the collectives matched
+            pass
+        errors: list[str | None] = [None] * self.world
+        dist.all_gather_object(errors, error)
+        if failed := [e for e in errors if e is not None]:
+            raise WeightSyncError(f"weight sync of version {version} failed: {'; '.join(failed)}")
+        if self.rank == 0 and engines:
+            sender.close_push(engines, version)
+        self.update_s = time.monotonic() - started
+        return len(engines) if self.rank == 0 else 0

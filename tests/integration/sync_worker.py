@@ -50,7 +50,7 @@ from relax_hpc.weights.files import FileChannel
 from relax_hpc.weights.layout import EngineLayout
 from relax_hpc.weights.lora import merge_all
 from relax_hpc.weights.sender import WeightSender, WeightSyncError
-from relax_hpc.weights.sharded import ShardedChannel
+from relax_hpc.weights.sharded import ShardedChannel, ShardedColocatedChannel, shares
 
 
 def main() -> None:
@@ -71,8 +71,9 @@ def main() -> None:
     engines = served[-1] if served else 0
     # Adapter and colocated: two versions of different weights; the engine holds the second
     # exactly, and (adapter) a request naming the first is answered with it after the second's load.
-    for pushed in (version - 1, version) if path in ("adapter", "colocated") else () if path in pushes else (version,):
-        if pushed == version and path in ("adapter", "colocated"):
+    twice = ("adapter", "colocated", "sharded-colocated")
+    for pushed in (version - 1, version) if path in twice else () if path in pushes else (version,):
+        if pushed == version and path in twice:
             previous = dict(backend.full_parameters()) if path == "adapter" else None
             perturb(backend.model)
         channel.before_step(timer)  # colocated: the engines release their memory
@@ -94,7 +95,9 @@ def main() -> None:
                     "folders": sorted(p.name for p in paths.weight_files.iterdir()) if path == "file" else None,
                     "refused_while_released": refused,
                     "buckets": len(buckets),
-                    "shares": channel.shares() if isinstance(channel, ShardedChannel) else None,
+                    "shares": shares(channel.buckets, channel.owner, dist.get_world_size())
+                    if isinstance(channel, ShardedChannel | ShardedColocatedChannel)
+                    else None,
                     "bytes": sum(b.nbytes for b in buckets),
                     "bucket_bytes": [b.nbytes for b in buckets],
                     "greedy": greedy,
@@ -250,7 +253,7 @@ def make_channel(path: str, cfg: JobConfig, paths: RunPaths, backend: TorchBacke
     """The channel `path` names, built as relax_hpc.trainer.build builds it for a run."""
     token, bucket_bytes = paths.read_token(), int(cfg.weights.bucket_mb * 2**20)
     layout = EngineLayout(backend.parameter_specs(), None)
-    if path in ("file", "sharded"):  # as a run builds it (file: the run's config says whether with weights.delta)
+    if path in ("file", "sharded", "sharded-colocated"):  # as a run builds it (its config says which)
         return build_channel(cfg, paths, backend, torch.device("cpu"))
     if path == "adapter":
         lora = cfg.trainer.lora

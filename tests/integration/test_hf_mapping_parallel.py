@@ -51,8 +51,12 @@ MODELS = {
     "dp2": (["qwen2"], 2),
 }
 # The sharded channel's pushes of the shipped tiny model (untied) to two engines, in turn: case ->
-# (layout, concurrent: each rank's buckets over connections of their own, else all in one order).
-SHARDED = {"tp2": ("tp2", True), "pp2": ("pp2", True), "pp2-ordered": ("pp2", False)}
+# (layout, how: concurrent, each rank's buckets over connections of their own; ordered, all in one
+# order; colocated, by reference, each rank's buckets to both engines).
+SHARDED = {
+    "tp2": ("tp2", "concurrent"), "pp2": ("pp2", "concurrent"), "pp2-ordered": ("pp2", "ordered"),
+    "pp2-colocated": ("pp2", "colocated"),
+}  # fmt: skip
 # Global layers and experts each rank must hold (None: all of them).
 HOLDS: dict[str, dict[int, tuple[list[int] | None, list[int] | None]]] = {
     "tp2": {0: (None, None), 1: (None, None)},
@@ -85,13 +89,17 @@ def reports(tmp_path_factory, engine_forks) -> Iterator[dict]:
     (root / "folders.json").write_text(json.dumps(folders))
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-         str(root / "folders.json"), str(root), str(paths.root)],
-        check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    # Output to a file, not a pipe: torch's shared-memory manager (the colocated case shares CPU
+    # tensors by name) outlives the workers and would hold a pipe open until the engines exit.
+    log = root / "torchrun.log"
+    with log.open("w") as sink:
+        result = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
+             str(root / "folders.json"), str(root), str(paths.root)],
+            check=False, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT, timeout=600,
+        )  # fmt: skip
     engines.stop()
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-5000:]
+    assert result.returncode == 0, log.read_text()[-7000:]
     yield {rank: json.loads((root / f"rank{rank}.json").read_text()) for rank in (0, 1)}
 
 
@@ -113,8 +121,8 @@ def untied_copy(folder: Path) -> Path:
 def test_the_sharded_channel_pushes_each_stages_tensors_from_its_own_ranks(case, reports):
     """weights.channel=sharded from megatron ranks to two built-in engines: both ranks send (TP=2:
     about half the bytes each; PP=2: each stage its own tensors), concurrently (the built-in
-    engine's way) or in one order (SGLang's), and both engines then hold the trainer's weights bit
-    for bit at the pushed version."""
+    engine's way), in one order (SGLang's) or by reference (launch.colocate: shared memory on the
+    CPU), and both engines then hold the trainer's weights bit for bit at the pushed version."""
     layout, _ = SHARDED[case]
     facts = reports[0]["sharded"][case]
     version = str(list(SHARDED).index(case) + 1)
@@ -347,7 +355,7 @@ def _media_logprob_gap(model, folder: str, config, kind: MediaKind) -> float:
     return float((got.cpu() - expected).abs().max())
 
 
-def _push_sharded(run: str, layout: str, version: int, concurrent: bool) -> dict:
+def _push_sharded(run: str, layout: str, version: int, how: str) -> dict:
     """Perturb the run's model held in `layout`, push it through the sharded channel, and (rank
     0) compare every engine's weights with the model's HF tensors."""
     import torch.distributed as dist
@@ -364,9 +372,10 @@ def _push_sharded(run: str, layout: str, version: int, concurrent: bool) -> dict
     from relax_hpc.protocol.client import EngineClient
     from relax_hpc.protocol.registry import read_records
     from relax_hpc.protocol.requests import GetWeightsByNameReqInput
+    from relax_hpc.weights.colocated import ColocatedSender
     from relax_hpc.weights.layout import EngineLayout
     from relax_hpc.weights.sender import WeightSender
-    from relax_hpc.weights.sharded import ShardedChannel
+    from relax_hpc.weights.sharded import ShardedChannel, ShardedColocatedChannel, shares
 
     paths = RunPaths(Path(run))
     cfg, sizes = read_frozen(paths.config), LAYOUTS[layout]
@@ -384,14 +393,19 @@ def _push_sharded(run: str, layout: str, version: int, concurrent: bool) -> dict
             for param in model.parameters():
                 param.add_(0.25 * torch.randn_like(param))
         specs = hf_specs(config, torch.float32)
-        channel = ShardedChannel(
-            WeightSender(paths.engines, paths.read_token(), "gloo", 30.0), EngineLayout(specs, None),
-            int(cfg.weights.bucket_mb * 2**20), (ps.get_pipeline_model_parallel_rank(), hf_stages(model, config)),
-            concurrent=concurrent,
-        )  # fmt: skip
+        layout_, bucket_bytes = EngineLayout(specs, None), int(cfg.weights.bucket_mb * 2**20)
+        stages = (ps.get_pipeline_model_parallel_rank(), hf_stages(model, config))
+        channel: ShardedChannel | ShardedColocatedChannel
+        if how == "colocated":
+            sender = ColocatedSender(paths.engines, paths.read_token(), 30.0, dist.get_rank(), dist.get_world_size())
+            channel = ShardedColocatedChannel(sender, layout_, bucket_bytes, stages)
+        else:
+            sender_ = WeightSender(paths.engines, paths.read_token(), "gloo", 30.0)
+            channel = ShardedChannel(sender_, layout_, bucket_bytes, stages, concurrent=how == "concurrent")
         served = channel.push(lambda: export_hf(model, config, to="stage"), version)
         full = {name: t for name, t in export_hf(model, config) if t is not None}  # rank 0: every tensor
-        facts: dict[str, Any] = {"served": served, "shares": channel.shares(), "tensors": len(specs),
+        sent = shares(channel.buckets, channel.owner, dist.get_world_size())
+        facts: dict[str, Any] = {"served": served, "shares": sent, "tensors": len(specs),
                                  "bytes": sum(b.nbytes for b in channel.buckets),
                                  "bucket_bytes": [b.nbytes for b in channel.buckets]}  # fmt: skip
         if dist.get_rank() == 0:
@@ -419,8 +433,8 @@ def _worker(folders_json: str, out_dir: str, run: str) -> None:
         for layout, models in folders.items()
     }
     report["sharded"] = {
-        case: _push_sharded(run, layout, version, concurrent)
-        for version, (case, (layout, concurrent)) in enumerate(SHARDED.items(), start=1)
+        case: _push_sharded(run, layout, version, how)
+        for version, (case, (layout, how)) in enumerate(SHARDED.items(), start=1)
     }
     Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(report))
     dist.destroy_process_group()

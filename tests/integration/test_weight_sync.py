@@ -40,8 +40,9 @@ FILE = ("weights.channel=file",)
         ("file", FILE),
         ("file", (*FILE, "weights.delta=true")),
         ("sharded", ("weights.channel=sharded",)),
+        ("sharded-colocated", ("weights.channel=sharded", "launch.colocate=true", "rollout.max_staleness=0")),
     ],
-    ids=["broadcast", "colocated", "lora", "lora-adapter", "file", "file-delta", "sharded"],
+    ids=["broadcast", "colocated", "lora", "lora-adapter", "file", "file-delta", "sharded", "sharded-colocated"],
 )
 def test_engines_hold_the_trainer_weights_after_a_push(tmp_path, engines, path, overrides):
     """Broadcast: rank 0 sends every engine each bucket over a gloo group. Colocated: each rank
@@ -58,7 +59,9 @@ def test_engines_hold_the_trainer_weights_after_a_push(tmp_path, engines, path, 
     buckets over a group of its own; the first of four pushes cannot open (an engine unreachable
     to rank 0), which fails it on both ranks at once; the second engine is killed as the third
     push begins, which fails that push on both ranks, and started again it takes the fourth push,
-    bit for bit, with the first engine."""
+    bit for bit, with the first engine. Sharded and colocated: as colocated, each rank handing
+    its half of the buckets to both engines by reference, rank 0 reporting the version once both
+    halves are in."""
     # 0.05 MiB buckets: the 1.2 MB model travels in many buckets, as a large model would.
     cfg, paths = make_run(tmp_path / "run", "weights.bucket_mb=0.05", *overrides)
     group = engines(cfg, paths, 2)
@@ -99,7 +102,11 @@ def test_engines_hold_the_trainer_weights_after_a_push(tmp_path, engines, path, 
             total, largest = expected["bytes"], max(expected["bucket_bytes"])
             assert sum(expected["shares"]) == total
             assert max(expected["shares"]) <= total / 2 + largest  # each rank sends about half
-        assert expected["refused_while_released"] is (True if path == "colocated" else None)
+        elif path == "sharded-colocated":  # both ranks hand their halves to both engines, twice
+            assert sum(expected["shares"]) == expected["bytes"]
+            assert max(expected["shares"]) <= expected["bytes"] / 2 + max(expected["bucket_bytes"])
+        colocated = path in ("colocated", "sharded-colocated")
+        assert expected["refused_while_released"] is (True if colocated else None)
         token = paths.read_token()
         prompts = [[int(t) for t in row] for row in _prompts()]
         greedy = {"max_new_tokens": 4, "temperature": 0.0}

@@ -377,8 +377,15 @@ def test_visible_gpus_are_counted_without_torch():
             "weights.delta with rollout.engine=vllm:",
         ),
         (
-            ["weights.channel=sharded", "launch.colocate=true", "rollout.max_staleness=0"],
-            "weights.channel=sharded with launch.colocate",
+            [
+                "weights.channel=sharded",
+                "launch.colocate=true",
+                "rollout.max_staleness=0",
+                "launch.executor=slurm",
+                "launch.slurm.trainer.nodes=2",
+                "launch.slurm.rollout.nodes=0",
+            ],
+            "weights.channel=sharded with launch.colocate on more than one trainer node",
         ),
         (["weights.channel=sharded", "trainer.lora.rank=4"], "weights.channel=sharded with trainer.lora"),
         (["weights.channel=sharded", "rollout.engine=vllm"], "weights.channel=sharded with rollout.engine=vllm"),
@@ -390,7 +397,7 @@ def test_visible_gpus_are_counted_without_torch():
         "lora",
         "delta-sglang",
         "delta-vllm",
-        "sharded-colocated",
+        "sharded-colocated-nodes",
         "sharded-lora",
         "sharded-vllm",
         "sharded-delta",
@@ -399,6 +406,11 @@ def test_visible_gpus_are_counted_without_torch():
 def test_weight_channel_combinations_that_cannot_work_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, overrides)
+
+
+def test_the_sharded_channel_colocated_on_one_node_is_accepted():
+    cfg = load_config(None, ["weights.channel=sharded", "launch.colocate=true", "rollout.max_staleness=0"])
+    assert (cfg.weights.channel, cfg.launch.colocate) == ("sharded", True)
 
 
 def test_the_file_channel_with_delta_is_accepted():

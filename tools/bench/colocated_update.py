@@ -44,12 +44,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from train_throughput import COMMON, SHAPES  # the shapes of the throughput benchmark
 
 
-def build(size: str, folder: Path) -> torch.nn.Module:
-    """The model on cuda:0, saved with the character tokenizer for the engine to load."""
+def build(size: str, folder: Path, device: str = "cuda") -> torch.nn.Module:
+    """The model on `device`, saved with the character tokenizer for the engine to load."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = Qwen3ForCausalLM(Qwen3Config(**SHAPES[size], **COMMON, dtype="bfloat16")).to(torch.bfloat16)  # type: ignore[arg-type]  # transformers types .to() as taking a model
     if not (folder / "config.json").exists():
         model.save_pretrained(folder)
