@@ -249,6 +249,9 @@ class ShardedColocatedChannel(ColocatedChannel):
         params = iter(self.layout.tensors(full_parameters()))
         sender, error = self.sender, None
         decision: list[list[EngineRecord] | None] = [None]
+        # Each rank released its own engines before the step (before_step); rank 0 resumes them
+        # all, so every release must be answered first (a step's collectives usually see to it).
+        dist.barrier()
         try:
             if self.rank == 0:
                 engines = sender.engines(everyone=True)
