@@ -160,6 +160,7 @@ class ColocatedSender:
     ) -> None:
         """The buckets `mine` picks (by index) to every engine, answered; no version (close_push
         reports it once every rank's are in). Iterates all of `params`."""
+        fence.check("weight push (colocated, sharded)")  # every sending rank, not only the one that opened
         pipes = self._open(engines)
         try:
             self._updates(pipes, buckets, iter(params), mine, None)
