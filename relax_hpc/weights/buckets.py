@@ -14,7 +14,7 @@ gloo Work or anything else whose wait() blocks until that use is over.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -66,6 +66,32 @@ def assign(buckets: list[BucketPlan], candidates: Sequence[Sequence[int]]) -> li
         owner[k] = min(candidates[k], key=lambda r: load.get(r, 0))
         load[owner[k]] = load.get(owner[k], 0) + buckets[k].nbytes
     return owner
+
+
+def stream_buckets(
+    buckets: Sequence[BucketPlan], params: Iterator[tuple[str, torch.Tensor | None]], mine: Callable[[int], bool]
+) -> Iterator[tuple[int, list[torch.Tensor]]]:
+    """(index, tensors) of each bucket `mine` picks, as soon as its last tensor has streamed past
+    in `params` (the engine-side stream, every tensor of every bucket once, in the plan's order of
+    last tensors: a sharded plan's buckets interleave). Other buckets' tensors are dropped as
+    they pass, so a rank holds no more than its own buckets in filling; a tensor of its own that
+    it does not hold (None) is an error. Consumes `params` whole."""
+    where = {name: (k, j) for k, plan in enumerate(buckets) if mine(k) for j, name in enumerate(plan.names)}
+    filling: dict[int, list[torch.Tensor]] = {}
+    for name, tensor in params:
+        if (at := where.get(name)) is None:
+            continue
+        k, j = at
+        got = filling.setdefault(k, [])
+        if tensor is None:
+            raise RuntimeError(f"this rank sends bucket {k} but does not hold {name}")
+        if j != len(got):
+            raise RuntimeError(f"bucket {k}'s tensors streamed out of order at {name}")
+        got.append(tensor)
+        if len(got) == len(buckets[k].names):
+            yield k, filling.pop(k)
+    if filling:
+        raise RuntimeError(f"buckets {sorted(filling)} did not fill: the stream ended early")
 
 
 def _plan(entries: list[tuple[str, torch.Size, torch.dtype]]) -> BucketPlan:

@@ -46,7 +46,7 @@ from relax_hpc.protocol import requests as P
 from relax_hpc.protocol import routes as R
 from relax_hpc.protocol.client import EngineClient, RequestPipeline
 from relax_hpc.protocol.registry import EngineRecord, read_records
-from relax_hpc.weights.buckets import BucketPacker, BucketPlan
+from relax_hpc.weights.buckets import BucketPacker, BucketPlan, stream_buckets
 from relax_hpc.weights.tensors import FLATTENED_BUCKET, bucket_records, serialize, serialize_bucket
 
 
@@ -191,11 +191,7 @@ class ColocatedSender:
         if self._records is None or self._records[0] is not buckets:  # the same plans every push
             self._records = (buckets, [bucket_records(plan) for plan in buckets])
         sent = [i for i in range(len(buckets)) if mine(i)]
-        for i, plan in enumerate(buckets):
-            named = [next(params) for _ in plan.names]
-            if not mine(i):
-                continue
-            tensors = [_tensor(param) for param in named]
+        for i, tensors in stream_buckets(buckets, params, mine):
             device = tensors[0].device
             # One pickling per engine: pickling a shared CPU storage takes a reference that its
             # receiver gives back, so a payload two engines open would be freed under the sender.
@@ -205,7 +201,7 @@ class ColocatedSender:
                 flat, records = packer.pack(tensors), self._records[1][i]  # waits for the buffer's last answers
                 payloads, load_format = partial(serialize_bucket, flat, records, self.tp_size), FLATTENED_BUCKET
             else:  # the trainer's own tensors: unchanged until the push ends
-                pairs = [(name, t.contiguous()) for name, t in zip(plan.names, tensors, strict=True)]
+                pairs = [(name, t.contiguous()) for name, t in zip(buckets[i].names, tensors, strict=True)]
                 payloads, load_format = partial(serialize, pairs, self.tp_size), None
             if device.type == "cuda":
                 torch.cuda.current_stream(device).synchronize()  # the bytes are there before the engine maps them
@@ -249,9 +245,3 @@ def _answered(pipes: list[RequestPipeline]) -> None:
 def _close(pipes: list[RequestPipeline]) -> None:
     for pipe in pipes:
         pipe.close()
-
-
-def _tensor(param: tuple[str, torch.Tensor | None]) -> torch.Tensor:
-    name, tensor = param
-    assert tensor is not None, f"colocated ranks hold every full tensor; {name} is None"
-    return tensor

@@ -38,17 +38,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from relax_hpc.protocol.client import EngineRequestError, EngineUnavailable
 from relax_hpc.protocol.registry import EngineRecord
-from relax_hpc.weights.buckets import BucketPacker, BucketPlan, assign, pack, plan_buckets
+from relax_hpc.weights.buckets import BucketPacker, BucketPlan, pack, plan_buckets, stream_buckets
 from relax_hpc.weights.channel import BroadcastChannel, ColocatedChannel, FullParameters
 from relax_hpc.weights.colocated import ColocatedSender
-from relax_hpc.weights.layout import EngineLayout
+from relax_hpc.weights.layout import EngineLayout, Spec
 from relax_hpc.weights.sender import WeightSender, WeightSyncError, engine_key
 
 log = logging.getLogger("relax_hpc.weights")
@@ -57,15 +57,40 @@ log = logging.getLogger("relax_hpc.weights")
 def plan_shares(
     layout: EngineLayout, bucket_bytes: int, stages: tuple[int, dict[str, int]]
 ) -> tuple[list[BucketPlan], list[int]]:
-    """Collective: the buckets, none across a pipeline stage, and the rank that sends each (the
-    least loaded of the ranks holding its stage). `stages` is the backend's weight_stages()."""
+    """Collective: the buckets and the rank that sends each (balance_shares). `stages` is the
+    backend's weight_stages()."""
     stage, stage_of = stages
     rank_stages: list[int] = [0] * dist.get_world_size()
     dist.all_gather_object(rank_stages, stage)
-    key = lambda name: stage_of.get(name, 0)  # noqa: E731
-    buckets = plan_buckets(layout.specs(), bucket_bytes, key)
-    holders = [[r for r, s in enumerate(rank_stages) if s == key(b.names[0])] for b in buckets]
-    return buckets, assign(buckets, holders)
+    return balance_shares(layout.specs(), bucket_bytes, lambda name: stage_of.get(name, 0), rank_stages)
+
+
+def balance_shares(
+    specs: list[Spec], bucket_bytes: int, stage_of: Callable[[str], int], rank_stages: list[int]
+) -> tuple[list[BucketPlan], list[int]]:
+    """The buckets and the rank that sends each. Tensors, not buckets, are spread: the largest
+    first, each to the least loaded rank of the stage that holds it, so a rank's bytes come
+    within one tensor of its stage's share however few buckets the model makes (spreading whole
+    buckets left 2 ranks at 0.55 of a 9-bucket model). Each rank's tensors are then bucketed in
+    the stream's order, and the buckets ordered by where their last tensor streams past: the
+    order in which they fill as every rank walks the stream, which is the order SGLang's engines
+    take them in (ShardedChannel's ordered mode): a rank never waits to send a bucket the
+    engines take after one that cannot be complete yet."""
+    load = [0] * len(rank_stages)
+    owner_of: dict[str, int] = {}
+    for name, shape, dtype in sorted(specs, key=lambda s: -s[1].numel() * s[2].itemsize):
+        holders = [r for r, s in enumerate(rank_stages) if s == stage_of(name)]
+        if not holders:
+            raise ValueError(f"no trainer rank holds {name} (pipeline stage {stage_of(name)})")
+        owner_of[name] = min(holders, key=load.__getitem__)
+        load[owner_of[name]] += torch.Size(shape).numel() * dtype.itemsize
+    position = {spec[0]: i for i, spec in enumerate(specs)}
+    planned: list[tuple[int, BucketPlan, int]] = []
+    for rank in range(len(rank_stages)):
+        mine = [spec for spec in specs if owner_of[spec[0]] == rank]
+        planned += [(position[p.names[-1]], p, rank) for p in plan_buckets(mine, bucket_bytes)]
+    planned.sort(key=lambda entry: entry[0])
+    return [p for _, p, _ in planned], [rank for _, _, rank in planned]
 
 
 def shares(buckets: list[BucketPlan], owner: list[int], world: int) -> list[int]:
@@ -96,11 +121,9 @@ class ShardedChannel(BroadcastChannel):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.buckets, self.owner = plan_shares(layout, bucket_bytes, stages)
         # The bucket the version rides on. Ordered: the plan's last, which every engine takes last.
-        # Concurrent: one of rank 0's (rank 0 is in stage 0, which holds the first bucket), sent
-        # once all the others are in.
+        # Concurrent: rank 0's last, sent once all the others are in.
         self.concurrent = concurrent
-        if concurrent and 0 not in self.owner:
-            self.owner[0] = 0
+        assert 0 in self.owner, "rank 0 holds stage 0 and takes its largest tensor"
         self.carrier = max(k for k, o in enumerate(self.owner) if o == 0) if concurrent else len(self.buckets) - 1
         self.group_names: list[str] = []  # each rank's group, by rank
         log.info("sharded weight channel: rank %d sends %d of %d buckets, %.1f MiB", self.rank,
@@ -203,20 +226,14 @@ class ShardedChannel(BroadcastChannel):
                     sender.request_bucket(plan, version_, self.group_names[self.owner[k]])
         carried: torch.Tensor | None = None
         packer: BucketPacker | None = None
-        for k, plan in enumerate(self.buckets):
-            tensors = [next(params)[1] for _ in plan.names]
-            if self.owner[k] != rank:
-                continue
-            full = [t for t in tensors if t is not None]
-            if len(full) != len(tensors):
-                raise RuntimeError(f"rank {rank} sends bucket {k} but does not hold all of its tensors")
+        for k, tensors in stream_buckets(self.buckets, params, lambda k: self.owner[k] == rank):
             if self.concurrent and k == self.carrier:
-                carried = pack(full)  # sent last, after the collectives every rank's iteration runs
+                carried = pack(tensors)  # sent last, after the collectives every rank's iteration runs
                 continue
             if packer is None:  # the buffers go where the parameters are
                 largest = max(b.nbytes for b, o in zip(self.buckets, self.owner, strict=True) if o == rank)
-                packer = BucketPacker(full[0].device, largest)
-            packer.consumed(sender.broadcast(packer.pack(full)))
+                packer = BucketPacker(tensors[0].device, largest)
+            packer.consumed(sender.broadcast(packer.pack(tensors)))
         if packer is not None:
             packer.drain()
         if carried is not None:

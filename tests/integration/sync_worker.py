@@ -95,6 +95,7 @@ def main() -> None:
                     "folders": sorted(p.name for p in paths.weight_files.iterdir()) if path == "file" else None,
                     "refused_while_released": refused,
                     "buckets": len(buckets),
+                    "largest_tensor": max(t.numel() * t.element_size() for t in full.values()),
                     "shares": shares(channel.buckets, channel.owner, dist.get_world_size())
                     if isinstance(channel, ShardedChannel | ShardedColocatedChannel)
                     else None,
