@@ -599,6 +599,14 @@ class WeightsConfig(Section):
     /update_weights_from_disk, vLLM by reloading its weights in place from the folder): for engines
     that share no NCCL or gloo path with the trainer, only the run's filesystem. Not with
     launch.colocate (which hands the weights over by reference) or trainer.lora."""
+    relay: bool = False
+    """With weights.channel=sharded: every trainer rank joins every other rank's group as a relay
+    (the engines at ranks after the trainer's), so that each bucket's NCCL broadcast runs through
+    every trainer GPU and leaves the trainer's nodes over every GPU's network link (NCCL spreads
+    its channels over the rails) instead of the sending GPU's one. The buckets then go in one
+    order (as to SGLang engines), and each rank keeps two more bucket buffers to pass them on.
+    For multi-node pushes to engines on other nodes; on one machine it only adds hops. Not with
+    launch.colocate."""
     delta: bool = False
     """With weights.channel=file: write only what changed since the version the engines hold, per
     bucket the changed elements (index and bits) or the whole bucket, whichever is smaller; exact,
@@ -1256,6 +1264,11 @@ class JobConfig(Section):
         w = self.weights
         if w.delta and w.channel != "file":
             raise ValueError("weights.delta is a mode of the file channel: set weights.channel=file")
+        if w.relay and (w.channel != "sharded" or self.launch.colocate):
+            raise ValueError(
+                "weights.relay passes the sharded channel's broadcasts through every trainer rank: set "
+                "weights.channel=sharded, without launch.colocate (colocated engines take buckets by reference)"
+            )
         if w.channel == "sharded":
             self._sharded_channel()
         if w.channel != "file":

@@ -76,8 +76,10 @@ def build_channel(job: JobConfig, paths: RunPaths, backend: Backend, device: tor
     group_backend = job.weights.backend if job.weights.backend != "auto" else auto
     sender = WeightSender(paths.engines, token, group_backend, timeout_s, job.rollout.partial)
     if job.weights.channel == "sharded":  # every rank sends its share over a group of its own
-        concurrent = job.rollout.engine == "torch"  # SGLang's weight updates take turns: one connection, in order
-        return ShardedChannel(sender, layout, bucket_bytes, backend.weight_stages(), job.engine_catch_up, concurrent)
+        # SGLang's weight updates take turns (one connection, in order), and so do relayed broadcasts.
+        concurrent = job.rollout.engine == "torch" and not job.weights.relay
+        stages, relay = backend.weight_stages(), job.weights.relay
+        return ShardedChannel(sender, layout, bucket_bytes, stages, job.engine_catch_up, concurrent, relay)
     return BroadcastChannel(sender if rank == 0 else None, layout, bucket_bytes, job.engine_catch_up)
 
 

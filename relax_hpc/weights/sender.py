@@ -127,6 +127,7 @@ class WeightSender:
         self.timeout_s = timeout_s
         self.group: SideGroup | None = None
         self.members: list[EngineRecord] = []
+        self.relayed: dict[str, SideGroup] = {}  # other ranks' groups this rank relays (weights.relay)
         self._pipelines: list[RequestPipeline] = []  # one per member, during a push
         # The sharded channel's concurrent push: by group name, one more connection per member.
         self._lanes: dict[str, list[RequestPipeline]] = {}
@@ -151,24 +152,29 @@ class WeightSender:
         members = self.members if members is None else members
         return [self._pool.submit(self._client(r).post, route, request, timeout_s) for r in members]
 
-    def form_group(self, engines: list[EngineRecord]) -> None:
-        """A new group of this rank (rank 0 of it, hosting its store) and `engines`, replacing the
-        old one."""
-        self.drop_group()
-        master = "127.0.0.1" if all(_is_loopback(r.host) for r in engines) else socket.getfqdn()
-        req = P.InitWeightsUpdateGroupReqInput(
+    def group_request(self, engines: list[EngineRecord], relays: int = 0) -> P.InitWeightsUpdateGroupReqInput:
+        """A new group of this rank (rank 0 of it, hosting its store), `relays` more trainer ranks
+        (ranks 1 to relays: they pass each broadcast on) and `engines` (the ranks after)."""
+        master = "127.0.0.1" if relays == 0 and all(_is_loopback(r.host) for r in engines) else socket.getfqdn()
+        return P.InitWeightsUpdateGroupReqInput(
             master_address=master,
             master_port=free_port(master if _is_loopback(master) else ""),
-            rank_offset=0,
-            world_size=len(engines) + 1,
+            rank_offset=relays + 1,
+            world_size=relays + 1 + len(engines),
             group_name=f"relax-{uuid.uuid4().hex[:12]}",
             backend=self.backend,
         )
+
+    def form_group(self, engines: list[EngineRecord], req: P.InitWeightsUpdateGroupReqInput | None = None) -> None:
+        """Form the group `req` (default: a new one of this rank and `engines`), replacing the old
+        one; its relays join it at the same time (join_relay)."""
+        self.drop_own_group()
+        req = req or self.group_request(engines)
         futures = [
             self._pool.submit(
                 self._client(r).post,
                 R.INIT_WEIGHTS_UPDATE_GROUP.path,
-                P.InitWeightsUpdateGroupReqInput(**{**P.to_json(req), "rank_offset": i + 1}),
+                P.InitWeightsUpdateGroupReqInput(**{**P.to_json(req), "rank_offset": req.rank_offset + i}),
             )
             for i, r in enumerate(engines)
         ]
@@ -180,7 +186,26 @@ class WeightSender:
         self.group, self.members = group, engines
         log.info("weight-sync group %s formed with %d engine(s)", req.group_name, len(engines))
 
+    def join_relay(self, req: P.InitWeightsUpdateGroupReqInput, rank: int) -> None:
+        """Join another trainer rank's group `req` at `rank` (1 to its relays), to pass its
+        broadcasts on (relay_async)."""
+        self.relayed[req.group_name] = SideGroup(
+            req.master_address, req.master_port, rank, req.world_size, req.group_name, self.backend, self.timeout_s
+        )
+
+    def relay_async(self, group_name: str, buffer: torch.Tensor) -> WatchedWork:
+        """Take part in the broadcast of another rank's bucket in its group (into `buffer`)."""
+        group = self.relayed[group_name]
+        return WatchedWork(group.broadcast_async(buffer), group, None)
+
     def drop_group(self) -> None:
+        """Leave this rank's group (drop_own_group) and the groups it relays."""
+        self.drop_own_group()
+        for relayed in self.relayed.values():
+            relayed.close_soon()
+        self.relayed = {}
+
+    def drop_own_group(self) -> None:
         """Leave the group; engines that still answer are un-paused (a failed push may have left
         them between begin and end of an update). A member the watch found failed is not asked
         (it would hold each request for the whole timeout), and the group is let go in a thread of

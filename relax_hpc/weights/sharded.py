@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from relax_hpc.protocol.client import EngineRequestError, EngineUnavailable
 from relax_hpc.protocol.registry import EngineRecord
-from relax_hpc.weights.buckets import BucketPacker, BucketPlan, pack, plan_buckets, stream_buckets
+from relax_hpc.weights.buckets import BucketPacker, BucketPlan, BufferRing, pack, plan_buckets, stream_buckets
 from relax_hpc.weights.channel import BroadcastChannel, ColocatedChannel, FullParameters
 from relax_hpc.weights.colocated import ColocatedSender
 from relax_hpc.weights.layout import EngineLayout, Spec
@@ -116,8 +116,11 @@ class ShardedChannel(BroadcastChannel):
         stages: tuple[int, dict[str, int]],
         catch_up: bool = False,
         concurrent: bool = True,
+        relay: bool = False,
     ) -> None:
         super().__init__(sender, layout, bucket_bytes, catch_up)
+        assert not (concurrent and relay), "relayed broadcasts run through every rank: one at a time"
+        self.relay = relay
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.buckets, self.owner = plan_shares(layout, bucket_bytes, stages)
         # The bucket the version rides on. Ordered: the plan's last, which every engine takes last.
@@ -172,15 +175,22 @@ class ShardedChannel(BroadcastChannel):
         return engines
 
     def _form_groups(self, engines: list[EngineRecord]) -> None:
-        """Every rank forms its group with `engines`, one rank after the other."""
+        """Every rank forms its group with `engines`, one rank after the other; with relays the
+        other ranks join each as it forms (ranks 1 to world-1 of it, in rank order)."""
         assert self.sender is not None, "every rank sends"
-        error = None
+        sender, error = self.sender, None
+        sender.drop_group()
         for r in range(self.world):
-            if r == self.rank:
-                try:
-                    self.sender.form_group(engines)
-                except (EngineUnavailable, EngineRequestError, RuntimeError) as e:
-                    error = str(e)
+            request = [sender.group_request(engines, self.world - 1 if self.relay else 0) if r == self.rank else None]
+            if self.relay:
+                dist.broadcast_object_list(request, src=r)
+            try:
+                if r == self.rank:
+                    sender.form_group(engines, request[0])
+                elif self.relay and request[0] is not None:
+                    sender.join_relay(request[0], 1 + [x for x in range(self.world) if x != r].index(self.rank))
+            except (EngineUnavailable, EngineRequestError, RuntimeError) as e:
+                error = error or str(e)
             dist.barrier()
         name = self.sender.group.group_name if self.sender.group is not None else None
         formed: list[tuple[str | None, str | None]] = [(None, None)] * self.world
@@ -226,7 +236,13 @@ class ShardedChannel(BroadcastChannel):
                     sender.request_bucket(plan, version_, self.group_names[self.owner[k]])
         carried: torch.Tensor | None = None
         packer: BucketPacker | None = None
-        for k, tensors in stream_buckets(self.buckets, params, lambda k: self.owner[k] == rank):
+        relays = self._relay_ring()
+        for k, tensors in stream_buckets(self.buckets, params, lambda k: self.owner[k] == rank, others=self.relay):
+            if not tensors:  # another rank's bucket: passed on (weights.relay)
+                assert relays is not None, "only relays are given other ranks' buckets"
+                buffer = relays.acquire(self.buckets[k].nbytes)
+                relays.release(sender.relay_async(self.group_names[self.owner[k]], buffer))
+                continue
             if self.concurrent and k == self.carrier:
                 carried = pack(tensors)  # sent last, after the collectives every rank's iteration runs
                 continue
@@ -234,8 +250,9 @@ class ShardedChannel(BroadcastChannel):
                 largest = max(b.nbytes for b, o in zip(self.buckets, self.owner, strict=True) if o == rank)
                 packer = BucketPacker(tensors[0].device, largest)
             packer.consumed(sender.broadcast(packer.pack(tensors)))
-        if packer is not None:
-            packer.drain()
+        for ring in (packer, relays):
+            if ring is not None:
+                ring.drain()
         if carried is not None:
             sender.wait_lanes()  # every other bucket is in every engine
             sender.request_bucket(self.buckets[self.carrier], str(version), self.group_names[0])
@@ -243,6 +260,16 @@ class ShardedChannel(BroadcastChannel):
             sender.wait_lanes()  # the carrier's answer: the engines hold the version; end comes after
         if rank == 0:
             sender.end()
+
+    def _relay_ring(self) -> BufferRing | None:
+        """With relays, two buffers for the buckets this rank passes on, on the group's device."""
+        assert self.sender is not None, "every rank sends"
+        others = [b.nbytes for b, o in zip(self.buckets, self.owner, strict=True) if o != self.rank]
+        if not (self.relay and others):
+            return None
+        on_gpu = self.sender.backend == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        return BufferRing(device, max(others))
 
 
 class ShardedColocatedChannel(ColocatedChannel):

@@ -99,6 +99,9 @@ def main() -> None:
                     "shares": shares(channel.buckets, channel.owner, dist.get_world_size())
                     if isinstance(channel, ShardedChannel | ShardedColocatedChannel)
                     else None,
+                    "relayed_groups": len(channel.sender.relayed)
+                    if isinstance(channel, ShardedChannel) and channel.sender is not None
+                    else None,
                     "bytes": sum(b.nbytes for b in buckets),
                     "bucket_bytes": [b.nbytes for b in buckets],
                     "greedy": greedy,

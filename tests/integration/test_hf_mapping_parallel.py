@@ -52,10 +52,11 @@ MODELS = {
 }
 # The sharded channel's pushes of the shipped tiny model (untied) to two engines, in turn: case ->
 # (layout, how: concurrent, each rank's buckets over connections of their own; ordered, all in one
-# order; colocated, by reference, each rank's buckets to both engines).
+# order; relay, in one order, each broadcast passing through the other rank (weights.relay);
+# colocated, by reference, each rank's buckets to both engines).
 SHARDED = {
     "tp2": ("tp2", "concurrent"), "pp2": ("pp2", "concurrent"), "pp2-ordered": ("pp2", "ordered"),
-    "pp2-colocated": ("pp2", "colocated"),
+    "pp2-relay": ("pp2", "relay"), "pp2-colocated": ("pp2", "colocated"),
 }  # fmt: skip
 # Global layers and experts each rank must hold (None: all of them).
 HOLDS: dict[str, dict[int, tuple[list[int] | None, list[int] | None]]] = {
@@ -121,8 +122,9 @@ def untied_copy(folder: Path) -> Path:
 def test_the_sharded_channel_pushes_each_stages_tensors_from_its_own_ranks(case, reports):
     """weights.channel=sharded from megatron ranks to two built-in engines: both ranks send (TP=2:
     about half the bytes each; PP=2: each stage its own tensors), concurrently (the built-in
-    engine's way), in one order (SGLang's) or by reference (launch.colocate: shared memory on the
-    CPU), and both engines then hold the trainer's weights bit for bit at the pushed version."""
+    engine's way), in one order (SGLang's; also each broadcast through the other rank,
+    weights.relay) or by reference (launch.colocate: shared memory on the CPU), and both engines
+    then hold the trainer's weights bit for bit at the pushed version."""
     layout, _ = SHARDED[case]
     facts = reports[0]["sharded"][case]
     version = str(list(SHARDED).index(case) + 1)
@@ -130,6 +132,7 @@ def test_the_sharded_channel_pushes_each_stages_tensors_from_its_own_ranks(case,
     assert facts["mismatched"] == [] and facts["compared"] == facts["tensors"] > 0
     shares = facts["shares"]
     assert min(shares) > 0 and sum(shares) == facts["bytes"]
+    assert facts["relayed_groups"] == (1 if case.endswith("-relay") else 0)  # each rank passes the other's on
     if layout == "tp2":  # one stage: both ranks hold every tensor, spread by size to within a tensor
         assert max(shares) <= facts["bytes"] / 2 + facts["largest_tensor"]
 
@@ -401,13 +404,16 @@ def _push_sharded(run: str, layout: str, version: int, how: str) -> dict:
             channel = ShardedColocatedChannel(sender, layout_, bucket_bytes, stages)
         else:
             sender_ = WeightSender(paths.engines, paths.read_token(), "gloo", 30.0)
-            channel = ShardedChannel(sender_, layout_, bucket_bytes, stages, concurrent=how == "concurrent")
+            concurrent, relay = how == "concurrent", how == "relay"
+            channel = ShardedChannel(sender_, layout_, bucket_bytes, stages, concurrent=concurrent, relay=relay)
         served = channel.push(lambda: export_hf(model, config, to="stage"), version)
         full = {name: t for name, t in export_hf(model, config) if t is not None}  # rank 0: every tensor
         sent = shares(channel.buckets, channel.owner, dist.get_world_size())
-        facts: dict[str, Any] = {"served": served, "shares": sent, "tensors": len(specs),
-                                 "bytes": sum(b.nbytes for b in channel.buckets),
-                                 "largest_tensor": max(torch.Size(s).numel() * d.itemsize for _, s, d in specs)}  # fmt: skip
+        relayed = len(channel.sender.relayed) if isinstance(channel, ShardedChannel) and channel.sender else 0
+        largest = max(torch.Size(s).numel() * d.itemsize for _, s, d in specs)
+        facts: dict[str, Any] = {"served": served, "shares": sent, "tensors": len(specs), "largest_tensor": largest,
+                                 "relayed_groups": relayed,
+                                 "bytes": sum(b.nbytes for b in channel.buckets)}  # fmt: skip
         if dist.get_rank() == 0:
             clients = [EngineClient(r.url, paths.read_token(), 30.0) for r in read_records(paths.engines)]
             mismatched = []

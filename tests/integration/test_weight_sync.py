@@ -40,9 +40,20 @@ FILE = ("weights.channel=file",)
         ("file", FILE),
         ("file", (*FILE, "weights.delta=true")),
         ("sharded", ("weights.channel=sharded",)),
+        ("sharded", ("weights.channel=sharded", "weights.relay=true")),
         ("sharded-colocated", ("weights.channel=sharded", "launch.colocate=true", "rollout.max_staleness=0")),
     ],
-    ids=["broadcast", "colocated", "lora", "lora-adapter", "file", "file-delta", "sharded", "sharded-colocated"],
+    ids=[
+        "broadcast",
+        "colocated",
+        "lora",
+        "lora-adapter",
+        "file",
+        "file-delta",
+        "sharded",
+        "sharded-relay",
+        "sharded-colocated",
+    ],
 )
 def test_engines_hold_the_trainer_weights_after_a_push(tmp_path, engines, path, overrides):
     """Broadcast: rank 0 sends every engine each bucket over a gloo group. Colocated: each rank
@@ -59,7 +70,8 @@ def test_engines_hold_the_trainer_weights_after_a_push(tmp_path, engines, path, 
     buckets over a group of its own; the first of four pushes cannot open (an engine unreachable
     to rank 0), which fails it on both ranks at once; the second engine is killed as the third
     push begins, which fails that push on both ranks, and started again it takes the fourth push,
-    bit for bit, with the first engine. Sharded and colocated: as colocated, each rank handing
+    bit for bit, with the first engine. Sharded with relays (weights.relay): the same, every bucket
+    passing through the other rank, in one order. Sharded and colocated: as colocated, each rank handing
     its half of the buckets to both engines by reference, rank 0 reporting the version once both
     halves are in."""
     # 0.05 MiB buckets: the 1.2 MB model travels in many buckets, as a large model would.
@@ -102,6 +114,8 @@ def test_engines_hold_the_trainer_weights_after_a_push(tmp_path, engines, path, 
             total, largest = expected["bytes"], expected["largest_tensor"]
             assert sum(expected["shares"]) == total
             assert max(expected["shares"]) <= total / 2 + largest  # each rank sends half, to within a tensor
+            # weights.relay: rank 0 is in rank 1's group too, passing its buckets on
+            assert expected["relayed_groups"] == (1 if "weights.relay=true" in overrides else 0)
         elif path == "sharded-colocated":  # both ranks hand their halves to both engines, twice
             assert sum(expected["shares"]) == expected["bytes"]
             assert max(expected["shares"]) <= expected["bytes"] / 2 + expected["largest_tensor"]

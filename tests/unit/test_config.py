@@ -366,6 +366,11 @@ def test_visible_gpus_are_counted_without_torch():
     "overrides, message",
     [
         (["weights.delta=true"], "weights.delta is a mode of the file channel"),
+        (["weights.relay=true"], "weights.relay passes the sharded channel's broadcasts"),
+        (
+            ["weights.channel=sharded", "weights.relay=true", "launch.colocate=true", "rollout.max_staleness=0"],
+            "without launch.colocate",
+        ),
         (
             ["weights.channel=file", "launch.colocate=true", "rollout.max_staleness=0"],
             "weights.channel=file with launch.colocate",
@@ -393,6 +398,8 @@ def test_visible_gpus_are_counted_without_torch():
     ],
     ids=[
         "delta-without-files",
+        "relay-without-sharded",
+        "relay-colocated",
         "colocated",
         "lora",
         "delta-sglang",

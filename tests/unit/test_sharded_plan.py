@@ -71,16 +71,22 @@ def test_stream_buckets_gives_each_own_bucket_once_its_last_tensor_passed():
     assert len(set(owner)) == 2 and len(buckets) > 2
     seen = []
     for rank in (0, 1):
-        for k, tensors in stream_buckets(buckets, _stream(specs), lambda k, r=rank: owner[k] == r):
-            assert owner[k] == rank
+        mine = [owner[k] == rank for k in range(len(buckets))]
+        for k, tensors in stream_buckets(buckets, _stream(specs), mine.__getitem__):
+            assert mine[k]
             assert [int(t[0]) for t in tensors] == [int(n[1:]) for n in buckets[k].names]
             seen.append(k)
+        # A relay (weights.relay) is told of the other rank's buckets too, tensorless, every
+        # bucket once in the plan's order: the order in which every rank joins their broadcasts.
+        told = list(stream_buckets(buckets, _stream(specs), mine.__getitem__, others=True))
+        assert [k for k, _ in told] == list(range(len(buckets)))
+        assert [bool(tensors) for _, tensors in told] == mine
     assert sorted(seen) == list(range(len(buckets)))
 
 
 def test_stream_buckets_refuses_a_bucket_this_rank_cannot_fill():
     specs = _specs([3, 1, 2])
-    buckets, owner = balance_shares(specs, 2**20, lambda name: 0, [0])
+    buckets, _ = balance_shares(specs, 2**20, lambda name: 0, [0])
     with pytest.raises(RuntimeError, match="does not hold p1"):
         list(stream_buckets(buckets, _stream(specs, lambda name: name != "p1"), lambda k: True))
     with pytest.raises(RuntimeError, match="did not fill"):
