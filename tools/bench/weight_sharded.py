@@ -10,7 +10,8 @@ parameters) in bfloat16, held by `--ranks` trainer processes under FSDP2 (gloo),
 backend holds it; each push streams every full tensor (FSDP2's full_tensor, on every rank) through
 the channel: `broadcast` (weights.channel broadcast: rank 0 sends every bucket), `sharded` (every
 rank sends its share over a group of its own, concurrently: the built-in engine's way) and
-`sharded_ordered` (the same, every bucket in one order: SGLang's way). A push's peak is the rise of the rank's
+`sharded_ordered` (the same, every bucket in one order: SGLang's way) and `sharded_relay` (in one
+order, every other rank passing each broadcast on: weights.relay). A push's peak is the rise of the rank's
 resident memory over its level before the push (the kernel's high-water mark, reset first).
 Prints one JSON object.
 """
@@ -80,6 +81,7 @@ def trainer_rank(rank: int, world: int, port: int, run: str, model_dir: str, buc
         "broadcast": BroadcastChannel(sender() if rank == 0 else None, layout, bucket_bytes),
         "sharded_ordered": ShardedChannel(sender(), layout, bucket_bytes, (0, {}), concurrent=False),
         "sharded": ShardedChannel(sender(), layout, bucket_bytes, (0, {})),
+        "sharded_relay": ShardedChannel(sender(), layout, bucket_bytes, (0, {}), concurrent=False, relay=True),
     }
     report, version = {}, 1
     for name, channel in channels.items():
@@ -135,7 +137,7 @@ def main() -> None:
     out: dict = {"benchmark": "weight_sharded_cpu_gloo", "params_b": round(params_b, 2), "mib": round(nbytes / 2**20),
                  "ranks": args.ranks, "engines": 2, "bucket_mb": args.bucket_mb, "engine_versions": versions,
                  "raw_broadcast_s_median": round(raw, 3)}  # fmt: skip
-    for name in ("broadcast", "sharded_ordered", "sharded"):
+    for name in ("broadcast", "sharded_ordered", "sharded", "sharded_relay"):
         sent = [rep[name]["sent_bytes"] for rep in reports]
         push_s = statistics.median(max(rep[name]["push_s"][i] for rep in reports) for i in range(args.repeat))
         out[name] = {
