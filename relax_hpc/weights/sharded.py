@@ -101,6 +101,18 @@ def shares(buckets: list[BucketPlan], owner: list[int], world: int) -> list[int]
     return out
 
 
+def finish_share(params: Iterator[object], error: str | None, version: int) -> str | None:
+    """Collective, after a rank sent its share: the rest of the parameters gathered (every rank
+    takes part in every gather, also after a failure), then every rank's error: why the push
+    failed on any rank, or None."""
+    for _ in params:
+        pass
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [e for e in errors if e is not None]
+    return f"weight sync of version {version} failed: {'; '.join(failed)}" if failed else None
+
+
 class ShardedChannel(BroadcastChannel):
     """The broadcast channel with every rank a sender: `sender` is this rank's (its group with the
     engines); rank 0's also decides the engines and sends them every request. `stages` is the
@@ -146,15 +158,10 @@ class ShardedChannel(BroadcastChannel):
                 self._send(params, version)
         except (EngineUnavailable, EngineRequestError, RuntimeError) as e:
             error = f"rank {self.rank}: {e}"
-        for _ in params:  # every rank gathers every parameter, also after a failure: keep the collectives matched
-            pass
-        errors: list[str | None] = [None] * self.world
-        dist.all_gather_object(errors, error)
-        failed = [e for e in errors if e is not None]
-        if failed:
+        if failure := finish_share(params, error, version):
             assert self.sender is not None, "every rank sends"
             self.sender.drop_group()
-            raise WeightSyncError(f"weight sync of version {version} failed: {'; '.join(failed)}")
+            raise WeightSyncError(failure)
         return len(engines) if self.rank == 0 else 0
 
     def _agree_on_engines(self) -> list[EngineRecord]:
@@ -311,12 +318,8 @@ class ShardedColocatedChannel(ColocatedChannel):
                 sender.send_share(engines, self.buckets, params, lambda k: self.owner[k] == self.rank)
         except (EngineUnavailable, EngineRequestError, RuntimeError) as e:
             error = f"rank {self.rank}: {e}"
-        for _ in params:  # every rank gathers every parameter, also after a failure: keep the collectives matched
-            pass
-        errors: list[str | None] = [None] * self.world
-        dist.all_gather_object(errors, error)
-        if failed := [e for e in errors if e is not None]:
-            raise WeightSyncError(f"weight sync of version {version} failed: {'; '.join(failed)}")
+        if failure := finish_share(params, error, version):
+            raise WeightSyncError(failure)
         if self.rank == 0 and engines:
             sender.close_push(engines, version)
         self.update_s = time.monotonic() - started

@@ -311,4 +311,4 @@ def refuses_generation(url: str, token: str) -> bool:
 if __name__ == "__main__":
     from relax_hpc.trainer.ranks import run_ranks
 
-    sys.exit(run_ranks(2, main))
+    sys.exit(run_ranks(int(sys.argv[5]) if len(sys.argv) > 5 else 2, main))

@@ -70,12 +70,13 @@ def test_engines_hold_the_trainer_weights_after_a_push(tmp_path, engines, path, 
     buckets over a group of its own; the first of four pushes cannot open (an engine unreachable
     to rank 0), which fails it on both ranks at once; the second engine is killed as the third
     push begins, which fails that push on both ranks, and started again it takes the fourth push,
-    bit for bit, with the first engine. Sharded with relays (weights.relay): the same, every bucket
-    passing through the other rank, in one order. Sharded and colocated: as colocated, each rank handing
-    its half of the buckets to both engines by reference, rank 0 reporting the version once both
-    halves are in."""
+    bit for bit, with the first engine. Sharded with relays (weights.relay), on four ranks: the
+    same, every bucket passing through the three other ranks, in one order. Sharded and colocated:
+    as colocated, each rank handing its half of the buckets to both engines by reference, rank 0
+    reporting the version once both halves are in."""
     # 0.05 MiB buckets: the 1.2 MB model travels in many buckets, as a large model would.
     cfg, paths = make_run(tmp_path / "run", "weights.bucket_mb=0.05", *overrides)
+    ranks = 4 if cfg.weights.relay else 2  # relays: three of them in every rank's group
     group = engines(cfg, paths, 2)
     out, log = tmp_path / "expected.json", tmp_path / "worker.log"
     # Output to a file, not a pipe: torch's shared-memory manager (CPU tensors shared by name)
@@ -84,7 +85,7 @@ def test_engines_hold_the_trainer_weights_after_a_push(tmp_path, engines, path, 
         with log.open("w") as sink:
             result = subprocess.run(
                 [sys.executable, str(REPO / "tests" / "integration" / "sync_worker.py"), str(paths.root), str(out), "7",
-                 path],
+                 path, str(ranks)],
                 check=False, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, timeout=300,
             )  # fmt: skip
         # Rank 1 of this stand-in trainer has aborted inside C++ twice ("terminate called without
@@ -112,10 +113,10 @@ def test_engines_hold_the_trainer_weights_after_a_push(tmp_path, engines, path, 
             assert expected["served"] == [-1, 2, -1, 2]
             assert expected["refused_s"] < 10  # on both ranks at once, not after weights.timeout_s (60 s)
             total, largest = expected["bytes"], expected["largest_tensor"]
-            assert sum(expected["shares"]) == total
-            assert max(expected["shares"]) <= total / 2 + largest  # each rank sends half, to within a tensor
-            # weights.relay: rank 0 is in rank 1's group too, passing its buckets on
-            assert expected["relayed_groups"] == (1 if "weights.relay=true" in overrides else 0)
+            assert sum(expected["shares"]) == total and len(expected["shares"]) == ranks
+            assert max(expected["shares"]) <= total / ranks + largest  # each rank its share, to within a tensor
+            # weights.relay: rank 0 is in the other ranks' groups too, passing their buckets on
+            assert expected["relayed_groups"] == (ranks - 1 if cfg.weights.relay else 0)
         elif path == "sharded-colocated":  # both ranks hand their halves to both engines, twice
             assert sum(expected["shares"]) == expected["bytes"]
             assert max(expected["shares"]) <= expected["bytes"] / 2 + expected["largest_tensor"]

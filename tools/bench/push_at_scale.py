@@ -33,17 +33,18 @@ FIXED_S = 1.98e-3  # a push's HTTP round trips (pause, begin, end, continue), me
 PER_BUCKET_S = 0.29e-3  # per bucket beyond the raw broadcast, measured on the H200s (512 MiB buckets)
 PUSH_OVER_RAW = 0.706  # the whole measured raw/push ratio: the pessimistic per-byte reading
 
+# The released checkpoints' config.json values (head_dim is a kwarg the config keeps).
 CONFIGS = {
-    "Qwen3-30B-A3B": Qwen3MoeConfig(
-        hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-        intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
-        vocab_size=151936, tie_word_embeddings=False,
-    ),
-    "Qwen3-235B-A22B": Qwen3MoeConfig(
-        hidden_size=4096, num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4, head_dim=128,
-        intermediate_size=12288, moe_intermediate_size=1536, num_experts=128, num_experts_per_tok=8,
-        vocab_size=151936, tie_word_embeddings=False,
-    ),
+    "Qwen3-30B-A3B": Qwen3MoeConfig.from_dict({
+        "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+        "head_dim": 128, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+        "num_experts_per_tok": 8, "vocab_size": 151936, "tie_word_embeddings": False,
+    }),
+    "Qwen3-235B-A22B": Qwen3MoeConfig.from_dict({
+        "hidden_size": 4096, "num_hidden_layers": 94, "num_attention_heads": 64, "num_key_value_heads": 4,
+        "head_dim": 128, "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_experts": 128,
+        "num_experts_per_tok": 8, "vocab_size": 151936, "tie_word_embeddings": False,
+    }),
 }  # fmt: skip
 DEEPSEEK_V3_PARAMS = 671e9
 
