@@ -196,7 +196,7 @@ class WeightSender:
     def relay_async(self, group_name: str, buffer: torch.Tensor) -> WatchedWork:
         """Take part in the broadcast of another rank's bucket in its group (into `buffer`)."""
         group = self.relayed[group_name]
-        return WatchedWork(group.broadcast_async(buffer), group, None)
+        return WatchedWork(group.broadcast_async(buffer), group, self._watch)
 
     def drop_group(self) -> None:
         """Leave this rank's group (drop_own_group) and the groups it relays."""
@@ -211,7 +211,7 @@ class WeightSender:
         (it would hold each request for the whole timeout), and the group is let go in a thread of
         its own: a backend may wait for a collective the failed member never joins."""
         failed = self._watch.failed if self._watch is not None else None
-        self._stop_watch()
+        self.stop_watch()
         self._close_pipelines()
         if self.group is not None:
             answering = [m for m in self.members if m.engine_id != failed]
@@ -263,6 +263,12 @@ class WeightSender:
         self._watch = MemberWatch(self.members, self.api_key, self._close_pipelines)
         self._queue(R.PAUSE_GENERATION.path, P.PauseGenerationReqInput(mode=self.pause_mode))
         self._queue(R.BEGIN_WEIGHT_UPDATE.path, P.BeginWeightUpdateReqInput())
+
+    def watch(self) -> None:
+        """A rank that sends (or relays) but does not open the push: watch the members too, so that
+        its broadcasts give up seconds after an engine dies or hangs (its root may never send
+        what this rank waits for), not after weights.timeout_s. end() or drop_group() stops it."""
+        self._watch = MemberWatch(self.members, self.api_key, self._close_pipelines)
 
     def open_lanes(self, group_names: list[str]) -> None:
         """After open_push and await_begun: a connection per member for each group, over which
@@ -317,10 +323,10 @@ class WeightSender:
         self._queue(R.CONTINUE_GENERATION.path, P.ContinueGenerationReqInput())
         for pipeline in self._pipelines:
             pipeline.wait_answers()
-        self._stop_watch()
+        self.stop_watch()
         self._close_pipelines()
 
-    def _stop_watch(self) -> None:
+    def stop_watch(self) -> None:
         if self._watch is not None:
             self._watch.stop()
             self._watch = None

@@ -241,6 +241,20 @@ class ShardedChannel(BroadcastChannel):
                 if k != self.carrier or not self.concurrent:
                     version_ = str(version) if k == self.carrier else None
                     sender.request_bucket(plan, version_, self.group_names[self.owner[k]])
+            self._broadcast_share(params, version)
+            sender.end()
+            return
+        sender.watch()  # rank 0 watches as it opens the push; the others from here
+        try:
+            self._broadcast_share(params, version)
+        finally:
+            sender.stop_watch()
+
+    def _broadcast_share(self, params: Iterator[tuple[str, torch.Tensor | None]], version: int) -> None:
+        """This rank's buckets, each broadcast as it fills (relays: the others' passed on), and
+        (concurrent) rank 0's carrier last."""
+        assert self.sender is not None, "every rank sends"
+        sender, rank = self.sender, self.rank
         carried: torch.Tensor | None = None
         packer: BucketPacker | None = None
         relays = self._relay_ring()
@@ -265,8 +279,6 @@ class ShardedChannel(BroadcastChannel):
             sender.request_bucket(self.buckets[self.carrier], str(version), self.group_names[0])
             sender.broadcast(carried).wait()
             sender.wait_lanes()  # the carrier's answer: the engines hold the version; end comes after
-        if rank == 0:
-            sender.end()
 
     def _relay_ring(self) -> BufferRing | None:
         """With relays, two buffers for the buckets this rank passes on, on the group's device."""

@@ -92,6 +92,7 @@ def main() -> None:
                     "served": served,
                     "restarted": pushed_files.restarted,
                     "refused_s": pushed_files.refused_s,
+                    "killed_s": pushed_files.killed_s,
                     "folders": sorted(p.name for p in paths.weight_files.iterdir()) if path == "file" else None,
                     "refused_while_released": refused,
                     "buckets": len(buckets),
@@ -119,6 +120,7 @@ class Pushed:
     served: list[int] = field(default_factory=list)  # engines each push served
     restarted: int | None = None  # the pid of the engine started again
     refused_s: float | None = None  # the sharded push that could not open: its slowest rank's failure
+    killed_s: float | None = None  # the sharded push whose engine was killed: its slowest rank's failure
 
 
 def push_files(channel: WeightChannel, cfg: JobConfig, paths: RunPaths, backend: TorchBackend, version: int) -> Pushed:
@@ -155,8 +157,10 @@ def push_sharded(
     unreachable as it opens the push), which fails it on both ranks at once (`refused_s`: the
     slowest rank's time to the failure), not after weights.timeout_s. The third: the second engine
     is killed (-9) as the push begins (rank 0 has paused the engines; the buckets, half of them
-    rank 1's, are due), which fails that push on both ranks; started again (as the launcher
-    would), it missed that version and takes the fourth with the first engine."""
+    rank 1's, are due), which fails that push on every rank within seconds (`killed_s`: every
+    rank watches the engines, so none waits out weights.timeout_s for a root that gave up);
+    started again (as the launcher would), it missed that version and takes the fourth with the
+    first engine."""
     assert isinstance(channel, ShardedChannel), "the sharded path builds a ShardedChannel"
     second = None
     if dist.get_rank() == 0:
@@ -173,10 +177,12 @@ def push_sharded(
             out.served.append(channel.push(backend.full_parameters, pushed))
         except WeightSyncError:
             out.served.append(-1)  # on every rank
+            took: list[float] = [0.0] * dist.get_world_size()
+            dist.all_gather_object(took, time.monotonic() - started)
             if pushed == version - 3:
-                took: list[float] = [0.0] * dist.get_world_size()
-                dist.all_gather_object(took, time.monotonic() - started)
                 out.refused_s = max(took)
+            elif pushed == version - 1:
+                out.killed_s = max(took)
         if second is not None and pushed == version - 1:
             out.restarted = restart(cfg, paths, second)
         dist.barrier()
