@@ -599,11 +599,17 @@ class WeightsConfig(Section):
     /update_weights_from_disk, vLLM by reloading its weights in place from the folder): for engines
     that share no NCCL or gloo path with the trainer, only the run's filesystem. Not with
     launch.colocate (which hands the weights over by reference) or trainer.lora."""
+    senders: Literal["rank", "node"] = "rank"
+    """With weights.channel=sharded, which trainer ranks send. `rank`: every rank its share. `node`:
+    the first rank of each node (and pipeline stage) sends that node's share, so that each engine
+    joins one weight-sync group per trainer node instead of one per rank (one NCCL communicator
+    and its buffers each, on every engine GPU). With weights.relay the node's other ranks pass its
+    broadcasts on, so the node's links carry them as with `rank`. Not with launch.colocate."""
     relay: bool = False
-    """With weights.channel=sharded: every trainer rank joins every other rank's group as a relay
-    (the engines at ranks after the trainer's), so that each bucket's NCCL broadcast runs through
-    every trainer GPU and leaves the trainer's nodes over every GPU's network link (NCCL spreads
-    its channels over the rails) instead of the sending GPU's one. The buckets then go in one
+    """With weights.channel=sharded: the other trainer ranks of each rank's node join its group as
+    relays (the engines at ranks after theirs), so that each bucket's NCCL broadcast runs through
+    every GPU of the sender's node and leaves it over every GPU's network link (NCCL spreads its
+    channels over the rails) instead of the sending GPU's one. The buckets then go in one
     order (as to SGLang engines), and each rank keeps two more bucket buffers to pass them on.
     For multi-node pushes to engines on other nodes; on one machine it only adds hops. Not with
     launch.colocate."""
@@ -1264,11 +1270,12 @@ class JobConfig(Section):
         w = self.weights
         if w.delta and w.channel != "file":
             raise ValueError("weights.delta is a mode of the file channel: set weights.channel=file")
-        if w.relay and (w.channel != "sharded" or self.launch.colocate):
-            raise ValueError(
-                "weights.relay passes the sharded channel's broadcasts through every trainer rank: set "
-                "weights.channel=sharded, without launch.colocate (colocated engines take buckets by reference)"
-            )
+        for key, on in (("weights.relay", w.relay), ("weights.senders=node", w.senders == "node")):
+            if on and (w.channel != "sharded" or self.launch.colocate):
+                raise ValueError(
+                    f"{key} is a mode of the sharded channel's groups: set weights.channel=sharded, without "
+                    "launch.colocate (colocated engines take buckets by reference)"
+                )
         if w.channel == "sharded":
             self._sharded_channel()
         if w.channel != "file":

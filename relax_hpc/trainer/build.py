@@ -78,8 +78,8 @@ def build_channel(job: JobConfig, paths: RunPaths, backend: Backend, device: tor
     if job.weights.channel == "sharded":  # every rank sends its share over a group of its own
         # SGLang's weight updates take turns (one connection, in order), and so do relayed broadcasts.
         concurrent = job.rollout.engine == "torch" and not job.weights.relay
-        stages, relay = backend.weight_stages(), job.weights.relay
-        return ShardedChannel(sender, layout, bucket_bytes, stages, job.engine_catch_up, concurrent, relay)
+        stages, relay, senders = backend.weight_stages(), job.weights.relay, job.weights.senders
+        return ShardedChannel(sender, layout, bucket_bytes, stages, job.engine_catch_up, concurrent, relay, senders)
     return BroadcastChannel(sender if rank == 0 else None, layout, bucket_bytes, job.engine_catch_up)
 
 

@@ -72,17 +72,18 @@ def stream_buckets(
     buckets: Sequence[BucketPlan],
     params: Iterator[tuple[str, torch.Tensor | None]],
     mine: Callable[[int], bool],
-    others: bool = False,
+    passes: Callable[[int], bool] = lambda k: False,
 ) -> Iterator[tuple[int, list[torch.Tensor]]]:
     """(index, tensors) of each bucket `mine` picks, as soon as its last tensor has streamed past
     in `params` (the engine-side stream, every tensor of every bucket once, in the plan's order of
     last tensors: a sharded plan's buckets interleave). Other buckets' tensors are dropped as
     they pass, so a rank holds no more than its own buckets in filling; a tensor of its own that
-    it does not hold (None) is an error. With `others`, the other buckets too, with no tensors,
-    as their last tensor passes (a relay takes part in their broadcasts in the same order).
+    it does not hold (None) is an error. The buckets `passes` picks (another rank's, which this
+    rank relays) come too, with no tensors, as their last tensor passes: a relay takes part in
+    their broadcasts in the same order.
     Consumes `params` whole."""
     where = {name: (k, j) for k, plan in enumerate(buckets) if mine(k) for j, name in enumerate(plan.names)}
-    ends = {plan.names[-1]: k for k, plan in enumerate(buckets) if others and not mine(k)}
+    ends = {plan.names[-1]: k for k, plan in enumerate(buckets) if passes(k) and not mine(k)}
     filling: dict[int, list[torch.Tensor]] = {}
     for name, tensor in params:
         if name in ends:

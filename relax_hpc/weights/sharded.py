@@ -37,8 +37,10 @@ an engine dies, and a hung engine holds it for at most weights.timeout_s.
 from __future__ import annotations
 
 import logging
+import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -66,7 +68,11 @@ def plan_shares(
 
 
 def balance_shares(
-    specs: list[Spec], bucket_bytes: int, stage_of: Callable[[str], int], rank_stages: list[int]
+    specs: list[Spec],
+    bucket_bytes: int,
+    stage_of: Callable[[str], int],
+    rank_stages: list[int],
+    senders: Collection[int] | None = None,
 ) -> tuple[list[BucketPlan], list[int]]:
     """The buckets and the rank that sends each. Tensors, not buckets, are spread: the largest
     first, each to the least loaded rank of the stage that holds it, so a rank's bytes come
@@ -75,13 +81,14 @@ def balance_shares(
     the stream's order, and the buckets ordered by where their last tensor streams past: the
     order in which they fill as every rank walks the stream, which is the order SGLang's engines
     take them in (ShardedChannel's ordered mode): a rank never waits to send a bucket the
-    engines take after one that cannot be complete yet."""
+    engines take after one that cannot be complete yet. `senders`: the ranks that may send (all
+    by default)."""
     load = [0] * len(rank_stages)
     owner_of: dict[str, int] = {}
     for name, shape, dtype in sorted(specs, key=lambda s: -s[1].numel() * s[2].itemsize):
-        holders = [r for r, s in enumerate(rank_stages) if s == stage_of(name)]
+        holders = [r for r, s in enumerate(rank_stages) if s == stage_of(name) and (senders is None or r in senders)]
         if not holders:
-            raise ValueError(f"no trainer rank holds {name} (pipeline stage {stage_of(name)})")
+            raise ValueError(f"no sending trainer rank holds {name} (pipeline stage {stage_of(name)})")
         owner_of[name] = min(holders, key=load.__getitem__)
         load[owner_of[name]] += torch.Size(shape).numel() * dtype.itemsize
     position = {spec[0]: i for i, spec in enumerate(specs)}
@@ -91,6 +98,12 @@ def balance_shares(
         planned += [(position[p.names[-1]], p, rank) for p in plan_buckets(mine, bucket_bytes)]
     planned.sort(key=lambda entry: entry[0])
     return [p for _, p, _ in planned], [rank for _, _, rank in planned]
+
+
+def node_leaders(places: list[tuple[int, str]]) -> list[int]:
+    """The first rank of each (pipeline stage, host) in `places` (every rank's): weights.senders
+    node's senders, one per node and stage (a node's ranks of one stage hold the same tensors)."""
+    return [r for r, place in enumerate(places) if places.index(place) == r]
 
 
 def shares(buckets: list[BucketPlan], owner: list[int], world: int) -> list[int]:
@@ -129,18 +142,33 @@ class ShardedChannel(BroadcastChannel):
         catch_up: bool = False,
         concurrent: bool = True,
         relay: bool = False,
+        senders: Literal["rank", "node"] = "rank",
     ) -> None:
         super().__init__(sender, layout, bucket_bytes, catch_up)
         assert not (concurrent and relay), "relayed broadcasts run through every rank: one at a time"
-        self.relay = relay
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.buckets, self.owner = plan_shares(layout, bucket_bytes, stages)
+        stage, stage_of = stages
+        places: list[tuple[int, str]] = [(0, "")] * self.world  # every rank's (pipeline stage, host)
+        dist.all_gather_object(places, (stage, socket.gethostname()))
+        self.senders = node_leaders(places) if senders == "node" else list(range(self.world))
+        # weights.relay: the ranks that pass a sender's broadcasts on, its node's other ranks (a
+        # broadcast leaves the sender's node over its GPUs' links; other nodes' would add hops).
+        self.relays = [
+            [x for x in range(self.world) if places[x][1] == places[r][1] and x != r]
+            if relay and r in self.senders
+            else []
+            for r in range(self.world)
+        ]
+        specs, rank_stages = layout.specs(), [p[0] for p in places]
+        self.buckets, self.owner = balance_shares(
+            specs, bucket_bytes, lambda name: stage_of.get(name, 0), rank_stages, self.senders
+        )
         # The bucket the version rides on. Ordered: the plan's last, which every engine takes last.
         # Concurrent: rank 0's last, sent once all the others are in.
         self.concurrent = concurrent
         assert 0 in self.owner, "rank 0 holds stage 0 and takes its largest tensor"
         self.carrier = max(k for k, o in enumerate(self.owner) if o == 0) if concurrent else len(self.buckets) - 1
-        self.group_names: list[str] = []  # each rank's group, by rank
+        self.group_names: dict[int, str] = {}  # each sender's group, by rank
         log.info("sharded weight channel: rank %d sends %d of %d buckets, %.1f MiB", self.rank,
                  self.owner.count(self.rank), len(self.buckets), self.shares()[self.rank] / 2**20)  # fmt: skip
 
@@ -187,15 +215,15 @@ class ShardedChannel(BroadcastChannel):
         assert self.sender is not None, "every rank sends"
         sender, error = self.sender, None
         sender.drop_group()
-        for r in range(self.world):
-            request = [sender.group_request(engines, self.world - 1 if self.relay else 0) if r == self.rank else None]
-            if self.relay:
+        for r in self.senders:
+            request = [sender.group_request(engines, len(self.relays[r])) if r == self.rank else None]
+            if self.relays[r]:
                 dist.broadcast_object_list(request, src=r)
             try:
                 if r == self.rank:
                     sender.form_group(engines, request[0])
-                elif self.relay and request[0] is not None:
-                    sender.join_relay(request[0], 1 + [x for x in range(self.world) if x != r].index(self.rank))
+                elif self.rank in self.relays[r] and request[0] is not None:
+                    sender.join_relay(request[0], 1 + self.relays[r].index(self.rank))
             except (EngineUnavailable, EngineRequestError, RuntimeError) as e:
                 error = error or str(e)
             dist.barrier()
@@ -205,7 +233,7 @@ class ShardedChannel(BroadcastChannel):
         problems = [f"rank {r}: {e}" for r, (_, e) in enumerate(formed) if e is not None]
         if problems:
             raise RuntimeError(f"forming the weight-sync groups failed: {'; '.join(problems)}")
-        self.group_names = [str(n) for n, _ in formed]
+        self.group_names = {r: n for r, (n, _) in enumerate(formed) if n is not None}
 
     def _begin(self) -> bool:
         """Rank 0 opens the push (pause and begin, answered; the lanes), and every rank learns
@@ -218,7 +246,7 @@ class ShardedChannel(BroadcastChannel):
                 self.sender.open_push()
                 self.sender.await_begun()  # before any lane: an engine takes buckets only once begun
                 if self.concurrent:
-                    self.sender.open_lanes(self.group_names)
+                    self.sender.open_lanes(list(self.group_names.values()))
             except (EngineUnavailable, EngineRequestError, RuntimeError) as e:
                 failure = e
         began = [failure is None]
@@ -258,7 +286,8 @@ class ShardedChannel(BroadcastChannel):
         carried: torch.Tensor | None = None
         packer: BucketPacker | None = None
         relays = self._relay_ring()
-        for k, tensors in stream_buckets(self.buckets, params, lambda k: self.owner[k] == rank, others=self.relay):
+        mine, passes = lambda k: self.owner[k] == rank, lambda k: rank in self.relays[self.owner[k]]
+        for k, tensors in stream_buckets(self.buckets, params, mine, passes):
             if not tensors:  # another rank's bucket: passed on (weights.relay)
                 assert relays is not None, "only relays are given other ranks' buckets"
                 buffer = relays.acquire(self.buckets[k].nbytes)
@@ -283,8 +312,8 @@ class ShardedChannel(BroadcastChannel):
     def _relay_ring(self) -> BufferRing | None:
         """With relays, two buffers for the buckets this rank passes on, on the group's device."""
         assert self.sender is not None, "every rank sends"
-        others = [b.nbytes for b, o in zip(self.buckets, self.owner, strict=True) if o != self.rank]
-        if not (self.relay and others):
+        others = [b.nbytes for b, o in zip(self.buckets, self.owner, strict=True) if self.rank in self.relays[o]]
+        if not others:
             return None
         on_gpu = self.sender.backend == "nccl"
         device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")

@@ -21,7 +21,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import pytest
 import torch
@@ -53,10 +53,11 @@ MODELS = {
 # The sharded channel's pushes of the shipped tiny model (untied) to two engines, in turn: case ->
 # (layout, how: concurrent, each rank's buckets over connections of their own; ordered, all in one
 # order; relay, in one order, each broadcast passing through the other rank (weights.relay);
-# colocated, by reference, each rank's buckets to both engines).
+# node, one sender per node and stage, the other rank relaying (weights.senders node); colocated,
+# by reference, each rank's buckets to both engines).
 SHARDED = {
     "tp2": ("tp2", "concurrent"), "pp2": ("pp2", "concurrent"), "pp2-ordered": ("pp2", "ordered"),
-    "pp2-relay": ("pp2", "relay"), "pp2-colocated": ("pp2", "colocated"),
+    "pp2-relay": ("pp2", "relay"), "tp2-node": ("tp2", "node"), "pp2-colocated": ("pp2", "colocated"),
 }  # fmt: skip
 # Global layers and experts each rank must hold (None: all of them).
 HOLDS: dict[str, dict[int, tuple[list[int] | None, list[int] | None]]] = {
@@ -123,16 +124,22 @@ def test_the_sharded_channel_pushes_each_stages_tensors_from_its_own_ranks(case,
     """weights.channel=sharded from megatron ranks to two built-in engines: both ranks send (TP=2:
     about half the bytes each; PP=2: each stage its own tensors), concurrently (the built-in
     engine's way), in one order (SGLang's; also each broadcast through the other rank,
-    weights.relay) or by reference (launch.colocate: shared memory on the CPU), and both engines
-    then hold the trainer's weights bit for bit at the pushed version."""
+    weights.relay; or from one sender per node, weights.senders node) or by reference
+    (launch.colocate: shared memory on the CPU), and both engines then hold the trainer's weights
+    bit for bit at the pushed version."""
     layout, _ = SHARDED[case]
     facts = reports[0]["sharded"][case]
     version = str(list(SHARDED).index(case) + 1)
     assert facts["served"] == 2 and facts["versions"] == [version] * 2
     assert facts["mismatched"] == [] and facts["compared"] == facts["tensors"] > 0
     shares = facts["shares"]
-    assert min(shares) > 0 and sum(shares) == facts["bytes"]
     assert facts["relayed_groups"] == (1 if case.endswith("-relay") else 0)  # each rank passes the other's on
+    if case.endswith("-node"):  # one sender for the node's one stage, one group; rank 1 relays it
+        assert shares == [facts["bytes"], 0] and facts["groups"] == 1
+        assert reports[1]["sharded"][case]["relayed_groups"] == 1
+        return
+    assert min(shares) > 0 and sum(shares) == facts["bytes"]
+    assert facts["groups"] == (None if case.endswith("-colocated") else 2)
     if layout == "tp2":  # one stage: both ranks hold every tensor, spread by size to within a tensor
         assert max(shares) <= facts["bytes"] / 2 + facts["largest_tensor"]
 
@@ -404,15 +411,19 @@ def _push_sharded(run: str, layout: str, version: int, how: str) -> dict:
             channel = ShardedColocatedChannel(sender, layout_, bucket_bytes, stages)
         else:
             sender_ = WeightSender(paths.engines, paths.read_token(), "gloo", 30.0)
-            concurrent, relay = how == "concurrent", how == "relay"
-            channel = ShardedChannel(sender_, layout_, bucket_bytes, stages, concurrent=concurrent, relay=relay)
+            concurrent, relay = how == "concurrent", how in ("relay", "node")
+            senders: Literal["rank", "node"] = "node" if how == "node" else "rank"
+            channel = ShardedChannel(
+                sender_, layout_, bucket_bytes, stages, concurrent=concurrent, relay=relay, senders=senders
+            )
         served = channel.push(lambda: export_hf(model, config, to="stage"), version)
         full = {name: t for name, t in export_hf(model, config) if t is not None}  # rank 0: every tensor
         sent = shares(channel.buckets, channel.owner, dist.get_world_size())
         relayed = len(channel.sender.relayed) if isinstance(channel, ShardedChannel) and channel.sender else 0
+        groups = len(channel.group_names) if isinstance(channel, ShardedChannel) else None
         largest = max(torch.Size(s).numel() * d.itemsize for _, s, d in specs)
         facts: dict[str, Any] = {"served": served, "shares": sent, "tensors": len(specs), "largest_tensor": largest,
-                                 "relayed_groups": relayed,
+                                 "relayed_groups": relayed, "groups": groups,
                                  "bytes": sum(b.nbytes for b in channel.buckets)}  # fmt: skip
         if dist.get_rank() == 0:
             clients = [EngineClient(r.url, paths.read_token(), 30.0) for r in read_records(paths.engines)]

@@ -366,7 +366,8 @@ def test_visible_gpus_are_counted_without_torch():
     "overrides, message",
     [
         (["weights.delta=true"], "weights.delta is a mode of the file channel"),
-        (["weights.relay=true"], "weights.relay passes the sharded channel's broadcasts"),
+        (["weights.relay=true"], "weights.relay is a mode of the sharded channel's groups"),
+        (["weights.senders=node"], "weights.senders=node is a mode of the sharded channel's groups"),
         (
             ["weights.channel=sharded", "weights.relay=true", "launch.colocate=true", "rollout.max_staleness=0"],
             "without launch.colocate",
@@ -399,6 +400,7 @@ def test_visible_gpus_are_counted_without_torch():
     ids=[
         "delta-without-files",
         "relay-without-sharded",
+        "senders-without-sharded",
         "relay-colocated",
         "colocated",
         "lora",

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from relax_hpc.weights.buckets import stream_buckets
-from relax_hpc.weights.sharded import balance_shares, shares
+from relax_hpc.weights.sharded import balance_shares, node_leaders, shares
 
 
 def _specs(sizes: list[int], dtype: torch.dtype = torch.float32) -> list[tuple[str, torch.Size, torch.dtype]]:
@@ -57,7 +57,7 @@ def test_each_stage_is_spread_over_its_own_ranks_only():
     _check_plan(specs, buckets, owner, stage_of, rank_stages)
     # Largest first to the lighter rank: stage 0 8 | 1+1+1, stage 1 7+2 | 3+3+2 (units of 4 bytes).
     assert shares(buckets, owner, 4) == [32, 12, 36, 32]
-    with pytest.raises(ValueError, match="no trainer rank holds p4"):
+    with pytest.raises(ValueError, match="no sending trainer rank holds p4"):
         balance_shares(specs, 2**20, stage_of, [0, 0])
 
 
@@ -78,7 +78,7 @@ def test_stream_buckets_gives_each_own_bucket_once_its_last_tensor_passed():
             seen.append(k)
         # A relay (weights.relay) is told of the other rank's buckets too, tensorless, every
         # bucket once in the plan's order: the order in which every rank joins their broadcasts.
-        told = list(stream_buckets(buckets, _stream(specs), mine.__getitem__, others=True))
+        told = list(stream_buckets(buckets, _stream(specs), mine.__getitem__, passes=lambda k: True))
         assert [k for k, _ in told] == list(range(len(buckets)))
         assert [bool(tensors) for _, tensors in told] == mine
     assert sorted(seen) == list(range(len(buckets)))
@@ -91,3 +91,17 @@ def test_stream_buckets_refuses_a_bucket_this_rank_cannot_fill():
         list(stream_buckets(buckets, _stream(specs, lambda name: name != "p1"), lambda k: True))
     with pytest.raises(RuntimeError, match="did not fill"):
         list(stream_buckets(buckets, _stream(specs[:2]), lambda k: True))
+
+
+def test_one_sender_per_node_and_stage_sends_all_of_their_tensors():
+    """weights.senders node: the first rank of each (stage, host) sends; the others relay."""
+    places = [(0, "a"), (0, "a"), (1, "a"), (1, "a"), (0, "b"), (0, "b")]
+    assert node_leaders(places) == [0, 2, 4]
+    specs = _specs([8, 1, 1, 1, 7, 3, 3, 2, 2])
+    stage_of = lambda name: 0 if int(name[1:]) < 4 else 1  # noqa: E731
+    rank_stages = [stage for stage, _ in places]
+    buckets, owner = balance_shares(specs, 2**20, stage_of, rank_stages, senders=[0, 2, 4])
+    _check_plan(specs, buckets, owner, stage_of, rank_stages)
+    assert set(owner) <= {0, 2, 4}
+    sent = shares(buckets, owner, len(places))
+    assert sent[2] == 17 * 4 and sent[0] + sent[4] == 11 * 4  # stage 1 has one sender, stage 0 two
