@@ -120,17 +120,14 @@ class ColocatedSender:
         engines = self.engines()
         pipes = self._open(engines)
         try:
-            started = time.monotonic()
-            _send(pipes, R.RESUME_MEMORY_OCCUPATION.path, P.ResumeMemoryOccupationReqInput())
-            _answered(pipes)
-            resumed = time.monotonic()
-            _send(pipes, R.BEGIN_WEIGHT_UPDATE.path, P.BeginWeightUpdateReqInput())
+            resume_s = _resume_and_begin(pipes)  # the begin rides ahead of the buckets, unanswered
+            updating = time.monotonic()
             self._updates(pipes, buckets, iter(params), lambda _: True, version)
             _finish(pipes, None)
         finally:
             _close(pipes)
         self.released = False
-        return len(engines), resumed - started, time.monotonic() - resumed
+        return len(engines), resume_s, time.monotonic() - updating
 
     # The sharded push (relax_hpc.weights.channel.ShardedColocatedChannel): one rank opens and
     # closes it on every engine, each rank sends its own buckets in between.
@@ -141,15 +138,11 @@ class ColocatedSender:
         fence.check("weight push (colocated)")
         pipes = self._open(engines)
         try:
-            started = time.monotonic()
-            _send(pipes, R.RESUME_MEMORY_OCCUPATION.path, P.ResumeMemoryOccupationReqInput())
-            _answered(pipes)
-            resumed = time.monotonic()
-            _send(pipes, R.BEGIN_WEIGHT_UPDATE.path, P.BeginWeightUpdateReqInput())
-            _answered(pipes)
+            resume_s = _resume_and_begin(pipes)
+            _answered(pipes)  # the other ranks send only into an update that has begun
         finally:
             _close(pipes)
-        return resumed - started
+        return resume_s
 
     def send_share(
         self,
@@ -219,6 +212,17 @@ class ColocatedSender:
                 packer.consumed(_Answered(pipes))
         if packer is not None:
             packer.drain()
+
+
+def _resume_and_begin(pipes: list[RequestPipeline]) -> float:
+    """The engines take their memory back (answered: the buckets need it) and are asked to begin
+    a weight update (not waited for). Returns the seconds of the resume."""
+    started = time.monotonic()
+    _send(pipes, R.RESUME_MEMORY_OCCUPATION.path, P.ResumeMemoryOccupationReqInput())
+    _answered(pipes)
+    resume_s = time.monotonic() - started
+    _send(pipes, R.BEGIN_WEIGHT_UPDATE.path, P.BeginWeightUpdateReqInput())
+    return resume_s
 
 
 def _finish(pipes: list[RequestPipeline], version: int | None) -> None:
