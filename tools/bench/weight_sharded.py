@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import faulthandler
 import json
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -39,11 +38,17 @@ from relax_hpc.protocol.registry import read_records
 from relax_hpc.weights.buckets import plan_buckets
 from relax_hpc.weights.channel import BroadcastChannel, WeightChannel
 from relax_hpc.weights.layout import EngineLayout
-from relax_hpc.weights.sender import WeightSender, free_port
+from relax_hpc.weights.sender import WeightSender
 from relax_hpc.weights.sharded import ShardedChannel
 
 sys.path.insert(0, str(Path(__file__).parent))
-from weight_sync import bench_parser, raw_broadcast, scratch_run, two_engines  # the engines, the raw baseline
+from weight_sync import (  # the engines, the raw baseline
+    bench_parser,
+    raw_broadcast,
+    scratch_run,
+    spawn_ranks,
+    two_engines,
+)
 
 
 def resident_kib(field: str) -> int:
@@ -118,21 +123,10 @@ def main() -> None:
         buckets = [b.nbytes for b in plan_buckets(specs, int(args.bucket_mb * 2**20))]
         del model
         with two_engines(paths, model_dir, "bfloat16"):
-            port = free_port("127.0.0.1")
-            ctx = mp.get_context("spawn")
-            ranks = [
-                ctx.Process(target=trainer_rank, args=(r, args.ranks, port, str(paths.root), str(model_dir),
-                                                       args.bucket_mb, args.repeat))
-                for r in range(args.ranks)
-            ]  # fmt: skip
-            for proc in ranks:
-                proc.start()
-            for proc in ranks:
-                proc.join()
-                assert proc.exitcode == 0, f"a trainer rank exited with {proc.exitcode}"
+            reports = spawn_ranks(trainer_rank, args.ranks, paths.root, str(paths.root), str(model_dir),
+                                  args.bucket_mb, args.repeat)  # fmt: skip
             token = paths.read_token()
             versions = [EngineClient(r.url, token, 30).weight_version() for r in read_records(paths.engines)]
-        reports = [json.loads((paths.root / f"rank{r}.json").read_text()) for r in range(args.ranks)]
         raw = statistics.median(raw_broadcast(buckets, args.repeat))
     out: dict = {"benchmark": "weight_sharded_cpu_gloo", "params_b": round(params_b, 2), "mib": round(nbytes / 2**20),
                  "ranks": args.ranks, "engines": 2, "bucket_mb": args.bucket_mb, "engine_versions": versions,

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import multiprocessing as mp
 import os
 import statistics
 import subprocess
@@ -45,11 +44,11 @@ from relax_hpc.weights.catchup import SNAPSHOT, SnapshotReq, decode
 from relax_hpc.weights.channel import ColocatedChannel
 from relax_hpc.weights.colocated import ColocatedSender
 from relax_hpc.weights.layout import EngineLayout
-from relax_hpc.weights.sender import free_port
 from relax_hpc.weights.sharded import ShardedColocatedChannel, shares
 
 sys.path.insert(0, str(Path(__file__).parent))
 from colocated_update import build, copy_seconds  # the model folder, the device copy baseline
+from weight_sync import spawn_ranks
 
 
 def pushed(name: str, tensor: torch.Tensor, version: int) -> torch.Tensor:
@@ -105,19 +104,8 @@ def trainer_rank(rank: int, world: int, port: int, run: str, model_dir: str, dev
 
 
 def run_case(paths: RunPaths, model_dir: Path, device: str, ranks: int, sharded: bool, args: dict) -> list[dict]:
-    port = free_port("127.0.0.1")
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=trainer_rank, args=(r, ranks, port, str(paths.root), str(model_dir), device,
-                                               {**args, "sharded": sharded}))
-        for r in range(ranks)
-    ]  # fmt: skip
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join()
-        assert proc.exitcode == 0, f"a trainer rank exited with {proc.exitcode}"
-    return [json.loads((paths.root / f"rank{r}.json").read_text()) for r in range(ranks)]
+    options = {**args, "sharded": sharded}
+    return spawn_ranks(trainer_rank, ranks, paths.root, str(paths.root), str(model_dir), device, options)
 
 
 def exact(paths: RunPaths, model_dir: Path, version: int) -> bool:

@@ -124,6 +124,20 @@ def two_engines(paths: RunPaths, model_dir: Path, dtype: str = "float32") -> Ite
             e.wait()
 
 
+def spawn_ranks(target: Callable[..., None], world: int, run: Path, *args: object) -> list[dict]:
+    """`world` trainer ranks, each `target(rank, world, port, *args)` in a spawned process (the
+    port their process group's), run to the end; each rank's report, RUN/rank{r}.json."""
+    port = free_port("127.0.0.1")
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(r, world, port, *args)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join()
+        assert proc.exitcode == 0, f"a trainer rank exited with {proc.exitcode}"
+    return [json.loads((run / f"rank{r}.json").read_text()) for r in range(world)]
+
+
 def timed_pushes(sender: WeightSender, buckets: list, params: Callable, first: int, repeat: int) -> list[float]:
     """Seconds of `repeat` pushes of versions first.. (the group already formed)."""
     times = []
