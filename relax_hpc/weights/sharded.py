@@ -45,6 +45,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from relax_hpc import fence
 from relax_hpc.protocol.client import EngineRequestError, EngineUnavailable
 from relax_hpc.protocol.registry import EngineRecord
 from relax_hpc.weights.buckets import BucketPacker, BucketPlan, BufferRing, pack, plan_buckets, stream_buckets
@@ -272,6 +273,7 @@ class ShardedChannel(BroadcastChannel):
             self._broadcast_share(params, version)
             sender.end()
             return
+        fence.check("weight push (sharded)")  # every rank that sends or relays, not only rank 0
         sender.watch()  # rank 0 watches as it opens the push; the others from here
         try:
             self._broadcast_share(params, version)
