@@ -128,8 +128,9 @@ def finish_share(params: Iterator[object], error: str | None, version: int) -> s
 
 
 class ShardedChannel(BroadcastChannel):
-    """The broadcast channel with every rank a sender: `sender` is this rank's (its group with the
-    engines); rank 0's also decides the engines and sends them every request. `stages` is the
+    """The broadcast channel with every rank a sender (`senders` node: one per node and stage;
+    `relay`: each sender's node's other ranks pass its broadcasts on): `sender` is this rank's
+    (its group with the engines); rank 0's also decides the engines and sends them every request. `stages` is the
     backend's weight_stages(). `concurrent` (the built-in engine) sends each group's buckets over
     a connection of its own, so that an engine takes every rank's at the same time; otherwise
     (SGLang, whose weight updates take turns) one connection per engine carries them in order."""
