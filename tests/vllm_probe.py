@@ -4,6 +4,7 @@ what vLLM made of it (JSON on stdout). Imports vLLM, so it never runs in the tra
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import importlib.util
 import inspect
@@ -95,6 +96,48 @@ def transfer_engine(backend: str, init_info: dict[str, Any], update_info: dict[s
     }
 
 
+def sparse_nccl_receive(model: dict[str, Any], updates: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """vLLM's own SparseNCCLWeightTransferEngine.receive_weights, run on the CPU: its communicator is
+    played by a stand-in that hands out, in order, the tensors the trainer's SparseNcclTransport
+    broadcasts (each receive's dtype and shape must be the sent tensor's), its model by a module
+    whose load_weights is vLLM's default loader per checkpoint tensor. `model`: name -> [dtype,
+    shape], all zeros at first. Returns each tensor's bytes (base64) after each update."""
+    import torch
+    from vllm.distributed.weight_transfer.sparse_nccl_engine import SparseNCCLWeightTransferEngine
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    held = {name: torch.zeros(shape, dtype=getattr(torch, dtype)) for name, (dtype, shape) in model.items()}
+
+    class Model(torch.nn.Module):
+        def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> set[str]:
+            for name, tensor in weights:
+                default_weight_loader(held[name], tensor)
+            return {name for name, _ in weights}
+
+    class Wire:
+        device = torch.device("cpu")
+
+        def __init__(self, sent: list[torch.Tensor]) -> None:
+            self.sent = sent
+
+        def broadcast(self, tensor: torch.Tensor, src: int, stream: Any = None) -> None:
+            expected = self.sent.pop(0)
+            assert src == 0 and (tensor.dtype, tensor.shape) == (expected.dtype, expected.shape), (tensor, expected)
+            tensor.copy_(expected)
+
+    torch.cuda.current_stream = lambda device=None: None  # type: ignore[assignment,return-value]  # the stand-in needs no GPU stream
+    engine = SparseNCCLWeightTransferEngine.__new__(SparseNCCLWeightTransferEngine)
+    engine.model, out = Model(), []
+    for update in updates:
+        sent = [torch.frombuffer(bytearray(base64.b64decode(b)), dtype=getattr(torch, d)) for d, b in update["tensors"]]
+        engine.model_update_group = Wire(sent)
+        engine.receive_weights(engine.parse_update_info(update["info"]))
+        assert not engine.model_update_group.sent, "tensors left unreceived"
+        out.append({n: base64.b64encode(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).decode()
+                    for n, t in held.items()})  # fmt: skip
+    return out
+
+
 def warm_up_source() -> str:
     """What vLLM's communicator runs right after its NCCL init (both rendezvous modes)."""
     from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
@@ -140,9 +183,15 @@ def main() -> None:
                 "scored": scored(),
                 "transfer_engine": transfer_engine("relax_gloo", sent["init_info"], sent["update_info"]),
                 "nccl_engine": transfer_engine("nccl", sent["nccl_init_info"], sent["update_info"]),
+                "delta_engine": transfer_engine("relax_gloo", sent["delta_init_info"], sent["delta_update_info"]),
+                "sparse_engine": transfer_engine(
+                    "sparse_nccl", sent["nccl_init_info"], sent["sparse_updates"][0]["info"]
+                ),
+                "sparse_received": sparse_nccl_receive(sent["sparse_model"], sent["sparse_updates"]),
                 "warm_up": warm_up_source(),
                 "server_args": server_args(sent["argv"]),
                 "server_args_nccl": server_args(sent["argv_nccl"]),
+                "server_args_sparse": server_args(sent["argv_sparse"]),
                 "server_args_routed": server_args(sent["argv_routed"]),
                 "module_found": importlib.util.find_spec(sent["module"]) is not None,
             },

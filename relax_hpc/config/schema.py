@@ -614,11 +614,18 @@ class WeightsConfig(Section):
     For multi-node pushes to engines on other nodes; on one machine it only adds hops. Not with
     launch.colocate."""
     delta: bool = False
-    """With weights.channel=file: write only what changed since the version the engines hold, per
-    bucket the changed elements (index and bits) or the whole bucket, whichever is smaller; exact,
-    and an engine that holds another version loads the whole one. The built-in engine only (SGLang's
-    and vLLM's disk loaders take whole tensors). Each trainer rank keeps its buckets of the last version in
-    host memory."""
+    """Send only what changed since the version the engines hold: per bucket the changed elements
+    (index and bits) or the whole bucket, whichever is smaller; exact. With weights.channel=file
+    (the built-in engine only: SGLang's and vLLM's disk loaders take whole tensors) the delta is
+    written, and an engine that holds another version loads the whole one; each trainer rank keeps
+    its buckets of the last version in host memory. With weights.channel=broadcast to vLLM engines
+    (rollout.engine vllm, not colocated, no LoRA) rank 0 keeps the last version's buckets in host
+    memory and broadcasts each push's changes; a group's first push is whole, and the group is
+    formed anew (so whole again) when an engine joins, restarts or a push fails. Over gloo each
+    engine keeps a copy of its weights in host memory to patch (vLLM's CPU backend has no raw
+    linear weights to patch in place) and loads every tensor from it; over nccl the engines run
+    vLLM's sparse_nccl, which patches in place but takes nothing whole, so a whole push there
+    sends every element's index too (3 times the bytes of bf16)."""
 
 
 class CheckpointConfig(Section):
@@ -1269,7 +1276,7 @@ class JobConfig(Section):
     def _weight_channel(self) -> JobConfig:
         w = self.weights
         if w.delta and w.channel != "file":
-            raise ValueError("weights.delta is a mode of the file channel: set weights.channel=file")
+            self._broadcast_delta()
         for key, on in (("weights.relay", w.relay), ("weights.senders=node", w.senders == "node")):
             if on and (w.channel != "sharded" or self.launch.colocate):
                 raise ValueError(
@@ -1297,6 +1304,25 @@ class JobConfig(Section):
                 "tensors, not a delta's changed elements; unset weights.delta (the whole version is written)"
             )
         return self
+
+    def _broadcast_delta(self) -> None:
+        """weights.delta without the file channel: vLLM's engines only (relax_gloo patches its copy,
+        vLLM's sparse_nccl its tensors); SGLang's and the built-in engine's collective updates take
+        whole tensors."""
+        w = self.weights
+        for setting, on, why in (
+            (f"weights.channel={w.channel}", w.channel != "broadcast",
+             "the sharded channel sends whole tensors"),
+            (f"rollout.engine={self.rollout.engine}", self.rollout.engine != "vllm",
+             "its collective weight update takes whole tensors"),
+            ("launch.colocate", self.launch.colocate, "colocated engines are pushed to on their own node"),
+            ("trainer.lora", self.trainer.lora is not None, "LoRA sends its adapters, already small"),
+        ):  # fmt: skip
+            if on:
+                raise ValueError(
+                    f"weights.delta with {setting}: {why}; weights.delta runs with weights.channel=file, or "
+                    "weights.channel=broadcast to vLLM engines"
+                )
 
     def _sharded_channel(self) -> None:
         nodes = self.launch.slurm.trainer.nodes

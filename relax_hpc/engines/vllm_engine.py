@@ -72,7 +72,7 @@ def server_args(cfg: JobConfig, host: str, port: int, pool: str = "policy", devi
         "--dtype", cfg.model.dtype, "--seed", str(cfg.run.seed),
         "--kv-cache-memory-bytes", str(vc.kv_cache_mib * 2**20),
         "--enable-scale-out", "--logprobs-mode", "processed_logprobs",
-        "--weight-transfer-config", json.dumps({"backend": V.transfer_backend(cfg.weights.backend)}),
+        "--weight-transfer-config", json.dumps({"backend": V.transfer_backend(cfg.weights.backend, cfg.weights.delta)}),
         "--middleware", MIDDLEWARE,
         "--disable-uvicorn-access-log",  # a line per request: thousands per step, in the engine's log
     ]  # fmt: skip

@@ -70,13 +70,16 @@ PauseMode = Literal["abort", "wait", "keep"]
 DIE_WITH_PARENT = "RELAX_HPC_DIE_WITH_PARENT"
 # The engines' --weight-transfer-config backend: relax_hpc's gloo engine (relax_hpc.weights.
 # vllm_gloo, registered by its plugin), or vLLM's own nccl engine.
-GLOO_TRANSFER, NCCL_TRANSFER = "relax_gloo", "nccl"
+GLOO_TRANSFER, NCCL_TRANSFER, SPARSE_NCCL_TRANSFER = "relax_gloo", "nccl", "sparse_nccl"
 
 
-def transfer_backend(weights_backend: str) -> str:
+def transfer_backend(weights_backend: str, delta: bool = False) -> str:
     """vLLM's transfer engine for weights.backend: nccl only when asked for (a vLLM engine may
-    serve from the CPU, which gloo reaches either way), gloo for `gloo` and `auto`."""
-    return NCCL_TRANSFER if weights_backend == "nccl" else GLOO_TRANSFER
+    serve from the CPU, which gloo reaches either way), gloo for `gloo` and `auto`; with
+    weights.delta, nccl is vLLM's sparse_nccl (relax_gloo takes deltas itself)."""
+    if weights_backend != "nccl":
+        return GLOO_TRANSFER
+    return SPARSE_NCCL_TRANSFER if delta else NCCL_TRANSFER
 
 
 @dataclass

@@ -64,7 +64,8 @@ def build_channel(job: JobConfig, paths: RunPaths, backend: Backend, device: tor
             return VllmChannel(None, layout, bucket_bytes)
         colocated = job.launch.colocate  # the engines sleep through each step
         return VllmChannel(
-            VllmSender(paths.engines, token, timeout_s, bucket_bytes, pause, backend_, device, colocated),
+            VllmSender(paths.engines, token, timeout_s, bucket_bytes, pause, backend_, device, colocated,
+                       job.weights.delta),
             layout, bucket_bytes,
         )  # fmt: skip
     if job.launch.colocate:

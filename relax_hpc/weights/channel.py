@@ -177,5 +177,15 @@ class VllmChannel:
                 self.sender.release()
 
     def record(self, phases: dict[str, float], device: torch.device) -> dict[str, float]:
-        colocated = self.sender is not None and self.sender.colocated
-        return {"time_release": phases.get("release", 0.0)} if colocated else {}
+        """Colocated, the time the engines took to sleep; with weights.delta, the last push's bytes
+        sent and the share of elements that changed."""
+        if self.sender is None:
+            return {}
+        out = {"time_release": phases.get("release", 0.0)} if self.sender.colocated else {}
+        last = self.sender.last
+        if self.sender.delta and last.elements:
+            out |= {
+                "weights_sent_mb": round(last.sent / 2**20, 3),
+                "weights_changed_share": last.changed / last.elements,
+            }
+        return out

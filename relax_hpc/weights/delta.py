@@ -19,9 +19,14 @@ from relax_hpc.weights.buckets import DTYPES, BucketPlan
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # element size -> the integer of its bits
 
 
+def bits_dtype(plan: BucketPlan) -> torch.dtype:
+    """The integer type as wide as the bucket's elements."""
+    return _BITS[DTYPES[plan.dtypes[0]].itemsize]
+
+
 def bits(flat: torch.Tensor, plan: BucketPlan) -> torch.Tensor:
     """The bucket's packed uint8 bytes as one integer per element."""
-    return flat.view(_BITS[DTYPES[plan.dtypes[0]].itemsize])
+    return flat.view(bits_dtype(plan))
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,14 +39,15 @@ class SparseDelta:
         return self.index.numel() * self.index.element_size() + self.values.numel() * self.values.element_size()
 
 
-def diff(old: torch.Tensor, new: torch.Tensor, plan: BucketPlan) -> tuple[SparseDelta | None, int]:
+def diff(old: torch.Tensor, new: torch.Tensor, plan: BucketPlan, dense: bool = True) -> tuple[SparseDelta | None, int]:
     """The sparse delta from bucket bytes `old` to `new` (None: dense is no larger), and how many
-    elements changed (0: the bucket needs nothing)."""
+    elements changed (0: the bucket needs nothing). `dense=False`: sparse whatever its size (for
+    a receiver that takes nothing else: vLLM's sparse_nccl)."""
     before, after = bits(old, plan), bits(new, plan)
     mask = before != after
     changed = int(mask.sum())
     index_dtype = torch.int32 if after.numel() < 2**31 else torch.int64
-    if changed * (index_dtype.itemsize + after.element_size()) >= new.numel():
+    if dense and changed * (index_dtype.itemsize + after.element_size()) >= new.numel():
         return None, changed  # dense: the indices of most of the bucket are not worth finding
     index = torch.nonzero(mask).flatten()
     return SparseDelta(index.to(index_dtype), after[index].clone()), changed
@@ -63,7 +69,7 @@ class Patch:
 def split(plan: BucketPlan, delta: SparseDelta) -> list[Patch]:
     """The delta of a bucket as one patch per tensor it changes; checked (indices inside the
     bucket, bits of its width) before anything is written."""
-    width = _BITS[DTYPES[plan.dtypes[0]].itemsize]
+    width = bits_dtype(plan)
     if delta.values.dtype != width or delta.values.shape != delta.index.shape:
         raise ValueError(f"delta values are {delta.values.dtype} {list(delta.values.shape)}, the bucket's bits {width}")
     ends = torch.tensor([math.prod(s) for s in plan.shapes]).cumsum(0)

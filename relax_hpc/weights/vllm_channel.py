@@ -27,6 +27,11 @@ Two transports, one interface (`VllmTransport`), chosen by weights.backend:
   broadcasts each tensor of a bucket in the order the update info names them (`packed: false`,
   vLLM's one-by-one receive), on a stream of its own.
 
+With weights.delta (`VllmTransfer`) a push after a group's first sends per bucket only what
+changed since the previous one: over gloo the changed elements' indices and bits, which
+relax_gloo patches into its copy of the bucket; over NCCL vLLM's own `sparse_nccl` engine
+(`SparseNcclTransport`), which patches the model's tensors in place.
+
 `VllmSender` keeps the group to the registry's live engines: formed again when one starts,
 restarts or leaves, dropped when a push fails (the next push forms it with the engines that
 answer), as relax_hpc.weights.sender does for SGLang's protocol. This imports no vLLM: it speaks
@@ -39,12 +44,14 @@ import base64
 import contextlib
 import functools
 import logging
+import math
 import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -55,7 +62,8 @@ from relax_hpc.protocol import vllm as V
 from relax_hpc.protocol.client import EngineClient, EngineRequestError, EngineUnavailable
 from relax_hpc.protocol.registry import EngineRecord, read_records
 from relax_hpc.weights import nccl_lib
-from relax_hpc.weights.buckets import BucketPlan, pack, plan_buckets
+from relax_hpc.weights.buckets import DTYPES, BucketPlan, pack, plan_buckets
+from relax_hpc.weights.delta import SparseDelta, diff, split
 from relax_hpc.weights.group import Abandoned, SideGroup
 from relax_hpc.weights.sender import WeightSyncError, _is_loopback, answering, engine_key, free_port
 
@@ -64,7 +72,13 @@ Named = tuple[str, torch.Tensor | None]
 
 
 def init_info(
-    master_address: str, master_port: int, rank_offset: int, world_size: int, group: str, timeout_s: float
+    master_address: str,
+    master_port: int,
+    rank_offset: int,
+    world_size: int,
+    group: str,
+    timeout_s: float,
+    keep_base: bool = False,
 ) -> dict[str, Any]:
     """The body's `init_info` of /init_weight_transfer_engine (vllm_gloo.GlooInitInfo's fields)."""
     return {
@@ -74,6 +88,7 @@ def init_info(
         "world_size": world_size,
         "group_name": group,
         "timeout_s": timeout_s,
+        "keep_base": keep_base,
     }
 
 
@@ -95,11 +110,25 @@ def update_info(plan: BucketPlan) -> dict[str, Any]:
     return {"names": plan.names, "dtype_names": plan.dtypes, "shapes": plan.shapes}
 
 
+def patches_info(patches: list[tuple[str, str, list[int], int]]) -> dict[str, Any]:
+    """`update_info` for vLLM's sparse_nccl engine (SparseNCCLWeightTransferUpdateInfo): per patch
+    (name, dtype, full shape, changed elements), whose int32 flat indices and then values travel."""
+    names, dtypes, shapes, counts = (list(column) for column in zip(*patches, strict=True))
+    return {"names": names, "dtype_names": dtypes, "shapes": shapes, "num_updates_list": counts}
+
+
+# An /update_weights body's `update_info` and the tensors broadcast after it, in order.
+Payload = tuple[dict[str, Any], list[torch.Tensor]]
+
+
 class VllmTransport(Protocol):
     """How buckets travel to the engines' workers: the init info vLLM's transfer engine `backend`
-    takes, and the trainer's end of the group (rank 0; engine i's worker is rank 1 + i)."""
+    takes, the trainer's end of the group (rank 0; engine i's worker is rank 1 + i), and what a
+    bucket, whole or as a delta, puts on it. `takes_dense`: a delta may send a changed bucket
+    whole where that is smaller (else every changed bucket goes sparse)."""
 
     backend: str
+    takes_dense: bool
 
     def init_info(self, rank_offset: int, world_size: int) -> dict[str, Any]: ...
 
@@ -108,34 +137,52 @@ class VllmTransport(Protocol):
         up, Abandoned, once `abandon()` says an engine's init failed)."""
         ...
 
+    def whole(self, plan: BucketPlan, tensors: list[torch.Tensor]) -> Payload:
+        """A bucket's tensors as they travel."""
+        ...
+
+    def delta(self, plan: BucketPlan, delta: SparseDelta) -> Payload:
+        """A bucket's changed elements (weights.delta) as they travel."""
+        ...
+
     def send(self, tensors: list[torch.Tensor], abandon: Callable[[], bool]) -> None:
-        """Broadcast one bucket's tensors; give up (Abandoned) once `abandon()` says so."""
+        """Broadcast a payload's tensors in order; give up (Abandoned) once `abandon()` says so."""
         ...
 
     def close(self) -> None: ...
 
 
 class GlooTransport:
-    """A gloo side group; each bucket travels as one flat tensor in host memory."""
+    """A gloo side group; a whole bucket travels as one flat tensor in host memory, a delta as its
+    flat indices and their new bits as bytes (vllm_gloo patches the engine's copy of the
+    bucket). `keep_base` (weights.delta): the engines keep each bucket's bytes to patch."""
 
     backend = V.GLOO_TRANSFER
+    takes_dense = True
 
-    def __init__(self, host: str, master_port: int, timeout_s: float) -> None:
-        self.host, self.port, self.timeout_s = host, master_port, timeout_s
+    def __init__(self, host: str, master_port: int, timeout_s: float, keep_base: bool = False) -> None:
+        self.host, self.port, self.timeout_s, self.keep_base = host, master_port, timeout_s, keep_base
         self.name = f"relax-vllm-{uuid.uuid4().hex[:8]}"
         self.group: SideGroup | None = None
 
     def init_info(self, rank_offset: int, world_size: int) -> dict[str, Any]:
-        return init_info(self.host, self.port, rank_offset, world_size, self.name, self.timeout_s)
+        return init_info(self.host, self.port, rank_offset, world_size, self.name, self.timeout_s, self.keep_base)
 
     def open(self, world_size: int, abandon: Callable[[], bool]) -> None:
         # The rendezvous ends at the group's timeout if an engine never joins.
         self.group = SideGroup(self.host, self.port, 0, world_size, self.name, "gloo", self.timeout_s)
 
+    def whole(self, plan: BucketPlan, tensors: list[torch.Tensor]) -> Payload:
+        return update_info(plan), [pack([t.to("cpu") for t in tensors])]
+
+    def delta(self, plan: BucketPlan, delta: SparseDelta) -> Payload:
+        sparse = {"num_updates": delta.index.numel(), "index_dtype": str(delta.index.dtype).removeprefix("torch.")}
+        return {**update_info(plan), **sparse}, [delta.index, delta.values.view(torch.uint8)]  # gloo has no int16
+
     def send(self, tensors: list[torch.Tensor], abandon: Callable[[], bool]) -> None:
         assert self.group is not None, "open() the transport first"
-        flat = pack([t.to("cpu") for t in tensors])
-        self.group.wait(self.group.broadcast_async(flat), abandon)
+        for tensor in tensors:
+            self.group.wait(self.group.broadcast_async(tensor.to("cpu")), abandon)
 
     def close(self) -> None:
         if self.group is not None:
@@ -152,6 +199,7 @@ class NcclTransport:
     CUDA build has reached a GPU machine of this project (docs/limitations.md)."""
 
     backend = V.NCCL_TRANSFER
+    takes_dense = True
 
     def __init__(self, device: torch.device, timeout_s: float, unique_id: bytes | None = None) -> None:
         self.device, self.timeout_s = device, timeout_s
@@ -190,6 +238,12 @@ class NcclTransport:
         warm_up = torch.zeros(1, device=self.device)
         self._run(lambda comm, stream: comm.all_reduce(warm_up, stream), abandon)
 
+    def whole(self, plan: BucketPlan, tensors: list[torch.Tensor]) -> Payload:
+        return update_info(plan), tensors
+
+    def delta(self, plan: BucketPlan, delta: SparseDelta) -> Payload:
+        raise NotImplementedError("vLLM's nccl engine takes whole tensors: weights.delta uses sparse_nccl")
+
     def send(self, tensors: list[torch.Tensor], abandon: Callable[[], bool]) -> None:
         def broadcast(comm: nccl_lib.Communicator, stream: torch.cuda.Stream) -> None:
             for tensor in tensors:  # in the update info's order
@@ -221,13 +275,66 @@ class NcclTransport:
             time.sleep(0.001)
 
 
+class SparseNcclTransport(NcclTransport):
+    """vLLM's own `sparse_nccl` engine (weights.delta over NCCL): the same communicator as
+    NcclTransport's, but every update is a list of checkpoint-coordinate patches, each tensor's
+    int32 flat indices then its values, which vLLM applies in place through the model's loader
+    (vllm/distributed/weight_transfer/sparse_nccl_engine.py). It takes nothing else, so a whole
+    bucket (the first push to a group) travels as patches of every index: 3 times the bytes of
+    bf16 values."""
+
+    backend = V.SPARSE_NCCL_TRANSFER
+    takes_dense = False
+
+    def whole(self, plan: BucketPlan, tensors: list[torch.Tensor]) -> Payload:
+        every = [
+            (k, torch.arange(t.numel(), dtype=torch.int32, device=t.device), t.reshape(-1))
+            for k, t in enumerate(tensors)
+        ]
+        return self._payload(plan, every)
+
+    def delta(self, plan: BucketPlan, delta: SparseDelta) -> Payload:
+        dtype, position = DTYPES[plan.dtypes[0]], {name: k for k, name in enumerate(plan.names)}
+        changed = [(position[p.name], p.index.to(torch.int32), p.values.view(dtype)) for p in split(plan, delta)]
+        return self._payload(plan, changed)
+
+    @staticmethod
+    def _payload(plan: BucketPlan, parts: list[tuple[int, torch.Tensor, torch.Tensor]]) -> Payload:
+        info = patches_info([(plan.names[k], plan.dtypes[k], plan.shapes[k], index.numel()) for k, index, _ in parts])
+        return info, [t for _, index, values in parts for t in (index, values)]
+
+
+@dataclass
+class PushBytes:
+    """What the last push put on the transport, and with weights.delta how many of the model's
+    elements had changed since the version the engines held (a whole push: all of them)."""
+
+    sent: int = 0
+    changed: int = 0
+    elements: int = 0
+
+
 class VllmTransfer:
     """Pushes the trainer's weights to a fixed set of vLLM engines (one worker each) over one
-    transport."""
+    transport. `delta` (weights.delta): after the first push, which is whole, each push sends per
+    bucket only what changed since the last one (every engine of the group holds it: the group is
+    formed anew, and so whole again, when an engine joins, restarts or a push fails); the last
+    version's bytes of every bucket stay in host memory to compare with."""
 
-    def __init__(self, urls: list[str], api_key: str, transport: VllmTransport, bucket_bytes: int, timeout_s: float):
+    def __init__(
+        self,
+        urls: list[str],
+        api_key: str,
+        transport: VllmTransport,
+        bucket_bytes: int,
+        timeout_s: float,
+        delta: bool = False,
+    ) -> None:
         self.clients = [EngineClient(url, api_key, timeout_s) for url in urls]
         self.transport, self.bucket_bytes, self.timeout_s = transport, bucket_bytes, timeout_s
+        self.delta = delta
+        self.base: dict[int, torch.Tensor] = {}  # with delta: bucket -> its bytes as the engines hold them
+        self.last = PushBytes()
         self.connected = False
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(urls)))
 
@@ -264,15 +371,42 @@ class VllmTransfer:
             stream = iter(named)
         self._all("POST", f"{V.WAKE_UP}?tags=weights" if asleep else f"{V.PAUSE}?mode={pause}")
         self._all("POST", V.START_WEIGHT_UPDATE)
-        for plan in plans:
+        pushed, base = PushBytes(), dict[int, torch.Tensor]()
+        for k, plan in enumerate(plans):
             tensors = [_take(stream, name) for name in plan.names]
-            answers = self._each(_poster(V.UPDATE_WEIGHTS, {"update_info": update_info(plan)}))
+            payload = self.payload(k, plan, tensors, pushed, base)
+            if payload is None:
+                continue  # unchanged since the engines' version
+            info, sent = payload
+            answers = self._each(_poster(V.UPDATE_WEIGHTS, {"update_info": info}))
             # An engine that fails meanwhile fails its /update_weights: give up on the broadcast
             # then, rather than wait for its part for the group's whole timeout.
-            self.transport.send(tensors, functools.partial(_failed, answers))
+            self.transport.send(sent, functools.partial(_failed, answers))
             _results(answers)
+            pushed.sent += sum(t.numel() * t.element_size() for t in sent)
         self._all("POST", V.FINISH_WEIGHT_UPDATE, {"weight_version": str(version)})
+        self.base, self.last = base, pushed  # every engine holds this version now
         self._all("POST", f"{V.WAKE_UP}?tags=kv_cache" if asleep else V.RESUME)
+
+    def payload(
+        self, k: int, plan: BucketPlan, tensors: list[torch.Tensor], pushed: PushBytes, base: dict[int, torch.Tensor]
+    ) -> Payload | None:
+        """Bucket k as it travels: whole, or with `delta` what changed since self.base (None: nothing
+        did). Counts its elements and changes into `pushed`, keeps its bytes in `base`."""
+        elements = sum(math.prod(shape) for shape in plan.shapes)
+        pushed.elements += elements
+        if not self.delta:
+            pushed.changed += elements
+            return self.transport.whole(plan, tensors)
+        base[k] = pack([t.to("cpu") for t in tensors])
+        if k not in self.base:
+            pushed.changed += elements
+            return self.transport.whole(plan, tensors)
+        sparse, changed = diff(self.base[k], base[k], plan, dense=self.transport.takes_dense)
+        pushed.changed += changed
+        if changed == 0:
+            return None
+        return self.transport.whole(plan, tensors) if sparse is None else self.transport.delta(plan, sparse)
 
     def sleep(self) -> None:
         """Colocated, before a training step: every engine finishes its requests and sleeps."""
@@ -320,7 +454,8 @@ class VllmSender:
     VllmTransfer, formed again when they change. `pause`: how a push pauses generation
     (abort with partial rollout: the driver continues what returns; keep otherwise). `backend`:
     weights.backend (protocol.vllm.transfer_backend: nccl, from the trainer's `device`, only when
-    asked for). `colocated`: the engines sleep through each training step (`release`)."""
+    asked for). `colocated`: the engines sleep through each training step (`release`). `delta`:
+    weights.delta (VllmTransfer)."""
 
     def __init__(
         self,
@@ -332,10 +467,12 @@ class VllmSender:
         backend: str = "auto",
         device: torch.device | None = None,
         colocated: bool = False,
+        delta: bool = False,
     ) -> None:
         self.registry, self.api_key, self.timeout_s = registry, api_key, timeout_s
         self.bucket_bytes, self.pause = bucket_bytes, pause
-        self.backend, self.device, self.colocated = backend, device, colocated
+        self.backend, self.device, self.colocated, self.delta = backend, device, colocated, delta
+        self.last = PushBytes()  # the last push's (VllmTransfer.last)
         self.asleep = False  # the group's engines sleep (released for a step, not yet pushed to)
         self.members: list[EngineRecord] = []
         self.channel: VllmTransfer | None = None
@@ -369,7 +506,7 @@ class VllmSender:
             if self.channel is None:
                 return 0
             self.channel.push(params, version, self.pause, plans, asleep=self.asleep)
-            self.asleep = False
+            self.asleep, self.last = False, self.channel.last
         except (EngineUnavailable, EngineRequestError, Abandoned, RuntimeError) as e:
             self.drop()
             raise WeightSyncError(f"weight sync of version {version} to vLLM failed: {e}") from e
@@ -395,7 +532,7 @@ class VllmSender:
         if not engines:
             return
         channel = VllmTransfer([r.url for r in engines], self.api_key, self._transport(engines), self.bucket_bytes,
-                               self.timeout_s)  # fmt: skip
+                               self.timeout_s, self.delta)  # fmt: skip
         try:
             channel.connect()
         except BaseException:
@@ -405,11 +542,14 @@ class VllmSender:
         log.info("vLLM weight-transfer group formed with %d engine(s)", len(engines))
 
     def _transport(self, engines: list[EngineRecord]) -> VllmTransport:
-        if V.transfer_backend(self.backend) == V.NCCL_TRANSFER:
+        backend = V.transfer_backend(self.backend, self.delta)
+        if backend != V.GLOO_TRANSFER:
             assert self.device is not None and self.device.type == "cuda", "the nccl transfer runs from a GPU"
-            return NcclTransport(self.device, self.timeout_s)
+            return (SparseNcclTransport if backend == V.SPARSE_NCCL_TRANSFER else NcclTransport)(
+                self.device, self.timeout_s
+            )
         host = "127.0.0.1" if all(_is_loopback(r.host) for r in engines) else socket.getfqdn()
-        return GlooTransport(host, free_port(host if _is_loopback(host) else ""), self.timeout_s)
+        return GlooTransport(host, free_port(host if _is_loopback(host) else ""), self.timeout_s, self.delta)
 
     def drop(self) -> None:
         if self.channel is not None:

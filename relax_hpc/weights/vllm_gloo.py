@@ -8,6 +8,14 @@ rendezvous as every other relax_hpc engine) and receives each bucket as one flat
 (relax_hpc.weights.buckets), then hands the tensors to the model's own `load_weights`, which fuses
 q/k/v and gate/up the way vLLM loads a checkpoint.
 
+With weights.delta (`keep_base`) it keeps each bucket's bytes as received, in host memory, and a
+bucket may come as a delta: the flat indices of its changed elements and their new bits, patched
+into that copy. vLLM's own sparse loader (load_checkpoint_weight_patches, which sparse_nccl uses)
+patches the model's tensors in place, but vLLM's CPU backend packs its linear layers' weights for
+oneDNN and drops the raw ones (model_executor/layers/utils.py), so there is nothing in place to
+patch: here every bucket, changed or not, is loaded whole from the copy, inside the same layerwise
+reload as a whole push (which needs every tensor of a layer to rebuild it).
+
 It reaches vLLM through the `vllm.general_plugins` entry point (pyproject.toml): vLLM calls
 `register` in every process it starts (API server, engine core, workers), and serving with
 `--weight-transfer-config '{"backend": "relax_gloo"}'` makes the workers build this class.
@@ -30,6 +38,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from relax_hpc.protocol.vllm import DIE_WITH_PARENT
 from relax_hpc.protocol.vllm import GLOO_TRANSFER as BACKEND
 from relax_hpc.weights.buckets import BucketPlan, unpack
+from relax_hpc.weights.delta import bits, bits_dtype
 from relax_hpc.weights.group import SideGroup
 
 
@@ -64,15 +73,20 @@ class GlooInitInfo(WeightTransferInitInfo):
     world_size: int
     group_name: str
     timeout_s: float = 600.0
+    keep_base: bool = False  # weights.delta: keep every bucket's bytes, to patch with the next deltas
 
 
 @dataclass
 class GlooUpdateInfo(WeightTransferUpdateInfo):
-    """One flat bucket: the fields of vLLM's NCCLWeightTransferUpdateInfo (names, dtype names, shapes)."""
+    """One flat bucket: the fields of vLLM's NCCLWeightTransferUpdateInfo (names, dtype names,
+    shapes). A delta also gives how many elements changed: their flat indices (`index_dtype`) and
+    then their bits travel instead of the bucket."""
 
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
+    num_updates: int | None = None
+    index_dtype: str = "int32"
 
 
 class GlooWeightTransferEngine(WeightTransferEngine):
@@ -84,10 +98,15 @@ class GlooWeightTransferEngine(WeightTransferEngine):
         super().__init__(*args, **kwargs)
         self.group: SideGroup | None = None
         self._tied: list[list[tuple[torch.nn.Module, str]]] = []
+        self.keep_base = False
+        self.bases: dict[tuple[str, ...], tuple[BucketPlan, torch.Tensor]] = {}  # keep_base: bucket -> its bytes
+        self._received: set[tuple[str, ...]] = set()  # the buckets this update has sent
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         if self.group is not None:  # a new trainer group (an engine restarted elsewhere): leave the old one
             self.group.close()
+        # A new group's first push is whole (the trainer's copies of what each engine holds go with its group).
+        self.keep_base, self.bases = init_info.keep_base, {}
         pc = self.parallel_config
         worker_rank = pc.data_parallel_index * pc.world_size + pc.rank
         self.group = SideGroup(
@@ -104,11 +123,15 @@ class GlooWeightTransferEngine(WeightTransferEngine):
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         self._tied = shared_parameters(self.model)
+        self._received = set()
         initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+        for key, (plan, flat) in self.bases.items():
+            if key not in self._received:  # unchanged since the last version: loaded again from its copy
+                self.model.load_weights(unpack(flat, plan))
         finalize_layerwise_reload(self.model, self.model_config)
         retie(self._tied)
 
@@ -121,9 +144,32 @@ class GlooWeightTransferEngine(WeightTransferEngine):
         if self.group is None:
             raise RuntimeError("relax_gloo weight transfer: /init_weight_transfer_engine first")
         plan = BucketPlan(update_info.names, update_info.dtype_names, update_info.shapes)
-        flat = torch.empty(plan.nbytes, dtype=torch.uint8)
-        self.group.broadcast(flat)
+        key = tuple(plan.names)
+        if update_info.num_updates is None:
+            flat = torch.empty(plan.nbytes, dtype=torch.uint8)
+            self.group.broadcast(flat)
+        else:
+            flat = self._patched(key, plan, update_info.num_updates, getattr(torch, update_info.index_dtype))
+        if self.keep_base:
+            self.bases[key] = (plan, flat)
+            self._received.add(key)
         self.model.load_weights(unpack(flat, plan))
+
+    def _patched(self, key: tuple[str, ...], plan: BucketPlan, changed: int, index_dtype: torch.dtype) -> torch.Tensor:
+        """The bucket's kept bytes with a delta's bits written in (both broadcasts are taken first,
+        so that a refusal leaves the group's collectives matched)."""
+        assert self.group is not None
+        index = torch.empty(changed, dtype=index_dtype)
+        values = torch.empty(changed * bits_dtype(plan).itemsize, dtype=torch.uint8)  # gloo has no int16
+        self.group.broadcast(index)
+        self.group.broadcast(values)
+        held = self.bases.get(key)
+        if held is None or held[0] != plan:
+            raise RuntimeError(
+                f"relax_gloo weight transfer: a delta of bucket {key[0]}.. that this engine holds no copy of"
+            )
+        bits(held[1], plan)[index.long()] = values.view(bits_dtype(plan))
+        return held[1]
 
     def shutdown(self) -> None:
         if self.group is not None:

@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from relax_hpc.weights import nccl_lib
-from relax_hpc.weights.buckets import plan_buckets
+from relax_hpc.weights.buckets import pack, plan_buckets
+from relax_hpc.weights.delta import diff
 from relax_hpc.weights.group import Abandoned
-from relax_hpc.weights.vllm_channel import NcclTransport, update_info
+from relax_hpc.weights.vllm_channel import NcclTransport, SparseNcclTransport, update_info
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -57,6 +58,32 @@ def test_a_group_of_one_opens_warms_up_and_broadcasts():
     assert all(torch.equal(a.cpu(), b) for a, b in zip(sent, params.values(), strict=True))  # root keeps its own
     transport.close()
     assert transport.comm is None
+
+
+def test_a_group_of_one_broadcasts_sparse_nccl_patches_from_the_gpu():
+    """weights.delta over nccl (vLLM's sparse_nccl, tests/unit/test_vllm_contract.py): a group's
+    whole first push as patches of every index, then a delta's int32 indices and values, made from
+    GPU tensors and broadcast on real NCCL."""
+    transport = SparseNcclTransport(torch.device("cuda", 0), 60.0)
+    transport.open(1, abandon=lambda: False)
+    params = weights()
+    plans = plan_buckets(((n, t.shape, t.dtype) for n, t in params.items()), 2**20)
+    for plan in plans:
+        tensors = [params[name].cuda() for name in plan.names]
+        info, sent = transport.whole(plan, tensors)
+        assert info["num_updates_list"] == [t.numel() for t in tensors]
+        assert all(t.is_cuda for t in sent) and [t.dtype for t in sent[::2]] == [torch.int32] * len(tensors)
+        transport.send(sent, abandon=lambda: False)
+        after = [t.clone() for t in tensors]
+        after[0].view(-1)[5] += 1
+        changed, count = diff(pack([t.cpu() for t in tensors]), pack([t.cpu() for t in after]), plan, dense=False)
+        assert changed is not None and count == 1
+        info, sent = transport.delta(plan, changed)
+        assert info["names"] == plan.names[:1] and info["num_updates_list"] == [1]
+        assert sent[0].tolist() == [5] and torch.equal(sent[1].cpu(), after[0].view(-1)[5:6].cpu())
+        transport.send(sent, abandon=lambda: False)
+    torch.cuda.synchronize()
+    transport.close()
 
 
 def test_every_dtype_a_checkpoint_holds_has_an_nccl_type():

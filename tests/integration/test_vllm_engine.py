@@ -16,6 +16,8 @@ One server for the module (its start-up takes most of a minute on two cores), st
 - colocated, it sleeps through a step and wakes with the pushed weights (sleep, wake the weights,
   update, wake the KV cache), and a failed push's clean-up wakes it whole;
 - the file channel (weights.channel=file) has it reload each version from disk, bit for bit;
+- a delta push (weights.delta) sends only the changed elements, and the engine holds the
+  trainer's weights bit for bit and samples with them; an engine without its copy refuses one;
 - as a teacher and a judge engine (the same server, asked through the driver's pool client), its
   scoring gives the model's log-probabilities of a completion and its greedy answer the model's;
 - SIGTERM stops the wrapper and the server and removes the record.
@@ -43,7 +45,7 @@ from relax_hpc.envs.context import GenerateCall
 from relax_hpc.models.lora import add_adapters, scaling, sync_name, write_adapter_folder
 from relax_hpc.protocol import requests as P
 from relax_hpc.protocol import vllm as V
-from relax_hpc.protocol.client import EngineClient, EngineRequestError, PoolClient
+from relax_hpc.protocol.client import EngineClient, EngineRequestError, EngineUnavailable, PoolClient
 from relax_hpc.protocol.registry import read_records
 from relax_hpc.rollout.engine_policy import EnginePolicy, EnginePool
 from relax_hpc.rollout.teacher import completion_logprobs
@@ -184,19 +186,77 @@ def test_a_push_through_vllms_routes_is_bit_exact_and_used(server: Server) -> No
         _check_bits(channel.checksums()[0], pushed)
         assert server.client.call("GET", V.WEIGHT_INFO) == {"weight_version": "1"}
 
-        prompt = [5, 6, 7, 8]
-        out = server.generate(prompt, seed=5)
-        assert out.token_versions == [1] * len(out.token_ids)
-        ids = torch.tensor([prompt + out.token_ids])
-        with torch.no_grad():
-            logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1 : -1], dim=-1)
-        mine = logp.gather(-1, torch.tensor(out.token_ids)[:, None]).squeeze(-1)
-        assert torch.allclose(mine, torch.tensor(out.logprobs), atol=1e-4), (mine, out.logprobs)
+        _samples_as(server, model, version=1)
 
         channel.push(original.items(), version=2)
         assert channel.checksums()[0] == before
     finally:
         channel.close()
+
+
+def _samples_as(server: Server, model: torch.nn.Module, version: int) -> None:
+    """The engine samples as version `version` with `model`'s log-probabilities (which covers the
+    linear layers whose raw weights vLLM's CPU backend does not keep for its checker)."""
+    prompt = [5, 6, 7, 8]
+    out = server.generate(prompt, seed=5)
+    assert out.token_versions == [version] * len(out.token_ids)
+    ids = torch.tensor([prompt + out.token_ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1 : -1], dim=-1)
+    mine = logp.gather(-1, torch.tensor(out.token_ids)[:, None]).squeeze(-1)
+    assert torch.allclose(mine, torch.tensor(out.logprobs), atol=1e-4), (mine, out.logprobs)
+
+
+def test_a_delta_push_sends_what_changed_and_the_engine_holds_the_trainers_bits(server: Server) -> None:
+    """weights.delta over gloo (VllmSender delta): the group's first push is whole; the next sends
+    only the changed elements (index and bits) of the buckets that changed, and the engine, which
+    patches its copy of each bucket and loads every tensor from it, holds the trainer's weights bit
+    for bit and samples with them; a push with nothing changed sends nothing. An engine that holds
+    no copy (it joined another group since) refuses a delta, and the sender's next group starts whole."""
+    model = AutoModelForCausalLM.from_pretrained(server.cfg.model.path, dtype=torch.float32).eval()
+    original = {n: p.detach().clone() for n, p in model.named_parameters()}
+    sender = VllmSender(server.paths.engines, server.paths.read_token(), 120.0, 2**16, "keep", delta=True)
+    plans = plan_buckets(((n, t.shape, t.dtype) for n, t in original.items()), 2**16)
+    whole = sum(t.numel() * t.element_size() for t in original.values())
+    try:
+        assert sender.push(iter(original.items()), plans, version=20) == 1
+        assert (sender.last.sent, sender.last.changed) == (whole, sender.last.elements)
+        generator = torch.Generator().manual_seed(4)
+        pushed = {n: t.clone() for n, t in original.items()}
+        for name in list(pushed)[::3]:  # a third of the tensors, 1 % of their elements each
+            moved = torch.rand(pushed[name].shape, generator=generator) < 0.01
+            pushed[name][moved] += 0.05
+        changed = sum(int((pushed[n].view(torch.int32) != original[n].view(torch.int32)).sum()) for n in original)
+        assert 0 < changed < sender.last.elements // 100
+        assert sender.push(iter(pushed.items()), plans, version=21) == 1
+        assert (sender.last.changed, sender.last.sent) == (changed, changed * 8)  # int32 index + float32 bits
+        assert sender.channel is not None
+        _check_bits(sender.channel.checksums()[0], pushed)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(pushed[name])
+        _samples_as(server, model, version=21)
+        sender.push(iter(pushed.items()), plans, version=22)
+        assert (sender.last.changed, sender.last.sent) == (0, 0)
+        _samples_as(server, model, version=22)
+
+        token = server.paths.read_token()
+        transport = GlooTransport("127.0.0.1", free_port("127.0.0.1"), 120.0, keep_base=True)
+        other = VllmTransfer([server.client.url], token, transport, 2**16, 120.0, delta=True)
+        try:
+            other.connect()  # the engine leaves the sender's group for this one, its copies dropped
+            other.base = dict(sender.channel.base)  # as if this trainer's copy were the engine's
+            with pytest.raises(EngineUnavailable, match="holds no copy"):  # HTTP 500
+                other.push(iter(original.items()), version=23, plans=plans)
+        finally:
+            other.resume()
+            other.close()
+        sender.drop()  # the sender's group is gone with the engine's leaving
+        sender.push(iter(original.items()), plans, version=24)  # a new group: whole
+        assert (sender.last.sent, sender.last.changed) == (whole, sender.last.elements)
+        _check_bits(sender.channel.checksums()[0], original)
+    finally:
+        sender.drop()
 
 
 def test_colocated_the_engine_sleeps_through_a_step_and_wakes_with_the_pushed_weights(server: Server) -> None:

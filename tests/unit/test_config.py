@@ -14,6 +14,7 @@ from relax_hpc.engines.vllm_engine import engine_python, server_args, server_env
 from relax_hpc.launch.gpus import visible_gpu_count
 from relax_hpc.paths import RunPaths
 from relax_hpc.pipeline import check, read_pipeline, resolve
+from relax_hpc.protocol.vllm import transfer_backend
 from relax_hpc.submit import check_inputs, freeze
 
 REPO = Path(__file__).resolve().parents[2]
@@ -365,7 +366,13 @@ def test_visible_gpus_are_counted_without_torch():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["weights.delta=true"], "weights.delta is a mode of the file channel"),
+        (["weights.delta=true"], "weights.delta with rollout.engine=torch: its collective weight update"),
+        (["weights.delta=true", "rollout.engine=sglang"], "weights.delta with rollout.engine=sglang"),
+        (
+            ["weights.delta=true", "rollout.engine=vllm", "launch.colocate=true", "rollout.max_staleness=0"],
+            "weights.delta with launch.colocate",
+        ),
+        (["weights.delta=true", "rollout.engine=vllm", "trainer.lora.rank=4"], "weights.delta with trainer.lora"),
         (["weights.relay=true"], "weights.relay is a mode of the sharded channel's groups"),
         (["weights.senders=node"], "weights.senders=node is a mode of the sharded channel's groups"),
         (
@@ -395,10 +402,13 @@ def test_visible_gpus_are_counted_without_torch():
         ),
         (["weights.channel=sharded", "trainer.lora.rank=4"], "weights.channel=sharded with trainer.lora"),
         (["weights.channel=sharded", "rollout.engine=vllm"], "weights.channel=sharded with rollout.engine=vllm"),
-        (["weights.channel=sharded", "weights.delta=true"], "weights.delta is a mode of the file channel"),
+        (["weights.channel=sharded", "weights.delta=true"], "weights.delta with weights.channel=sharded"),
     ],
     ids=[
-        "delta-without-files",
+        "delta-broadcast-builtin",
+        "delta-broadcast-sglang",
+        "delta-broadcast-vllm-colocated",
+        "delta-broadcast-vllm-lora",
         "relay-without-sharded",
         "senders-without-sharded",
         "relay-colocated",
@@ -425,3 +435,10 @@ def test_the_sharded_channel_colocated_on_one_node_is_accepted():
 def test_the_file_channel_with_delta_is_accepted():
     cfg = load_config(None, ["weights.channel=file", "weights.delta=true"])
     assert (cfg.weights.channel, cfg.weights.delta) == ("file", True)
+
+
+@pytest.mark.parametrize("backend, transfer", [("auto", "relax_gloo"), ("nccl", "sparse_nccl")])
+def test_a_delta_broadcast_to_vllm_is_accepted_and_picks_its_transfer_engine(backend, transfer):
+    cfg = load_config(None, ["weights.delta=true", "rollout.engine=vllm", f"weights.backend={backend}"])
+    assert (cfg.weights.channel, cfg.weights.delta) == ("broadcast", True)
+    assert transfer_backend(cfg.weights.backend, cfg.weights.delta) == transfer

@@ -26,19 +26,79 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from relax_hpc.config import load_config
 from relax_hpc.engines.vllm_engine import MIDDLEWARE, MODULE, engine_python, server_args
 from relax_hpc.protocol import requests as P
 from relax_hpc.protocol import vllm as V
-from relax_hpc.weights.buckets import BucketPlan
-from relax_hpc.weights.vllm_channel import init_info, nccl_init_info, update_info
+from relax_hpc.weights.buckets import BucketPlan, pack, plan_buckets
+from relax_hpc.weights.delta import diff
+from relax_hpc.weights.vllm_channel import (
+    GlooTransport,
+    Payload,
+    PushBytes,
+    SparseNcclTransport,
+    VllmTransfer,
+    init_info,
+    nccl_init_info,
+    update_info,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "tiny-grpo.yaml"
 SAMPLING = {"max_new_tokens": 7, "temperature": 0.7, "top_p": 0.9, "top_k": -1}
 PLAN = BucketPlan(["a.weight", "b.bias"], ["float32", "bfloat16"], [[2, 3], [4]])
 UNIQUE_ID = bytes(range(128))  # what torch.cuda.nccl.unique_id() returns: NCCL's 128 bytes
+
+
+def _sparse_versions() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Two versions of a small checkpoint, the second differing in two elements of two tensors,
+    one of them only in its sign bit (+0.0 -> -0.0); the third tensor is unchanged."""
+    g = torch.Generator().manual_seed(0)
+    v1 = {
+        "model.embed_tokens.weight": torch.randn(8, 4, generator=g).bfloat16(),
+        "model.norm.weight": torch.tensor([1.0, 0.0, 2.0, 3.0]).bfloat16(),
+        "lm_head.weight": torch.randn(8, 4, generator=g),
+    }
+    v2 = {n: t.clone() for n, t in v1.items()}
+    v2["model.embed_tokens.weight"][3, 1] += 1
+    v2["model.norm.weight"][1] = -0.0
+    return v1, v2
+
+
+def _sparse_pushes() -> list[Payload]:
+    """What the trainer's VllmTransfer (weights.delta over nccl: vLLM's sparse_nccl) puts on the
+    wire for a group's whole first push of v1, then for v2."""
+    transport = SparseNcclTransport(torch.device("cpu"), 1.0, UNIQUE_ID)
+    transfer = VllmTransfer([], "key", transport, 64, 1.0, delta=True)
+    plans = plan_buckets(((n, t.shape, t.dtype) for n, t in SPARSE_V1.items()), 64)
+    payloads: list[Payload] = []
+    for version in (SPARSE_V1, SPARSE_V2):
+        base: dict[int, torch.Tensor] = {}
+        for k, plan in enumerate(plans):
+            payload = transfer.payload(k, plan, [version[n] for n in plan.names], PushBytes(), base)
+            payloads += [] if payload is None else [payload]
+        transfer.base = base
+    transfer.close()
+    return payloads
+
+
+def _encoded(payload: Payload) -> dict[str, Any]:
+    info, tensors = payload
+    raw = [
+        (str(t.dtype).removeprefix("torch."), t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        for t in tensors
+    ]
+    return {"info": info, "tensors": [(d, base64.b64encode(b).decode()) for d, b in raw]}
+
+
+SPARSE_V1, SPARSE_V2 = _sparse_versions()
+SPARSE_UPDATES = _sparse_pushes()
+DELTA_PLAN = BucketPlan(["a.weight", "b.weight"], ["float32", "float32"], [[2, 3], [4]])
+_changed = diff(pack([torch.zeros(2, 3), torch.zeros(4)]), pack([torch.zeros(2, 3), torch.eye(4)[0]]), DELTA_PLAN)[0]
+assert _changed is not None, "one element of ten changed: sparse"
+GLOO_DELTA = GlooTransport("127.0.0.1", 29511, 1.0, keep_base=True).delta(DELTA_PLAN, _changed)
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +112,7 @@ def cfg() -> Any:
 def probed(cfg: Any) -> dict[str, Any]:
     python = engine_python(cfg.rollout.vllm)
     with_nccl = cfg.model_copy(update={"weights": cfg.weights.model_copy(update={"backend": "nccl"})})
+    with_sparse = cfg.model_copy(update={"weights": cfg.weights.model_copy(update={"backend": "nccl", "delta": True})})
     replay = cfg.algo.off_policy.model_copy(update={"routing_replay": True})
     routed = cfg.model_copy(update={"algo": cfg.algo.model_copy(update={"off_policy": replay})})
     assert Path(python).exists(), f"{python} is missing: bash tools/install.sh --vllm"
@@ -63,8 +124,13 @@ def probed(cfg: Any) -> dict[str, Any]:
         "init_info": init_info("127.0.0.1", 29511, 1, 3, "g", 120.0),
         "update_info": update_info(PLAN),
         "nccl_init_info": nccl_init_info(UNIQUE_ID, 1, 3),
+        "delta_init_info": init_info("127.0.0.1", 29511, 1, 3, "g", 120.0, keep_base=True),
+        "delta_update_info": GLOO_DELTA[0],
+        "sparse_model": {n: [str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in SPARSE_V1.items()},
+        "sparse_updates": [_encoded(u) for u in SPARSE_UPDATES],
         "argv": server_args(cfg, "127.0.0.1", 8123),
         "argv_nccl": server_args(with_nccl, "127.0.0.1", 8123),
+        "argv_sparse": server_args(with_sparse, "127.0.0.1", 8123),
         "argv_routed": server_args(routed, "127.0.0.1", 8123),
         "module": MODULE,
     }
@@ -165,7 +231,32 @@ def test_the_gloo_engine_registers_through_the_plugin_and_takes_the_channels_pay
     engine = probed["transfer_engine"]
     assert engine["is_engine"] and engine["abstract"] == []
     assert engine["init_info"] == init_info("127.0.0.1", 29511, 1, 3, "g", 120.0)
-    assert engine["update_info"] == update_info(PLAN)
+    assert engine["update_info"] == update_info(PLAN) | {"num_updates": None, "index_dtype": "int32"}
+    delta = probed["delta_engine"]  # weights.delta: the engine keeps its copy; a bucket comes as a delta
+    assert delta["init_info"] == init_info("127.0.0.1", 29511, 1, 3, "g", 120.0, keep_base=True)
+    assert delta["update_info"] == update_info(DELTA_PLAN) | {"num_updates": 1, "index_dtype": "int32"}
+    assert [t.tolist() for t in GLOO_DELTA[1]] == [[6], [0, 0, 128, 63]]  # flat index 6, the bytes of 1.0f
+
+
+def test_a_delta_over_nccl_is_what_vllms_sparse_nccl_engine_receives_and_applies(probed: dict[str, Any]) -> None:
+    """weights.delta with weights.backend nccl: engines serve vLLM's own sparse_nccl, whose
+    receive_weights (run on the CPU by the probe, a stand-in handing it what the trainer
+    broadcasts) takes the trainer's whole first push as patches of every index, then only the two
+    changed elements, and vLLM's sparse loader leaves every tensor bit for bit the trainer's: the
+    sign-only change included, the unchanged tensor not sent."""
+    engine = probed["sparse_engine"]
+    assert engine["class"] == "vllm.distributed.weight_transfer.sparse_nccl_engine.SparseNCCLWeightTransferEngine"
+    assert engine["update_info"] == SPARSE_UPDATES[0][0]
+    assert '"sparse_nccl"' in probed["server_args_sparse"]["weight_transfer_config"].replace("'", '"')
+    assert len(SPARSE_UPDATES) == 3 + 2  # 64-byte buckets: one per tensor, the unchanged one not again
+    whole, delta = SPARSE_UPDATES[:3], SPARSE_UPDATES[3:]
+    assert [u[0]["num_updates_list"] for u in delta] == [[1], [1]]
+    assert sum(u[0]["num_updates_list"][0] for u in whole) == sum(t.numel() for t in SPARSE_V1.values())
+    raw = lambda t: base64.b64encode(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).decode()  # noqa: E731
+    after_whole, after_delta = probed["sparse_received"][2], probed["sparse_received"][4]
+    assert after_whole == {n: raw(t) for n, t in SPARSE_V1.items()}
+    assert after_delta == {n: raw(t) for n, t in SPARSE_V2.items()}
+    assert after_delta["model.norm.weight"] != after_whole["model.norm.weight"]  # -0.0 landed
 
 
 def test_the_nccl_route_builds_vllms_own_nccl_engine_from_the_channels_payloads(probed: dict[str, Any]) -> None:
