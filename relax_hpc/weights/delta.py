@@ -45,7 +45,7 @@ def diff(old: torch.Tensor, new: torch.Tensor, plan: BucketPlan, dense: bool = T
     a receiver that takes nothing else: vLLM's sparse_nccl)."""
     before, after = bits(old, plan), bits(new, plan)
     mask = before != after
-    changed = int(mask.sum())
+    changed = int(mask.count_nonzero())  # a bool sum widens to int64 first: 20x slower
     index_dtype = torch.int32 if after.numel() < 2**31 else torch.int64
     if dense and changed * (index_dtype.itemsize + after.element_size()) >= new.numel():
         return None, changed  # dense: the indices of most of the bucket are not worth finding
