@@ -72,12 +72,12 @@ def split(plan: BucketPlan, delta: SparseDelta) -> list[Patch]:
     width = bits_dtype(plan)
     if delta.values.dtype != width or delta.values.shape != delta.index.shape:
         raise ValueError(f"delta values are {delta.values.dtype} {list(delta.values.shape)}, the bucket's bits {width}")
-    ends = torch.tensor([math.prod(s) for s in plan.shapes]).cumsum(0)
+    ends = torch.tensor([math.prod(s) for s in plan.shapes], device=delta.index.device).cumsum(0)
     index = delta.index.long()
     if index.numel() and (int(index.max()) >= int(ends[-1]) or int(index.min()) < 0):
         raise ValueError(f"delta indices outside the bucket's {int(ends[-1])} elements")
     owner = torch.searchsorted(ends, index, right=True)
-    starts = torch.cat([torch.zeros(1, dtype=ends.dtype), ends[:-1]])
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
     patches = []
     for t in owner.unique().tolist():
         mine = owner == t

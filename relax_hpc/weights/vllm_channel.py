@@ -372,6 +372,18 @@ class VllmTransfer:
         self._all("POST", f"{V.WAKE_UP}?tags=weights" if asleep else f"{V.PAUSE}?mode={pause}")
         self._all("POST", V.START_WEIGHT_UPDATE)
         pushed, base = PushBytes(), dict[int, torch.Tensor]()
+        try:
+            self._send_buckets(stream, plans, pushed, base)
+            self._all("POST", V.FINISH_WEIGHT_UPDATE, {"weight_version": str(version)})
+        except BaseException:
+            self.base = {}  # the engines' versions (and on a GPU the copies, swapped in place) are unknown now
+            raise
+        self.base, self.last = base, pushed  # every engine holds this version now
+        self._all("POST", f"{V.WAKE_UP}?tags=kv_cache" if asleep else V.RESUME)
+
+    def _send_buckets(
+        self, stream: Iterator[Named], plans: list[BucketPlan], pushed: PushBytes, base: dict[int, torch.Tensor]
+    ) -> None:
         for k, plan in enumerate(plans):
             tensors = [_take(stream, name) for name in plan.names]
             payload = self.payload(k, plan, tensors, pushed, base)
@@ -384,9 +396,6 @@ class VllmTransfer:
             self.transport.send(sent, functools.partial(_failed, answers))
             _results(answers)
             pushed.sent += sum(t.numel() * t.element_size() for t in sent)
-        self._all("POST", V.FINISH_WEIGHT_UPDATE, {"weight_version": str(version)})
-        self.base, self.last = base, pushed  # every engine holds this version now
-        self._all("POST", f"{V.WAKE_UP}?tags=kv_cache" if asleep else V.RESUME)
 
     def payload(
         self, k: int, plan: BucketPlan, tensors: list[torch.Tensor], pushed: PushBytes, base: dict[int, torch.Tensor]
@@ -398,15 +407,30 @@ class VllmTransfer:
         if not self.delta:
             pushed.changed += elements
             return self.transport.whole(plan, tensors)
-        base[k] = pack([t.to("cpu") for t in tensors])
-        if k not in self.base:
+        flat = pack(tensors)
+        old = self._swap(k, flat, base)
+        if old is None:
             pushed.changed += elements
             return self.transport.whole(plan, tensors)
-        sparse, changed = diff(self.base[k], base[k], plan, dense=self.transport.takes_dense)
+        sparse, changed = diff(old, flat, plan, dense=self.transport.takes_dense)
         pushed.changed += changed
         if changed == 0:
             return None
         return self.transport.whole(plan, tensors) if sparse is None else self.transport.delta(plan, sparse)
+
+    def _swap(self, k: int, flat: torch.Tensor, base: dict[int, torch.Tensor]) -> torch.Tensor | None:
+        """Keep bucket k's new bytes in host memory (into `base`) and return its last version's,
+        where `flat` is (None: none kept). On a GPU the comparison runs there: the old bytes come in
+        and the new go out over the host link, into the same pinned buffer (in stream order, so the
+        old are read first), instead of the host comparing them at one core's speed."""
+        held = self.base.get(k)
+        if flat.device.type == "cpu":
+            base[k] = flat
+            return held
+        old = None if held is None else held.to(flat.device, non_blocking=True)
+        base[k] = held if held is not None else torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=True)
+        base[k].copy_(flat)
+        return old
 
     def sleep(self) -> None:
         """Colocated, before a training step: every engine finishes its requests and sleeps."""

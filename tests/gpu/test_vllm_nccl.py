@@ -15,10 +15,9 @@ import pytest
 import torch
 
 from relax_hpc.weights import nccl_lib
-from relax_hpc.weights.buckets import pack, plan_buckets
-from relax_hpc.weights.delta import diff
+from relax_hpc.weights.buckets import plan_buckets
 from relax_hpc.weights.group import Abandoned
-from relax_hpc.weights.vllm_channel import NcclTransport, SparseNcclTransport, update_info
+from relax_hpc.weights.vllm_channel import NcclTransport, PushBytes, SparseNcclTransport, VllmTransfer, update_info
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -61,29 +60,35 @@ def test_a_group_of_one_opens_warms_up_and_broadcasts():
 
 
 def test_a_group_of_one_broadcasts_sparse_nccl_patches_from_the_gpu():
-    """weights.delta over nccl (vLLM's sparse_nccl, tests/unit/test_vllm_contract.py): a group's
-    whole first push as patches of every index, then a delta's int32 indices and values, made from
-    GPU tensors and broadcast on real NCCL."""
+    """weights.delta over nccl (vLLM's sparse_nccl, tests/unit/test_vllm_contract.py): what
+    VllmTransfer makes of GPU tensors (compared on the GPU against its copy in host memory), a
+    group's whole first push as patches of every index, then a delta's int32 indices and values,
+    broadcast on real NCCL."""
     transport = SparseNcclTransport(torch.device("cuda", 0), 60.0)
     transport.open(1, abandon=lambda: False)
+    transfer = VllmTransfer([], "key", transport, 2**20, 60.0, delta=True)
     params = weights()
     plans = plan_buckets(((n, t.shape, t.dtype) for n, t in params.items()), 2**20)
-    for plan in plans:
-        tensors = [params[name].cuda() for name in plan.names]
-        info, sent = transport.whole(plan, tensors)
-        assert info["num_updates_list"] == [t.numel() for t in tensors]
-        assert all(t.is_cuda for t in sent) and [t.dtype for t in sent[::2]] == [torch.int32] * len(tensors)
-        transport.send(sent, abandon=lambda: False)
-        after = [t.clone() for t in tensors]
-        after[0].view(-1)[5] += 1
-        changed, count = diff(pack([t.cpu() for t in tensors]), pack([t.cpu() for t in after]), plan, dense=False)
-        assert changed is not None and count == 1
-        info, sent = transport.delta(plan, changed)
-        assert info["names"] == plan.names[:1] and info["num_updates_list"] == [1]
-        assert sent[0].tolist() == [5] and torch.equal(sent[1].cpu(), after[0].view(-1)[5:6].cpu())
-        transport.send(sent, abandon=lambda: False)
+    for version in (1, 2):
+        kept: dict[int, torch.Tensor] = {}
+        for k, plan in enumerate(plans):
+            tensors = [params[name].cuda().contiguous() for name in plan.names]  # as VllmTransfer takes them
+            if version == 2:
+                tensors[-1].view(-1)[5] += 1
+            payload = transfer.payload(k, plan, tensors, PushBytes(), kept)
+            assert payload is not None
+            info, sent = payload
+            assert all(t.is_cuda for t in sent) and all(t.dtype == torch.int32 for t in sent[::2])
+            if version == 1:
+                assert info["num_updates_list"] == [t.numel() for t in tensors]
+            else:
+                assert info["names"] == plan.names[-1:] and info["num_updates_list"] == [1]
+                assert sent[0].tolist() == [5] and torch.equal(sent[1], tensors[-1].view(-1)[5:6])
+            transport.send(sent, abandon=lambda: False)
+        transfer.base = kept
+    assert all(not t.is_cuda for t in transfer.base.values())  # the copies live in host memory
     torch.cuda.synchronize()
-    transport.close()
+    transfer.close()
 
 
 def test_every_dtype_a_checkpoint_holds_has_an_nccl_type():
