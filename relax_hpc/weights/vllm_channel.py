@@ -532,7 +532,11 @@ class VllmSender:
             self.channel.push(params, version, self.pause, plans, asleep=self.asleep)
             self.asleep, self.last = False, self.channel.last
         except (EngineUnavailable, EngineRequestError, Abandoned, RuntimeError) as e:
-            self.drop()
+            # The workers may be mid-update: vLLM's layerwise reload keeps a layer on the meta device
+            # until it has all its tensors, and a request then kills the engine core. So the engines
+            # stay paused; the next push (whole: its group is new) finishes the reload and resumes
+            # them. Colocated engines are woken whole, as their sleep needs (docs/limitations.md).
+            self.drop(resume=self.colocated)
             raise WeightSyncError(f"weight sync of version {version} to vLLM failed: {e}") from e
         return len(self.members)
 
@@ -575,9 +579,11 @@ class VllmSender:
         host = "127.0.0.1" if all(_is_loopback(r.host) for r in engines) else socket.getfqdn()
         return GlooTransport(host, free_port(host if _is_loopback(host) else ""), self.timeout_s, self.delta)
 
-    def drop(self) -> None:
+    def drop(self, resume: bool = True) -> None:
+        """Leave the group; `resume`: let its engines generate again (VllmTransfer.resume)."""
         if self.channel is not None:
-            self.channel.resume()
+            if resume:
+                self.channel.resume()
             self.channel.close()
         self.channel, self.members, self._trusted, self.asleep = None, [], None, False
 

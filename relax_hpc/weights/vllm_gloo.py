@@ -97,7 +97,7 @@ class GlooWeightTransferEngine(WeightTransferEngine):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.group: SideGroup | None = None
-        self._tied: list[list[tuple[torch.nn.Module, str]]] = []
+        self._tied: list[list[tuple[torch.nn.Module, str]]] | None = None  # found at the first update
         self.keep_base = False
         self.bases: dict[tuple[str, ...], tuple[BucketPlan, torch.Tensor]] = {}  # keep_base: bucket -> its bytes
         self._received: set[tuple[str, ...]] = set()  # the buckets this update has sent
@@ -122,7 +122,8 @@ class GlooWeightTransferEngine(WeightTransferEngine):
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        self._tied = shared_parameters(self.model)
+        if self._tied is None:  # once: an update that failed leaves the layers on meta, untied
+            self._tied = shared_parameters(self.model)
         self._received = set()
         initialize_layerwise_reload(self.model)
 
@@ -133,7 +134,7 @@ class GlooWeightTransferEngine(WeightTransferEngine):
             if key not in self._received:  # unchanged since the last version: loaded again from its copy
                 self.model.load_weights(unpack(flat, plan))
         finalize_layerwise_reload(self.model, self.model_config)
-        retie(self._tied)
+        retie(self._tied or [])
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class ends with torch.accelerator.synchronize(), which has no CPU accelerator

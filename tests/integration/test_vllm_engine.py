@@ -212,7 +212,8 @@ def test_a_delta_push_sends_what_changed_and_the_engine_holds_the_trainers_bits(
     only the changed elements (index and bits) of the buckets that changed, and the engine, which
     patches its copy of each bucket and loads every tensor from it, holds the trainer's weights bit
     for bit and samples with them; a push with nothing changed sends nothing. An engine that holds
-    no copy (it joined another group since) refuses a delta, and the sender's next group starts whole."""
+    no copy (it joined another group since) refuses a delta; left paused mid-update, as after any
+    failed push, it is served whole by the sender's next group, and samples again."""
     model = AutoModelForCausalLM.from_pretrained(server.cfg.model.path, dtype=torch.float32).eval()
     original = {n: p.detach().clone() for n, p in model.named_parameters()}
     sender = VllmSender(server.paths.engines, server.paths.read_token(), 120.0, 2**16, "keep", delta=True)
@@ -249,12 +250,15 @@ def test_a_delta_push_sends_what_changed_and_the_engine_holds_the_trainers_bits(
             with pytest.raises(EngineUnavailable, match="holds no copy"):  # HTTP 500
                 other.push(iter(original.items()), version=23, plans=plans)
         finally:
-            other.resume()
-            other.close()
-        sender.drop()  # the sender's group is gone with the engine's leaving
-        sender.push(iter(original.items()), plans, version=24)  # a new group: whole
+            other.close()  # not resumed: a request now would meet layers still on vLLM's meta device
+        sender.drop(resume=False)  # the sender's group is gone with the engine's leaving
+        sender.push(iter(original.items()), plans, version=24)  # a new group: whole, and it resumes
         assert (sender.last.sent, sender.last.changed) == (whole, sender.last.elements)
         _check_bits(sender.channel.checksums()[0], original)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(original[name])
+        _samples_as(server, model, version=24)
     finally:
         sender.drop()
 
