@@ -534,9 +534,9 @@ class VllmSender:
         except (EngineUnavailable, EngineRequestError, Abandoned, RuntimeError) as e:
             # The workers may be mid-update: vLLM's layerwise reload keeps a layer on the meta device
             # until it has all its tensors, and a request then kills the engine core. So the engines
-            # stay paused; the next push (whole: its group is new) finishes the reload and resumes
-            # them. Colocated engines are woken whole, as their sleep needs (docs/limitations.md).
-            self.drop(resume=self.colocated)
+            # stay paused (or asleep, colocated: the next push wakes them first); the next push
+            # (whole: its group is new) finishes the reload and resumes them.
+            self.drop(resume=False)
             raise WeightSyncError(f"weight sync of version {version} to vLLM failed: {e}") from e
         return len(self.members)
 
@@ -580,12 +580,14 @@ class VllmSender:
         return GlooTransport(host, free_port(host if _is_loopback(host) else ""), self.timeout_s, self.delta)
 
     def drop(self, resume: bool = True) -> None:
-        """Leave the group; `resume`: let its engines generate again (VllmTransfer.resume)."""
+        """Leave the group; `resume`: let its engines generate again, woken whole if they sleep
+        (VllmTransfer.resume). Without, they stay as they are, and `asleep` with them."""
         if self.channel is not None:
             if resume:
                 self.channel.resume()
+                self.asleep = False
             self.channel.close()
-        self.channel, self.members, self._trusted, self.asleep = None, [], None, False
+        self.channel, self.members, self._trusted = None, [], None
 
 
 def _poster(route: str, body: Any) -> Callable[[int, EngineClient], Any]:

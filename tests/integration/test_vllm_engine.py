@@ -54,7 +54,7 @@ from relax_hpc.weights.buckets import plan_buckets
 from relax_hpc.weights.files import ClientSettings, FileChannel
 from relax_hpc.weights.layout import EngineLayout
 from relax_hpc.weights.lora import SCALING
-from relax_hpc.weights.sender import free_port
+from relax_hpc.weights.sender import WeightSyncError, free_port
 from relax_hpc.weights.vllm_channel import GlooTransport, VllmSender, VllmTransfer
 from tests.integration.conftest import REPO, make_run, wait_wrapper_record
 
@@ -287,10 +287,23 @@ def test_colocated_the_engine_sleeps_through_a_step_and_wakes_with_the_pushed_we
         out = server.generate([5, 6, 7, 8], seed=5)
         assert out.token_versions == [11] * len(out.token_ids)
         sender.release()
-        sender.drop()  # a failed push's clean-up wakes a sleeping engine whole, with its last weights
+        sender.drop()  # a clean-up wakes a sleeping engine whole, with its last weights
         assert not sleeping()
         assert server.generate([5, 6, 7, 8], seed=5).token_versions == [11] * len(out.token_ids)
         sender.push(iter(original.items()), plans, version=12)  # the checkpoint's weights again
+
+        # A push that fails mid-update (a tensor vLLM's model does not know) leaves the engine
+        # asleep, not woken onto layers still on vLLM's meta device; the next push wakes it first.
+        sender.release()
+        foreign = {**pushed, "model.layers.0.not_a_weight": torch.zeros(4)}
+        bad = plan_buckets(((n, t.shape, t.dtype) for n, t in foreign.items()), 2**16)
+        with pytest.raises(WeightSyncError):
+            sender.push(iter(foreign.items()), bad, version=13)
+        assert state() == (True, True)
+        assert sender.push(iter(pushed.items()), plans, version=14) == 1
+        assert state() == (False, False)
+        _check_bits(sender.channel.checksums()[0], pushed)
+        assert server.generate([5, 6, 7, 8], seed=5).token_versions == [14] * len(out.token_ids)
     finally:
         sender.drop()
 
