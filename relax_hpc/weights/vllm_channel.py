@@ -437,8 +437,9 @@ class VllmTransfer:
         self._all("POST", f"{V.SLEEP}?level=1&mode=wait")
 
     def resume(self) -> None:
-        """After a failed push: let the engines that answer generate again (best effort, briefly);
-        a sleeping engine wakes whole, with its last weights."""
+        """Before the group is left (not after a failed push, which may have left the workers
+        mid-update: VllmSender.push): let the engines that answer generate again (best effort,
+        briefly); a sleeping engine wakes whole, with its last weights."""
         for client in self.clients:
             for route in (V.WAKE_UP, V.RESUME):
                 with contextlib.suppress(EngineUnavailable, EngineRequestError):
