@@ -137,8 +137,9 @@ class VllmTransport(Protocol):
         up, Abandoned, once `abandon()` says an engine's init failed)."""
         ...
 
-    def whole(self, plan: BucketPlan, tensors: list[torch.Tensor]) -> Payload:
-        """A bucket's tensors as they travel."""
+    def whole(self, plan: BucketPlan, tensors: list[torch.Tensor], flat: torch.Tensor | None = None) -> Payload:
+        """A bucket's tensors as they travel; `flat`: their bytes, where a delta's comparison has
+        packed them already (a transport of flat buckets sends it instead of packing again)."""
         ...
 
     def delta(self, plan: BucketPlan, delta: SparseDelta) -> Payload:
@@ -172,8 +173,8 @@ class GlooTransport:
         # The rendezvous ends at the group's timeout if an engine never joins.
         self.group = SideGroup(self.host, self.port, 0, world_size, self.name, "gloo", self.timeout_s)
 
-    def whole(self, plan: BucketPlan, tensors: list[torch.Tensor]) -> Payload:
-        return update_info(plan), [pack([t.to("cpu") for t in tensors])]
+    def whole(self, plan: BucketPlan, tensors: list[torch.Tensor], flat: torch.Tensor | None = None) -> Payload:
+        return update_info(plan), [flat.to("cpu") if flat is not None else pack([t.to("cpu") for t in tensors])]
 
     def delta(self, plan: BucketPlan, delta: SparseDelta) -> Payload:
         sparse = {"num_updates": delta.index.numel(), "index_dtype": str(delta.index.dtype).removeprefix("torch.")}
@@ -238,7 +239,7 @@ class NcclTransport:
         warm_up = torch.zeros(1, device=self.device)
         self._run(lambda comm, stream: comm.all_reduce(warm_up, stream), abandon)
 
-    def whole(self, plan: BucketPlan, tensors: list[torch.Tensor]) -> Payload:
+    def whole(self, plan: BucketPlan, tensors: list[torch.Tensor], flat: torch.Tensor | None = None) -> Payload:
         return update_info(plan), tensors
 
     def delta(self, plan: BucketPlan, delta: SparseDelta) -> Payload:
@@ -286,7 +287,7 @@ class SparseNcclTransport(NcclTransport):
     backend = V.SPARSE_NCCL_TRANSFER
     takes_dense = False
 
-    def whole(self, plan: BucketPlan, tensors: list[torch.Tensor]) -> Payload:
+    def whole(self, plan: BucketPlan, tensors: list[torch.Tensor], flat: torch.Tensor | None = None) -> Payload:
         every = [
             (k, torch.arange(t.numel(), dtype=torch.int32, device=t.device), t.reshape(-1))
             for k, t in enumerate(tensors)
@@ -411,12 +412,12 @@ class VllmTransfer:
         old = self._swap(k, flat, base)
         if old is None:
             pushed.changed += elements
-            return self.transport.whole(plan, tensors)
+            return self.transport.whole(plan, tensors, flat)
         sparse, changed = diff(old, flat, plan, dense=self.transport.takes_dense)
         pushed.changed += changed
         if changed == 0:
             return None
-        return self.transport.whole(plan, tensors) if sparse is None else self.transport.delta(plan, sparse)
+        return self.transport.whole(plan, tensors, flat) if sparse is None else self.transport.delta(plan, sparse)
 
     def _swap(self, k: int, flat: torch.Tensor, base: dict[int, torch.Tensor]) -> torch.Tensor | None:
         """Keep bucket k's new bytes in host memory (into `base`) and return its last version's,
