@@ -28,6 +28,7 @@ from relax_hpc.ckpt.layout import latest_dir
 from relax_hpc.config.load import read_frozen
 from relax_hpc.fence import Lease, refused_writes
 from relax_hpc.launch import badnodes
+from relax_hpc.launch.causes import exit_cause
 from relax_hpc.launch.follow import ACTIVE, ENDED, queue_state
 from relax_hpc.launch.follow import slurm_state as ended_state
 from relax_hpc.metrics import accounting
@@ -169,6 +170,14 @@ def _duration(seconds: float) -> str:
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
+def _role_exit(event: dict[str, Any]) -> str:
+    """A role's exit by its cause (hung, fenced, a signal, the exit code) and its node; events
+    written before the launcher recorded the cause get it from their exit status."""
+    cause = event.get("cause") or exit_cause(event["exit"], event.get("hung"))
+    nodes = f" on {','.join(event['nodes'])}" if event.get("nodes") else ""
+    return f"{event['role']}: {cause}{nodes} ({event['action']})"
+
+
 def render(facts: dict[str, Any]) -> str:
     """The facts as a few aligned lines."""
     lines = [f"run:         {facts['run_dir']}", f"state:       {facts['state']}"]
@@ -205,10 +214,7 @@ def render(facts: dict[str, Any]) -> str:
     lines.append(
         f"starts:      {facts['starts']}" + (f"; stops asked: {'; '.join(facts['stops'])}" if facts["stops"] else "")
     )
-    lines += [
-        f"restart:     {e['role']} exited {e['exit']} ({e['action']}): {e['last_line'].strip()[:100]}"
-        for e in exits[-5:]
-    ]
+    lines += [f"restart:     {_role_exit(e)}" for e in exits[-5:]]
     if "checkpoint" in facts:
         lines.append(f"checkpoint:  {facts['checkpoint']} ({_duration(facts['checkpoint_age_s'])} ago)")
     fencing = facts["fencing"]

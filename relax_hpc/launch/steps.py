@@ -5,7 +5,9 @@ role started, stopped or not) lives on, and Slurm keeps listing it in `squeue -s
 role beside its predecessor then shares its rendezvous, its GPUs and its RUN_DIR. So ending a
 role on Slurm cancels the step itself by id (`scancel JOB.STEP`, which SIGKILLs every process
 of the step on every node, SIGSTOPped ones too), waits until Slurm no longer lists it, and
-escalates once (`scancel --signal=KILL`) before giving up, all within a bound.
+escalates once (`scancel --signal=KILL`) before giving up, all within a bound: two rounds of
+ROUND_S, after the launcher's at most PROCESS_WAIT_S for the role's own processes (Role.kill), so
+a step Slurm never drops is given up within a minute.
 
 Steps are found by name (`--job-name=<launch.slurm.job_name>:<role>`, commands.step_name) among
 the steps of the job's components: a heterogeneous job's second component has an id of its own
@@ -22,7 +24,8 @@ from dataclasses import dataclass
 # How long each of the two rounds (cancel, then SIGKILL) waits for Slurm to drop the step: a
 # cancelled step is gone in about 2 s; KillWait and an unkillable process (a stuck filesystem)
 # are what the bound is for.
-ROUND_S = 30.0
+ROUND_S = 25.0
+PROCESS_WAIT_S = 10.0  # for the role's own processes to be reaped after SIGKILL, before the rounds
 
 
 def _squeue(*argv: str) -> list[str]:
@@ -45,6 +48,8 @@ def step_ids(job_components: str, names: Collection[str]) -> list[str]:
 def end_steps(job_id: str, names: Collection[str], round_s: float = ROUND_S) -> list[str]:
     """Cancel every step of job `job_id` named one of `names` and wait until Slurm drops them;
     returns the ids of steps still listed after both rounds (empty: all ended)."""
+    if not names:
+        return []
     job_components = components(job_id)
     left = step_ids(job_components, names)
     for signal_args in ([], ["--signal=KILL"]):
@@ -64,6 +69,7 @@ class JobStep:
 
     job_id: str
     name: str
+    round_s: float = ROUND_S
 
     def end(self) -> list[str]:
-        return end_steps(self.job_id, [self.name])
+        return end_steps(self.job_id, [self.name], self.round_s)

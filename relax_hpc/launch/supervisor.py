@@ -26,21 +26,23 @@ from typing import TextIO
 import psutil
 
 from relax_hpc.config.schema import JobConfig
-from relax_hpc.fence import Lease, refused_writes
+from relax_hpc.fence import EXIT_FENCED, Lease, refused_writes
 from relax_hpc.launch.badnodes import newly_bad
+from relax_hpc.launch.causes import exit_cause
 from relax_hpc.launch.commands import step_name
 from relax_hpc.launch.forkserver import ForkedProcess, ForkServer, ForkServerError, StartAbandoned, forkable
 from relax_hpc.launch.gpus import NO_GPU, span, visible_gpu_count
 from relax_hpc.launch.health import HealthMonitor
 from relax_hpc.launch.notify import Notifier
 from relax_hpc.launch.recover import LAUNCHER_STOP, recover
-from relax_hpc.launch.steps import JobStep, end_steps
+from relax_hpc.launch.steps import PROCESS_WAIT_S, ROUND_S, JobStep, end_steps
 from relax_hpc.metrics.jsonl import JsonlWriter, read_jsonl
 from relax_hpc.metrics.progress import Progress
 from relax_hpc.metrics.summary import completed_steps, run_summary
 from relax_hpc.paths import RunPaths, write_atomic
 
 EXIT_COMPLETED, EXIT_FAILED, EXIT_STOPPED = 0, 1, 75
+EXIT_SUPERSEDED = EXIT_FENCED  # another launcher took the run over: this one stopped, writing nothing
 TRAINER_EXIT_GRACE_S = 5.0  # after its stop record, for the trainer's own exit
 ENGINE_ROLES = ("engine", "judge", "teacher")  # prefixes of the engine roles' names
 
@@ -61,6 +63,7 @@ class Role:
     step: JobStep | None = None  # on Slurm: the role's job steps (ended with the role)
     ran_s: float = 0.0  # how long its processes ran, up to the last one's end (accounting)
     accrued: bool = True  # the current process's time is in ran_s
+    ended: bool = False  # the current process was killed and its steps ended (or given up): once
 
     @property
     def nodes(self) -> list[str]:
@@ -78,7 +81,7 @@ class Role:
         so, nothing starts (StartAbandoned)."""
         self.accrue()
         self.proc = self._spawn(env, abandon)
-        self.started_at, self.accrued = time.time(), False
+        self.started_at, self.accrued, self.ended = time.time(), False, False
 
     def _spawn(self, env: dict[str, str], abandon: Callable[[], bool] | None) -> subprocess.Popen | ForkedProcess:
         if self.forks is not None and forkable(self.argv, self.forks.modules):
@@ -110,17 +113,23 @@ class Role:
         role's process group would orphan the ranks: a hung (stopped, deadlocked) rank would then
         live on and keep its GPU memory from the restarted run. On Slurm the role's process is
         the `srun` client, and the step outlives it (steps.py). Returns the ids of the role's
-        steps that Slurm still lists after the bound (empty: everything ended)."""
+        steps that Slurm still lists after the bound (empty: everything ended). Once per
+        process: a role killed as hung is not ended again when it is restarted or the run ends
+        (each end of a step Slurm cannot drop costs both rounds)."""
+        if self.ended:
+            return []
+        self.ended = True
         if self.proc is not None and self.alive():
+            deadline = time.monotonic() + PROCESS_WAIT_S  # a process in D state: the bound
             with contextlib.suppress(psutil.NoSuchProcess):
                 below = psutil.Process(self.proc.pid).children(recursive=True)
                 self.signal(signal.SIGKILL)
                 for process in below:
                     with contextlib.suppress(psutil.NoSuchProcess):
                         process.kill()
-                psutil.wait_procs(below, timeout=10)
-            with contextlib.suppress(subprocess.TimeoutExpired):  # a process in D state: the bound
-                self.proc.wait(timeout=10)
+                psutil.wait_procs(below, timeout=PROCESS_WAIT_S)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         return self.step.end() if self.step is not None else []
 
     def note(self, line: str) -> None:
@@ -179,19 +188,21 @@ class Supervisor:
         devices: str | None = None,
         slurm_job: str | None = None,
         forks: ForkServer | None = None,
+        step_round_s: float = ROUND_S,
     ) -> None:
         """`commands`: every role's command line, asked anew at each start of the run (a
         restarted trainer gets a fresh rendezvous endpoint); `slurm_job`: the job whose steps
-        the roles are, which ending a role cancels; `forks`: the fork server that starts the
-        roles it can (launch.fork_roles)."""
+        the roles are, which ending a role cancels (`step_round_s`: each of its two rounds at
+        most, steps.py); `forks`: the fork server that starts the roles it can (launch.fork_roles)."""
         self.cfg, self.paths, self.commands, self.out = cfg, paths, commands, out
         self.devices = devices  # where the roles run, said once in the header
-        self.slurm_job, self.forks = slurm_job, forks
+        self.slurm_job, self.forks, self.step_round_s = slurm_job, forks, step_round_s
         self.stop_requested = False
         self.kill_requested = False
         self.events = JsonlWriter(paths.events_metrics)
         self.notifier = Notifier(cfg.notify, paths.root.name)
         self.lease = Lease(paths.root)  # fencing: every start of a role supersedes its last process
+        self.new_owner: str | None = None  # the launcher that took the run over (fence.Lease.superseded)
 
     def say(self, text: str) -> None:
         self.out.write(text)
@@ -218,6 +229,9 @@ class Supervisor:
         attempt = 0
         while True:
             code, trainer_failed = self._attempt()
+            if code == EXIT_SUPERSEDED:
+                self.notifier.close()  # the run's record and its notifications are the new owner's
+                return code
             if not trainer_failed or attempt >= health.trainer_restarts or self.stop_requested:
                 if trainer_failed and attempt >= health.trainer_restarts:
                     self.say(f"the trainer failed {attempt + 1} times; giving up (launch.health.trainer_restarts)\n")
@@ -259,7 +273,7 @@ class Supervisor:
                 argv,
                 logs / f"{name}.log",
                 ro.max_engine_restarts if name.startswith(ENGINE_ROLES) else 3,
-                step=JobStep(self.slurm_job, step_name(self.cfg, name)) if self.slurm_job else None,
+                step=JobStep(self.slurm_job, step_name(self.cfg, name), self.step_round_s) if self.slurm_job else None,
                 forks=self.forks,
             )
             for name, argv in self.commands().items()
@@ -297,7 +311,8 @@ class Supervisor:
             return self._supervise(roles, env, monitor)
         finally:
             monitor.close()
-            self._log_usage(roles.values())  # before the stop: the metric sinks forward it as they stop
+            if self.new_owner is None:  # the record is the new owner's
+                self._log_usage(roles.values())  # before the stop: the metric sinks forward it as they stop
             self._stop_all(roles.values())
 
     def _log_usage(self, roles: Iterable[Role]) -> None:
@@ -312,7 +327,8 @@ class Supervisor:
     def _role_failed(self, role: Role, record: dict) -> None:
         """Log a role's exit; a node that this failure makes bad is said (launch.badnodes)."""
         self.events.log({"event": "role_exit", "role": role.name, **record, "nodes": role.nodes,
-                         "last_line": role.log_tail(1), "hung": role.hung})  # fmt: skip
+                         "cause": exit_cause(record["exit"], role.hung), "last_line": role.log_tail(1),
+                         "hung": role.hung})  # fmt: skip
         if not (record["exit"] or role.hung):
             return  # an exit 0 is no failure of its node
         threshold = self.cfg.launch.slurm.bad_node_failures
@@ -368,6 +384,8 @@ class Supervisor:
                 code = role.returncode
                 if role is driver and code == 0:
                     continue  # the driver finishes after the final evaluation
+                if self._lost_run(progress):
+                    return EXIT_SUPERSEDED, False
                 give_up = role.restarts >= role.max_restarts
                 if give_up and role in helpers:
                     # The metric sinks only copy the JSONL record: a sink that keeps failing is
@@ -379,7 +397,7 @@ class Supervisor:
                     continue
                 action = "give_up" if give_up else "restart"
                 self._role_failed(role, {"exit": code, "restarts": role.restarts, "action": action})
-                cause = f"hung: {role.hung}" if role.hung else f"exit {code}"
+                cause = exit_cause(code, role.hung)
                 if give_up:
                     progress.finish()
                     self.say(
@@ -430,9 +448,11 @@ class Supervisor:
                 progress.finish()
                 self.say(f"\ntrainer ended (exit {trainer.returncode}) before its checkpoint; stopping\n")
                 return EXIT_STOPPED, False
+            if trainer.returncode != 0 and progress.trainer_end is None and self._lost_run(progress):
+                return EXIT_SUPERSEDED, False
             if trainer.returncode != 0 and progress.trainer_end is None:
                 progress.finish()
-                cause = f"hung: {trainer.hung}" if trainer.hung else f"exit {trainer.returncode}"
+                cause = exit_cause(trainer.returncode, trainer.hung)
                 self._role_failed(trainer, {"exit": trainer.returncode, "restarts": 0, "action": "restart_run"})
                 self.say(f"\ntrainer failed ({cause}); last lines of {trainer.log_path}:\n{trainer.log_tail()}\n")
                 return EXIT_FAILED, True
@@ -445,6 +465,17 @@ class Supervisor:
                 progress.show(sum(r.alive() for r in engines), len(engines), force=True)
                 progress.finish()
                 return (EXIT_COMPLETED if completed else EXIT_STOPPED), False
+
+    def _lost_run(self, progress: Progress) -> bool:
+        """Before a role starts again: has another launcher taken the run over (its roles then
+        exit as fenced, 76)? Then this one stops instead of restarting them against the new owner."""
+        self.new_owner = self.lease.superseded()
+        if self.new_owner is None:
+            return False
+        progress.finish()
+        self.say(f"\nsuperseded: {self.new_owner} took {self.paths.root} over; this launcher stops without "
+                 f"restarting its roles (exit {EXIT_SUPERSEDED})\n")  # fmt: skip
+        return True
 
     def _training_completed(self) -> bool:
         """The trainer's own verdict: its last record says whether it reached total_steps."""
@@ -464,10 +495,14 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 self._kill(role)
         # An srun that exited has seen its step end, unless it was killed: end what is left of
-        # every role at once (one squeue, 0.2 s), so that a restarted run starts alone. After a
-        # stop the job ends or requeues now, and Slurm ends every step with it.
+        # every role not ended yet at once (one squeue, 0.2 s), so that a restarted run starts
+        # alone. After a stop the job ends or requeues now, and Slurm ends every step with it.
         if self.slurm_job and not self.stop_requested:
-            self._report_left("roles", end_steps(self.slurm_job, [r.step.name for r in roles if r.step]))
+            left = [r for r in roles if r.step and not r.ended]
+            for role in left:
+                role.ended = True
+            names = [r.step.name for r in left if r.step]
+            self._report_left("roles", end_steps(self.slurm_job, names, self.step_round_s))
 
     def _kill(self, role: Role) -> None:
         """End the role's processes (Role.kill); say so when Slurm still lists a step of it."""
