@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
+from relax_hpc import cli
 from relax_hpc.config.load import load_config
 from relax_hpc.config.schema import JobConfig
 from relax_hpc.data.processor import MediaProcessor, media_processor, prompt_encoder, up_to_media_token, video_spec
@@ -213,4 +214,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

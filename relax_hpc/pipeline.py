@@ -37,6 +37,7 @@ import yaml
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
+from relax_hpc import cli
 from relax_hpc.ckpt.layout import latest_dir
 from relax_hpc.config.load import ConfigError, load_config, read_frozen, suggest, to_yaml
 from relax_hpc.config.path_options import path_fields
@@ -588,4 +589,4 @@ def status(root: Path) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ matplotlib.use("Agg")  # files only: no display on a cluster node
 import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
 
+from relax_hpc import cli
 from relax_hpc.metrics.jsonl import read_jsonl
 from relax_hpc.metrics.summary import step_records
 from relax_hpc.paths import RunPaths
@@ -257,4 +257,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

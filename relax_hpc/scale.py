@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+from relax_hpc import cli
 from relax_hpc.config.load import ConfigError, apply_override, read_frozen, validate
 from relax_hpc.config.schema import JobConfig, SlurmConfig
 from relax_hpc.launch.badnodes import bad_nodes, partition_nodes, usable_exclusion
@@ -299,4 +300,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from relax_hpc import cli
 from relax_hpc.ckpt.layout import latest_dir
 from relax_hpc.config.load import read_frozen
 from relax_hpc.fence import Lease, refused_writes
@@ -281,4 +282,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

@@ -19,6 +19,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from relax_hpc import cli
 from relax_hpc.config.load import ConfigError, load_config, read_frozen, to_yaml
 from relax_hpc.config.path_options import path_problems
 from relax_hpc.config.schema import RESUMABLE_CHANGES, EvalConfig, JobConfig, MediaKind, SftConfig
@@ -362,4 +363,4 @@ def submit_to_slurm(cfg: JobConfig, paths: RunPaths, wait: bool) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

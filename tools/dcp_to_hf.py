@@ -15,6 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from relax_hpc import cli
 from relax_hpc.ckpt.export import ExportError, convert
 
 
@@ -39,4 +40,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

@@ -21,6 +21,8 @@ import json
 import multiprocessing as mp
 import time
 
+from relax_hpc import cli
+
 
 def run_one(job: tuple[str, list[str], dict, int, int, int]) -> dict:
     import torch
@@ -83,4 +85,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -11,6 +11,7 @@ import typing
 
 from pydantic import BaseModel
 
+from relax_hpc import cli
 from relax_hpc.config.pipeline import PipelineConfig
 from relax_hpc.config.schema import RESUMABLE_CHANGES, JobConfig
 
@@ -112,4 +113,4 @@ def render() -> str:
 
 
 if __name__ == "__main__":
-    print(render(), end="")
+    cli.run(lambda: print(render(), end=""))

@@ -1,0 +1,24 @@
+"""What every command-line entry point shares: a reader that closes the pipe early
+(`python -m relax_hpc.status RUN_DIR | head`) ends the command quietly, as it ends `ls`, instead
+of with a BrokenPipeError traceback."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a command that a closed pipe ended
+
+
+def run(main: Callable[[], int | None]) -> None:
+    """Run `main` and exit with its status (141 once its reader has gone)."""
+    try:
+        code = main()
+        sys.stdout.flush()  # inside the try: what is still buffered meets the closed pipe here
+    except BrokenPipeError:
+        # Python flushes stdout once more at exit: point it somewhere that takes the bytes
+        # (Python's documentation, "Note on SIGPIPE").
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = EXIT_BROKEN_PIPE
+    sys.exit(code)

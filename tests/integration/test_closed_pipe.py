@@ -1,0 +1,31 @@
+"""A command whose reader has gone (`python -m relax_hpc.status RUN_DIR | head`) ends quietly:
+no BrokenPipeError traceback, the shell's status for a command a closed pipe ended (141)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from relax_hpc.cli import EXIT_BROKEN_PIPE
+from relax_hpc.config.load import load_config, to_yaml
+from relax_hpc.paths import RunPaths
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.parametrize("module", ["relax_hpc.status", "relax_hpc.config.docs"])
+def test_a_command_whose_reader_closed_the_pipe_ends_quietly(tmp_path, module):
+    paths = RunPaths(tmp_path / "run")
+    paths.create()
+    paths.config.write_text(to_yaml(load_config(None)))
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line
+    try:
+        argv = [sys.executable, "-m", module, *([str(paths.root)] if module.endswith("status") else [])]
+        out = subprocess.run(argv, stdout=write, stderr=subprocess.PIPE, text=True, timeout=120, check=False)
+    finally:
+        os.close(write)
+    assert (out.returncode, out.stderr) == (EXIT_BROKEN_PIPE, ""), out.stderr
