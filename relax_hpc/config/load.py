@@ -113,7 +113,7 @@ def _describe(error: ErrorDetails) -> str:
     value = error.get("input")
     allowed = ""
     ctx = error.get("ctx") or {}
-    if "expected" in ctx:
+    if "expected" in ctx and str(ctx["expected"]) not in error["msg"]:  # an enum's message lists them already
         allowed = f"; allowed: {ctx['expected']}"
     return f"{key}: {error['msg']} (got {value!r}){allowed}"
 

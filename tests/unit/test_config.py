@@ -442,3 +442,9 @@ def test_a_delta_broadcast_to_vllm_is_accepted_and_picks_its_transfer_engine(bac
     cfg = load_config(None, ["weights.delta=true", "rollout.engine=vllm", f"weights.backend={backend}"])
     assert (cfg.weights.channel, cfg.weights.delta) == ("broadcast", True)
     assert transfer_backend(cfg.weights.backend, cfg.weights.delta) == transfer
+
+
+def test_an_enum_error_lists_the_allowed_values_once():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["rollout.engine=vLLM"])
+    assert str(info.value).count("'sglang'") == 1, info.value
