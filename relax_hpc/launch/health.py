@@ -54,6 +54,7 @@ class HealthMonitor:
         # role's current start is its predecessor's, which a new process replaces once it serves.
         self._registered: dict[str, tuple[str, float]] = {}
         self._answered: dict[str, float] = {}  # engine id -> when /health last answered (monotonic)
+        self._healthy: dict[str, bool] = {}  # engine id -> what its last /health probe said
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._probe_engines, name="health", daemon=True)
         self._thread.start()
@@ -73,8 +74,18 @@ class HealthMonitor:
             if self._registered.get(record.engine_id, ("", 0.0))[0] != record.instance:  # a new process: a new clock
                 self._registered[record.engine_id] = (record.instance, time.time())
                 self._answered[record.engine_id] = time.monotonic()
-            if EngineClient(record.url, self.api_key, 2.0).healthy(2.0):
+            self._healthy[record.engine_id] = EngineClient(record.url, self.api_key, 2.0).healthy(2.0)
+            if self._healthy[record.engine_id]:
                 self._answered[record.engine_id] = time.monotonic()
+
+    def serving(self) -> set[str]:
+        """The engines whose current process has registered and answered its last /health probe:
+        an engine that crash-loops runs, but never serves."""
+        return {
+            engine_id
+            for engine_id, (_, seen) in list(self._registered.items())
+            if seen >= self.started(engine_id) and self._healthy.get(engine_id, False)
+        }
 
     def findings(self, now: float | None = None) -> list[Finding]:
         now = time.time() if now is None else now

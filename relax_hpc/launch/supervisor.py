@@ -358,6 +358,7 @@ class Supervisor:
         trainer, driver = roles["trainer"], roles.get("driver")  # an sft job has no driver
         helpers = [r for n, r in roles.items() if n == "metrics"]
         others = [*engines, *side_engines, *([driver] if driver else []), *helpers]  # all but the trainer
+        serving = lambda: len({r.name for r in engines if r.alive()} & monitor.serving())  # noqa: E731
         started = time.monotonic()
         trainer_done_at: float | None = None
         health_checked = 0.0
@@ -410,7 +411,7 @@ class Supervisor:
                 role.hung, role.not_before = None, 0.0
                 self._kill(role)  # what its process left behind: a Slurm step outlives its srun
                 role.start({**env, **self.lease.grant(role.name)})
-            progress.show(sum(r.alive() for r in engines), len(engines))
+            progress.show(serving(), len(engines))
             end = progress.trainer_end
             if self.stop_requested and end is None and not progress.steps_this_start:
                 # Nothing trained since this start: the checkpoint it resumed from is what a stop
@@ -462,7 +463,7 @@ class Supervisor:
             completed = self._training_completed()
             # Training is over: give the driver time for its final evaluation, then stop.
             if not completed or not (driver and driver.alive()) or time.monotonic() - trainer_done_at > 120:
-                progress.show(sum(r.alive() for r in engines), len(engines), force=True)
+                progress.show(serving(), len(engines), force=True)
                 progress.finish()
                 return (EXIT_COMPLETED if completed else EXIT_STOPPED), False
 

@@ -5,8 +5,10 @@ limit."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import asdict
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from relax_hpc.config.schema import HealthConfig
 from relax_hpc.exchange.spool import Spool
@@ -89,3 +91,33 @@ def test_a_role_not_up_within_the_startup_limit_is_hung_and_a_predecessor_vouche
     causes = {f.role: f.cause for f in health.findings(start + 61)}
     assert set(causes) == {"engine-0", "driver"}  # the trainer is up
     assert "/health has not answered" in causes["engine-0"]  # the engine is up: its silence counts
+
+
+class _Healthy(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, *_args: object) -> None:
+        pass
+
+
+def test_only_engines_registered_since_their_start_and_answering_count_as_serving(tmp_path):
+    """The progress line's "engines N/M": an engine that crash-loops runs without serving."""
+    paths = RunPaths(tmp_path / "run")
+    paths.create()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Healthy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    started = dict.fromkeys(["engine-0", "engine-1", "engine-2"], time.time() - 10)
+    health = HealthMonitor(paths, HealthConfig(), lambda role: started[role], engines=list(started))
+    health.close()
+    write_record(paths.engines, EngineRecord("engine-0", "127.0.0.1", server.server_address[1], 1, "a", "0"))
+    write_record(paths.engines, EngineRecord("engine-1", "127.0.0.1", free_port(), 2, "b", "0"))  # died
+    health.probe_once()  # engine-2 has not registered (starting, or dying before it serves)
+    assert health.serving() == {"engine-0"}
+    started["engine-0"] = time.time() + 1  # restarted: its predecessor's record answers for nothing
+    assert health.serving() == set()
+    server.shutdown()
