@@ -137,11 +137,13 @@ def accounting(paths: RunPaths, slurm: bool = True) -> dict[str, Any]:
         total = {unit: sum(r[unit] for r in roles.values()) for unit in ("cpu_h", "gpu_h")}
         facts = {"source": "events", "jobs": jobs, "roles": roles, "total": total}
     samples = sum(r.get("samples", 0) for r in read_jsonl(paths.train_metrics) if "loss" in r)  # trained steps
+    samples += sum(r.get("samples", 0) for r in read_jsonl(paths.eval_results))  # an eval job's scored ones
     return {**facts, **per_hour(samples, facts["total"])}
 
 
 def per_hour(samples: int, total: dict[str, float]) -> dict[str, Any]:
-    """Samples trained per GPU-hour of the whole run (per CPU-hour where it had no GPUs)."""
+    """Samples trained (an eval job: scored) per GPU-hour of the whole run (per CPU-hour where it
+    had no GPUs)."""
     unit = "gpu_h" if total["gpu_h"] > 0 else "cpu_h"
     rate = samples / total[unit] if total[unit] > 0 else 0.0
     return {"samples": samples, f"samples_per_{unit}": rate}

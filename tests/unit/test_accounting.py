@@ -126,3 +126,15 @@ def test_a_final_sacct_answer_is_kept_and_the_events_stand_in_without_one(tmp_pa
     assert accounting(paths) == {**kept, "samples": 0, "samples_per_gpu_h": 0.0}
     paths.slurm_job_id.write_text("43\n")  # submitted again: another job, the kept answer is not its
     assert accounting(paths)["source"] == "events"
+
+
+def test_an_eval_jobs_samples_are_the_ones_it_scored(tmp_path):
+    paths = RunPaths(tmp_path)
+    JsonlWriter(paths.events_metrics).log({"event": "usage", "roles": {"engine-0": {"s": 3600, "cpus": 2, "gpus": 0}}})
+    paths.eval_results.parent.mkdir(parents=True)
+    for model in ("policy", "teacher"):
+        JsonlWriter(paths.eval_results).log({"model": model, "dataset": "addition", "problems": 9, "samples": 45})
+    assert accounting(paths, slurm=False) | {"roles": None} == {
+        "source": "events", "jobs": [], "roles": None, "total": {"cpu_h": 2.0, "gpu_h": 0.0},
+        "samples": 90, "samples_per_cpu_h": 45.0,
+    }  # fmt: skip
