@@ -12,12 +12,14 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from relax_hpc.config.schema import JobConfig, PathOption
+from relax_hpc.config.schema import VLLM_INSTALL_HINT, JobConfig, PathOption, RolloutConfig
 
 # The tiny policies tools/make_tiny_policy.py builds (folder name: its --task), and where the
 # repository ships them.
 TINY_POLICIES = {"tiny-qwen3-addition": "addition", "tiny-qwen3-calculator": "calculator"}
 SHIPPED_ASSETS = Path(__file__).resolve().parents[2] / "assets"
+# vLLM's environment when rollout.vllm.python is unset and no container holds one (tools/install_vllm.sh).
+VENV_VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +106,18 @@ def path_problems(config: BaseModel) -> list[str]:
             )
         elif f.option.kind == "image" and not path.exists():
             problems.append(f"{f.key}: {path} does not exist{hint}")
+    if isinstance(config, JobConfig) and "rollout" not in config.unused_sections():
+        problems += default_vllm_python_problems(config.rollout, config.launch.container is not None)
     return problems
+
+
+def default_vllm_python_problems(rollout: RolloutConfig, in_container: bool) -> list[str]:
+    """Why vLLM engines cannot start with rollout.vllm.python unset (empty: they can, or run none):
+    its default, .venv-vllm beside the package, is checked as a named one is."""
+    if rollout.engine != "vllm" or rollout.vllm.python is not None or in_container or VENV_VLLM_PYTHON.is_file():
+        return []
+    why = f"rollout.engine=vllm: vLLM's environment {VENV_VLLM_PYTHON.parent.parent} is missing"
+    return [f"{why}; {VLLM_INSTALL_HINT} (or set rollout.vllm.python)"]
 
 
 def checkpoint_folder(path: Path) -> bool:

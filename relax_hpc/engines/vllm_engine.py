@@ -38,7 +38,7 @@ import json
 import os
 from pathlib import Path
 
-import relax_hpc
+from relax_hpc.config.path_options import VENV_VLLM_PYTHON
 from relax_hpc.config.schema import VLLM_LORA_RANKS, JobConfig, VllmConfig
 from relax_hpc.engines import sglang_engine
 from relax_hpc.engines.sglang_engine import INITIAL_WEIGHT_VERSION, Wrapper
@@ -59,7 +59,7 @@ def engine_python(vc: VllmConfig, in_container: bool = False) -> str:
         return vc.python
     if in_container:
         return IMAGE_PYTHON
-    return str(Path(relax_hpc.__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python")
+    return str(VENV_VLLM_PYTHON)
 
 
 def server_args(cfg: JobConfig, host: str, port: int, pool: str = "policy", device: str | None = None) -> list[str]:

@@ -1,6 +1,8 @@
 """Config validation: errors name the key, the bad value and what is allowed."""
 
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -175,6 +177,28 @@ def test_in_a_container_the_vllm_python_is_the_images_and_the_host_neither_check
     assert "/opt/other/bin" not in bind_sources(named)
     on_host = load_config(None, ["rollout.engine=vllm", "rollout.vllm.python=/opt/other/bin/python"])
     assert [p for p in path_problems(on_host) if p.startswith("rollout.vllm.python: /opt/other/bin/python does not")]
+
+
+def test_vllm_engines_without_vllms_environment_are_refused_at_submit_with_the_install_command(tmp_path):
+    """rollout.vllm.python unset names .venv-vllm beside the package: a copy of the package without
+    one refuses the run in one line before RUN_DIR exists, as a wrong rollout.vllm.python is."""
+    repo = tmp_path / "repo"
+    shutil.copytree(REPO / "relax_hpc", repo / "relax_hpc", ignore=shutil.ignore_patterns("__pycache__"))
+    (repo / "assets").symlink_to(REPO / "assets")
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    for executor in ("local", "slurm"):
+        argv = ["rollout.engine=vllm", f"run.dir={tmp_path / 'run'}", f"launch.executor={executor}"]
+        out = subprocess.run(
+            [sys.executable, "-m", "relax_hpc.submit", *argv], cwd=repo, env=env, capture_output=True, text=True,
+            timeout=120, check=False,
+        )  # fmt: skip
+        assert (out.returncode, out.stdout, len(out.stderr.splitlines())) == (2, "", 1), out.stderr
+        said = f"error: rollout.engine=vllm: vLLM's environment {repo / '.venv-vllm'} is missing; "
+        assert out.stderr.startswith(said) and "bash tools/install.sh --vllm" in out.stderr, out.stderr
+        assert not (tmp_path / "run").exists()
+    # This checkout's own environment passes, and so does a job that runs no engines.
+    assert load_config(None, ["rollout.engine=vllm"]).rollout.vllm.python is None
+    assert not [p for p in path_problems(load_config(None, ["rollout.engine=vllm"])) if "vLLM's environment" in p]
 
 
 def test_a_vllm_server_keeps_its_worker_in_the_engine_core_unless_the_user_says_otherwise(monkeypatch):
