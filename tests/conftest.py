@@ -13,6 +13,9 @@ through an attribute pytest 9 no longer reads, so its groups are silently ignore
 
 from __future__ import annotations
 
+import os
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -58,6 +61,29 @@ def _order(item: pytest.Item) -> tuple[int, int]:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     items.sort(key=_order)  # stable: each module's order stays
+
+
+def _under_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def _skip_allowed(item: pytest.Item) -> bool:
+    """Under CI only the gpu marker's tests may skip (no GPU there), and on a machine with CUDA the
+    CPU forms of GPU tests: any other skip is a test CI believes ran and did not."""
+    if item.get_closest_marker("gpu") is not None:
+        return True
+    torch = sys.modules.get("torch")  # loaded by any module whose skip depends on CUDA
+    return torch is not None and torch.cuda.is_available()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if report.skipped and _under_ci() and not _skip_allowed(item):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"skipped under CI=true, where only `gpu` tests may skip: {reason}"
 
 
 @pytest.fixture
