@@ -11,15 +11,12 @@ batches are dropped, so that every step, version and batch appears once.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 from relax_hpc.ckpt.layout import read_trainer_state
 from relax_hpc.exchange.spool import Spool
 from relax_hpc.metrics.jsonl import drop_records
 from relax_hpc.paths import RunPaths
-
-log = logging.getLogger("relax_hpc.launch")
 
 
 @dataclass(frozen=True)
@@ -30,6 +27,16 @@ class Recovery:
     orphaned: int
     partial: int
     dropped_records: int = 0
+
+    def said(self) -> str | None:
+        """What recovery changed, for the launcher's header (None: nothing to say)."""
+        if not (self.returned or self.orphaned or self.partial or self.dropped_records):
+            return None
+        return (
+            f"recovered: {self.returned} claimed batch(es) returned to the spool, {self.orphaned} orphaned, "
+            f"{self.partial} partial file(s) removed, {self.dropped_records} metric record(s) past the checkpoint "
+            "dropped"
+        )
 
 
 # How the launcher's own stop requests begin (a time limit's notice, launch.max_wall_s).
@@ -67,15 +74,4 @@ def recover(paths: RunPaths) -> Recovery:
         for record in folder.glob("*.json"):
             if record.stem.startswith(("engine-", "judge-", "teacher-")):
                 record.unlink()
-    if result.step or result.returned or result.orphaned:
-        log.info(
-            "resuming at step %d (policy version %d): %d claimed batch(es) returned to the spool, "
-            "%d orphaned, %d partial file(s) removed, %d metric record(s) past the checkpoint dropped",
-            result.step,
-            result.version,
-            result.returned,
-            result.orphaned,
-            result.partial,
-            result.dropped_records,
-        )
     return result

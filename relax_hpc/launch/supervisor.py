@@ -293,6 +293,8 @@ class Supervisor:
                 if self.cfg.kind == "rl"
                 else f"sft, {self.cfg.trainer.num_ranks} trainer rank(s)\n"
             )
+            # in the header, not a log line before it: the header is the first thing a start says
+            + (f"{recovery.said()}\n" if recovery.said() else "")
         )
         self.events.log(
             {"event": "start", "logs": logs.name, "step": recovery.step, "slurm_job_id": job,
