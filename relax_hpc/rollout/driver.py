@@ -158,7 +158,7 @@ class Driver:
             "version": evaluated,
             "greedy_accuracy": accuracy,
             "problems": problems,
-            "dataset": "eval_path" if self.cfg.data.eval_path else "path",
+            "dataset": Path(self.cfg.data.eval_path or self.cfg.data.path).stem,  # the file it scored
             "seconds": seconds,
         }
         self.evals.log(record)

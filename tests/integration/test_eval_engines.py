@@ -32,7 +32,7 @@ def test_evaluations_run_on_their_own_engine_beside_generation(tmp_path):
     run = job.run_dir
     evals = read_jsonl(run / "metrics" / "eval.jsonl")
     assert [r["version"] // EVERY for r in evals] == list(range(STEPS // EVERY + 1)), evals  # one per eval point
-    assert evals[-1]["version"] == STEPS and all(r["problems"] == 34 and r["dataset"] == "eval_path" for r in evals)
+    assert evals[-1]["version"] == STEPS and all(r["problems"] == 34 and r["dataset"] == "held-out" for r in evals)
     assert evals[-1]["greedy_accuracy"] == greedy_accuracy(run / "hf", 34, held_out)  # the same numbers
     batches = [r for r in read_jsonl(run / "metrics" / "rollout.jsonl") if "batch" in r]
     assert max(r["engines"] for r in batches) == 2  # of 3 engines: the evaluation one took no rollout request
