@@ -196,9 +196,11 @@ def media_requests(sampling: dict[str, Any]) -> list[P.GenerateReqInput]:
     return requests
 
 
-def test_sglang_answers_the_expanded_prompt_at_the_top_level(sglang):
+@pytest.mark.pin_guard
+def test_pin_guard_sglang_answers_the_expanded_prompt_at_the_top_level(sglang):
     """The driver stores `prompt_token_ids` of each answer as the prompt the engine conditioned
-    on; SGLang sets it on the answer itself, not in meta_info."""
+    on; SGLang sets it on the answer itself, not in meta_info. A guard of the SGLang pin: it reads
+    SGLang's source only, so nothing in relax_hpc can fail it; an upgrade that moves it does."""
     spec = importlib.util.find_spec("sglang")
     assert spec is not None and spec.origin is not None
     source = (Path(spec.origin).parent / "srt" / "managers" / "tokenizer_manager.py").read_text()
@@ -488,10 +490,12 @@ def test_launch_server_arguments_are_server_args(sglang, overrides, tmp_path):
     assert parsed.mm_process_config == video
 
 
-def test_sglang_serves_adapters_as_adapter_sync_expects(sglang):
+@pytest.mark.pin_guard
+def test_pin_guard_sglang_serves_adapters_as_adapter_sync_expects(sglang):
     """relax_hpc.weights.adapters relies on three rules of SGLang's LoRA serving: an unload waits
     until no request uses the adapter; a request naming an adapter loaded before and unloaded
-    since loads it again from its folder; loading a name already loaded fails, saying so."""
+    since loads it again from its folder; loading a name already loaded fails, saying so. A guard
+    of the SGLang pin: it reads SGLang's source only, so an upgrade that changes a rule fails it."""
     root = Path(inspect.getfile(sglang.io)).parent
     control = (root / "tokenizer_control_mixin.py").read_text()
     assert "await self.lora_registry.wait_for_unload(lora_id)" in control, "unload no longer waits for requests"
