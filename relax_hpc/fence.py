@@ -86,16 +86,29 @@ class Lease:
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
         self.state = read_lease(run_dir) or {"generation": 0, "serial": 0, "roles": {}}
+        self._wrote = False
 
     @property
     def generation(self) -> int:
         return int(self.state["generation"])
 
     def new_generation(self) -> int:
-        """Supersede every process of the run (before recovery rewrites its record)."""
-        self.state = {**self.state, "generation": self.generation + 1, "roles": {}}
+        """Supersede every process of the run (before recovery rewrites its record); the lease
+        names this launcher as the run's owner."""
+        self.state = {**self.state, "generation": self.generation + 1, "roles": {}, "owner": launcher_name()}
         self._write()
         return self.generation
+
+    def superseded(self) -> str | None:
+        """The launcher that has written the lease since this one last did (None: nobody; the
+        run is still this launcher's). A launcher that sees one must start no role again."""
+        try:
+            on_disk = read_lease(self.run_dir)
+        except (OSError, ValueError):  # a lease being replaced reads whole or not at all
+            return None
+        if not self._wrote or on_disk == self.state:
+            return None
+        return str(on_disk.get("owner", "another launcher"))
 
     def grant(self, role: str) -> dict[str, str]:
         """A new serial for `role` (superseding its previous process); the environment entry its
@@ -108,6 +121,13 @@ class Lease:
     def _write(self) -> None:
         lease_path(self.run_dir).parent.mkdir(parents=True, exist_ok=True)
         write_atomic(lease_path(self.run_dir), json.dumps(self.state).encode())
+        self._wrote = True
+
+
+def launcher_name() -> str:
+    """Who a launcher is, in words: its Slurm job, else its process."""
+    job = os.environ.get("SLURM_JOB_ID")
+    return f"job {job}" if job else f"launcher pid {os.getpid()} on {socket.gethostname()}"
 
 
 @dataclass

@@ -15,9 +15,11 @@ RUN_DIR/
   logs/RESTART/ROLE.log                 one folder per start of the launcher
   eval/results.jsonl  eval/table.md     an eval job's record (kind=eval) and its tables
   eval/models/NAME                      the checkpoints it scores, exported as HF folders
-  slurm/                                submitit's folder (submission file, job output), job_id
+  slurm/                                submitit's folder (submission file, job output), job_id,
+                                        job_id.claim (a submission under way)
   control/stop                          asks the trainer to checkpoint and stop
   fence/lease.json  fence/refused/      fencing: the current generation and role processes; refused writes
+  fence/launcher                        the live local launcher's pid (flocked while it runs)
   health/ROLE.json                      heartbeats: what each role is doing, since when
   scale/ops|drain|logs                  elastic rollout: scale operations, engines leaving, their logs
 """
@@ -173,6 +175,16 @@ class RunPaths:
     def slurm_job_id(self) -> Path:
         """The id of the Slurm job `submit` handed the run to."""
         return self.slurm / "job_id"
+
+    @property
+    def slurm_claim(self) -> Path:
+        """Held (created exclusively) by the one submission that may record a new job (launch.owner)."""
+        return self.slurm / "job_id.claim"
+
+    @property
+    def launcher_lock(self) -> Path:
+        """flocked by the run's live local launcher, which writes its pid in it (launch.owner)."""
+        return self.root / "fence" / "launcher"
 
     @property
     def control(self) -> Path:

@@ -12,12 +12,14 @@ same command on an existing RUN_DIR resumes it from its latest checkpoint.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import logging
 import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from relax_hpc import cli
 from relax_hpc.config.load import ConfigError, load_config, read_frozen, to_yaml
@@ -25,13 +27,17 @@ from relax_hpc.config.path_options import path_problems
 from relax_hpc.config.schema import RESUMABLE_CHANGES, EvalConfig, JobConfig, MediaKind, SftConfig
 from relax_hpc.data.processor import is_multimodal, media_kinds, sampling_rate, video_spec
 from relax_hpc.data.prompts import DatasetError, load_data, load_prompts
+from relax_hpc.launch import owner
 from relax_hpc.launch.allocation import AllocationError
 from relax_hpc.launch.gpus import NO_GPU, place_local, span, visible_gpu_count
 from relax_hpc.metrics.evaluation import finished as finished_evaluations
 from relax_hpc.metrics.startup import StartupClock
-from relax_hpc.metrics.summary import completed_steps, run_summary
+from relax_hpc.metrics.summary import completed_steps, finished_export_problem, run_summary
 from relax_hpc.models.arch import check_megatron_job
 from relax_hpc.paths import RunPaths, write_atomic
+
+if TYPE_CHECKING:
+    import submitit
 
 # relax_hpc.launch.supervisor.EXIT_STOPPED (stopped, resumable), not imported from there: a Ctrl-C
 # during that module's imports is what it answers.
@@ -233,6 +239,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--wait", action="store_true", help="slurm: wait for the job to finish (through every requeue)")
     parser.add_argument(
+        "--take-over",
+        action="store_true",
+        help="when the run's job (or local launcher) is live: end it, wait until it has left, then start this one",
+    )
+    parser.add_argument(
         "--in-allocation",
         action="store_true",
         help="run the roles as job steps of the Slurm allocation this command runs in (what sbatch recipes use)",
@@ -251,29 +262,38 @@ def main(argv: list[str] | None = None) -> int:
             submission.preflight(cfg, paths)
         if args.dry_run:
             return dry_run(cfg, paths, slurm)
-        if cfg.kind == "eval" and not (slurm and eval_left(cfg.eval, paths)):
-            # results.jsonl says what is left to score: nothing, once it is complete
-            freeze(cfg, paths)  # refuses a changed job as any resume would
-            from relax_hpc.evaluate import EvalJob  # heavy imports after validation
+        with contextlib.ExitStack() as owned:
+            # Before anything is written: one live job, or one live launcher, per run (launch.owner).
+            if slurm:
+                owned.enter_context(owner.submission_claim(paths, args.take_over))
+            elif not args.in_allocation:
+                owner.hold_local_launcher(paths, args.take_over)  # held until this process ends
+            if cfg.kind == "eval" and not (slurm and eval_left(cfg.eval, paths)):
+                # results.jsonl says what is left to score: nothing, once it is complete
+                freeze(cfg, paths)  # refuses a changed job as any resume would
+                from relax_hpc.evaluate import EvalJob  # heavy imports after validation
 
-            return EvalJob(cfg, paths).run()
-        if paths.config.exists() and completed_steps(paths) >= cfg.trainer.total_steps:
-            freeze(cfg, paths)  # refuses a changed experiment as any resume would
-            print(f"{paths.root} is already complete at step {completed_steps(paths)}; nothing to run.")
-            print(run_summary(paths, cfg.trainer.total_steps))
-            return 0
-        freeze(cfg, paths)
-        if not args.in_allocation and paths.stop_request.exists():
-            # A new submission means "train": a stop request no trainer served is withdrawn
-            # (a start inside an allocation may be a requeue, which keeps it).
-            paths.stop_request.unlink()
-            print(f"withdrew {paths.stop_request}, a stop request no trainer served: this submission trains")
-        if args.in_allocation:
-            from relax_hpc.launch.slurm import run_in_allocation
+                return EvalJob(cfg, paths).run()
+            if paths.config.exists() and completed_steps(paths) >= cfg.trainer.total_steps:
+                if problem := finished_export_problem(paths, cfg.ckpt):
+                    raise ConfigError(problem)  # before freeze() records an export that is not there
+                freeze(cfg, paths)  # refuses a changed experiment as any resume would
+                print(f"{paths.root} is already complete at step {completed_steps(paths)}; nothing to run.")
+                print(run_summary(paths, cfg.trainer.total_steps))
+                return 0
+            freeze(cfg, paths)
+            if not args.in_allocation and paths.stop_request.exists():
+                # A new submission means "train": a stop request no trainer served is withdrawn
+                # (a start inside an allocation may be a requeue, which keeps it).
+                paths.stop_request.unlink()
+                print(f"withdrew {paths.stop_request}, a stop request no trainer served: this submission trains")
+            if args.in_allocation:
+                from relax_hpc.launch.slurm import run_in_allocation
 
-            return run_in_allocation(cfg, paths)
-        if slurm:
-            return submit_to_slurm(cfg, paths, args.wait)
+                return run_in_allocation(cfg, paths)
+            job = submit_to_slurm(cfg, paths) if slurm else None
+        if job is not None:  # the claim is released: the job id is recorded
+            return follow_job(job, cfg.launch.slurm.job_name, paths, args.wait)
     except (ConfigError, AllocationError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -333,14 +353,20 @@ def slurm_function(kind: str, paths: RunPaths) -> Callable[[], object]:
     return SlurmRun(run_dir)
 
 
-def submit_to_slurm(cfg: JobConfig, paths: RunPaths, wait: bool) -> int:
+def submit_to_slurm(cfg: JobConfig, paths: RunPaths) -> submitit.Job:
+    """Submit the run's job and record its id (the run's owner from now on)."""
     from relax_hpc.launch import submission
 
     job = submission.submit(cfg, paths, slurm_function(cfg.kind, paths))
     write_atomic(paths.slurm_job_id, f"{job.job_id}\n".encode())
+    return job
+
+
+def follow_job(job: submitit.Job, job_name: str, paths: RunPaths, wait: bool) -> int:
+    """Say where the job's output goes and how to stop it; with `wait`, follow it to its end."""
     root = paths.root.resolve()
     print(
-        f"submitted job {job.job_id} ({cfg.launch.slurm.job_name})\n"
+        f"submitted job {job.job_id} ({job_name})\n"
         f"run dir: {root}\n"
         f"follow:  tail -F {job.paths.stdout}   (progress; each role's log in {root}/logs/)\n"
         f"status:  python -m relax_hpc.status {root}   (squeue -j {job.job_id}; sacct -j {job.job_id})\n"

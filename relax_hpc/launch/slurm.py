@@ -30,7 +30,7 @@ from relax_hpc.launch.allocation import Allocation, AllocationError
 from relax_hpc.launch.badnodes import Exclusion, apply_exclusion, plan_exclusion, scontrol
 from relax_hpc.launch.commands import step_commands
 from relax_hpc.launch.guard import stop_requeueing
-from relax_hpc.launch.supervisor import EXIT_COMPLETED, EXIT_STOPPED, Supervisor
+from relax_hpc.launch.supervisor import EXIT_COMPLETED, EXIT_STOPPED, EXIT_SUPERSEDED, Supervisor
 from relax_hpc.paths import RunPaths
 
 log = logging.getLogger("relax_hpc.launch")
@@ -157,6 +157,8 @@ class SlurmRun:
             self._thread.join(0.5)  # the main thread stays free to run submitit's signal handler
         if self._code == EXIT_COMPLETED:
             return f"completed: {self.run_dir}"
+        if self._code == EXIT_SUPERSEDED:
+            sys.exit(EXIT_SUPERSEDED)  # the run has a new owner: no requeue, no result of this job's
         if self._code == EXIT_STOPPED:
             # submitit's USR2 handler has requeued the job by now (after checkpoint() planned it)
             leave_out_bad_nodes(supervisor, self._bad_nodes or plan_bad_nodes(supervisor))
@@ -177,7 +179,7 @@ class SlurmRun:
             self._supervisor.request_stop("USR2 (time limit or preemption ahead)")
             self._thread.join()
             supervisor = self._supervisor
-            if not may_requeue(supervisor.cfg, supervisor.paths, supervisor):
+            if self._code == EXIT_SUPERSEDED or not may_requeue(supervisor.cfg, supervisor.paths, supervisor):
                 return None  # submitit then ends the job instead of requeueing it
             self._bad_nodes = plan_bad_nodes(supervisor)
         return submitit.helpers.DelayedSubmission(SlurmRun(self.run_dir))

@@ -62,7 +62,7 @@ def run_summary(paths: RunPaths, total_steps: int) -> str:
     checkpoint = latest_dir(paths.ckpt)
     if checkpoint is not None:
         lines.append(f"checkpoint: {checkpoint}")
-    if (paths.export / "config.json").is_file():
+    if holds_export(paths):
         lines.append(f"HF model:   {paths.export}{exported_version(paths)}")
     elif checkpoint is not None:
         lines.append(f"HF export:  python tools/dcp_to_hf.py --run-dir {paths.root} --out FOLDER")
@@ -72,6 +72,12 @@ def run_summary(paths: RunPaths, total_steps: int) -> str:
     if reason:
         lines.append(reason)
     return "\n".join(lines)
+
+
+def holds_export(paths: RunPaths) -> bool:
+    """Whether RUN_DIR/hf holds an export: an HF model folder, or a LoRA run's PEFT adapter folder
+    (ckpt.export_lora=adapter), which has an adapter_config.json instead of a config.json."""
+    return any((paths.export / name).is_file() for name in ("config.json", "adapter_config.json"))
 
 
 def exported_version(paths: RunPaths) -> str:

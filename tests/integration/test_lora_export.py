@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from relax_hpc.ckpt.export import convert
 from relax_hpc.config.load import load_config
 from relax_hpc.inprocess import InProcessRun
+from relax_hpc.metrics.summary import run_summary
 from relax_hpc.paths import RunPaths
 from relax_hpc.weights.lora import merge_all
 from tests.runs import train_and_checkpoint
@@ -41,9 +42,9 @@ def _logits(model: torch.nn.Module, run: InProcessRun) -> torch.Tensor:
     return model.eval()(input_ids=ids).logits.float()
 
 
-def test_the_adapter_folder_loads_with_peft_and_computes_the_policy(trained, tmp_path):
+def test_the_adapter_folder_loads_with_peft_and_computes_the_policy(trained):
     run, paths = trained
-    out = tmp_path / "adapter"
+    out = paths.export  # RUN_DIR/hf, as the run's own export (ckpt.export_lora=adapter) writes it
     done = subprocess.run(
         [sys.executable, "tools/dcp_to_hf.py", "--run-dir", str(paths.root), "--out", str(out), "--lora", "adapter"],
         cwd=REPO, capture_output=True, text=True, check=False,
@@ -56,6 +57,8 @@ def test_the_adapter_folder_loads_with_peft_and_computes_the_policy(trained, tmp
     policy = _logits(run.backend.model, run)
     assert not torch.allclose(policy, untrained, atol=1e-3)  # the adapters did train
     torch.testing.assert_close(_logits(peft_model, run), policy, rtol=0, atol=1e-5)
+    summary = run_summary(paths, run.cfg.trainer.total_steps)  # the folder is named, no export hint
+    assert f"HF model:   {out}" in summary and "dcp_to_hf" not in summary, summary
 
 
 def test_the_merged_export_holds_what_the_engines_hold(trained, tmp_path):

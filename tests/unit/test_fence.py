@@ -61,6 +61,17 @@ def test_a_grant_is_current_until_its_role_is_granted_again_or_the_generation_ad
     assert Lease(tmp_path).generation == 2 and read_lease(tmp_path)["roles"] == {}
 
 
+def test_a_launcher_sees_that_another_took_the_lease_and_who(tmp_path):
+    mine = Lease(tmp_path)
+    assert mine.superseded() is None  # nothing written yet: nobody to be superseded by
+    mine.new_generation()
+    mine.grant("trainer")
+    assert mine.superseded() is None
+    other = Lease(tmp_path)  # a second launcher starts on the same RUN_DIR
+    other.new_generation()
+    assert mine.superseded() == other.state["owner"] and other.superseded() is None
+
+
 def test_a_superseded_process_refuses_records_the_refusal_and_raises_past_except_exception(run):
     paths, lease = run
     _supersede(lease)
