@@ -8,6 +8,7 @@ from typing import Any
 
 from relax_hpc.ckpt.best import best_version, complete_steps, read_record
 from relax_hpc.ckpt.layout import latest_dir, read_trainer_state
+from relax_hpc.config.schema import CheckpointConfig
 from relax_hpc.metrics import accounting
 from relax_hpc.metrics.jsonl import read_jsonl
 from relax_hpc.paths import RunPaths
@@ -78,6 +79,31 @@ def holds_export(paths: RunPaths) -> bool:
     """Whether RUN_DIR/hf holds an export: an HF model folder, or a LoRA run's PEFT adapter folder
     (ckpt.export_lora=adapter), which has an adapter_config.json instead of a config.json."""
     return any((paths.export / name).is_file() for name in ("config.json", "adapter_config.json"))
+
+
+def finished_export_problem(paths: RunPaths, ck: CheckpointConfig) -> str | None:
+    """Why a finished run submitted again cannot have the export `ck` asks for (None: RUN_DIR/hf
+    holds it, or none is asked). The export is made once, by the trainer as training completes;
+    a finished run starts no trainer, so a changed ckpt.export_version would be frozen into its
+    config.yaml while RUN_DIR/hf still held the version the run ended with."""
+    record = read_record(paths.export) if holds_export(paths) else None
+    if not ck.export_hf or (record is not None and record["export_version"] == ck.export_version):
+        return None
+    steps = complete_steps(paths.ckpt)
+    if ck.export_version == "best":
+        version = best_version(eval_scores(paths, ck.export_metric), steps)
+    else:
+        version = steps[-1] if steps else None
+    how = (
+        f"export it with python tools/dcp_to_hf.py --run-dir {paths.root} --step {version} --out FOLDER"
+        if version is not None
+        else "no evaluated version has a checkpoint left"
+    )
+    holds = "no export" if record is None else f"version {record['version']} ({record['export_version']})"
+    return (
+        f"ckpt.export_version={ck.export_version}: {paths.root} is complete and {paths.export} holds {holds}; "
+        f"a finished run is not exported again: {how}"
+    )
 
 
 def exported_version(paths: RunPaths) -> str:
