@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from relax_hpc import cli
 from relax_hpc.ckpt.layout import latest_dir
@@ -34,6 +37,7 @@ from relax_hpc.launch.follow import ACTIVE, ENDED, queue_state
 from relax_hpc.launch.follow import slurm_state as ended_state
 from relax_hpc.metrics import accounting
 from relax_hpc.metrics.evaluation import finished, table
+from relax_hpc.metrics.heartbeat import read_heartbeat
 from relax_hpc.metrics.jsonl import read_jsonl
 from relax_hpc.metrics.summary import completed_steps, guard_reason, step_records
 from relax_hpc.paths import RunPaths
@@ -41,6 +45,7 @@ from relax_hpc.protocol.client import EngineClient
 from relax_hpc.protocol.registry import read_records
 
 RECENT = 20  # steps the rates and the ETA average over
+STALE_S = 30.0  # a heartbeat this old has stopped (the launcher's and the driver's beat every 5 s)
 TIME_PHASES = ("wait", "read", "fwd_bwd", "optimizer", "push", "checkpoint")
 
 
@@ -66,7 +71,55 @@ def engines(paths: RunPaths) -> list[dict[str, Any]]:
     return out
 
 
-def _state(paths: RunPaths, total: int, events: list[dict[str, Any]], slurm: str | None) -> str:
+def last_seen(paths: RunPaths, now: float | None = None) -> dict[str, Any] | None:
+    """The run's newest heartbeat (the launcher's, the trainer's, the driver's: RUN_DIR/health),
+    and whether every one of them has stopped: its writer is gone (a process of this host), or it
+    is older than STALE_S (another host's)."""
+    now = time.time() if now is None else now
+    folder = paths.health("launcher").parent
+    beats = {path.stem: beat for path in folder.glob("*.json") if (beat := read_heartbeat(path))}
+    if not beats:
+        return None
+    role, newest = max(beats.items(), key=lambda item: float(item[1]["time"]))
+    return {
+        "time": newest["time"], "role": role, "pid": newest.get("pid"), "host": newest.get("host"),
+        "stopped": all(_stopped(beat, now) for beat in beats.values()),
+    }  # fmt: skip
+
+
+def _stopped(beat: dict[str, Any], now: float) -> bool:
+    if beat.get("host") == socket.gethostname():
+        return _gone(int(beat["pid"]))
+    return now - float(beat["time"]) > STALE_S
+
+
+def _gone(pid: int) -> bool:
+    """A process of this host has exited (a zombie too: killed roles wait for a parent to reap them)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _unrecorded_end(seen: dict[str, Any], events: list[dict[str, Any]], job: str | None) -> str:
+    """A start without its end, whose job Slurm no longer knows (or that had none) and whose
+    heartbeats stopped: ended, killed before its launcher could say so; when and how last seen."""
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seen["time"]))
+    where = f" (pid {seen['pid']} on {seen['host']})" if seen.get("host") else ""
+    said = [e["why"] for e in events[_last_start(events) :] if e.get("event") == "stop_requested"]
+    return (
+        "ended without its end record"
+        + (f" (Slurm no longer knows job {job})" if job else "")
+        + f": last seen {when} ({_duration(time.time() - seen['time'])} ago), the {seen['role']}'s heartbeat{where}"
+        + (f"; the launcher's last word: {said[-1]}" if said else "; nothing said why (killed)")
+    )
+
+
+def _last_start(events: list[dict[str, Any]]) -> int:
+    return max((i for i, e in enumerate(events) if e.get("event") == "start"), default=0)
+
+
+def _state(paths: RunPaths, total: int, events: list[dict[str, Any]], slurm: str | None, job: str | None = None) -> str:
     if completed_steps(paths) >= total:
         return "complete"
     starts = [e for e in events if e.get("event") == "start"]
@@ -75,8 +128,12 @@ def _state(paths: RunPaths, total: int, events: list[dict[str, Any]], slurm: str
         return "pending (Slurm)"
     ended = slurm is not None and slurm.split()[0] not in ACTIVE
     if starts and (not ends or ends[-1]["time"] < starts[-1]["time"]):
-        # A launcher killed with its job wrote no end: Slurm's word then says how it ended.
-        return f"{ENDED.get(slurm.split()[0], slurm)} (Slurm: {slurm})" if ended and slurm else "running"
+        # A launcher killed with its job wrote no end: Slurm's word then says how it ended, and
+        # once Slurm has forgotten the job (no accounting, MinJobAge) the stopped heartbeats do.
+        if ended and slurm:
+            return f"{ENDED.get(slurm.split()[0], slurm)} (Slurm: {slurm})"
+        seen = last_seen(paths)
+        return _unrecorded_end(seen, events, job) if slurm is None and seen and seen["stopped"] else "running"
     if ends:
         return {0: "complete", 75: "stopped (resumable)"}.get(ends[-1]["exit"], "failed")
     return "not started"
@@ -95,7 +152,8 @@ def collect(run_dir: Path) -> dict[str, Any]:
     slurm = slurm_state(job) if job else None
     facts: dict[str, Any] = {
         "run_dir": str(paths.root),
-        "state": _state(paths, total, events, slurm),
+        "state": _state(paths, total, events, slurm, job),
+        "last_seen": last_seen(paths),
         "step": steps[-1]["step"] if steps else 0,
         "total_steps": total,
         "checkpoint_step": completed_steps(paths),
@@ -108,9 +166,9 @@ def collect(run_dir: Path) -> dict[str, Any]:
         # Writes refused by superseded processes (relax_hpc/fence.py): they ended without writing.
         "fencing": {"generation": Lease(paths.root).generation, "refused_writes": len(refused_writes(paths.root))},
         "guard": guard_reason(paths),
-        "usage": accounting.accounting(paths),
         "bad_nodes": _bad_nodes(events, cfg.launch.slurm.bad_node_failures),
     }
+    facts["usage"] = accounting.accounting(paths, live=facts["state"] == "running")
     checkpoint = latest_dir(paths.ckpt)
     if checkpoint is not None:
         facts["checkpoint"] = str(checkpoint)

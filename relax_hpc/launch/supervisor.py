@@ -36,6 +36,7 @@ from relax_hpc.launch.health import HealthMonitor
 from relax_hpc.launch.notify import Notifier
 from relax_hpc.launch.recover import LAUNCHER_STOP, recover
 from relax_hpc.launch.steps import PROCESS_WAIT_S, ROUND_S, JobStep, end_steps
+from relax_hpc.metrics.heartbeat import Beating
 from relax_hpc.metrics.jsonl import JsonlWriter, read_jsonl
 from relax_hpc.metrics.progress import Progress
 from relax_hpc.metrics.summary import completed_steps, run_summary
@@ -44,6 +45,7 @@ from relax_hpc.paths import RunPaths, write_atomic
 EXIT_COMPLETED, EXIT_FAILED, EXIT_STOPPED = 0, 1, 75
 EXIT_SUPERSEDED = EXIT_FENCED  # another launcher took the run over: this one stopped, writing nothing
 TRAINER_EXIT_GRACE_S = 5.0  # after its stop record, for the trainer's own exit
+LAUNCHER_BEAT_S = 5.0  # the launcher's heartbeat (status: a run whose heartbeats stopped has ended)
 ENGINE_ROLES = ("engine", "judge", "teacher")  # prefixes of the engine roles' names
 
 
@@ -224,7 +226,16 @@ class Supervisor:
 
     def run(self) -> int:
         """Start every role and watch them; after the trainer died or hung, start the run again
-        from its checkpoint (launch.health.trainer_restarts times, with a back-off)."""
+        from its checkpoint (launch.health.trainer_restarts times, with a back-off). The
+        launcher's heartbeat (RUN_DIR/health/launcher.json) beats meanwhile: a launcher killed
+        before it wrote its end (SIGKILL, a node's loss) is then seen gone by `status`."""
+        beating = Beating(self.paths, "launcher", LAUNCHER_BEAT_S, slurm_job=self.slurm_job)
+        try:
+            return self._run()
+        finally:
+            beating.close()
+
+    def _run(self) -> int:
         health = self.cfg.launch.health
         attempt = 0
         while True:

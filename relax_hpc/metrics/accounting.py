@@ -23,6 +23,7 @@ import contextlib
 import json
 import re
 import subprocess
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -116,9 +117,31 @@ def _cache(paths: RunPaths) -> Path:
     return paths.root / "metrics" / "accounting.json"
 
 
-def accounting(paths: RunPaths, slurm: bool = True) -> dict[str, Any]:
+def unaccounted(events: list[dict[str, Any]], live: bool) -> list[str]:
+    """The starts whose launcher wrote no `usage` event: killed with its allocation (scancel's
+    SIGKILL after KillWait, a node's loss) before it could, so their hours are in no record;
+    `live`: the last start still runs (its usage comes at its end)."""
+    missing: list[dict[str, Any]] = []
+    current: dict[str, Any] | None = None
+    for event in events:
+        if event.get("event") == "start":
+            missing += [current] if current else []
+            current = event
+        elif event.get("event") == "usage":
+            current = None
+    missing += [current] if current and not live else []
+    return [
+        f"job {e['slurm_job_id']} (restart {e.get('slurm_restart_count', 0)})" if e.get("slurm_job_id")
+        else time.strftime("the start at %Y-%m-%d %H:%M:%S", time.localtime(e["time"]))
+        for e in missing
+    ]  # fmt: skip
+
+
+def accounting(paths: RunPaths, slurm: bool = True, live: bool = False) -> dict[str, Any]:
     """The run's hours per role kind, their source, and samples per GPU- or CPU-hour; with
-    `slurm` False, from the events alone (no sacct: what the metric sinks report)."""
+    `slurm` False, from the events alone (no sacct: what the metric sinks report). From the
+    events, the starts they cannot account are listed (`unaccounted`; `live`: the run's last
+    start still runs)."""
     jobs, elastic = run_jobs(paths) if slurm else ([], set())
     facts: dict[str, Any] | None = None
     if jobs and _cache(paths).is_file():
@@ -133,9 +156,11 @@ def accounting(paths: RunPaths, slurm: bool = True) -> dict[str, Any]:
                 with contextlib.suppress(OSError):  # a RUN_DIR this user may only read
                     write_atomic(_cache(paths), json.dumps(facts).encode())
     if facts is None:
-        roles = from_events(read_jsonl(paths.events_metrics))
+        events = read_jsonl(paths.events_metrics)
+        roles = from_events(events)
         total = {unit: sum(r[unit] for r in roles.values()) for unit in ("cpu_h", "gpu_h")}
-        facts = {"source": "events", "jobs": jobs, "roles": roles, "total": total}
+        facts = {"source": "events", "jobs": jobs, "roles": roles, "total": total,
+                 "unaccounted": unaccounted(events, live)}  # fmt: skip
     samples = sum(r.get("samples", 0) for r in read_jsonl(paths.train_metrics) if "loss" in r)  # trained steps
     samples += sum(r.get("samples", 0) for r in read_jsonl(paths.eval_results))  # an eval job's scored ones
     return {**facts, **per_hour(samples, facts["total"])}
@@ -160,4 +185,9 @@ def render(facts: dict[str, Any]) -> list[str]:
         f"usage:       total {total['gpu_h']:.3f} GPU-h, {total['cpu_h']:.3f} CPU-h ({facts['source']}); "
         f"{facts['samples']} samples, {facts[f'samples_per_{unit.lower()}_h']:.0f} per {unit}-hour"
     )
+    if facts.get("unaccounted"):
+        lines.append(
+            f"usage:       not counted above: {', '.join(facts['unaccounted'])}, whose launcher was killed before "
+            "its usage record (no Slurm accounting to ask)"
+        )
     return lines

@@ -8,6 +8,7 @@ import pytest
 import torch.distributed.checkpoint as dcp
 
 from relax_hpc.paths import RunPaths
+from relax_hpc.status import collect
 from tests.integration.conftest import CONFIG, Job
 from tests.runs import assert_nothing_lost_or_repeated, assert_reproduces
 
@@ -25,11 +26,16 @@ def run_with_kills(
     run_dir: Path, kills: int, rng: random.Random, *overrides: str, steps: int = STEPS, config: Path = CONFIG
 ) -> None:
     """Start the job `kills` times, each killed (SIGKILL to every process) a few steps further
-    on, then once more to the end."""
+    on, then once more to the end. `status` calls each killed start ended (its heartbeats
+    stopped) and names it as not accounted (no usage record)."""
     for attempt in range(kills):
         job = Job(run_dir, *overrides, config=config).start()
         job.wait_for_step(min(steps - 1, 3 * attempt + rng.randint(2, 4)), timeout_s=300)
+        assert collect(run_dir)["state"] == "running"
         job.kill_all()  # no checkpoint, no clean stop: every process gets SIGKILL
+        facts = collect(run_dir)
+        assert facts["state"].startswith("ended without its end record: last seen "), facts["state"]
+        assert len(facts["usage"]["unaccounted"]) == attempt + 1, facts["usage"]
     assert Job(run_dir, *overrides, config=config).run(timeout_s=400) == 0
 
 

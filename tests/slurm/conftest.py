@@ -46,8 +46,9 @@ def _missing_binaries() -> list[str]:
     return [b for b in REQUIRED_BINARIES if shutil.which(b, path=_PATH) is None]
 
 
-def _cluster(cmd: str, directory: Path, timeout: float) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
+def _cluster(cmd: str, directory: Path, timeout: float, **settings: str) -> subprocess.CompletedProcess:
+    """cluster.sh CMD DIRECTORY; `settings`: its environment variables (RELAX_SLURM_...)."""
+    env = {**os.environ, **settings}
     env.setdefault("USER", "root" if os.geteuid() == 0 else str(os.geteuid()))
     env["PATH"] = _PATH
     return subprocess.run(
@@ -105,6 +106,22 @@ def slurm_cluster(tmp_path_factory):
         stopped = _cluster("stop", directory, timeout=180)
         if stopped.returncode != 0:
             print(f"cluster.sh stop failed ({stopped.returncode}):\n{stopped.stdout}\n{stopped.stderr}")
+
+
+@pytest.fixture(scope="module")
+def forgetful_cluster(slurm_cluster, tmp_path_factory):
+    """A second cluster, on ports of its own, without accounting (no MariaDB, no slurmdbd: sacct
+    answers nothing) whose controller forgets an ended job within seconds (MinJobAge=2, purged
+    within about 6 s): what `status` must read right where neither squeue nor sacct knows the job.
+    Up in about a second. Yields the environment of its clients (SLURM_CONF)."""
+    directory = tmp_path_factory.mktemp("slurm-forgetful")
+    settings = {"RELAX_SLURM_ACCOUNTING": "none", "RELAX_SLURM_MIN_JOB_AGE": "2"}
+    started = _cluster("start", directory, timeout=120, **settings)
+    try:
+        assert started.returncode == 0, f"cluster.sh start failed:\n{started.stdout}\n{started.stderr}"
+        yield {**os.environ, "SLURM_CONF": str(directory / "slurm.conf")}
+    finally:
+        _cluster("stop", directory, timeout=120, **settings)
 
 
 @pytest.fixture(scope="session")

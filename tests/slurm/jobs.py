@@ -24,9 +24,11 @@ TINY_SLURM = (
 )
 
 
-def submit(run_dir: Path, *args: str, timeout_s: float = 600, config: Path = CONFIG) -> subprocess.CompletedProcess:
+def submit(
+    run_dir: Path, *args: str, timeout_s: float = 600, config: Path = CONFIG, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     argv = [sys.executable, "-m", "relax_hpc.submit", "--config", str(config), f"run.dir={run_dir}", *TINY_SLURM, *args]
-    return subprocess.run(argv, check=False, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+    return subprocess.run(argv, check=False, cwd=REPO, capture_output=True, text=True, timeout=timeout_s, env=env)
 
 
 def job_id(run_dir: Path) -> str:

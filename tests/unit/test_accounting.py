@@ -1,5 +1,5 @@
-"""GPU- and CPU-hours per role (metrics.accounting), the resources a role's command line gives it
-(launch.supervisor.given), and the counting of bad nodes (launch.badnodes)."""
+"""GPU- and CPU-hours per role (metrics.accounting) and the resources a role's command line gives it
+(launch.supervisor.given)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,17 @@ from typing import Any
 
 import pytest
 
-from relax_hpc.launch.badnodes import bad_nodes, failures, newly_bad, usable_exclusion
 from relax_hpc.launch.supervisor import given
-from relax_hpc.metrics.accounting import accounting, from_events, from_sacct_rows, per_hour, render, role_kind, tres
+from relax_hpc.metrics.accounting import (
+    accounting,
+    from_events,
+    from_sacct_rows,
+    per_hour,
+    render,
+    role_kind,
+    tres,
+    unaccounted,
+)
 from relax_hpc.metrics.jsonl import JsonlWriter
 from relax_hpc.paths import RunPaths
 
@@ -88,32 +96,6 @@ def test_a_roles_command_line_says_what_it_was_given():
     assert given(local_trainer, threads=3) == {"cpus": 6.0, "gpus": 0.0}
 
 
-def exit_on(nodes: list[str], code: int = 1, hung: str | None = None) -> dict:
-    return {"event": "role_exit", "role": "engine-0", "exit": code, "hung": hung, "nodes": nodes}
-
-
-def test_a_node_is_bad_after_two_failures_and_clearing_starts_the_count_again():
-    events = [exit_on(["n1"]), exit_on(["n2"]), exit_on(["n1"], code=-9, hung="hung")]
-    assert failures(events) == {"n1": 2, "n2": 1}
-    assert bad_nodes(events, 2) == ["n1"] and bad_nodes(events, 1) == ["n1", "n2"] and bad_nodes(events, 0) == []
-    assert newly_bad(events, ["n1"], 2) == ["n1"] and newly_bad([*events, exit_on(["n1"])], ["n1"], 2) == []
-    cleared = [*events, {"event": "bad_nodes_cleared"}, exit_on(["n1"])]
-    assert failures(cleared) == {"n1": 1} and bad_nodes(cleared, 2) == []
-
-
-def test_clean_exits_and_multi_node_roles_mark_no_node():
-    events = [exit_on(["n1"], code=0), exit_on(["n1"], code=0), exit_on(["n1", "n2"]), exit_on(["n1", "n2"]),
-              exit_on([]), exit_on([])]  # fmt: skip
-    assert failures(events) == {}
-
-
-def test_the_exclusion_leaves_the_job_enough_nodes():
-    assert usable_exclusion(["n3", "n1"], ["n1", "n2", "n3", "n4"], needed=2) == (["n3", "n1"], [])
-    assert usable_exclusion(["n3", "n1"], ["n1", "n2", "n3", "n4"], needed=3) == (["n3"], ["n1"])
-    assert usable_exclusion(["n1"], ["n1"], needed=1) == ([], ["n1"])  # the only node stays in
-    assert usable_exclusion(["x9"], ["n1", "n2"], needed=1) == ([], [])  # not in the partition: nothing to do
-
-
 def test_a_final_sacct_answer_is_kept_and_the_events_stand_in_without_one(tmp_path, monkeypatch):
     monkeypatch.delenv("SLURM_CONF", raising=False)  # no cluster: sacct, where installed, answers nothing
     paths = RunPaths(tmp_path)
@@ -136,5 +118,17 @@ def test_an_eval_jobs_samples_are_the_ones_it_scored(tmp_path):
         JsonlWriter(paths.eval_results).log({"model": model, "dataset": "addition", "problems": 9, "samples": 45})
     assert accounting(paths, slurm=False) | {"roles": None} == {
         "source": "events", "jobs": [], "roles": None, "total": {"cpu_h": 2.0, "gpu_h": 0.0},
-        "samples": 90, "samples_per_cpu_h": 45.0,
+        "unaccounted": [], "samples": 90, "samples_per_cpu_h": 45.0,
     }  # fmt: skip
+
+
+def test_starts_killed_before_their_usage_record_are_named_as_not_counted():
+    start = lambda restart: {"event": "start", "slurm_job_id": "7", "slurm_restart_count": restart, "time": 0.0}  # noqa: E731
+    usage = {"event": "usage", "roles": {}}
+    events = [start(0), usage, {"event": "end"}, start(1), start(2)]  # restart 1 killed with its allocation
+    assert unaccounted(events, live=True) == ["job 7 (restart 1)"]  # restart 2 still runs
+    assert unaccounted(events, live=False) == ["job 7 (restart 1)", "job 7 (restart 2)"]
+    assert unaccounted([start(0), usage], live=False) == []
+    none = {"cpu_h": 0.0, "gpu_h": 0.0}
+    facts = {"source": "events", "roles": {}, "total": none, "unaccounted": ["job 7 (restart 1)"], **per_hour(0, none)}
+    assert render(facts)[-1].startswith("usage:       not counted above: job 7 (restart 1), whose launcher was killed")

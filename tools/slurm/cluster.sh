@@ -15,7 +15,11 @@
 # /run/relax-slurm/<hash of DIR> (unix socket paths must stay short); logs in DIR/log.
 # Environment: RELAX_SLURM_PORT_BASE (default: the first of 16800, 17800, ... whose ports are free;
 # slurmctld BASE+17, slurmdbd BASE+19, slurmd BASE+21..BASE+24);
-# RELAX_SLURM_KEEP_ON_FAIL=1 leaves the daemons running when start fails (to debug).
+# RELAX_SLURM_KEEP_ON_FAIL=1 leaves the daemons running when start fails (to debug);
+# RELAX_SLURM_ACCOUNTING=none: no MariaDB, no slurmdbd (AccountingStorageType=accounting_storage/none,
+# as on clusters without accounting: sacct answers nothing);
+# RELAX_SLURM_MIN_JOB_AGE=SECONDS (default 86400): how long slurmctld remembers an ended job (a few
+# seconds lets a test see Slurm forget one).
 set -euo pipefail
 
 usage() { echo "usage: $0 start|stop|status DIR" >&2; exit 2; }
@@ -29,6 +33,9 @@ export SLURM_CONF=$DIR/slurm.conf
 unset SLURM_JOB_ID SLURM_JOBID
 
 CLUSTER_NAME=relax
+ACCOUNTING=${RELAX_SLURM_ACCOUNTING:-slurmdbd}
+case $ACCOUNTING in slurmdbd | none) ;; *) echo "RELAX_SLURM_ACCOUNTING: slurmdbd or none, not $ACCOUNTING" >&2 && exit 2 ;; esac
+MIN_JOB_AGE=${RELAX_SLURM_MIN_JOB_AGE:-86400}
 NODES=(n1 n2 n3 n4)
 set_ports() {  # BASE
   PORT_BASE=$1
@@ -146,6 +153,23 @@ poll() {  # SECONDS DESCRIPTION COMMAND...: retry COMMAND every 0.2 s until it s
 }
 
 # --- configuration ----------------------------------------------------------------------------
+accounting_conf() {
+  if [ "$ACCOUNTING" = none ]; then
+    echo "AccountingStorageType=accounting_storage/none"
+    return
+  fi
+  cat <<EOF
+# accounting: slurmdbd + MariaDB (sacct, as submitit polls it)
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=localhost
+AccountingStoragePort=$DBD_PORT
+# the munge socket for talking to slurmdbd (default: /run/munge/munge.socket.2)
+AccountingStoragePass=$MUNGE_SOCK
+# GPUs in AllocTRES (sacct), which relax_hpc's accounting reads per job step
+AccountingStorageTRES=gres/gpu
+EOF
+}
+
 write_configs() {
   local last=$((NODE_PORT0 + ${#NODES[@]} - 1)) n i
   mkdir -p "$DIR/state" "$DIR/munge" "$DIR/dev" "$LOG" "$RUN"
@@ -191,21 +215,14 @@ ReturnToService=2
 MailProg=/bin/true
 # fast turnaround for tests (cred_expire above: a requeued job may start again ~6 s later)
 KillWait=5
-MinJobAge=86400
+MinJobAge=$MIN_JOB_AGE
 JobRequeue=1
 SchedulerParameters=bf_interval=1,sched_interval=1
 # preemption: high preempts debug; the victim gets its --signal first, then GraceTime
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 SlurmctldParameters=preempt_send_user_signal
-# accounting: slurmdbd + MariaDB (sacct, as submitit polls it)
-AccountingStorageType=accounting_storage/slurmdbd
-AccountingStorageHost=localhost
-AccountingStoragePort=$DBD_PORT
-# the munge socket for talking to slurmdbd (default: /run/munge/munge.socket.2)
-AccountingStoragePass=$MUNGE_SOCK
-# GPUs in AllocTRES (sacct), which relax_hpc's accounting reads per job step
-AccountingStorageTRES=gres/gpu
+$(accounting_conf)
 JobCompType=jobcomp/none
 GresTypes=gpu
 NodeName=n[1-${#NODES[@]}] NodeHostname=localhost NodeAddr=127.0.0.1 Port=$NODE_PORT0-$last CPUs=4 RealMemory=4000 Gres=gpu:2 State=UNKNOWN
@@ -253,8 +270,9 @@ sacct_ok() { timeout 10 sacct -n -X -a -S now-1minutes; }
 
 # --- commands ---------------------------------------------------------------------------------
 cmd_start() {
-  local t0=$SECONDS n i
-  for n in slurmctld slurmd slurmdbd munged mariadbd mariadb-install-db sbatch sacct; do
+  local t0=$SECONDS n daemons=(munged)
+  [ "$ACCOUNTING" = none ] || daemons+=(mariadb slurmdbd)
+  for n in slurmctld slurmd munged sbatch $([ "$ACCOUNTING" = none ] || echo slurmdbd mariadbd mariadb-install-db sacct); do
     command -v "$n" >/dev/null || { log "$n missing: run tools/slurm/install.sh"; exit 1; }
   done
   for n in "$RUN"/*.pid; do
@@ -270,7 +288,29 @@ cmd_start() {
     --pid-file="$RUN/munged.own.pid" --seed-file="$DIR/munge/munged.seed" \
     --log-file="$LOG/munged.log"
   poll 10 munged bash -c "munge -S '$MUNGE_SOCK' -n | unmunge -S '$MUNGE_SOCK'"
+  [ "$ACCOUNTING" = none ] || start_accounting
 
+  start_daemon slurmctld slurmctld -D -i
+  poll 30 slurmctld ctld_up
+
+  for n in "${NODES[@]}"; do
+    start_daemon "slurmd-$n" slurmd -D -N "$n"
+  done
+  poll 60 "all nodes idle" nodes_idle
+  if [ "$ACCOUNTING" != none ]; then
+    poll 30 "slurmctld registered with slurmdbd" registered
+    poll 30 sacct sacct_ok
+  fi
+
+  for n in "${daemons[@]}" slurmctld "${NODES[@]/#/slurmd-}"; do
+    alive "$(pid_of "$n")" || fail "$n died"
+  done
+  sinfo >&2
+  log "up in $((SECONDS - t0)) s: nodes ${NODES[*]}, partitions debug (default) and high, accounting $ACCOUNTING; logs in $LOG"
+  echo "export SLURM_CONF=$DIR/slurm.conf"
+}
+
+start_accounting() {  # MariaDB, then slurmdbd
   if [ ! -d "$DIR/mysql/mysql" ]; then
     rm -rf "$DIR/mysql"
     mariadb-install-db --no-defaults --datadir="$DIR/mysql" --user=root \
@@ -286,23 +326,6 @@ cmd_start() {
 
   MYSQL_UNIX_PORT=$MYSQL_SOCK start_daemon slurmdbd slurmdbd -D
   poll 30 slurmdbd dbd_up
-
-  start_daemon slurmctld slurmctld -D -i
-  poll 30 slurmctld ctld_up
-
-  for n in "${NODES[@]}"; do
-    start_daemon "slurmd-$n" slurmd -D -N "$n"
-  done
-  poll 60 "all nodes idle" nodes_idle
-  poll 30 "slurmctld registered with slurmdbd" registered
-  poll 30 sacct sacct_ok
-
-  for n in munged mariadb slurmdbd slurmctld "${NODES[@]/#/slurmd-}"; do
-    alive "$(pid_of "$n")" || fail "$n died"
-  done
-  sinfo >&2
-  log "up in $((SECONDS - t0)) s: nodes ${NODES[*]}, partitions debug (default) and high; logs in $LOG"
-  echo "export SLURM_CONF=$DIR/slurm.conf"
 }
 
 cmd_stop() {
