@@ -26,6 +26,7 @@ RUN_DIR/
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 from dataclasses import dataclass
@@ -244,16 +245,35 @@ def draining(paths: RunPaths) -> set[str]:
 
 
 def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
-    """Make `path` hold `data`, visible to readers only once complete: tmp, fsync, rename."""
+    """Make `path` hold `data`, visible to readers only once complete: tmp, fsync, rename. A
+    failed write leaves no tmp file and names `path` (os.write's error names no file)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OSError(e.errno, e.strerror, str(path)) from e
     fsync_dir(path.parent)
+
+
+# Space a writer leaves free on RUN_DIR's filesystem for the small records (events, heartbeats,
+# manifests) that report a full disk and let the run stop cleanly.
+RESERVE_BYTES = 256 * 1024
+
+
+def require_space(path: Path, nbytes: int) -> None:
+    """Raise ENOSPC, naming `path`, when writing about `nbytes` there would leave less than
+    RESERVE_BYTES free: for writers that a full disk would crash rather than fail (HDF5 segfaults
+    when a write fails)."""
+    stat = os.statvfs(path.parent)
+    if stat.f_bavail * stat.f_frsize < nbytes + RESERVE_BYTES:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
 
 def fsync_dir(path: Path) -> None:

@@ -28,7 +28,7 @@ import numpy as np
 
 from relax_hpc import fence
 from relax_hpc.config.schema import MediaKind
-from relax_hpc.paths import SpoolDirs, fsync_dir, write_atomic
+from relax_hpc.paths import SpoolDirs, fsync_dir, require_space, write_atomic
 
 # 2: media (once per prompt group); 3: per-token policy versions (multi-turn and partial rollout);
 # 4: the routers' choices per token, optional (MoE routing replay), and each sample's reward
@@ -283,6 +283,9 @@ def write_batch(path: Path, batch: SampleBatch, writer: str) -> None:
     for name in _OPTIONAL:
         if getattr(batch, name) is not None:
             arrays[name], summed = getattr(batch, name), [*summed, name]
+    # Twice the payload: HDF5's own metadata and chunking. A full disk must fail here, in Python:
+    # HDF5's failed writes crashed the driver (SIGSEGV while freeing the file's objects).
+    require_space(path, 2 * sum(a.nbytes for a in arrays.values()))
     with h5py.File(path, "w", locking=False) as f:
         for name, arr in arrays.items():
             f.create_dataset(name, data=arr)

@@ -3,6 +3,8 @@ role exit (RUN_DIR/metrics/events.jsonl `role_exit`), instead of the role's last
 
 from __future__ import annotations
 
+import errno
+import os
 import signal
 
 from relax_hpc.fence import EXIT_FENCED
@@ -30,3 +32,13 @@ def exit_cause(code: int | None, hung: str | None = None) -> str:
     if SIGNALLED < code < SIGNALLED + 65:
         return f"exit {code} ({_signal_name(code - SIGNALLED)})"
     return f"exit {code}"
+
+
+# The OS's words for a write that found no space (a full filesystem, a full quota), as Python's
+# OSError and HDF5's errors print them.
+NO_SPACE = (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT))
+
+
+def no_space(log_tail: str) -> str | None:
+    """The last line of a role's log that says a write found no space (None: none says so)."""
+    return next((line.strip() for line in reversed(log_tail.splitlines()) if any(w in line for w in NO_SPACE)), None)

@@ -27,7 +27,7 @@ import psutil
 
 from relax_hpc.config.schema import JobConfig
 from relax_hpc.fence import EXIT_FENCED, Lease, refused_writes
-from relax_hpc.launch.badnodes import newly_bad
+from relax_hpc.launch.badnodes import newly_bad, node_fault
 from relax_hpc.launch.causes import exit_cause
 from relax_hpc.launch.commands import step_name
 from relax_hpc.launch.forkserver import ForkedProcess, ForkServer, ForkServerError, StartAbandoned, forkable
@@ -339,14 +339,17 @@ class Supervisor:
 
     def _role_failed(self, role: Role, record: dict) -> None:
         """Log a role's exit; a node that this failure makes bad is said (launch.badnodes)."""
+        # Roles ended by a stop asked of the run (a cancellation, a preemption, a requeue) are the run's.
+        fault = None if self.stop_requested else node_fault(record["exit"], role.log_tail(20), role.nodes)
         self.events.log({"event": "role_exit", "role": role.name, **record, "nodes": role.nodes,
                          "cause": exit_cause(record["exit"], role.hung), "last_line": role.log_tail(1),
-                         "hung": role.hung})  # fmt: skip
-        if not (record["exit"] or role.hung):
-            return  # an exit 0 is no failure of its node
+                         "hung": role.hung, "node_fault": fault})  # fmt: skip
+        if fault is None:
+            return
         threshold = self.cfg.launch.slurm.bad_node_failures
-        for node in newly_bad(read_jsonl(self.paths.events_metrics), role.nodes, threshold):
-            self.say(f"\nnode {node}: roles failed on it {threshold} times; the job's next requeue leaves it out\n")
+        for node in newly_bad(read_jsonl(self.paths.events_metrics), [fault["node"]], threshold):
+            self.say(f"\nnode {node}: roles failed {threshold} times by its fault (last: {fault['cause']}); "
+                     "the job's next requeue leaves it out\n")  # fmt: skip
             self.events.log({"event": "bad_node", "node": node, "failures": threshold})
 
     def _act_on_health(self, roles: dict[str, Role], monitor: HealthMonitor) -> None:
