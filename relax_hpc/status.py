@@ -230,11 +230,14 @@ def _duration(seconds: float) -> str:
 
 
 def _role_exit(event: dict[str, Any]) -> str:
-    """A role's exit by its cause (hung, fenced, a signal, the exit code) and its node; events
-    written before the launcher recorded the cause get it from their exit status."""
+    """A role's exit by its cause (hung, fenced, a signal, the exit code), its node, and the node's
+    fault where the launcher found one (launch.badnodes); events written before the launcher
+    recorded the cause get it from their exit status."""
     cause = event.get("cause") or exit_cause(event["exit"], event.get("hung"))
     nodes = f" on {','.join(event['nodes'])}" if event.get("nodes") else ""
-    return f"{event['role']}: {cause}{nodes} ({event['action']})"
+    fault = event.get("node_fault")
+    node = f"; node {fault['node']}: {fault['cause']}" if fault else ""
+    return f"{event['role']}: {cause}{nodes}{node} ({event['action']})"
 
 
 def render(facts: dict[str, Any]) -> str:
