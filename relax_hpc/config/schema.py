@@ -743,10 +743,11 @@ class SlurmConfig(Section):
     job_name: str = "relax_hpc"
     """`--job-name`."""
     bad_node_failures: int = Field(default=2, ge=0)
-    """A node on which roles failed (a non-zero exit, or killed as hung) this many times is left
-    out of the job's next requeue (its ExcNodeList) and of elastic engine jobs (`--exclude`), but
-    never so many that the partition has fewer nodes than the job needs
-    (`python -m relax_hpc.status RUN_DIR --clear-bad-nodes` forgets them). 0 = never."""
+    """A node on which roles failed by the node's own fault (Slurm's NODE_FAIL, an unreachable
+    slurmd, a CUDA device error; never a fenced exit, a cancellation, a preemption, a hang or a
+    crash) this many times is left out of the job's next requeue (its ExcNodeList) and of elastic
+    engine jobs (`--exclude`), but never so many that the partition has fewer nodes than the job
+    needs (`python -m relax_hpc.status RUN_DIR --clear-bad-nodes` forgets them). 0 = never."""
 
     @model_validator(mode="after")
     def _lead_within_the_limit(self) -> SlurmConfig:

@@ -1,10 +1,16 @@
-"""Bad nodes: a node on which roles failed `launch.slurm.bad_node_failures` times is left out.
+"""Bad nodes: a node on which roles failed for the node's own reasons `launch.slurm.bad_node_failures`
+times is left out.
 
-The record is RUN_DIR/metrics/events.jsonl: every `role_exit` of a role that failed (a non-zero
-exit, or killed as hung) names the node it ran on. A role of several nodes (a multi-node trainer)
-names no node: which of them failed is not known, and leaving all of them out would punish the
-healthy ones. A node that reaches the count gets a `bad_node` event; `python -m relax_hpc.status
-RUN_DIR --clear-bad-nodes` writes `bad_nodes_cleared`, and counting starts again after it.
+The record is RUN_DIR/metrics/events.jsonl: every `role_exit` carries `node_fault` where the failure
+belongs to a node, by the words of its log's last lines: Slurm's NODE_FAIL (`srun: error: Node
+failure on NODE`), an unreachable slurmd (a step's launch that timed out on NODE), or a device
+error of CUDA or the driver (an uncorrectable ECC error, a GPU lost). Nothing else is a node's: a
+fenced exit (76: a newer start of the run), a cancellation or preemption (the launcher was asked to
+stop), a hang, a crash or an out-of-memory is the run's. A device error names the node only for a
+role of one node: which node of a multi-node trainer failed is not known, and leaving all of them
+out would punish the healthy ones. A node that reaches the count gets a `bad_node` event; `python -m
+relax_hpc.status RUN_DIR --clear-bad-nodes` writes `bad_nodes_cleared`, and counting starts again
+after it.
 
 Slurm takes an exclude list (ExcNodeList) only while a job is pending, so the launcher sets it
 once its job is requeued (after the pre-timeout notice, or whenever the launcher ends with its job
@@ -16,6 +22,7 @@ stay in and the launcher says so instead (a `bad_node_kept` event).
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 from collections import Counter
@@ -23,20 +30,52 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from relax_hpc.fence import EXIT_FENCED
 from relax_hpc.metrics.jsonl import JsonlWriter, read_jsonl
 from relax_hpc.paths import RunPaths
 
+# srun's own words when the node failed under a running step, or its slurmd did not answer a launch.
+NODE_FAILURE = re.compile(r"srun: error: Node failure on (\S+)")
+UNREACHABLE = re.compile(
+    r"srun: error: Task launch for \S+ failed on node (\S+): (Socket timed out on send/recv operation|"
+    r"Communication connection failure|Connection refused|Zero Bytes were transmitted or received)"
+)
+# CUDA's and the driver's words for a device that failed, not the code on it (an illegal address,
+# a device-side assert, out of memory and a kernel's launch failure are the program's).
+DEVICE_ERRORS = (
+    "uncorrectable ECC error",
+    "uncorrectable NVLink error",
+    "GPU has fallen off the bus",
+    "GPU is lost",
+    "CUDA-capable device(s) is/are busy or unavailable",
+    "system not yet initialized",
+    "CUDA driver initialization failed",
+)
+
+
+def node_fault(exit_code: int | None, log_tail: str, nodes: list[str]) -> dict[str, str] | None:
+    """The node a role's failure belongs to, and why ({"node", "cause"}), from the last lines of
+    its log (None: the failure is the run's, or not known to be a node's)."""
+    if not exit_code or exit_code == EXIT_FENCED:
+        return None
+    for line in reversed(log_tail.splitlines()):
+        if (m := NODE_FAILURE.search(line)) and m[1] in nodes:
+            return {"node": m[1], "cause": "NODE_FAIL"}
+        if (m := UNREACHABLE.search(line)) and m[1] in nodes:
+            return {"node": m[1], "cause": f"slurmd unreachable: {m[2]}"}
+        if len(nodes) == 1 and any(words in line for words in DEVICE_ERRORS):
+            return {"node": nodes[0], "cause": f"device error: {line.strip()[-200:]}"}
+    return None
+
 
 def failures(events: list[dict[str, Any]]) -> Counter[str]:
-    """Failed roles per node since the list was last cleared."""
+    """Roles failed for their node's own reasons (`node_fault`), per node, since the list was last cleared."""
     count: Counter[str] = Counter()
     for event in events:
         if event.get("event") == "bad_nodes_cleared":
             count.clear()
-        elif event.get("event") == "role_exit" and (event.get("exit") or event.get("hung")):
-            nodes = event.get("nodes") or []
-            if len(nodes) == 1:
-                count[nodes[0]] += 1
+        elif event.get("event") == "role_exit" and event.get("node_fault"):
+            count[event["node_fault"]["node"]] += 1
     return count
 
 

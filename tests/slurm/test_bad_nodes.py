@@ -1,18 +1,22 @@
-"""Bad nodes on the real controller: the exclude list a requeued (pending) job gets, the last
-usable nodes kept in, what `status` says, and clearing. Held jobs stand in for requeued ones
-(both are pending, which is when Slurm takes an ExcNodeList): nothing here occupies a node. The
-whole way through a launcher's own requeue is in test_runs.py (the sbatch recipe)."""
+"""Bad nodes on the real controller: what a role's srun says when its node's slurmd does not answer
+(the node's fault), the exclude list a requeued (pending) job gets, the last usable nodes kept in,
+what `status` says, and clearing. Held jobs stand in for requeued ones (both are pending, which is
+when Slurm takes an ExcNodeList). The whole way through a launcher's own requeue is in
+test_runs.py (the sbatch recipe)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
-from relax_hpc.launch.badnodes import exclude_if_requeued
+from relax_hpc.launch.badnodes import exclude_if_requeued, node_fault
 from relax_hpc.metrics.jsonl import JsonlWriter, read_jsonl
 from relax_hpc.paths import RunPaths
 from tests.slurm.jobs import CONFIG, REPO, slurm, wait_until
@@ -28,14 +32,15 @@ def excluded(job: str) -> str:
 
 
 def failed_twice_on(run_dir: Path, node: str) -> RunPaths:
-    """A run whose roles failed twice on `node` (the supervisor's role_exit records)."""
+    """A run whose roles failed twice on `node` by its fault (the supervisor's role_exit records)."""
     paths = RunPaths(run_dir)
     run_dir.mkdir()
     paths.config.write_text(CONFIG.read_text())
     events = JsonlWriter(paths.events_metrics)
     for _ in range(2):
         events.log({"event": "role_exit", "role": "engine-0", "exit": 1, "restarts": 0, "action": "restart",
-                    "nodes": [node], "last_line": "", "hung": None})  # fmt: skip
+                    "nodes": [node], "last_line": "", "hung": None,
+                    "node_fault": {"node": node, "cause": "NODE_FAIL"}})  # fmt: skip
     return paths
 
 
@@ -104,3 +109,35 @@ def test_an_elastic_engine_job_is_submitted_without_the_bad_nodes(slurm_cluster,
     argv = [sys.executable, "-m", "relax_hpc.scale", str(paths.root), "out", "--engines", "1", "--dry-run"]
     script = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, check=True, timeout=120).stdout
     assert "#SBATCH --exclude=n2\n" in script, script
+
+
+def slurmd(node: str, conf: Path) -> psutil.Process:
+    """The slurmd of `node` in this session's cluster (not another cluster's on this host)."""
+    for process in psutil.process_iter(["cmdline"]):
+        if process.info["cmdline"] != ["slurmd", "-D", "-N", node]:
+            continue
+        with contextlib.suppress(psutil.Error):
+            if process.environ().get("SLURM_CONF") == str(conf):
+                return process
+    raise AssertionError(f"no slurmd of {node} for {conf}")
+
+
+def test_a_launch_on_a_stopped_slurmd_is_the_nodes_fault(slurm_cluster, tmp_path):
+    """A role's srun on a node whose slurmd is stopped: the launch times out, and the line srun
+    leaves in the role's log makes the failure the node's. The client waits MessageTimeout (1 s
+    in its own copy of slurm.conf, beside the cluster's) instead of the cluster's 10 s."""
+    job = slurm("sbatch", "--parsable", "-N1", "-w", "n2", "-o", "/dev/null", "--wrap", "sleep 120").strip()
+    conf = slurm_cluster.conf.with_name(f"slurm-{tmp_path.name}.conf")
+    conf.write_text(slurm_cluster.conf.read_text() + "MessageTimeout=1\n")
+    stopped = slurmd("n2", slurm_cluster.conf)
+    try:
+        wait_until(lambda: slurm("squeue", "-h", "-j", job, "-o", "%T").strip() == "RUNNING", 30, "the job's start")
+        stopped.suspend()
+        out = subprocess.run(["srun", f"--jobid={job}", "--overlap", "-N1", "true"], capture_output=True, text=True,
+                             check=False, timeout=120, env={**os.environ, "SLURM_CONF": str(conf)})  # fmt: skip
+    finally:
+        stopped.resume()
+        conf.unlink()
+        slurm("scancel", job)
+    fault = node_fault(out.returncode, out.stderr, ["n2"])
+    assert fault == {"node": "n2", "cause": "slurmd unreachable: Socket timed out on send/recv operation"}, out.stderr

@@ -22,7 +22,7 @@ from relax_hpc.metrics.jsonl import read_jsonl
 from relax_hpc.paths import RunPaths
 from relax_hpc.protocol.client import EngineClient
 from tests.runs import assert_nothing_lost_or_repeated
-from tests.slurm.jobs import describe, finished, job_id, last_step, sacct, slurm, submit, wait_until
+from tests.slurm.jobs import describe, finished, job_id, last_step, slurm, submit, wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 # Room for both faults, the second after the first is handled: a step takes 0.3-1 s, and the hung
@@ -101,11 +101,9 @@ def test_a_hung_engine_and_a_hung_trainer_rank_end_with_their_job_steps(slurm_cl
     trained = [r["step"] for r in read_jsonl(run_dir / "metrics" / "train.jsonl") if "loss" in r]
     assert trained[:step] == list(range(1, step + 1))
     assert_nothing_lost_or_repeated(run_dir, step)
-    # One failure makes a node bad here (launch.slurm.bad_node_failures=1): the hung roles' nodes.
-    nodes = {r["JobName"]: r["NodeList"] for r in sacct(job, "JobName,NodeList")}
-    bad = [e["node"] for e in events(run_dir, "bad_node")]
-    hung = {nodes["relax_hpc:engine-0"], nodes["relax_hpc:trainer"]}
-    assert sorted(bad) == sorted(hung), events(run_dir, "role_exit")
+    # One node fault would make a node bad here (launch.slurm.bad_node_failures=1), but a hang is
+    # the run's, not its node's: no node is marked.
+    assert not events(run_dir, "bad_node") and not [e for e in events(run_dir, "role_exit") if e["node_fault"]]
 
 
 def test_ending_a_step_in_a_heterogeneous_jobs_second_component(slurm_cluster, tmp_path):

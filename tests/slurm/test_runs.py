@@ -94,11 +94,12 @@ def assert_accounting_matches_sacct(run_dir, job: str) -> None:
 def test_sbatch_recipe_requeues_itself_and_completes(slurm_cluster, tmp_path):
     """The recipe's own launcher: the pre-timeout notice mid-run, then a resumed run to the end."""
     run_dir = tmp_path / "recipe"
-    # Roles failed twice on n1 (the launcher's own records): the requeue leaves n1 out.
+    # Roles failed twice on n1 by its fault (the launcher's own records): the requeue leaves n1 out.
     events = JsonlWriter(run_dir / "metrics" / "events.jsonl")
     for _ in range(2):
         events.log({"event": "role_exit", "role": "engine-0", "exit": 1, "restarts": 0, "action": "restart",
-                    "nodes": ["n1"], "last_line": "", "hung": None})  # fmt: skip
+                    "nodes": ["n1"], "last_line": "", "hung": None,
+                    "node_fault": {"node": "n1", "cause": "NODE_FAIL"}})  # fmt: skip
     job = slurm(
         "sbatch", "--parsable", f"--output={tmp_path}/%x-%j.out", "sbatch/tiny-cpu.sbatch",
         "trainer.total_steps=8", "rollout.prompts_per_step=8", "rollout.eval_every=0", "ckpt.keep_trained_batches=true",
