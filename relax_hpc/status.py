@@ -71,11 +71,11 @@ def engines(paths: RunPaths) -> list[dict[str, Any]]:
     return out
 
 
-def last_seen(paths: RunPaths, now: float | None = None) -> dict[str, Any] | None:
+def last_seen(paths: RunPaths) -> dict[str, Any] | None:
     """The run's newest heartbeat (the launcher's, the trainer's, the driver's: RUN_DIR/health),
     and whether every one of them has stopped: its writer is gone (a process of this host), or it
     is older than STALE_S (another host's)."""
-    now = time.time() if now is None else now
+    now = time.time()
     folder = paths.health("launcher").parent
     beats = {path.stem: beat for path in folder.glob("*.json") if (beat := read_heartbeat(path))}
     if not beats:
@@ -119,7 +119,10 @@ def _last_start(events: list[dict[str, Any]]) -> int:
     return max((i for i, e in enumerate(events) if e.get("event") == "start"), default=0)
 
 
-def _state(paths: RunPaths, total: int, events: list[dict[str, Any]], slurm: str | None, job: str | None = None) -> str:
+def _state(
+    paths: RunPaths, total: int, events: list[dict[str, Any]], slurm: str | None, job: str | None,
+    seen: dict[str, Any] | None,
+) -> str:  # fmt: skip
     if completed_steps(paths) >= total:
         return "complete"
     starts = [e for e in events if e.get("event") == "start"]
@@ -132,7 +135,6 @@ def _state(paths: RunPaths, total: int, events: list[dict[str, Any]], slurm: str
         # once Slurm has forgotten the job (no accounting, MinJobAge) the stopped heartbeats do.
         if ended and slurm:
             return f"{ENDED.get(slurm.split()[0], slurm)} (Slurm: {slurm})"
-        seen = last_seen(paths)
         return _unrecorded_end(seen, events, job) if slurm is None and seen and seen["stopped"] else "running"
     if ends:
         return {0: "complete", 75: "stopped (resumable)"}.get(ends[-1]["exit"], "failed")
@@ -150,10 +152,11 @@ def collect(run_dir: Path) -> dict[str, Any]:
     events = read_jsonl(paths.events_metrics)
     job = paths.slurm_job_id.read_text().strip() if paths.slurm_job_id.is_file() else None
     slurm = slurm_state(job) if job else None
+    seen = last_seen(paths)
     facts: dict[str, Any] = {
         "run_dir": str(paths.root),
-        "state": _state(paths, total, events, slurm, job),
-        "last_seen": last_seen(paths),
+        "state": _state(paths, total, events, slurm, job, seen),
+        "last_seen": seen,
         "step": steps[-1]["step"] if steps else 0,
         "total_steps": total,
         "checkpoint_step": completed_steps(paths),
