@@ -416,9 +416,9 @@ class TorchEngine:
         self.weight_version, self.whole = version, True
 
     def weights_snapshot(self, req: SnapshotReq) -> bytearray:
-        """One bucket of the weights for an engine catching up, stamped with the version and
-        epoch it was read at (relax_hpc.weights.catchup)."""
-        if self.adapter_folders or self.lora.adapter:
+        """One bucket of the weights for an engine catching up (or, `inspect`, for a check of
+        them), stamped with the version and epoch it was read at (relax_hpc.weights.catchup)."""
+        if (self.adapter_folders or self.lora.adapter) and not req.inspect:
             raise P.ProtocolError("catch-up copies whole weights; this engine serves LoRA adapters")
         if req.bucket_bytes <= 0:
             raise P.ProtocolError(f"bucket_bytes must be positive, got {req.bucket_bytes}")

@@ -40,10 +40,13 @@ _META = "relax_snapshot"  # the blob's metadata key: version, epoch, bucket coun
 @dataclass
 class SnapshotReq:
     """POST /relax/weights_snapshot: bucket `bucket` of the seed's weights in buckets of at most
-    `bucket_bytes` (the seed plans them from its own parameters, in their order)."""
+    `bucket_bytes` (the seed plans them from its own parameters, in their order). `inspect`: a
+    read of what the engine holds, not a copy to load, so served in LoRA runs too (their weights
+    hold a merged adapter, which a catching-up engine must not take for its base)."""
 
     bucket: int
     bucket_bytes: int
+    inspect: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -83,7 +83,7 @@ def main() -> None:
     full = dict(backend.full_parameters())
     if rank == 0:
         full, greedy = expected(cfg.model.path, cfg.trainer.lora is not None, full)
-        # Every weight, bit for bit: what an engine that catches up later must hold (broadcast).
+        # Every weight, bit for bit: what every engine must hold (its snapshot route tells).
         save_file({n: t.detach().clone() for n, t in full.items()}, str(out.with_suffix(".safetensors")))
         out.write_text(
             json.dumps(
@@ -107,7 +107,6 @@ def main() -> None:
                     "bucket_bytes": [b.nbytes for b in buckets],
                     "greedy": greedy,
                     "previous_greedy": None if previous is None else expected(cfg.model.path, True, previous)[1],
-                    "weights": {name: t[:2].tolist() for name, t in full.items()},
                 }
             )
         )
@@ -282,12 +281,13 @@ def make_channel(path: str, cfg: JobConfig, paths: RunPaths, backend: TorchBacke
 
 
 def expected(model_path: str, lora: bool, full: dict) -> tuple[dict, list[list[int]]]:
-    """The engine's weights (LoRA: the base with the adapters merged) and their greedy answers."""
+    """The engine's weights, every one (LoRA: the base with the adapters merged, the untouched
+    base tensors too), and their greedy answers."""
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     reference = AutoModelForCausalLM.from_pretrained(model_path).eval()
-    if lora:
-        full = merge_all(reference.state_dict(), full)
-    reference.load_state_dict(full, strict=False)
+    reference.load_state_dict(merge_all(reference.state_dict(), full) if lora else full, strict=False)
+    if lora:  # named_parameters: a tied head once, under the embedding's name, as the engines hold it
+        full = {name: p.detach().clone() for name, p in reference.named_parameters()}
     prompts = [tokenizer(p)["input_ids"] for p, _ in addition_problems()]
     spec = SamplingSpec(max_new_tokens=4, temperature=0.0)
     n = len(prompts)
