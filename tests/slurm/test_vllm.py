@@ -58,16 +58,19 @@ def test_vllm_engine_steps_in_a_container_continue_aborted_generations_across_pu
     assert_nothing_lost_or_repeated(run_dir, STEPS)
     rollout = [r for r in read_jsonl(run_dir / "metrics" / "rollout.jsonl") if "batch" in r]
     assert max(r["continued_total"] for r in rollout) > 0, rollout  # generations aborted by a push, continued
+    # Every spooled batch, trained or not. Each completion's tokens carry the versions that sampled
+    # them, never older after newer (a continuation samples on the weights the push brought). How
+    # many completions span two versions is timing (a push that aborts a generation before its
+    # first token leaves one version; CI once saw none), so it is reported, not required: the
+    # built-in engine's partial-rollout test counts them over many batches.
     spans = 0
-    # Every spooled batch, trained or not: under load the first step (group formation, first
-    # push) outlasts the driver's 2-batch lead, and then only the batch after the last trained
-    # one straddled pushes (CI at 2f24a79: batches 0-2 at version 0, 3-5 at one version each).
     for h5 in sorted((run_dir / "spool").rglob("b*.h5")):
         b = read_batch(h5)
         assert b.token_versions is not None and b.newest_version is not None  # set on reading
         for i in range(b.num_samples):
             versions = b.token_versions[b.offsets[i] : b.offsets[i + 1]]
             sampled = versions[versions >= 0]
+            assert (sampled[1:] >= sampled[:-1]).all(), f"{h5.name} sample {i}: versions go back: {sampled}"
             assert b.policy_version[i] == sampled.min() and b.newest_version[i] == sampled.max()
             spans += int(sampled.max() > sampled.min())
-    assert spans > 0  # completions sampled token by token by two policy versions
+    print(f"completions sampled by two policy versions: {spans}")

@@ -1,7 +1,8 @@
 """A program for the fork server's tests: prints what it was given, then sleeps or exits.
 
 python -m tests.unit.fork_child [--sleep S] [--exit N] [--raise]
-Its import takes FORK_TEST_IMPORT_S seconds (a server's slow imports).
+Its import takes FORK_TEST_IMPORT_S seconds (a server's slow imports), then creates the file
+FORK_TEST_IMPORTED names, if set.
 """
 
 import argparse
@@ -10,6 +11,8 @@ import sys
 import time
 
 time.sleep(float(os.environ.get("FORK_TEST_IMPORT_S", "0")))
+if os.environ.get("FORK_TEST_IMPORTED"):
+    open(os.environ["FORK_TEST_IMPORTED"], "x").close()
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
