@@ -738,8 +738,8 @@ class SlurmConfig(Section):
     max_idle_allocations: int = Field(default=3, ge=0)
     """The job stops requeueing itself after this many allocations in a row that ended without a
     new checkpointed step (a time limit too short for a start-up and a step, a start that always
-    fails): it ends with that reason in events.jsonl, its output and `submit --wait`'s message.
-    Submitting again resumes. 0 = requeue regardless."""
+    fails; a preempted allocation is passed over): it ends with that reason in events.jsonl, its
+    output and `submit --wait`'s message. Submitting again resumes. 0 = requeue regardless."""
     job_name: str = "relax_hpc"
     """`--job-name`."""
     bad_node_failures: int = Field(default=2, ge=0)

@@ -92,7 +92,8 @@ def newly_bad(events: list[dict[str, Any]], nodes: list[str], threshold: int) ->
     return [node for node in nodes if threshold > 0 and count[node] == threshold]
 
 
-def _scontrol_job(job_id: str) -> dict[str, str]:
+def job_fields(job_id: str) -> dict[str, str]:
+    """`scontrol show job`'s fields of the job ({} where Slurm knows none)."""
     out = subprocess.run(
         ["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True, check=False, timeout=60
     )
@@ -131,7 +132,7 @@ class Exclusion:
 def plan_exclusion(paths: RunPaths, job_id: str, threshold: int) -> Exclusion | None:
     """The exclusion for job `job_id`'s next start (None: no bad node, or Slurm knows no such job)."""
     bad = bad_nodes(read_jsonl(paths.events_metrics), threshold)
-    job = _scontrol_job(job_id) if bad else {}
+    job = job_fields(job_id) if bad else {}
     if "Partition" not in job:
         return None
     needed = int(job.get("NumNodes", "1").split("-")[0])  # a pending job's is MIN-MAX
@@ -146,7 +147,7 @@ def apply_exclusion(plan: Exclusion, events: JsonlWriter, say: Callable[[str], N
     requeued job shows COMPLETING until its batch shell has exited, though Slurm counts it
     pending already: the update itself is the test."""
     if not plan.excluded:
-        if plan.kept and _scontrol_job(plan.job_id).get("JobState") in ("PENDING", "COMPLETING"):
+        if plan.kept and job_fields(plan.job_id).get("JobState") in ("PENDING", "COMPLETING"):
             events.log({"event": "bad_node_kept", "job": plan.job_id, "nodes": plan.kept})
             say(_kept_line(plan))
         return
@@ -213,7 +214,7 @@ def clear(paths: RunPaths) -> str:
     """Forget every failure so far; a pending job of the run gets its exclude list emptied."""
     job_id = current_job(paths)
     JsonlWriter(paths.events_metrics).log({"event": "bad_nodes_cleared"})
-    if job_id and _scontrol_job(job_id).get("JobState") == "PENDING":
+    if job_id and job_fields(job_id).get("JobState") == "PENDING":
         _set_exclusion(job_id, [])
         return f"bad nodes cleared; pending job {job_id} may start on any node again"
     return "bad nodes cleared"

@@ -3,7 +3,9 @@
 At submit, a time limit must fit a start-up, one step, one checkpoint and the pre-timeout lead
 (with Slurm's minute of slack): the run's own times where RUN_DIR has history, estimates
 otherwise. Inside the job, a run that went `launch.slurm.max_idle_allocations` allocations in a
-row without a new checkpointed step is not requeued again. Both read RUN_DIR only.
+row without a new checkpointed step is not requeued again; a preempted allocation (the launcher's
+`preempted` event) does not count, one that ended by its time limit or failed does. Both read
+RUN_DIR only.
 """
 
 from __future__ import annotations
@@ -79,17 +81,23 @@ def time_limit_problem(cfg: JobConfig, paths: RunPaths) -> str | None:
 def idle_allocations(paths: RunPaths, job_id: str | None) -> int:
     """How many allocations of this job in a row, up to the current one, ended without a new
     checkpointed step: each allocation's first start, against the next one's (the current one
-    against the checkpoint now)."""
+    against the checkpoint now). A preempted allocation is passed over: Slurm took it away."""
     firsts: dict[int, int] = {}
-    for s in starts(paths):
-        if s.get("slurm_job_id") == job_id:
-            firsts.setdefault(int(s.get("slurm_restart_count", 0)), int(s["step"]))
-    steps = [firsts[k] for k in sorted(firsts)] + [completed_steps(paths)]
+    preempted: set[int] = set()
+    for e in read_jsonl(paths.events_metrics):
+        if e.get("slurm_job_id") != job_id:
+            continue
+        if e.get("event") == "start":
+            firsts.setdefault(int(e.get("slurm_restart_count", 0)), int(e["step"]))
+        elif e.get("event") == "preempted":
+            preempted.add(int(e["slurm_restart_count"]))
+    counts = sorted(firsts)
+    steps = [firsts[k] for k in counts] + [completed_steps(paths)]
     idle = 0
-    for before, after in zip(reversed(steps[:-1]), reversed(steps[1:]), strict=True):
+    for count, before, after in reversed(list(zip(counts, steps[:-1], steps[1:], strict=True))):
         if after > before:
             break
-        idle += 1
+        idle += count not in preempted
     return idle
 
 

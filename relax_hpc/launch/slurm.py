@@ -27,7 +27,7 @@ from pathlib import Path
 from relax_hpc.config.load import read_frozen
 from relax_hpc.config.schema import JobConfig
 from relax_hpc.launch.allocation import Allocation, AllocationError
-from relax_hpc.launch.badnodes import Exclusion, apply_exclusion, plan_exclusion, scontrol
+from relax_hpc.launch.badnodes import Exclusion, apply_exclusion, job_fields, plan_exclusion, scontrol
 from relax_hpc.launch.commands import step_commands
 from relax_hpc.launch.guard import stop_requeueing
 from relax_hpc.launch.supervisor import EXIT_COMPLETED, EXIT_STOPPED, EXIT_SUPERSEDED, Supervisor
@@ -85,6 +85,21 @@ def may_requeue(cfg: JobConfig, paths: RunPaths, supervisor: Supervisor) -> bool
     return False
 
 
+def preempting(job_id: str) -> bool:
+    """Whether Slurm is preempting the job's allocation: its PreemptTime is set from the moment
+    it picks the job to preempt (the notice, then GraceTime) until the job is requeued."""
+    return job_fields(job_id).get("PreemptTime", "None") not in ("None", "Unknown")
+
+
+def note_preemption(supervisor: Supervisor) -> None:
+    """At a notice or a SIGTERM: record a preemption of this allocation (`preempted`), which the
+    no-progress guard does not count (an allocation taken away is no sign the run cannot progress)."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if job and preempting(job):
+        restart_count = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+        supervisor.events.log({"event": "preempted", "slurm_job_id": job, "slurm_restart_count": restart_count})
+
+
 def plan_bad_nodes(supervisor: Supervisor) -> Exclusion | None:
     """Which bad nodes the job's next start leaves out, asked while the job still runs."""
     job, threshold = supervisor.slurm_job, supervisor.cfg.launch.slurm.bad_node_failures
@@ -110,11 +125,12 @@ def run_in_allocation(cfg: JobConfig, paths: RunPaths) -> int:
 
     def on_notice(signum: int, _frame: object) -> None:
         notice.set()
+        note_preemption(supervisor)
         supervisor.request_stop(f"{signal.Signals(signum).name} (time limit or preemption ahead)")
 
     for sig in NOTICE_SIGNALS:
         signal.signal(sig, on_notice)
-    signal.signal(signal.SIGTERM, lambda *_: supervisor.request_stop("SIGTERM (Slurm is ending the job)"))
+    signal.signal(signal.SIGTERM, lambda *_: on_sigterm(supervisor))
     code = supervisor.run()
     plan = plan_bad_nodes(supervisor) if code == EXIT_STOPPED else None
     if code == EXIT_STOPPED and notice.is_set() and may_requeue(cfg, paths, supervisor):
@@ -122,6 +138,12 @@ def run_in_allocation(cfg: JobConfig, paths: RunPaths) -> int:
     elif code == EXIT_STOPPED:  # requeued by Slurm (a preemption): pending now, or running again
         leave_out_bad_nodes(supervisor, plan)
     return code
+
+
+def on_sigterm(supervisor: Supervisor) -> None:
+    """Slurm ends the job now (scancel, a requeue, a preemption without notice or past its grace)."""
+    note_preemption(supervisor)
+    supervisor.request_stop("SIGTERM (Slurm is ending the job)")
 
 
 def _one_copy_of_submitit_messages() -> None:
@@ -150,7 +172,7 @@ class SlurmRun:
         paths = RunPaths(Path(self.run_dir))
         supervisor = self._supervisor = _supervisor(read_frozen(paths.config), paths)
         # submitit ignores SIGTERM; here it means Slurm ends the job now: checkpoint if possible.
-        signal.signal(signal.SIGTERM, lambda *_: supervisor.request_stop("SIGTERM (Slurm is ending the job)"))
+        signal.signal(signal.SIGTERM, lambda *_: on_sigterm(supervisor))
         self._thread = threading.Thread(target=self._run, name="supervisor")
         self._thread.start()
         while self._thread.is_alive():
@@ -176,6 +198,7 @@ class SlurmRun:
         import submitit
 
         if self._supervisor is not None and self._thread is not None:
+            note_preemption(self._supervisor)
             self._supervisor.request_stop("USR2 (time limit or preemption ahead)")
             self._thread.join()
             supervisor = self._supervisor

@@ -3,7 +3,9 @@
 Jobs run and sacct reports them; 2-node jobs and heterogeneous jobs (components on different
 nodes) run; a job in ``debug`` is preempted by a job in ``high``: its batch shell gets the
 ``--signal=B:...`` signal first and the job is requeued (SLURM_RESTART_COUNT=1 on its second run),
-whether it waits for the end of GraceTime or requeues itself with ``scontrol requeue``.
+whether it waits for the end of GraceTime or requeues itself with ``scontrol requeue``; while it is
+being preempted, and only then, the launcher's ``preempting`` sees it (its PreemptTime), and a
+requeue by hand is no preemption.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from relax_hpc.launch.slurm import preempting
 
 pytestmark = pytest.mark.slurm
 
@@ -147,10 +151,14 @@ def test_preempted_job_gets_batch_signal_then_is_requeued(slurm_cluster, tmp_pat
     for name, (_, _, out) in victims.items():
         _wait(f"{name} victim to run", lambda out=out: any(x.startswith("ready") for x in _lines(out)), 20)
 
+    waiting = victims["wait"][0]
+    assert not preempting(waiting)
     preemptors = {}
     t_preempt = time.time()
     for name, (_, node, _) in victims.items():
         preemptors[name] = _sbatch("-p", "high", "-w", node, "-c", "4", "-o", "/dev/null", "--wrap", "true")
+    _wait("the notice of preemption", lambda: "USR2" in _keys(_lines(victims["wait"][2])), 10)
+    assert preempting(waiting)  # in its GraceTime (15 s), before the SIGTERM
 
     for name, (job, _, out) in victims.items():
         _wait(f"{name} victim's second run", lambda job=job: _finished(job, runs=2), 60)
@@ -182,6 +190,7 @@ def test_scontrol_requeue_sends_term_not_the_user_signal(slurm_cluster, tmp_path
     _wait("job to run", lambda: any(x.startswith("ready") for x in _lines(out)), 20)
     t_requeue = time.time()
     _run("scontrol", "requeue", job)
+    assert not preempting(job)
     _wait("second run", lambda: _finished(job, runs=2), 30)
     lines = _lines(out)
     keys = _keys(lines)

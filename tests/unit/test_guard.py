@@ -78,3 +78,22 @@ def test_requeueing_stops_after_the_configured_allocations_without_a_new_step(tm
     assert "stays at step 4" in why
     assert idle_allocations(paths, "12") == 0  # a new submission starts counting afresh
     assert stop_requeueing(slurm_config(tmp_path, "launch.slurm.max_idle_allocations=0"), paths, "11") is None
+
+
+def test_preempted_allocations_do_not_count_but_time_limits_and_failures_do(tmp_path):
+    """The issue's job: three preemptions during start-up failed it, advising a longer time_min."""
+    cfg = slurm_config(tmp_path)  # max_idle_allocations 3 by default
+    paths = RunPaths(Path(cfg.run.dir))
+    paths.create()
+    events = JsonlWriter(paths.events_metrics)
+    for count in range(4):  # four allocations, none of which trained a step
+        events.log({"event": "start", "step": 0, "slurm_job_id": "11", "slurm_restart_count": count})
+        if count in (0, 1, 3):
+            events.log({"event": "preempted", "slurm_job_id": "11", "slurm_restart_count": count})
+    assert idle_allocations(paths, "11") == 1 and stop_requeueing(cfg, paths, "11") is None  # only allocation 2
+    for count in (4, 5):  # ended by their time limit (or failed) without a step: they count
+        events.log({"event": "start", "step": 0, "slurm_job_id": "11", "slurm_restart_count": count})
+    why = stop_requeueing(cfg, paths, "11")
+    assert why is not None and why.startswith("not requeued: 3 allocation(s) in a row ended without a new step")
+    events.log({"event": "preempted", "slurm_job_id": "12", "slurm_restart_count": 5})  # another job's
+    assert idle_allocations(paths, "11") == 3
