@@ -274,8 +274,7 @@ def _torch_grads(backend: TorchBackend) -> dict[str, torch.Tensor]:
         if name in synced and param.grad is not None:
             grad = param.grad
             grads[name] = (grad.full_tensor() if isinstance(grad, DTensor) else grad).detach().clone()
-    convert = backend.checkpoint_layout()
-    return convert(grads) if convert is not None else grads
+    return backend.checkpoint_layout()(grads)
 
 
 def _megatron_grads(backend: MegatronBackend) -> dict[str, torch.Tensor]:
