@@ -28,7 +28,7 @@ import psutil
 from relax_hpc.config.schema import JobConfig
 from relax_hpc.fence import EXIT_FENCED, Lease, refused_writes
 from relax_hpc.launch.badnodes import newly_bad, node_fault
-from relax_hpc.launch.causes import exit_cause
+from relax_hpc.launch.causes import exit_cause, no_space
 from relax_hpc.launch.commands import step_name
 from relax_hpc.launch.forkserver import ForkedProcess, ForkServer, ForkServerError, StartAbandoned, forkable
 from relax_hpc.launch.gpus import NO_GPU, span, visible_gpu_count
@@ -401,6 +401,8 @@ class Supervisor:
                 code = role.returncode
                 if role is driver and code == 0:
                     continue  # the driver finishes after the final evaluation
+                if code and (line := no_space(role.log_tail(5))):
+                    return self._stop_for_space(role, line, progress)
                 if self._lost_run(progress):
                     return EXIT_SUPERSEDED, False
                 give_up = role.restarts >= role.max_restarts
@@ -467,6 +469,8 @@ class Supervisor:
                 return EXIT_STOPPED, False
             if trainer.returncode != 0 and progress.trainer_end is None and self._lost_run(progress):
                 return EXIT_SUPERSEDED, False
+            if trainer.returncode != 0 and progress.trainer_end is None and (line := no_space(trainer.log_tail(5))):
+                return self._stop_for_space(trainer, line, progress)
             if trainer.returncode != 0 and progress.trainer_end is None:
                 progress.finish()
                 cause = exit_cause(trainer.returncode, trainer.hung)
@@ -482,6 +486,15 @@ class Supervisor:
                 progress.show(serving(), len(engines), force=True)
                 progress.finish()
                 return (EXIT_COMPLETED if completed else EXIT_STOPPED), False
+
+    def _stop_for_space(self, role: Role, line: str, progress: Progress) -> tuple[int, bool]:
+        """A role could not write for lack of space: a restart would fail the same way, so the run
+        stops, to resume once space is freed (the spool refuses a batch before the disk is full)."""
+        progress.finish()
+        self._role_failed(role, {"exit": role.returncode, "restarts": role.restarts, "action": "stop"})
+        self.say(f"\n{role.name} found no space to write ({line}); the run is resumable: free space on the filesystem "
+                 f"of {self.paths.root} and run the same command\n")  # fmt: skip
+        return EXIT_STOPPED, False
 
     def _lost_run(self, progress: Progress) -> bool:
         """Before a role starts again: has another launcher taken the run over (its roles then
