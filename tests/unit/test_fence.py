@@ -76,16 +76,22 @@ def test_a_superseded_process_refuses_records_the_refusal_and_raises_past_except
     paths, lease = run
     _supersede(lease)
     time.sleep(fence.CACHE_S + 0.05)  # the cached read expires (monotonic: a SIGSTOP counts too)
-    caught_by_except_exception = False
+    raised = None
     try:
         fence.check("a write")
     except Exception:  # noqa: BLE001  # what role code catches must not swallow a refusal
-        caught_by_except_exception = True
+        raised = "Exception"
     except Fenced:
-        pass
-    assert not caught_by_except_exception
-    [refusal] = refused_writes(paths.root)
-    assert refusal["what"] == "a write" and refusal["role"] == "trainer"
+        raised = "Fenced"
+    assert raised == "Fenced"  # refused: not recorded and let through
+    writer = JsonlWriter(paths.events_metrics)  # a real writing primitive: it writes nothing
+    with pytest.raises(Fenced):
+        writer.log({"event": "from a superseded process"})
+    writer.close()
+    assert read_jsonl(paths.events_metrics) == []
+    assert [(r["what"], r["role"]) for r in refused_writes(paths.root)] == [
+        ("a write", "trainer"), ("metrics append to events.jsonl", "trainer"),
+    ]  # fmt: skip
 
 
 def test_the_cache_spares_reads_on_hot_paths_and_a_fresh_check_sees_through_it(run):
