@@ -12,12 +12,12 @@ the latter is not used because it runs functions, not programs, reports a live c
 (255) when the server dies, and starts its children as daemons.
 
 The launcher's side (`ForkServer`) speaks JSON lines over the server's stdin and stdout: a start
-request is answered with the child's pid, and every child's exit with its status (the server is
-the child's parent and reaps it). `ForkedProcess` gives the supervisor the part of
-`subprocess.Popen` it uses. If the server dies, its children keep running; their exit status is
-then unknown, and `ForkedProcess` reports a child that has gone as killed (-9). Only plain
-`python -m <role module>` commands on this machine are forked: commands in a container, on a GPU
-slice or in another interpreter start as before (`forkable`).
+request is answered with the child's pid, and every child's exit with its status and CPU time
+(the server is the child's parent and reaps it: launch.cputime). `ForkedProcess` gives the
+supervisor the part of `subprocess.Popen` it uses. If the server dies, its children keep running;
+their exit status is then unknown, and `ForkedProcess` reports a child that has gone as killed
+(-9). Only plain `python -m <role module>` commands on this machine are forked: commands in a
+container, on a GPU slice or in another interpreter start as before (`forkable`).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from typing import Any
 import psutil
 import setproctitle
 
+from relax_hpc.launch.cputime import rusage_cpu_s, tree_cpu_s
 from relax_hpc.launch.gpus import NO_GPU
 
 ROLE_MODULES = frozenset(
@@ -93,6 +94,12 @@ class ForkedProcess:
             self.returncode = self._server.exit_status(self.pid, self._created)
         return self.returncode
 
+    @property
+    def cpu_s(self) -> float | None:
+        """Once it has exited: its CPU time, with every descendant it reaped (None: unknown, its
+        status died with the server)."""
+        return self._server.cpu_s.get(self.pid)
+
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -123,6 +130,7 @@ class ForkServer:
         self._ready = False  # the current server has imported its modules
         self._replies: queue.Queue[dict[str, Any]] = queue.Queue()
         self._exits: dict[int, int] = {}
+        self.cpu_s: dict[int, float] = {}  # an exited child's CPU time, with all it reaped (wait4)
         self._reader: threading.Thread | None = None
         # One request at a time: the server reads its input by lines, so it never holds a
         # second request in its buffer while it waits on the pipe.
@@ -184,6 +192,10 @@ class ForkServer:
             return None
         return self._exits.setdefault(pid, KILLED)
 
+    def own_cpu_s(self) -> float:
+        """The server's own CPU time (its imports), not its children's: they are counted as roles."""
+        return tree_cpu_s(self._proc.pid, own_only=True) if self._proc is not None else 0.0
+
     def close(self) -> None:
         """End the server (its children are the supervisor's to end; they are not touched). It
         holds nothing to save, and its interpreter's orderly exit, with torch loaded, takes over a
@@ -211,6 +223,7 @@ class ForkServer:
         for line in proc.stdout:
             message = json.loads(line)
             if "exited" in message:
+                self.cpu_s[int(message["exited"])] = float(message["cpu_s"])
                 self._exits[int(message["exited"])] = int(message["code"])
             else:
                 replies.put(message)
@@ -280,12 +293,13 @@ def _serve(replies: Any) -> dict[str, Any]:
 def _report_exits(replies: Any) -> None:
     while True:
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
             return
-        print(json.dumps({"exited": pid, "code": os.waitstatus_to_exitcode(status)}), file=replies)
+        exited = {"exited": pid, "code": os.waitstatus_to_exitcode(status), "cpu_s": rusage_cpu_s(usage)}
+        print(json.dumps(exited), file=replies)
 
 
 def _run_role(request: dict[str, Any]) -> None:

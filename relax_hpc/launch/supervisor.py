@@ -30,6 +30,7 @@ from relax_hpc.fence import EXIT_FENCED, Lease, refused_writes
 from relax_hpc.launch.badnodes import newly_bad, node_fault
 from relax_hpc.launch.causes import exit_cause, no_space
 from relax_hpc.launch.commands import step_name
+from relax_hpc.launch.cputime import CountedPopen, self_cpu_s, tree_cpu_s
 from relax_hpc.launch.forkserver import ForkedProcess, ForkServer, ForkServerError, StartAbandoned, forkable
 from relax_hpc.launch.gpus import NO_GPU, span, visible_gpu_count
 from relax_hpc.launch.health import HealthMonitor
@@ -55,7 +56,7 @@ class Role:
     argv: list[str]
     log_path: Path
     max_restarts: int
-    proc: subprocess.Popen | ForkedProcess | None = None
+    proc: CountedPopen | ForkedProcess | None = None
     forks: ForkServer | None = None  # local roles: forked by it (launch.forkserver), else fresh processes
     restarts: int = 0
     abandoned: bool = False  # a helper role that failed too often; the run went on without it
@@ -64,6 +65,7 @@ class Role:
     not_before: float = 0.0  # a restart waits until then (monotonic; the back-off)
     step: JobStep | None = None  # on Slurm: the role's job steps (ended with the role)
     ran_s: float = 0.0  # how long its processes ran, up to the last one's end (accounting)
+    cpu_s: float = 0.0  # their CPU time, with every process below them (launch.cputime; local roles)
     accrued: bool = True  # the current process's time is in ran_s
     ended: bool = False  # the current process was killed and its steps ended (or given up): once
 
@@ -76,7 +78,23 @@ class Role:
         """Count the current process's time, once (when it is found ended, or the run's start ends)."""
         if not self.accrued:
             self.ran_s += time.time() - self.started_at
+            self.cpu_s += self._process_cpu_s()
             self.accrued = True
+
+    @property
+    def measured(self) -> bool:
+        """Whether cpu_s is its processes' CPU time: not on Slurm, where the process here is the
+        srun client and the role's processes run in a job step on other nodes (sacct has their time)."""
+        return self.step is None
+
+    def _process_cpu_s(self) -> float:
+        """The current process's CPU time with everything below it: its reaper's count once it has
+        ended, else the living tree's counters."""
+        if self.proc is None or not self.measured:
+            return 0.0
+        if self.proc.poll() is None:
+            return tree_cpu_s(self.proc.pid)
+        return self.proc.cpu_s or 0.0  # None: its status died with the fork server
 
     def start(self, env: dict[str, str], abandon: Callable[[], bool] | None = None) -> None:
         """Start the role's process. `abandon`: asked while the fork server imports; when it says
@@ -85,7 +103,7 @@ class Role:
         self.proc = self._spawn(env, abandon)
         self.started_at, self.accrued, self.ended = time.time(), False, False
 
-    def _spawn(self, env: dict[str, str], abandon: Callable[[], bool] | None) -> subprocess.Popen | ForkedProcess:
+    def _spawn(self, env: dict[str, str], abandon: Callable[[], bool] | None) -> CountedPopen | ForkedProcess:
         if self.forks is not None and forkable(self.argv, self.forks.modules):
             try:
                 return self.forks.start(self.argv, env, self.log_path, abandon)
@@ -94,7 +112,7 @@ class Role:
         with self.log_path.open("ab") as out:
             # A new session: Ctrl-C in the terminal reaches the launcher only, which then asks
             # the trainer to checkpoint instead of every process dying at once.
-            return subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            return CountedPopen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -199,6 +217,7 @@ class Supervisor:
         self.cfg, self.paths, self.commands, self.out = cfg, paths, commands, out
         self.devices = devices  # where the roles run, said once in the header
         self.slurm_job, self.forks, self.step_round_s = slurm_job, forks, step_round_s
+        self.own_cpu_s = 0.0  # the launcher's and fork server's CPU time in the usage records so far
         self.stop_requested = False
         self.kill_requested = False
         self.events = JsonlWriter(paths.events_metrics)
@@ -329,13 +348,18 @@ class Supervisor:
             self._stop_all(roles.values())
 
     def _log_usage(self, roles: Iterable[Role]) -> None:
-        """How long each role ran in this start, and what it was given (metrics.accounting)."""
+        """How long each role ran in this start, what it was given, and the CPU time its processes
+        used (local roles); the launcher's and the fork server's own CPU time since the last
+        record (metrics.accounting)."""
         threads = self.cfg.launch.threads_per_process
         usage = {}
         for role in roles:
             role.accrue()
-            usage[role.name] = {"s": round(role.ran_s, 3), **given(role.argv, threads)}
-        self.events.log({"event": "usage", "roles": usage})
+            used = {"s": round(role.ran_s, 3), **({"cpu_s": round(role.cpu_s, 3)} if role.measured else {})}
+            usage[role.name] = used | given(role.argv, threads)
+        own = self_cpu_s() + (self.forks.own_cpu_s() if self.forks is not None else 0.0)
+        launcher_cpu_s, self.own_cpu_s = own - self.own_cpu_s, own
+        self.events.log({"event": "usage", "roles": usage, "launcher_cpu_s": round(launcher_cpu_s, 3)})
 
     def _role_failed(self, role: Role, record: dict) -> None:
         """Log a role's exit; a node that this failure makes bad is said (launch.badnodes)."""

@@ -10,7 +10,11 @@ Two sources, the better one first:
   hours may add up to more than the allocation's.
 - The run's own events, otherwise (the local executor, or no accounting on the cluster): the
   launcher's `usage` event at the end of each start of the run says how long each role's
-  processes ran and what they were given (CPU threads, GPUs).
+  processes ran, what they were given (CPU threads, GPUs) and, for the processes of its own
+  machine, the CPU time they used (user + system, from the kernel's counters: launch.cputime),
+  with the launcher's own. A role's GPU-hours are the time it held its GPUs, whatever it did on
+  them; its CPU-hours its CPU time where measured, else (job steps on other nodes without
+  accounting) its elapsed time x the CPUs it was given. The summary says which.
 
 `sacct` is asked only by `status` and at the end of a run, never on a step's path; once every job
 of the run has ended, its answer is kept in RUN_DIR/metrics/accounting.json (a live job's
@@ -47,9 +51,9 @@ def tres(text: str) -> tuple[float, float]:
     return float(fields.get("cpu", 0)), gpus
 
 
-def _add(usage: dict[str, list[float]], kind: str, seconds: float, cpus: float, gpus: float) -> None:
-    usage[kind][0] += seconds * cpus / 3600
-    usage[kind][1] += seconds * gpus / 3600
+def _add(usage: dict[str, list[float]], kind: str, cpu_s: float, gpu_s: float) -> None:
+    usage[kind][0] += cpu_s / 3600
+    usage[kind][1] += gpu_s / 3600
 
 
 def from_sacct_rows(rows: list[dict[str, str]], elastic_jobs: set[str]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -61,22 +65,33 @@ def from_sacct_rows(rows: list[dict[str, str]], elastic_jobs: set[str]) -> tuple
         seconds = float(row["ElapsedRaw"] or 0)
         cpus, gpus = tres(row["AllocTRES"])
         if "." not in row["JobID"]:  # an allocation (a heterogeneous job: one row per component)
-            _add(total, "job", seconds, cpus, gpus)
+            _add(total, "job", seconds * cpus, seconds * gpus)
             if row["JobID"].split("+")[0] in elastic_jobs:
-                _add(roles, "elastic", seconds, cpus, gpus)
+                _add(roles, "elastic", seconds * cpus, seconds * gpus)
         elif ":" in row["JobName"]:
-            _add(roles, role_kind(row["JobName"].split(":", 1)[1]), seconds, cpus, gpus)
+            _add(roles, role_kind(row["JobName"].split(":", 1)[1]), seconds * cpus, seconds * gpus)
     return _hours(roles), _hours(total).get("job", {"cpu_h": 0.0, "gpu_h": 0.0})
 
 
 def from_events(events: list[dict[str, Any]]) -> dict[str, Any]:
-    """Hours per role kind from the launcher's `usage` events (one per start of the run)."""
+    """Hours per role kind from the launcher's `usage` events (one per start of the run). CPU:
+    the CPU time its processes used (`cpu_s`, launch.cputime), where the launcher could measure it,
+    and the launcher's own (with the fork server's); else (job steps on other nodes) the seconds x
+    the CPUs it was given. GPU: the seconds it held its GPUs x their number."""
     roles: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
-    for event in events:
-        if event.get("event") == "usage":
-            for name, used in event["roles"].items():
-                _add(roles, role_kind(name), used["s"], used["cpus"], used["gpus"])
+    for event in (e for e in events if e.get("event") == "usage"):
+        for name, used in event["roles"].items():
+            _add(roles, role_kind(name), used.get("cpu_s", used["s"] * used["cpus"]), used["s"] * used["gpus"])
+        if "launcher_cpu_s" in event:
+            _add(roles, "launcher", event["launcher_cpu_s"], 0.0)
     return _hours(roles)
+
+
+def cpu_measured(events: list[dict[str, Any]]) -> bool:
+    """Whether the events' CPU-hours are CPU time used, every role's measured (else some are
+    seconds x CPUs given)."""
+    usage = [used for e in events if e.get("event") == "usage" for used in e["roles"].values()]
+    return bool(usage) and all("cpu_s" in used for used in usage)
 
 
 def _hours(usage: dict[str, list[float]]) -> dict[str, Any]:
@@ -159,7 +174,7 @@ def accounting(paths: RunPaths, slurm: bool = True, live: bool = False) -> dict[
         events = read_jsonl(paths.events_metrics)
         roles = from_events(events)
         total = {unit: sum(r[unit] for r in roles.values()) for unit in ("cpu_h", "gpu_h")}
-        facts = {"source": "events", "jobs": jobs, "roles": roles, "total": total,
+        facts = {"source": "events", "jobs": jobs, "roles": roles, "total": total, "cpu_used": cpu_measured(events),
                  "unaccounted": unaccounted(events, live)}  # fmt: skip
     samples = sum(r.get("samples", 0) for r in read_jsonl(paths.train_metrics) if "loss" in r)  # trained steps
     samples += sum(r.get("samples", 0) for r in read_jsonl(paths.eval_results))  # an eval job's scored ones
@@ -181,6 +196,8 @@ def render(facts: dict[str, Any]) -> list[str]:
     ]
     total = facts["total"]
     unit = "GPU" if "samples_per_gpu_h" in facts else "CPU"
+    cpu = "user + system time of every process" if facts.get("cpu_used") else "elapsed time x the CPUs given"
+    lines.append(f"usage:       CPU-h: {cpu}; GPU-h: elapsed time x the GPUs held")
     lines.append(
         f"usage:       total {total['gpu_h']:.3f} GPU-h, {total['cpu_h']:.3f} CPU-h ({facts['source']}); "
         f"{facts['samples']} samples, {facts[f'samples_per_{unit.lower()}_h']:.0f} per {unit}-hour"

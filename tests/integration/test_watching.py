@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import resource
 import signal
 import stat
 import subprocess
@@ -36,6 +37,7 @@ OVERRIDES = (
 @pytest.fixture(scope="module")
 def watched(tmp_path_factory) -> dict:
     run_dir = tmp_path_factory.mktemp("watched") / "run"
+    before = _children_cpu_s()
     first = Job(run_dir, *OVERRIDES).start()
     first.wait_for_step(3, timeout_s=300)
     assert first.proc is not None
@@ -45,11 +47,17 @@ def watched(tmp_path_factory) -> dict:
     assert time.monotonic() - asked < STOP_WITHIN_S, "Ctrl-C took too long to act"
     second = Job(run_dir, *OVERRIDES)
     assert second.run(timeout_s=400) == 0, second.text()[-3000:]
+    cpu_s = _children_cpu_s() - before  # both starts' every process, as the kernel counted them
     third = Job(run_dir, *OVERRIDES)
     started = time.monotonic()
     assert third.run(timeout_s=120) == 0, third.text()[-3000:]
     return {"run_dir": run_dir, "paths": RunPaths(run_dir), "first": first.text(), "second": second.text(),
-            "third": third.text(), "third_s": time.monotonic() - started}  # fmt: skip
+            "third": third.text(), "third_s": time.monotonic() - started, "cpu_s": cpu_s}  # fmt: skip
+
+
+def _children_cpu_s() -> float:
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
 
 
 def test_each_edge_of_the_run_says_what_happened(watched):
@@ -105,8 +113,10 @@ def test_tensorboard_holds_one_run_across_the_restart(watched):
 
 
 def test_usage_per_role_comes_from_the_launchers_events_without_slurm(watched):
-    """The local executor: each start's usage event (seconds x CPU threads, no GPU here), added
-    up per role kind; the summary says so, and TensorBoard got it as each start's sinks stopped."""
+    """The local executor: each start's usage event, added up per role kind: the CPU time (user +
+    system) of every process of the run, within 10% of what the kernel counted for both starts
+    (the rest is their stop, after the record); no GPU here. The summary says so, and TensorBoard
+    got it as each start's sinks stopped."""
     events = read_jsonl(watched["paths"].events_metrics)
     usage = [e for e in events if e["event"] == "usage"]
     starts, ends = [e for e in events if e["event"] == "start"], [e for e in events if e["event"] == "end"]
@@ -114,11 +124,21 @@ def test_usage_per_role_comes_from_the_launchers_events_without_slurm(watched):
     for used, start, end in zip(usage, starts, ends, strict=True):
         assert set(used["roles"]) == {"trainer", "driver", "engine-0", "engine-1", "metrics"}
         assert all(0 < r["s"] <= end["time"] - start["time"] and r["gpus"] == 0 for r in used["roles"].values())
+        assert all(r["cpu_s"] > 0 for r in used["roles"].values()) and used["launcher_cpu_s"] > 0
+    recorded = sum(sum(r["cpu_s"] for r in u["roles"].values()) + u["launcher_cpu_s"] for u in usage)
+    assert recorded == pytest.approx(watched["cpu_s"], rel=0.1)
     facts = accounting(watched["paths"])
-    trainer = sum(u["roles"]["trainer"]["s"] * u["roles"]["trainer"]["cpus"] for u in usage) / 3600
+    trainer = sum(u["roles"]["trainer"]["cpu_s"] for u in usage) / 3600
     assert facts["source"] == "events" and facts["roles"]["trainer"]["cpu_h"] == pytest.approx(trainer)
-    assert set(facts["roles"]) == {"trainer", "driver", "engine", "metrics"} and facts["samples_per_cpu_h"] > 0
+    assert facts["total"]["cpu_h"] == pytest.approx(recorded / 3600)
+    assert (
+        set(facts["roles"]) == {"trainer", "driver", "engine", "metrics", "launcher"} and facts["samples_per_cpu_h"] > 0
+    )
     assert "usage:       trainer 0.000 GPU-h" in watched["second"] and "(events);" in watched["second"]
+    assert (
+        "usage:       CPU-h: user + system time of every process; GPU-h: elapsed time x the GPUs held"
+        in watched["second"]
+    )
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     accumulator = EventAccumulator(str(watched["paths"].tensorboard))

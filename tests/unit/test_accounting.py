@@ -11,6 +11,7 @@ import pytest
 from relax_hpc.launch.supervisor import given
 from relax_hpc.metrics.accounting import (
     accounting,
+    cpu_measured,
     from_events,
     from_sacct_rows,
     per_hour,
@@ -76,6 +77,13 @@ def test_events_give_seconds_times_resources_per_start():
         {"event": "usage", "roles": {"trainer": {"s": 3600, "cpus": 4, "gpus": 2}}},
     ]
     assert from_events(events) == {"engine": {"cpu_h": 1.0, "gpu_h": 0.0}, "trainer": {"cpu_h": 12.0, "gpu_h": 6.0}}
+    assert not cpu_measured(events)
+    # Measured (local processes): the CPU time they used, the launcher's own beside them; GPUs
+    # are still held for the role's whole time.
+    used = {"trainer": {"s": 3600, "cpu_s": 900, "cpus": 4, "gpus": 2}}
+    measured = [{"event": "usage", "roles": used, "launcher_cpu_s": 36}]
+    hours = {"launcher": {"cpu_h": 0.01, "gpu_h": 0.0}, "trainer": {"cpu_h": 0.25, "gpu_h": 2.0}}
+    assert from_events(measured) == hours and cpu_measured(measured)
 
 
 def test_samples_per_gpu_hour_or_per_cpu_hour_without_gpus():
@@ -118,7 +126,7 @@ def test_an_eval_jobs_samples_are_the_ones_it_scored(tmp_path):
         JsonlWriter(paths.eval_results).log({"model": model, "dataset": "addition", "problems": 9, "samples": 45})
     assert accounting(paths, slurm=False) | {"roles": None} == {
         "source": "events", "jobs": [], "roles": None, "total": {"cpu_h": 2.0, "gpu_h": 0.0},
-        "unaccounted": [], "samples": 90, "samples_per_cpu_h": 45.0,
+        "cpu_used": False, "unaccounted": [], "samples": 90, "samples_per_cpu_h": 45.0,
     }  # fmt: skip
 
 
