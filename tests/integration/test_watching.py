@@ -199,3 +199,16 @@ def test_trained_batches_covered_by_a_checkpoint_are_pruned_and_the_model_export
         assert files == ({".json"} if step < checkpoint_step else {".json", ".h5"}), step_dir
     model = paths.export / "model.safetensors"
     assert model.is_file() and stat.S_IMODE(model.stat().st_mode) & 0o044 == 0o044
+
+
+def test_a_finished_run_asked_for_another_export_version_is_refused_in_one_line(watched):
+    """ckpt.export_version=best on a run that finished exporting its last version: a finished run
+    starts no trainer, which alone exports, so it is refused before config.yaml takes the change,
+    with the command that exports the best checkpointed version."""
+    paths, frozen = watched["paths"], watched["paths"].config.read_text()
+    argv = Job(paths.root, *OVERRIDES, "ckpt.export_version=best").argv
+    out = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    assert (out.returncode, out.stdout, len(out.stderr.splitlines())) == (2, "", 1), out.stdout + out.stderr
+    said = f"error: ckpt.export_version=best: {paths.root} is complete and {paths.export} holds version {STEPS} (last)"
+    assert out.stderr.startswith(said) and f"tools/dcp_to_hf.py --run-dir {paths.root} --step " in out.stderr
+    assert paths.config.read_text() == frozen
