@@ -46,7 +46,7 @@ from relax_hpc.config.schema import JobConfig, SlurmConfig
 from relax_hpc.launch.follow import ACTIVE, ENDED, queue_state, run_facts, slurm_state
 from relax_hpc.metrics.jsonl import read_jsonl
 from relax_hpc.metrics.summary import completed_steps, guard_reason
-from relax_hpc.paths import RunPaths, write_atomic
+from relax_hpc.paths import RunPaths, python_command, write_atomic
 from relax_hpc.submit import check_inputs, eval_left, freeze, refused_changes, slurm_function
 
 RECORD = "pipeline.json"
@@ -355,7 +355,8 @@ def render(f: dict[str, Any]) -> str:
     for r in f["stages"]:
         job = f"job {r['job']}" if r["job"] else "-"
         lines.append(f"  {r['stage']:<{width}}  {r['kind']:<6}  {r['state']:<24}  {job:<10}  {r['progress']}")
-    lines.append("each stage's RUN_DIR: PIPELINE_DIR/NAME (python -m relax_hpc.status PIPELINE_DIR/NAME: its details)")
+    details = f"{python_command()} -m relax_hpc.status PIPELINE_DIR/NAME: its details"
+    lines.append(f"each stage's RUN_DIR: PIPELINE_DIR/NAME ({details})")
     if f["stopped"]:
         lines.append(f["stopped"])
     return "\n".join(lines)
@@ -427,7 +428,7 @@ def run_local(root: Path, stages: list[Stage], record: dict[str, Any]) -> int:
             print(failure(stage, record["stages"][stage.name], root, "local"), file=sys.stderr)
             return code or 1
         print(f"stage {stage.name} ({stage.kind}): done ({stage.progress()})", flush=True)
-    print(f"pipeline complete: python -m relax_hpc.status {root}")
+    print(f"pipeline complete: {python_command()} -m relax_hpc.status {root}")
     return 0
 
 
@@ -543,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.wait:
         return wait_slurm(root, stages)
-    print(f"status: python -m relax_hpc.status {root}")
+    print(f"status: {python_command()} -m relax_hpc.status {root}")
     return 0
 
 

@@ -45,7 +45,7 @@ from relax_hpc.launch.elastic import (
 )
 from relax_hpc.launch.follow import queue_state
 from relax_hpc.metrics.jsonl import read_jsonl
-from relax_hpc.paths import RunPaths
+from relax_hpc.paths import RunPaths, python_command
 from relax_hpc.protocol import requests as P
 from relax_hpc.protocol import routes as R
 from relax_hpc.protocol.client import EngineClient, EngineRequestError, EngineUnavailable
@@ -142,7 +142,7 @@ def scale_out(paths: RunPaths, args: argparse.Namespace) -> str:
         save_op(paths, op)
         op.job_id = submit_elastic(elastic, paths, op, dry_run=False)
     save_op(paths, op)
-    follow = f"python -m relax_hpc.scale {paths.root} list"
+    follow = f"{python_command()} -m relax_hpc.scale {paths.root} list"
     return f"{op.id}: {op.engines} engine(s) in job {op.job_id}; `{follow}` follows them"
 
 

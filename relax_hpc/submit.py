@@ -34,7 +34,7 @@ from relax_hpc.metrics.evaluation import finished as finished_evaluations
 from relax_hpc.metrics.startup import StartupClock
 from relax_hpc.metrics.summary import completed_steps, finished_export_problem, run_summary
 from relax_hpc.models.arch import check_megatron_job
-from relax_hpc.paths import RunPaths, write_atomic
+from relax_hpc.paths import RunPaths, python_command, write_atomic
 
 if TYPE_CHECKING:
     import submitit
@@ -369,7 +369,7 @@ def follow_job(job: submitit.Job, job_name: str, paths: RunPaths, wait: bool) ->
         f"submitted job {job.job_id} ({job_name})\n"
         f"run dir: {root}\n"
         f"follow:  tail -F {job.paths.stdout}   (progress; each role's log in {root}/logs/)\n"
-        f"status:  python -m relax_hpc.status {root}   (squeue -j {job.job_id}; sacct -j {job.job_id})\n"
+        f"status:  {python_command()} -m relax_hpc.status {root}   (squeue -j {job.job_id}; sacct -j {job.job_id})\n"
         f"stop:    scancel --batch --signal=USR2 {job.job_id}   (checkpoint and requeue); scancel {job.job_id} (end)"
     )
     if not wait:
@@ -380,7 +380,7 @@ def follow_job(job: submitit.Job, job_name: str, paths: RunPaths, wait: bool) ->
     if result.code:
         print(
             f"{result.message}\noutput: {job.paths.stdout}\nroles' logs: {root}/logs/\n"
-            f"status: python -m relax_hpc.status {root}",
+            f"status: {python_command()} -m relax_hpc.status {root}",
             file=sys.stderr,
         )
     else:

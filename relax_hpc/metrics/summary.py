@@ -11,7 +11,7 @@ from relax_hpc.ckpt.layout import latest_dir, read_trainer_state
 from relax_hpc.config.schema import CheckpointConfig
 from relax_hpc.metrics import accounting
 from relax_hpc.metrics.jsonl import read_jsonl
-from relax_hpc.paths import RunPaths
+from relax_hpc.paths import RunPaths, python_command
 
 
 def step_records(paths: RunPaths) -> list[dict[str, Any]]:
@@ -66,8 +66,8 @@ def run_summary(paths: RunPaths, total_steps: int) -> str:
     if holds_export(paths):
         lines.append(f"HF model:   {paths.export}{exported_version(paths)}")
     elif checkpoint is not None:
-        lines.append(f"HF export:  python tools/dcp_to_hf.py --run-dir {paths.root} --out FOLDER")
-    lines.append(f"plots:      python -m relax_hpc.plot {paths.root}")
+        lines.append(f"HF export:  {python_command()} tools/dcp_to_hf.py --run-dir {paths.root} --out FOLDER")
+    lines.append(f"plots:      {python_command()} -m relax_hpc.plot {paths.root}")
     lines += accounting.render(accounting.accounting(paths))
     reason = guard_reason(paths)
     if reason:
@@ -95,7 +95,7 @@ def finished_export_problem(paths: RunPaths, ck: CheckpointConfig) -> str | None
     else:
         version = steps[-1] if steps else None
     how = (
-        f"export it with python tools/dcp_to_hf.py --run-dir {paths.root} --step {version} --out FOLDER"
+        f"export it with {python_command()} tools/dcp_to_hf.py --run-dir {paths.root} --step {version} --out FOLDER"
         if version is not None
         else "no evaluated version has a checkpoint left"
     )

@@ -1,9 +1,10 @@
 """What the command-line tools show: `scale`'s help (what a user may type, nothing of argparse's
-internals) and `plot`'s figures (axis labels, the run's stops and resumes marked, an eval job's
-scores across its models)."""
+internals), `plot`'s figures (axis labels, the run's stops and resumes marked, an eval job's
+scores across its models) and the end-of-run summary's hints (commands that run as copied)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ import matplotlib.pyplot as plt
 import pytest
 
 from relax_hpc.metrics.jsonl import JsonlWriter, read_jsonl
-from relax_hpc.metrics.summary import step_records
+from relax_hpc.metrics.summary import run_summary, step_records
 from relax_hpc.paths import RunPaths
 from relax_hpc.plot import eval_panel, mark, plot, reward, stops_and_resumes
 
@@ -89,3 +90,23 @@ def test_an_eval_job_s_plot_shows_each_dataset_s_scores_across_its_models_in_ord
     plt.close(fig)
     (written,) = plot(paths.root, tmp_path / "plots")  # an eval RUN_DIR: its one figure
     assert written.name == "eval.png" and written.read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_summary_s_plot_hint_names_the_interpreter_that_runs_and_runs_as_copied(tmp_path, monkeypatch):
+    """The end-of-run `plots:` line names this interpreter (`.venv/bin/python` from the repository,
+    where the package is installed), not a bare `python` that a shell without the venv lacks."""
+    paths = RunPaths(tmp_path / "run")
+    paths.create()
+    JsonlWriter(paths.train_metrics).log({"step": 1, "loss": 0.1, "reward": 0.1, "entropy": 1.0, "staleness_mean": 0.0,
+                                          "staleness_max": 0})  # fmt: skip
+    monkeypatch.chdir(REPO)
+    line = next(x for x in run_summary(paths, 4).splitlines() if x.startswith("plots:"))
+    command = line.removeprefix("plots:").strip()
+    inside = not os.path.relpath(sys.executable, REPO).startswith(os.pardir)
+    expected = os.path.relpath(sys.executable, REPO) if inside else sys.executable
+    assert command == f"{expected} -m relax_hpc.plot {paths.root}", line
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    env["PATH"] = "/usr/bin:/bin"  # a shell with no venv active
+    out = subprocess.run(f"{command} --out {tmp_path / 'plots'}", shell=True, cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
