@@ -4,7 +4,10 @@ times is left out.
 The record is RUN_DIR/metrics/events.jsonl: every `role_exit` carries `node_fault` where the failure
 belongs to a node, by the words of its log's last lines: Slurm's NODE_FAIL (`srun: error: Node
 failure on NODE`), an unreachable slurmd (a step's launch that timed out on NODE), or a device
-error of CUDA or the driver (an uncorrectable ECC error, a GPU lost). Nothing else is a node's: a
+error of CUDA or the driver (an uncorrectable ECC error, a GPU lost). A NODE_FAIL usually ends the
+whole job (the launcher with it) and requeues it: so at each start the launcher also records a
+`node_failed` event for each node of the job's previous allocation that Slurm now holds as not
+responding (`failed_nodes`). Nothing else is a node's: a
 fenced exit (76: a newer start of the run), a cancellation or preemption (the launcher was asked to
 stop), a hang, a crash or an out-of-memory is the run's. A device error names the node only for a
 role of one node: which node of a multi-node trainer failed is not known, and leaving all of them
@@ -69,14 +72,41 @@ def node_fault(exit_code: int | None, log_tail: str, nodes: list[str]) -> dict[s
 
 
 def failures(events: list[dict[str, Any]]) -> Counter[str]:
-    """Roles failed for their node's own reasons (`node_fault`), per node, since the list was last cleared."""
+    """Failures by a node's own fault (a role's `node_fault`, a `node_failed` allocation), per node,
+    since the list was last cleared."""
     count: Counter[str] = Counter()
     for event in events:
         if event.get("event") == "bad_nodes_cleared":
             count.clear()
         elif event.get("event") == "role_exit" and event.get("node_fault"):
             count[event["node_fault"]["node"]] += 1
+        elif event.get("event") == "node_failed":
+            count[event["node"]] += 1
     return count
+
+
+def not_responding(nodes: list[str]) -> dict[str, str]:
+    """Those of `nodes` whose slurmd Slurm found not responding (a NODE_FAIL's nodes, DOWN after
+    SlurmdTimeout), with the state it shows."""
+    if not nodes:
+        return {}
+    out = subprocess.run(["sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N|%T|%E"], capture_output=True,
+                         text=True, check=False, timeout=60)  # fmt: skip
+    rows = (line.split("|", 2) for line in out.stdout.splitlines() if line.count("|") == 2)
+    return {node: state for node, state, reason in rows if state.endswith("*") or reason == "Not responding"}
+
+
+def failed_nodes(events: list[dict[str, Any]], job_id: str, restart_count: int, nodes: list[str]) -> list[dict]:
+    """At an allocation's start: the `node_failed` events for the nodes of the job's previous
+    allocation (its last `allocation` event) that Slurm now holds as not responding, then this
+    allocation's own `allocation` event, to log in that order."""
+    before = [e for e in events if e.get("event") == "allocation" and e.get("slurm_job_id") == job_id
+              and e.get("slurm_restart_count", 0) < restart_count]  # fmt: skip
+    gone = not_responding(sorted(set(before[-1]["nodes"]) - set(nodes))) if before else {}
+    failed = [{"event": "node_failed", "node": node, "cause": f"NODE_FAIL (Slurm: {state})", "slurm_job_id": job_id}
+              for node, state in gone.items()]  # fmt: skip
+    return [*failed, {"event": "allocation", "slurm_job_id": job_id, "slurm_restart_count": restart_count,
+                      "nodes": nodes}]  # fmt: skip
 
 
 def bad_nodes(events: list[dict[str, Any]], threshold: int) -> list[str]:

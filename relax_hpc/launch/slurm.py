@@ -27,10 +27,11 @@ from pathlib import Path
 from relax_hpc.config.load import read_frozen
 from relax_hpc.config.schema import JobConfig
 from relax_hpc.launch.allocation import Allocation, AllocationError
-from relax_hpc.launch.badnodes import Exclusion, apply_exclusion, job_fields, plan_exclusion, scontrol
+from relax_hpc.launch.badnodes import Exclusion, apply_exclusion, failed_nodes, job_fields, plan_exclusion, scontrol
 from relax_hpc.launch.commands import step_commands
 from relax_hpc.launch.guard import stop_requeueing
 from relax_hpc.launch.supervisor import EXIT_COMPLETED, EXIT_STOPPED, EXIT_SUPERSEDED, Supervisor
+from relax_hpc.metrics.jsonl import read_jsonl
 from relax_hpc.paths import RunPaths
 
 log = logging.getLogger("relax_hpc.launch")
@@ -115,7 +116,20 @@ def leave_out_bad_nodes(supervisor: Supervisor, plan: Exclusion | None) -> None:
 def _supervisor(cfg: JobConfig, paths: RunPaths) -> Supervisor:
     alloc = Allocation.from_env()
     check_shared_run_dir(paths, alloc)
-    return Supervisor(cfg, paths, lambda: step_commands(cfg, paths, alloc), slurm_job=alloc.job_id)
+    supervisor = Supervisor(cfg, paths, lambda: step_commands(cfg, paths, alloc), slurm_job=alloc.job_id)
+    note_failed_nodes(supervisor, alloc)
+    return supervisor
+
+
+def note_failed_nodes(supervisor: Supervisor, alloc: Allocation) -> None:
+    """A NODE_FAIL ends the whole job, this launcher with it, before any role's exit is recorded:
+    the next start records the previous allocation's nodes Slurm holds not responding (launch.badnodes)."""
+    restart_count = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+    nodes = [node for group in alloc.groups for node in group]
+    for event in failed_nodes(read_jsonl(supervisor.paths.events_metrics), alloc.job_id, restart_count, nodes):
+        if event["event"] == "node_failed":
+            supervisor.say(f"node {event['node']} failed under the job's previous allocation ({event['cause']})\n")
+        supervisor.events.log(event)
 
 
 def run_in_allocation(cfg: JobConfig, paths: RunPaths) -> int:

@@ -16,7 +16,7 @@ import psutil
 import pytest
 import yaml
 
-from relax_hpc.launch.badnodes import exclude_if_requeued, node_fault
+from relax_hpc.launch.badnodes import exclude_if_requeued, failed_nodes, node_fault
 from relax_hpc.metrics.jsonl import JsonlWriter, read_jsonl
 from relax_hpc.paths import RunPaths
 from tests.slurm.jobs import CONFIG, REPO, slurm, wait_until
@@ -141,3 +141,20 @@ def test_a_launch_on_a_stopped_slurmd_is_the_nodes_fault(slurm_cluster, tmp_path
         slurm("scancel", job)
     fault = node_fault(out.returncode, out.stderr, ["n2"])
     assert fault == {"node": "n2", "cause": "slurmd unreachable: Socket timed out on send/recv operation"}, out.stderr
+
+
+def test_the_previous_allocations_node_that_slurm_holds_not_responding_failed(slurm_cluster):
+    """A NODE_FAIL ends the launcher with its job: the next start asks Slurm about the previous
+    allocation's nodes. Slurm's own marking takes SlurmdTimeout (with 5 s, 23 s on this cluster
+    after a SIGSTOP of the slurmd); the same state set by hand stands in for it here."""
+    before = [{"event": "allocation", "slurm_job_id": "77", "slurm_restart_count": 0, "nodes": ["n3", "n4"]}]
+    slurm("scontrol", "update", "NodeName=n3", "State=DOWN", "Reason=Not responding")
+    try:
+        events = failed_nodes(before, "77", 1, ["n4"])
+        assert failed_nodes(before, "77", 1, ["n3", "n4"])[0]["event"] == "allocation"  # n3 is in this allocation
+    finally:
+        slurm("scontrol", "update", "NodeName=n3", "State=RESUME")
+    assert events == [
+        {"event": "node_failed", "node": "n3", "cause": "NODE_FAIL (Slurm: down)", "slurm_job_id": "77"},
+        {"event": "allocation", "slurm_job_id": "77", "slurm_restart_count": 1, "nodes": ["n4"]},
+    ]

@@ -278,5 +278,9 @@ def test_interrupted_every_way_reproduces_the_uninterrupted_run(slurm_cluster, t
 
     starts = train_events(run_dir, "start")
     assert [s["slurm_restart_count"] for s in starts] == list(range(len(INTERRUPTIONS) + 1))
+    # Only the preemption is recorded as one: the no-progress guard passes that allocation over.
+    preempted = {e["slurm_restart_count"] for e in read_jsonl(run_dir / "metrics" / "events.jsonl")
+                 if e["event"] == "preempted"}  # fmt: skip
+    assert preempted == {list(INTERRUPTIONS).index("partition preemption")}, preempted
     assert_reproduces(reference, run_dir, STEPS)
     assert_nothing_lost_or_repeated(run_dir, STEPS)

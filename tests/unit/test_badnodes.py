@@ -9,8 +9,9 @@ import pytest
 from relax_hpc.fence import EXIT_FENCED
 from relax_hpc.launch.badnodes import bad_nodes, failures, newly_bad, node_fault, usable_exclusion
 
-# As srun printed them on the test cluster (a slurmd stopped with SIGSTOP; tests/slurm/test_bad_nodes.py)
-# and as CUDA, NCCL and nvidia-smi print a failed device.
+# As srun printed them on the test cluster (a slurmd stopped with SIGSTOP: under a running step, with
+# SlurmdTimeout=5, Node failure after 23 s; at a launch, tests/slurm/test_bad_nodes.py) and as CUDA,
+# NCCL and nvidia-smi print a failed device.
 NODES_FAULTS = [
     ("srun: error: Node failure on n2", "NODE_FAIL"),
     ("srun: error: Task launch for StepId=1.3 failed on node n2: Socket timed out on send/recv operation",
@@ -64,6 +65,11 @@ def test_a_node_is_bad_after_two_faults_of_its_own_and_clearing_starts_the_count
     assert newly_bad(events, ["n1"], 2) == ["n1"] and newly_bad([*events, exit_on(["n1"])], ["n1"], 2) == []
     cleared = [*events, {"event": "bad_nodes_cleared"}, exit_on(["n1"])]
     assert failures(cleared) == {"n1": 1} and bad_nodes(cleared, 2) == []
+
+
+def test_a_node_that_failed_under_an_allocation_counts():
+    events = [exit_on(["n1"]), {"event": "node_failed", "node": "n1", "cause": "NODE_FAIL (Slurm: down*)"}]
+    assert failures(events) == {"n1": 2} and bad_nodes(events, 2) == ["n1"]
 
 
 def test_fenced_hung_and_failed_roles_without_a_node_fault_mark_no_node():
