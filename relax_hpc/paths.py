@@ -29,7 +29,6 @@ from __future__ import annotations
 import errno
 import os
 import secrets
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -243,19 +242,6 @@ def draining(paths: RunPaths) -> set[str]:
     """The engines asked to leave (elastic rollout's scale in)."""
     folder = paths.scale / "drain"
     return {p.name for p in folder.iterdir()} if folder.is_dir() else set()
-
-
-def python_command() -> str:
-    """The interpreter that runs this process, as a hint printed for the user should name it: relative
-    to the working directory when it lies inside it (`.venv/bin/python`), else its absolute path, so
-    that the hint copied as written runs where the package is installed (a bare `python` may not)."""
-    exe = sys.executable
-    if not exe:
-        return "python"
-    rel = os.path.relpath(exe)  # not resolved: a venv's python is a link to the base interpreter
-    if rel.startswith(os.pardir):
-        return exe
-    return rel if os.sep in rel else os.path.join(os.curdir, rel)  # `python` alone would search PATH
 
 
 def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:

@@ -40,13 +40,13 @@ from pydantic_core import ErrorDetails
 from relax_hpc import cli
 from relax_hpc.ckpt.layout import latest_dir
 from relax_hpc.config.load import ConfigError, load_config, read_frozen, suggest, to_yaml
-from relax_hpc.config.path_options import path_fields
+from relax_hpc.config.path_options import path_fields, python_command
 from relax_hpc.config.pipeline import REFERENCE, PipelineConfig, StageConfig
 from relax_hpc.config.schema import JobConfig, SlurmConfig
 from relax_hpc.launch.follow import ACTIVE, ENDED, queue_state, run_facts, slurm_state
 from relax_hpc.metrics.jsonl import read_jsonl
 from relax_hpc.metrics.summary import completed_steps, guard_reason
-from relax_hpc.paths import RunPaths, python_command, write_atomic
+from relax_hpc.paths import RunPaths, write_atomic
 from relax_hpc.submit import check_inputs, eval_left, freeze, refused_changes, slurm_function
 
 RECORD = "pipeline.json"

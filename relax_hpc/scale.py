@@ -30,6 +30,7 @@ from pathlib import Path
 
 from relax_hpc import cli
 from relax_hpc.config.load import ConfigError, apply_override, read_frozen, validate
+from relax_hpc.config.path_options import python_command
 from relax_hpc.config.schema import JobConfig, SlurmConfig
 from relax_hpc.launch.badnodes import bad_nodes, partition_nodes, usable_exclusion
 from relax_hpc.launch.elastic import (
@@ -45,7 +46,7 @@ from relax_hpc.launch.elastic import (
 )
 from relax_hpc.launch.follow import queue_state
 from relax_hpc.metrics.jsonl import read_jsonl
-from relax_hpc.paths import RunPaths, python_command
+from relax_hpc.paths import RunPaths
 from relax_hpc.protocol import requests as P
 from relax_hpc.protocol import routes as R
 from relax_hpc.protocol.client import EngineClient, EngineRequestError, EngineUnavailable

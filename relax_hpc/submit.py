@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from relax_hpc import cli
 from relax_hpc.config.load import ConfigError, load_config, read_frozen, to_yaml
-from relax_hpc.config.path_options import path_problems
+from relax_hpc.config.path_options import path_problems, python_command
 from relax_hpc.config.schema import RESUMABLE_CHANGES, EvalConfig, JobConfig, MediaKind, SftConfig
 from relax_hpc.data.processor import is_multimodal, media_kinds, sampling_rate, video_spec
 from relax_hpc.data.prompts import DatasetError, load_data, load_prompts
@@ -34,7 +34,7 @@ from relax_hpc.metrics.evaluation import finished as finished_evaluations
 from relax_hpc.metrics.startup import StartupClock
 from relax_hpc.metrics.summary import completed_steps, finished_export_problem, run_summary
 from relax_hpc.models.arch import check_megatron_job
-from relax_hpc.paths import RunPaths, python_command, write_atomic
+from relax_hpc.paths import RunPaths, write_atomic
 
 if TYPE_CHECKING:
     import submitit

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -92,7 +93,7 @@ def path_problems(config: BaseModel) -> list[str]:
                 problems.append(
                     f"{f.key}: the run {path.parent} has exported no model yet ({path} is written when it "
                     "completes, with ckpt.export_hf); finish that run, or export a checkpoint with "
-                    f"python tools/dcp_to_hf.py --run-dir {path.parent} --out {path}"
+                    f"{python_command()} tools/dcp_to_hf.py --run-dir {path.parent} --out {path}"
                 )
         elif f.option.kind == "hf_model" and not (path / "config.json").is_file():
             problems.append(
@@ -129,13 +130,26 @@ def checkpoint_folder(path: Path) -> bool:
     )
 
 
+def python_command() -> str:
+    """The interpreter that runs this process, as a hint printed for the user should name it: relative
+    to the working directory when it lies inside it (`.venv/bin/python`), else its absolute path, so
+    that the hint copied as written runs where the package is installed (a bare `python` may not)."""
+    exe = sys.executable
+    if not exe:
+        return "python"
+    rel = os.path.relpath(exe)  # not resolved: a venv's python is a link to the base interpreter
+    if rel.startswith(os.pardir):
+        return exe
+    return rel if os.sep in rel else os.path.join(os.curdir, rel)  # `python` alone would search PATH
+
+
 def tiny_policy_hint(key: str, path: Path) -> str:
     """How to get a missing tiny policy back, for the folder names tools/make_tiny_policy.py
     writes only, and never by a command that would overwrite the shipped assets."""
     task = TINY_POLICIES.get(path.name)
     if task is None:
         return ""
-    build = f"python tools/make_tiny_policy.py --task {task} --out"
+    build = f"{python_command()} tools/make_tiny_policy.py --task {task} --out"
     if path.parent == SHIPPED_ASSETS:
         return (
             f"; it ships with relax_hpc: restore it with `git checkout -- {path}`, or build one in a folder of "

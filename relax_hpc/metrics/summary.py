@@ -8,10 +8,11 @@ from typing import Any
 
 from relax_hpc.ckpt.best import best_version, complete_steps, read_record
 from relax_hpc.ckpt.layout import latest_dir, read_trainer_state
+from relax_hpc.config.path_options import python_command
 from relax_hpc.config.schema import CheckpointConfig
 from relax_hpc.metrics import accounting
 from relax_hpc.metrics.jsonl import read_jsonl
-from relax_hpc.paths import RunPaths, python_command
+from relax_hpc.paths import RunPaths
 
 
 def step_records(paths: RunPaths) -> list[dict[str, Any]]:

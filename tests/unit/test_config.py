@@ -11,7 +11,7 @@ import pytest
 
 from relax_hpc.config import ConfigError, load_config
 from relax_hpc.config.load import read_frozen, to_yaml
-from relax_hpc.config.path_options import SHIPPED_ASSETS, bind_sources, path_problems, tiny_policy_hint
+from relax_hpc.config.path_options import SHIPPED_ASSETS, bind_sources, path_problems, python_command, tiny_policy_hint
 from relax_hpc.engines.vllm_engine import engine_python, server_args, server_env, visible_gpu
 from relax_hpc.launch.gpus import visible_gpu_count
 from relax_hpc.paths import RunPaths
@@ -303,7 +303,7 @@ def test_a_missing_tiny_policy_is_rebuilt_in_a_folder_of_its_own_never_over_the_
         for path in (tmp_path / "tiny-qwen3-calculator", tmp_path / "my-model", SHIPPED_ASSETS / "tiny-qwen3-gone")
     }
     assert problems[tmp_path / "tiny-qwen3-calculator"].endswith(
-        f"build it with `python tools/make_tiny_policy.py --task calculator --out {tmp_path}`"
+        f"build it with `{python_command()} tools/make_tiny_policy.py --task calculator --out {tmp_path}`"
     )
     assert [p for p in problems.values() if "make_tiny_policy" in p] == [problems[tmp_path / "tiny-qwen3-calculator"]]
     # The shipped folder's own name under the shipped assets: restored, or built elsewhere.
