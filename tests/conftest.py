@@ -63,6 +63,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=_order)  # stable: each module's order stays
 
 
+def pytest_report_header(config: pytest.Config) -> str:
+    from tests.slurm.chaos_cycle import header
+
+    return header()  # the chaos test's draw, printed where every CI log shows it
+
+
 def _under_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 

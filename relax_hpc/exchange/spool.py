@@ -295,6 +295,7 @@ def write_batch(path: Path, batch: SampleBatch, writer: str) -> None:
                 "schema_version": SCHEMA_VERSION,
                 "seq": batch.seq,
                 "writer": writer,
+                "writer_pid": os.getpid(),  # which process: a superseded one must have written none
                 "created": time.time(),
                 "checksum": _checksum(arrays, summed),
                 "header_checksum": _checksum(arrays, PER_SAMPLE_OF[SCHEMA_VERSION]),

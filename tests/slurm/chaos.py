@@ -25,13 +25,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import h5py
 import psutil
 
 from relax_hpc.ckpt.layout import read_trainer_state
 from relax_hpc.config.load import read_frozen
 from relax_hpc.data.prompts import load_prompts
 from relax_hpc.exchange.spool import read_batch
-from relax_hpc.fence import refused_writes
+from relax_hpc.fence import read_lease, refused_writes
 from relax_hpc.metrics.jsonl import read_jsonl
 from relax_hpc.paths import RunPaths
 from relax_hpc.rollout.plan import BatchPlan
@@ -75,10 +76,13 @@ class Chaos:
     rng: random.Random
     nodes: int = 4
     job: str = ""
-    faults: list[dict[str, Any]] = field(default_factory=list)
+    faults: list[dict[str, Any]] = field(default_factory=list)  # each fault recovered from
+    injected: int = 0  # faults struck (a fault never recovered from stops the schedule)
     latest_seen: list[int] = field(default_factory=list)  # the checkpoint `latest` named, in time
     high: int = 0  # the highest step seen in the record (recovery may drop it later)
     superseded_ended_s: list[float] = field(default_factory=list)  # SIGCONT -> the old process gone
+    # Each process continued after its replacement: role, pids, when its successor was seen
+    superseded: list[dict[str, Any]] = field(default_factory=list)
     elastic_job: str = ""  # the elastic engine job a fault is about to cancel
 
     def steps(self) -> list[dict[str, Any]]:
@@ -117,6 +121,7 @@ class Chaos:
             PREPARE[kind](self)
         at_step, injected = self.last_step(), time.time()
         self.high = at_step
+        self.injected += 1
         FAULTS[kind](self)
         since, retrained = injected, 0
         if kind in RESTART_THE_RUN:  # recovered: a step trained after the next start
@@ -131,8 +136,9 @@ class Chaos:
         median = statistics.median(b["time"] - a["time"] for a, b in itertools.pairwise(steps))
         lost = recovered["time"] - injected - median * RECOVERY_STEPS
         self.faults.append(
-            {"kind": kind, "at_step": at_step, "retrained": retrained, "time_lost_s": round(max(0.0, lost), 2)}
-        )
+            {"kind": kind, "at_step": at_step, "retrained": retrained, "time_lost_s": round(max(0.0, lost), 2),
+             "recovered": recovered["step"] >= goal}
+        )  # fmt: skip
 
     def hang(self, role: str) -> None:
         """SIGSTOP, wait until the launcher calls it hung, let it restart, then SIGCONT the old one."""
@@ -143,6 +149,7 @@ class Chaos:
             os.kill(pid, signal.SIGSTOP)
         wait_until(lambda: any(e["role"] == role for e in self.events_since("role_hung", t)), 300, f"{role} hung")
         wait_until(lambda: set(role_pids(self.run_dir, role)) - set(pids), 300, f"{role} replaced", every=0.2)
+        self.superseded.append({"role": role, "pids": pids, "successor_at": time.time()})
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
@@ -226,12 +233,15 @@ def schedule(seed: int, count: int, kinds: list[str]) -> list[str]:
     return chosen
 
 
+def total_steps(faults: list[str]) -> int:
+    """Steps per fault: the wait before it (1-3), its recovery, and the training that goes on while
+    a hung engine is detected and replaced (the other engine serves): the run must outlast them."""
+    return STEPS_PER_FAULT * len(faults) + 4 + JOIN_STEPS * sum(kind in PREPARE for kind in faults)
+
+
 def run_schedule(run_dir: Path, seed: int, faults: list[str], nodes: int = 4) -> Chaos:
     """Submit the run, inject every fault, wait for the end; returns what happened."""
-    # Steps per fault: the wait before it (1-3), its recovery, and the training that goes on while
-    # a hung engine is detected and replaced (the other engine serves): the run must outlast them.
-    steps = STEPS_PER_FAULT * len(faults) + 4 + JOIN_STEPS * sum(kind in PREPARE for kind in faults)
-    out = submit(run_dir, f"trainer.total_steps={steps}", *RUN, *HEALTH)
+    out = submit(run_dir, f"trainer.total_steps={total_steps(faults)}", *RUN, *HEALTH)
     assert out.returncode == 0, out.stdout + out.stderr
     chaos = Chaos(run_dir, random.Random(seed), nodes, job_id(run_dir))
     for kind in faults:
@@ -248,14 +258,38 @@ def verify(chaos: Chaos) -> dict[str, Any]:
     cfg = read_frozen(paths.config)
     total = cfg.trainer.total_steps
     assert job_state(chaos.job).split()[0] == "COMPLETED", job_state(chaos.job)
+    refused = refused_writes(run_dir)
+    _only_superseded_refused(refused, read_lease(run_dir))
+    for process in chaos.superseded:
+        _wrote_nothing_after_its_successor(paths, process)
     steps = [r["step"] for r in chaos.steps()]
     assert steps == list(range(1, total + 1)), f"steps not exactly once: {steps}"
     assert chaos.latest_seen == sorted(chaos.latest_seen), f"checkpoints went back: {chaos.latest_seen}"
     _every_prompt_once(paths, cfg)
     left = role_pids(run_dir, "any")
     assert not left, f"processes of the run alive after its end: {left}"
-    refused = refused_writes(run_dir)
     return {"steps": total, "refused_writes": len(refused), "superseded_ended_s": chaos.superseded_ended_s}
+
+
+def _only_superseded_refused(refused: list[dict[str, Any]], lease: dict[str, Any]) -> None:
+    """A refusal names a grant older than its role's last: a current process is never fenced."""
+    last = lease.get("roles", {})
+    wrong = [r for r in refused if r["serial"] >= last.get(r["role"], float("inf"))]
+    assert not wrong, f"writes of current processes refused: {wrong}"
+
+
+def _wrote_nothing_after_its_successor(paths: RunPaths, process: dict[str, Any]) -> None:
+    """No batch anywhere in the spool and no heartbeat left by a superseded process was written
+    after its successor was seen (its own refusals, in fence/refused/, are not writes)."""
+    pids, since = set(process["pids"]), process["successor_at"]
+    for path in paths.spool.rglob("*.h5"):
+        with h5py.File(path, "r", locking=False) as f:
+            pid, created = f.attrs.get("writer_pid"), float(f.attrs["created"])
+        assert pid not in pids or created < since, f"{path.name}: written by superseded {process}"
+    for beat in (paths.root / "health").glob("*.json"):
+        with contextlib.suppress(OSError, ValueError):
+            record = json.loads(beat.read_text())
+            assert record.get("pid") not in pids or record["time"] < since, f"{beat.name}: by superseded {process}"
 
 
 def _every_prompt_once(paths: RunPaths, cfg: Any) -> None:
@@ -280,8 +314,8 @@ def summary(chaos: Chaos, counts: dict[str, Any], seconds: float) -> dict[str, A
     for f in chaos.faults:
         by_kind.setdefault(f["kind"], []).append(f)
     return {
-        "faults_injected": len(chaos.faults),
-        "faults_survived": len(chaos.faults),  # verify() passed: the run completed exactly
+        "faults_injected": chaos.injected,
+        "faults_survived": sum(f["recovered"] for f in chaos.faults),  # verify() passed too
         "steps_retrained": sum(f["retrained"] for f in chaos.faults),
         "time_lost_median_s": {k: statistics.median(f["time_lost_s"] for f in fs) for k, fs in sorted(by_kind.items())},
         "per_kind": {k: len(fs) for k, fs in sorted(by_kind.items())},

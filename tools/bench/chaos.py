@@ -5,8 +5,10 @@ the checks; tests/slurm/test_chaos.py runs a short schedule in CI).
     python tools/bench/chaos.py [--seed 23] [--faults 14]
                                     # uses $SLURM_CONF, or starts tools/slurm/cluster.sh
 
-Prints one JSON object: faults injected and survived, steps trained again, time lost per fault
-kind (median), writes refused to superseded processes.
+Prints one JSON object: faults injected and survived (recovered from, the run then verified
+exact), steps trained again, time lost per fault kind (median), writes refused to superseded
+processes. Run it before each release (BENCHMARKS.md, "Chaos"); CI runs three kinds a commit,
+all 11 over any 4 consecutive commits (tests/slurm/chaos_cycle.py).
 """
 
 from __future__ import annotations
