@@ -18,6 +18,7 @@ ROLES = {"engines", "rollout", "trainer", "launch"}
 ENTRY_POINTS = {"submit", "inprocess", "status", "plot", "scale", "evaluate", "pipeline", "__init__"}
 # The shared layers, lowest first: a layer imports only layers of a lower rank.
 RANKS = [
+    {"cli"},  # how an entry point exits (a closed pipe, a full disk): imports nothing of the package
     {"paths", "config"},
     {"fence"},  # one writer per run: every writing layer above checks it
     {"data", "protocol", "algos"},
