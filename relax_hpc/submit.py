@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--take-over",
         action="store_true",
-        help="when the run's job (or local launcher) is live: end it, wait until it has left, then start this one",
+        help="slurm: when the run's job is queued or running, cancel it, wait until it has left, then submit",
     )
     parser.add_argument(
         "--in-allocation",
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
             if slurm:
                 owned.enter_context(owner.submission_claim(paths, args.take_over))
             elif not args.in_allocation:
-                owner.hold_local_launcher(paths, args.take_over)  # held until this process ends
+                owner.hold_local_launcher(paths)  # held until this process ends
             if cfg.kind == "eval" and not (slurm and eval_left(cfg.eval, paths)):
                 # results.jsonl says what is left to score: nothing, once it is complete
                 freeze(cfg, paths)  # refuses a changed job as any resume would

@@ -8,7 +8,8 @@ started beside another waits for it and then finds its job. A claim whose proces
 host) or that is older than CLAIM_STALE_S is taken over.
 
 Local: the launcher holds an flock on RUN_DIR/fence/launcher for its whole life (the kernel drops
-it when the process ends, SIGKILL included); a second launcher on the same RUN_DIR is refused.
+it when the process ends, SIGKILL included); a second launcher on the same RUN_DIR is refused,
+naming the live one's pid (stopping it is the user's: Ctrl-C there checkpoints).
 
 A launcher that lost the run anyway (an sbatch recipe started twice) stops when its roles exit as
 superseded: the supervisor checks the lease (relax_hpc/fence.py).
@@ -21,11 +22,10 @@ import errno
 import fcntl
 import json
 import os
-import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -39,7 +39,7 @@ ENDED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED"
          "OUT_OF_MEMORY", "REVOKED"}  # fmt: skip
 CLAIM_STALE_S = 600.0  # a submission holds its claim for an sbatch call (at most 120 s) and a few writes
 CLAIM_WAIT_S = 300.0  # how long a submission waits for another's claim
-LEAVE_WAIT_S = 300.0  # how long --take-over waits for a cancelled job (or launcher) to leave
+LEAVE_WAIT_S = 300.0  # how long --take-over waits for a cancelled job to leave
 POLL_S = 0.2
 
 
@@ -90,7 +90,7 @@ def _claim_stale(claim: Path) -> bool:
     return time.time() - float(owner.get("time", 0)) > CLAIM_STALE_S
 
 
-def _take_claim(claim: Path) -> bool:
+def take_claim(claim: Path) -> bool:
     """Create `claim` exclusively; a stale one is first moved aside (one mover wins the rename)."""
     claim.parent.mkdir(parents=True, exist_ok=True)
     if claim.exists() and _claim_stale(claim):
@@ -115,7 +115,7 @@ def submission_claim(paths: RunPaths, take_over: bool) -> Iterator[None]:
     job is queued or running, or cancel it first with `take_over`."""
     claim = paths.slurm_claim
     deadline = time.monotonic() + CLAIM_WAIT_S
-    while not _take_claim(claim):
+    while not take_claim(claim):
         if time.monotonic() > deadline:
             raise ConfigError(f"another submission of {paths.root} holds {claim} since {CLAIM_WAIT_S:.0f} s; "
                               "remove it if no submission is under way")  # fmt: skip
@@ -139,37 +139,27 @@ def cancel_and_wait(job: str, state: str) -> None:
     """`--take-over`: cancel `job` (SIGTERM: its trainer checkpoints) and wait until it has left."""
     print(f"taking over: cancelling job {job} ({state}) and waiting until it has left", flush=True)
     subprocess.run(["scancel", job], capture_output=True, text=True, check=False, timeout=60)
-    _wait_gone(lambda: live_state(job) is None, f"job {job} was cancelled but Slurm still lists it")
-
-
-def _wait_gone(gone: Callable[[], bool], what: str) -> None:
     deadline = time.monotonic() + LEAVE_WAIT_S
-    while not gone():
+    while live_state(job) is not None:
         if time.monotonic() > deadline:
-            raise ConfigError(f"{what} after {LEAVE_WAIT_S:.0f} s; submit again once it has left")
+            raise ConfigError(f"job {job} was cancelled but Slurm still lists it after {LEAVE_WAIT_S:.0f} s; "
+                              "submit again once it has left")  # fmt: skip
         time.sleep(1.0)
 
 
-def hold_local_launcher(paths: RunPaths, take_over: bool) -> int:
+def hold_local_launcher(paths: RunPaths) -> int:
     """Make this process the run's only local launcher for its life: the flock's descriptor, kept
-    open (closing it lets another launcher in). A live launcher refuses this one, or with
-    `take_over` is asked to stop (SIGTERM: it checkpoints) and waited for."""
+    open (closing it lets another launcher in); a live launcher refuses this one."""
     lock = paths.launcher_lock
     lock.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     if not _flock(fd):
+        os.close(fd)
         pid = _holder(lock)
-        if not take_over:
-            os.close(fd)
-            raise ConfigError(
-                f"run.dir {paths.root} is run by a live launcher (pid {pid}); stop it first (Ctrl-C there, "
-                f"or kill -INT {pid}), or start with --take-over to stop it and start this one"
-            )
-        print(f"taking over: stopping launcher pid {pid} (it checkpoints) and waiting until it has left", flush=True)
-        if pid > 0:  # 0 (a pid not written yet) would signal this process's own group
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
-        _wait_gone(lambda: _flock(fd), f"launcher pid {pid} was asked to stop but still runs")
+        raise ConfigError(
+            f"run.dir {paths.root} is run by a live launcher (pid {pid}); stop it first (Ctrl-C there, "
+            f"or kill -INT {pid}), then start this one"
+        )
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd

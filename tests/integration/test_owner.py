@@ -33,7 +33,7 @@ def test_a_second_launcher_is_refused_and_a_superseded_one_stops(tmp_path):
         assert second.returncode == 2 and second.stdout == "", second.stdout + second.stderr
         assert second.stderr == (
             f"error: run.dir {run_dir} is run by a live launcher (pid {first.proc.pid}); stop it first (Ctrl-C "
-            f"there, or kill -INT {first.proc.pid}), or start with --take-over to stop it and start this one\n"
+            f"there, or kill -INT {first.proc.pid}), then start this one\n"
         )
         Lease(run_dir).new_generation()  # what another launcher's start does: its roles exit 76
         assert first.wait(timeout_s=120) == EXIT_FENCED, first.text()[-3000:]
