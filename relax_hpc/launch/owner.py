@@ -24,6 +24,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -153,7 +154,13 @@ def hold_local_launcher(paths: RunPaths) -> int:
     lock = paths.launcher_lock
     lock.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-    if not _flock(fd):
+    try:
+        held = _flock(fd)
+    except OSError as e:  # a filesystem that takes no locks (some NFS mounts): the lease still fences
+        print(f"warning: cannot lock {lock} ({e.strerror}): a second launcher on {paths.root} is not refused",
+              file=sys.stderr)  # fmt: skip
+        return fd
+    if not held:
         os.close(fd)
         pid = _holder(lock)
         raise ConfigError(
