@@ -29,6 +29,7 @@ def _run(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, ci: str | N
     pytester.makeconftest(CONFTEST.read_text())
     pytester.makeini("[pytest]\nmarkers =\n    gpu: needs a CUDA GPU")
     pytester.makepyfile(test_some=TESTS)
+    monkeypatch.setenv("PYTHONPATH", str(CONFTEST.parents[1]))  # the conftest imports tests.slurm
     if ci is None:
         monkeypatch.delenv("CI", raising=False)
     else:
