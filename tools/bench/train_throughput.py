@@ -2,8 +2,8 @@
 backend, on the same random Qwen3-shaped model and the same batch, measured in the same run.
 
     python tools/bench/train_throughput.py [--sizes 0.6b,1.7b,4b,vl-2b] [--seq 4096] [--batch 4] [--steps 5]
-                                           [--microbatch-tokens 16384] [--recompute]
-                                           [--image-tokens 256] [--profile-dir DIR] [--cpu]
+                                           [--microbatch-tokens 16384] [--recompute] [--repeats 1]
+                                           [--image-tokens 256] [--profile STEPS] [--profile-dir DIR] [--cpu]
 
 `vl-2b` is a Qwen3-VL-2B-shaped vision-language model (its language model is 1.7b's shape, with
 multimodal RoPE; a 24-block vision tower with DeepStack mergers): each sample opens with one
@@ -18,9 +18,17 @@ count every matrix multiply (6 x parameters, the LM head included, the embedding
 plus attention in full (12 x layers x seq x heads x head_dim, not halved for causality), and for
 a vision-language model the tower's likewise per patch (attention over the picture's patches)
 and its mergers' per merged token; MFU is against the H200's dense bf16 peak, 989 TFLOP/s. Prints
-one JSON object per size. With --profile-dir, one more step runs under torch.profiler: its GPU
-time by kind of kernel goes into the JSON (`gpu_ms`) and the top kernels into
-DIR/SIZE-BACKEND.txt.
+one JSON object per size. With --repeats N each (size, backend) runs N times, each in a fresh
+process: its figures are then the median run's, with every run's in `runs` and `mfu_spread`
+(largest minus smallest); each run's line also goes to stderr as it ends. With both backends the
+JSON holds `megatron_over_torch` (tokens/s, the medians').
+
+--profile STEPS profiles that many more steps after the timed ones (in the first run of each
+(size, backend)) with tools/bench/kernel_profile.py: the step's time by kind of kernel
+(attention, gemm, norm_elementwise, optimizer, communication, memcpy_memset, other) and idle,
+the share the kinds account for, the top kernels and what bounds the step, under `profile` in the
+JSON; --profile-dir keeps each Chrome trace there (DIR/SIZE-BACKEND.json.gz; --profile-dir alone
+profiles one step).
 
 Memory options: --recompute recomputes each layer's activations in the backward pass (megatron:
 trainer.megatron.recompute; torch: trainer.gradient_checkpointing); --microbatch-tokens bounds the
@@ -108,6 +116,9 @@ def make_model(size: str, folder: Path, device: str = "cuda") -> None:
     with torch.device(device):
         model = model_class(config).to(dtype)
     model.save_pretrained(folder)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the workers need it: the 4B shape peaks near 80 GiB
 
 
 def random_batch(args: argparse.Namespace) -> Any:
@@ -186,73 +197,57 @@ def worker(args: argparse.Namespace) -> None:
         "mfu": round(tokens_per_s * flops / PEAK_FLOPS, 3),
         "max_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if not args.cpu else None,
     }
-    if args.profile_dir:
-        result["gpu_ms"] = profile_step(
-            lambda: backend.train_step(batch, 0), Path(args.profile_dir) / f"{args.size}-{args.backend}.txt"
-        )
+    if args.profile:
+        from kernel_profile import profile_steps  # beside this script, which torchrun puts on sys.path
+
+        trace = Path(args.profile_dir) / f"{args.size}-{args.backend}.json.gz" if args.profile_dir else None
+        result["profile"] = profile_steps(lambda: backend.train_step(batch, 0), args.profile, not args.cpu, trace)
     print("RESULT " + json.dumps(result), flush=True)
     dist.destroy_process_group()
 
 
-KERNEL_KINDS = {  # first match wins (flash kernels' names hold "cutlass" too)
-    "attention": ("flash", "fmha", "attention", "sdpa", "cudnn"),
-    "matmul": ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas"),
-    "nccl": ("nccl",),
-    "triton": ("triton",),
-    "optimizer": ("adam", "multi_tensor", "foreach"),
-    "copy_cast": ("copy", "cat", "index", "gather", "scatter"),
-    "elementwise": ("elementwise", "vectorized", "unrolled", "reduce", "norm", "softmax"),
-}
-
-
-def profile_step(step, table_path: Path) -> dict:
-    """GPU milliseconds of one step by kind of kernel, its wall time and the GPU's idle share."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        wall_ms = (time.perf_counter() - start) * 1e3
-    kinds: dict[str, float] = {}
-    for event in prof.key_averages():
-        if event.self_device_time_total <= 0 or event.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        name = event.key.lower()
-        kind = next((k for k, words in KERNEL_KINDS.items() if any(w in name for w in words)), "other")
-        kinds[kind] = kinds.get(kind, 0.0) + event.self_device_time_total / 1e3
-    table_path.parent.mkdir(parents=True, exist_ok=True)
-    table_path.write_text(
-        prof.key_averages().table(sort_by="self_device_time_total", row_limit=60, max_name_column_width=90)
-    )
-    busy = sum(kinds.values())
-    return {k: round(v, 1) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])} | {
-        "busy": round(busy, 1),
-        "wall": round(wall_ms, 1),
-        "idle_fraction": round(1 - busy / wall_ms, 3),
-    }
-
-
-def run(size: str, backend: str, model: Path, args: argparse.Namespace) -> dict:
+def run(size: str, backend: str, model: Path, args: argparse.Namespace, profile: int) -> dict:
+    """One (size, backend) in a fresh process; `wall_s` is the process's whole time, start-up included."""
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", __file__,
             "--worker", "--size", size, "--backend", backend, "--model", str(model), "--seq", str(args.seq),
             "--batch", str(args.batch), "--steps", str(args.steps),
             "--microbatch-tokens", str(args.microbatch_tokens), "--image-tokens", str(args.image_tokens)]  # fmt: skip
     if args.cpu:
         argv.append("--cpu")
-    if args.profile_dir:
-        argv += ["--profile-dir", args.profile_dir]
+    if profile:
+        argv += ["--profile", str(profile)] + (["--profile-dir", args.profile_dir] if args.profile_dir else [])
     if args.recompute:
         argv.append("--recompute")
+    start = time.perf_counter()
     out = subprocess.run(
         argv, check=False, capture_output=True, text=True, timeout=1200, env={**os.environ, "PYTHONUNBUFFERED": "1"}
     )
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+    wall = round(time.perf_counter() - start, 1)
     if out.returncode or not lines:
-        return {"backend": backend, "error": (out.stderr or out.stdout)[-3000:]}
-    return json.loads(lines[-1][len("RESULT ") :])
+        return {"backend": backend, "error": (out.stderr or out.stdout)[-3000:], "wall_s": wall}
+    return json.loads(lines[-1][len("RESULT ") :]) | {"wall_s": wall}
+
+
+def repeated(size: str, backend: str, model: Path, args: argparse.Namespace) -> dict:
+    """`repeats` runs of one (size, backend), the first profiled: the median run's figures (by MFU,
+    among the runs that finished), every run's, and the spread of MFU."""
+    runs = []
+    for i in range(args.repeats):
+        runs.append(run(size, backend, model, args, args.profile if i == 0 else 0))
+        print(f"# run {i + 1}/{args.repeats} {size} {backend}: {json.dumps(runs[-1])}", file=sys.stderr, flush=True)
+    done = sorted((r for r in runs if "error" not in r), key=lambda r: r["mfu"])
+    if args.repeats == 1 or not done:
+        return runs[0]
+    median = {k: v for k, v in done[(len(done) - 1) // 2].items() if k != "profile"}
+    keys = ("step_s", "tokens_per_s", "mfu", "max_memory_gib", "wall_s")
+    median["runs"] = [
+        {k: r[k] for k in keys if k in r} | ({"error": r["error"][-300:]} if "error" in r else {}) for r in runs
+    ]
+    median["mfu_spread"] = round(done[-1]["mfu"] - done[0]["mfu"], 3)
+    if "profile" in runs[0]:
+        median["profile"] = runs[0]["profile"]
+    return median
 
 
 def main() -> None:
@@ -264,7 +259,11 @@ def main() -> None:
     parser.add_argument("--microbatch-tokens", type=int, default=16384)
     parser.add_argument("--backends", default="megatron,torch")
     parser.add_argument("--recompute", action="store_true", help="recompute each layer's activations in backward")
-    parser.add_argument("--profile-dir", help="profile one more step; write each kernel table here")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each (size, backend), each a fresh process")
+    parser.add_argument(
+        "--profile", type=int, default=0, help="profile this many more steps (tools/bench/kernel_profile.py)"
+    )
+    parser.add_argument("--profile-dir", help="keep each profile's Chrome trace here (alone: --profile 1)")
     parser.add_argument("--image-tokens", type=int, default=256, help="merged tokens of each sample's picture (vl-*)")
     parser.add_argument("--cpu", action="store_true", help="check the script on a CPU (toy sizes, torch backend)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -272,6 +271,8 @@ def main() -> None:
     parser.add_argument("--backend", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.profile_dir and not args.profile:
+        args.profile = 1  # the earlier meaning of --profile-dir alone: one profiled step
     if args.worker:
         return worker(args)
     import torch
@@ -279,7 +280,12 @@ def main() -> None:
     for size in args.sizes.split(","):
         with tempfile.TemporaryDirectory() as tmp:
             make_model(size, Path(tmp), "cpu" if args.cpu else "cuda")
-            results = {b: run(size, b, Path(tmp), args) for b in args.backends.split(",")}
+            results = {b: repeated(size, b, Path(tmp), args) for b in args.backends.split(",")}
+        ratio = {}  # tokens/s, megatron's over torch's, where both ran
+        if all("tokens_per_s" in results.get(b, {}) for b in ("megatron", "torch")):
+            ratio["megatron_over_torch"] = round(
+                results["megatron"]["tokens_per_s"] / results["torch"]["tokens_per_s"], 3
+            )
         print(
             json.dumps(
                 {
@@ -295,6 +301,7 @@ def main() -> None:
                     "gpu": torch.cuda.get_device_name(0) if not args.cpu else "cpu",
                     "torch": torch.__version__,
                     **results,
+                    **ratio,
                 }
             ),
             flush=True,
