@@ -41,8 +41,9 @@ from pathlib import Path
 from relax_hpc.config.path_options import VENV_VLLM_PYTHON
 from relax_hpc.config.schema import VLLM_LORA_RANKS, JobConfig, VllmConfig
 from relax_hpc.engines import sglang_engine
-from relax_hpc.engines.sglang_engine import INITIAL_WEIGHT_VERSION, Wrapper
+from relax_hpc.engines.sglang_engine import INITIAL_WEIGHT_VERSION, EngineFailed, Wrapper
 from relax_hpc.protocol import vllm as V
+from relax_hpc.protocol.client import EngineRequestError, EngineUnavailable
 
 MODULE = "vllm.entrypoints.openai.api_server"
 MIDDLEWARE = "relax_hpc.engines.vllm_auth.require_token"
@@ -152,7 +153,17 @@ class VllmWrapper(Wrapper):
         return self.cfg.rollout.vllm.startup_timeout_s
 
     def prepare(self) -> None:
-        self.client.call("POST", "/update_weight_version", {"new_version": INITIAL_WEIGHT_VERSION})
+        """Weight version "0" for vLLM's "default". The server's first call into its engine core:
+        allowed as long as a running server may go unanswered (--unhealthy-after-s), not a /health
+        probe's 10 s, which a fresh engine on a loaded machine could exceed; a server that fails
+        it ends the engine with the reason in its log (EngineFailed, exit 1), not a traceback."""
+        try:
+            self.client.call(
+                "POST", "/update_weight_version", {"new_version": INITIAL_WEIGHT_VERSION},
+                timeout_s=max(self.client.timeout_s, self.args.unhealthy_after_s),
+            )  # fmt: skip
+        except (EngineUnavailable, EngineRequestError) as e:
+            raise EngineFailed(f"the vLLM server did not take weight version {INITIAL_WEIGHT_VERSION}: {e}") from e
 
 
 if __name__ == "__main__":

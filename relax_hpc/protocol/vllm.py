@@ -71,6 +71,9 @@ DIE_WITH_PARENT = "RELAX_HPC_DIE_WITH_PARENT"
 # The engines' --weight-transfer-config backend: relax_hpc's gloo engine (relax_hpc.weights.
 # vllm_gloo, registered by its plugin), or vLLM's own nccl engine.
 GLOO_TRANSFER, NCCL_TRANSFER, SPARSE_NCCL_TRANSFER = "relax_gloo", "nccl", "sparse_nccl"
+# How vLLM 0.32 refuses /start_weight_update while an earlier update was never finished
+# (vllm/v1/worker/gpu_worker.py): relax_hpc.weights.vllm_channel then finishes that one first.
+UPDATE_STILL_ACTIVE = "a weight update is already active"
 
 
 def transfer_backend(weights_backend: str, delta: bool = False) -> str:

@@ -371,7 +371,7 @@ class VllmTransfer:
             plans = plan_buckets(((n, t.shape, t.dtype) for n, t in named), self.bucket_bytes)
             stream = iter(named)
         self._all("POST", f"{V.WAKE_UP}?tags=weights" if asleep else f"{V.PAUSE}?mode={pause}")
-        self._all("POST", V.START_WEIGHT_UPDATE)
+        _results(self._each(lambda _, c: _start_update(c)))
         pushed, base = PushBytes(), dict[int, torch.Tensor]()
         try:
             self._send_buckets(stream, plans, pushed, base)
@@ -590,6 +590,26 @@ class VllmSender:
                 self.asleep = False
             self.channel.close()
         self.channel, self.members, self._trusted = None, [], None
+
+
+def _start_update(client: EngineClient) -> None:
+    """/start_weight_update. vLLM refuses it while an earlier update is unfinished: a push whose
+    trainer gave up after the engine had taken every bucket but before /finish_weight_update (an
+    answer that timed out on a loaded machine) left the worker mid-update, and every later push
+    failed here, the engine paused for good. That update is finished first, under the version the
+    engine reports (it stays paused; a layer the update left unloaded gets its old tensors back),
+    then this push starts: whole, as every push to a group formed after a failure is, so it
+    replaces every tensor before /resume lets the engine sample."""
+    try:
+        client.call("POST", V.START_WEIGHT_UPDATE)
+        return
+    except (EngineUnavailable, EngineRequestError) as e:
+        if V.UPDATE_STILL_ACTIVE not in str(e):
+            raise
+    held = str(client.call("GET", V.WEIGHT_INFO)["weight_version"])
+    log.warning("%s was left mid-update by a failed push: finishing it (version %s) before this push", client.url, held)
+    client.call("POST", V.FINISH_WEIGHT_UPDATE, {"weight_version": held})
+    client.call("POST", V.START_WEIGHT_UPDATE)
 
 
 def _poster(route: str, body: Any) -> Callable[[int, EngineClient], Any]:

@@ -263,6 +263,46 @@ def test_a_delta_push_sends_what_changed_and_the_engine_holds_the_trainers_bits(
         sender.drop()
 
 
+class _FinishLost(VllmTransfer):
+    """A push whose /finish_weight_update never reached the engine (its trainer gave up first, as
+    when an answer timed out on a loaded machine): the engine took every bucket and was left
+    mid-update."""
+
+    def _all(self, method: str, route: str, body: object = None) -> None:
+        if route == V.FINISH_WEIGHT_UPDATE:
+            raise EngineUnavailable(f"{self.clients[0].url}{route}: timed out")
+        super()._all(method, route, body)
+
+
+def test_a_push_left_unfinished_is_finished_by_the_next_push(server: Server) -> None:
+    """vLLM refuses /start_weight_update while an earlier update is unfinished, so a push that
+    failed after the engine had taken its buckets but before /finish_weight_update left the engine
+    paused for good: every later push failed there. The sender's next push (a new group: whole)
+    finishes the stale update first, and the engine holds that push's weights bit for bit and
+    samples with them."""
+    model = AutoModelForCausalLM.from_pretrained(server.cfg.model.path, dtype=torch.float32).eval()
+    original = {n: p.detach().clone() for n, p in model.named_parameters()}
+    plans = plan_buckets(((n, t.shape, t.dtype) for n, t in original.items()), 2**16)
+    token = server.paths.read_token()
+    transport = GlooTransport("127.0.0.1", free_port("127.0.0.1"), 120.0)
+    lost = _FinishLost([server.client.url], token, transport, 2**16, 120.0)
+    try:
+        lost.connect()
+        with pytest.raises(EngineUnavailable, match="timed out"):
+            lost.push(iter((n, t + 0.01) for n, t in original.items()), version=30, plans=plans)
+    finally:
+        lost.close()
+    sender = VllmSender(server.paths.engines, token, 120.0, 2**16, "keep")
+    try:
+        assert sender.push(iter(original.items()), plans, version=31) == 1
+        assert sender.channel is not None
+        _check_bits(sender.channel.checksums()[0], original)
+        assert server.client.call("GET", V.WEIGHT_INFO) == {"weight_version": "31"}
+        _samples_as(server, model, version=31)
+    finally:
+        sender.drop()
+
+
 def test_colocated_the_engine_sleeps_through_a_step_and_wakes_with_the_pushed_weights(server: Server) -> None:
     """launch.colocate on vLLM engines (relax_hpc.weights.vllm_channel, VllmSender colocated):
     before a step the engine sleeps (vLLM's CPU backend pauses scheduling only; a GPU one frees
