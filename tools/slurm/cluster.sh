@@ -94,10 +94,14 @@ wait_dead() {  # PID SECONDS
   return 1
 }
 
+ours() {  # PID: the process carries this cluster's mark (a pid file can outlive its process, and pids wrap)
+  tr '\0' '\n' 2>/dev/null <"/proc/$1/environ" | grep -qxF "RELAX_SLURM_DIR=$DIR"
+}
+
 stop_daemon() {  # NAME SECONDS: SIGTERM, then SIGKILL after SECONDS
   local pid
   pid=$(pid_of "$1")
-  if alive "$pid"; then
+  if alive "$pid" && ours "$pid"; then
     kill -TERM "$pid" 2>/dev/null || true
     if ! wait_dead "$pid" "$2"; then
       log "$1 (pid $pid) ignored SIGTERM for $2 s; SIGKILL"
