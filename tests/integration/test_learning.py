@@ -14,6 +14,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.learning, pytest.mark.slow]
 # steps' mean 0.054 and the last 10's 0.176, greedy accuracy 0.08 -> 0.34. The full run to 0.8 (the
 # README's command, 400 steps) is BENCHMARKS.md's "Learning the embedded default".
 STEPS = 70
+# The bar on the rise (last 10 steps' mean less the first 10's) separates a learner from one at half
+# speed: at 70 steps, 5 seeds rose 0.102-0.233 and with trainer.lr halved 0.057-0.106, 4 of those 5
+# below 0.09 (tools/bench/learning_bars.py, BENCHMARKS.md "Learning bars"). 0.05 passed them all.
+RISE = 0.09
 
 
 def test_reward_rises_and_every_artifact_is_there(tmp_path):
@@ -25,7 +29,7 @@ def test_reward_rises_and_every_artifact_is_there(tmp_path):
     last = sum(s["reward"] for s in steps[-10:]) / 10
     print(json.dumps({"first10": round(first, 3), "last10": round(last, 3)}))
     assert first < 0.15, first  # starts near chance (1 in 19)
-    assert last >= first + 0.05, (first, last)
+    assert last >= first + RISE, (first, last)
     evals = read_jsonl(job.run_dir / "metrics" / "eval.jsonl")
     assert evals[0]["version"] == 0 and evals[-1]["version"] == STEPS
     assert evals[-1]["greedy_accuracy"] > evals[0]["greedy_accuracy"]
