@@ -88,7 +88,7 @@ def test_the_default_learns_on_vllm_and_survives_a_killed_engine(tmp_path: Path)
     timing = {"start_to_step_5_s": to_kill_s, "kill_to_rejoined_s": rejoin_s, "total_s": time.monotonic() - started}
     print(json.dumps({k: round(v, 1) for k, v in timing.items()}))
 
-    assert "engine-0 ended (exit -9); restarting (1/5)" in job.text()
+    assert "engine-0 ended (killed by SIGKILL); restarting (1/5)" in job.text()
     assert not vllm_processes(job.run_dir), "vLLM processes outlived the run"
     trainer_log = (job.run_dir / "logs" / "0" / "trainer.log").read_text()
     assert trainer_log.count("vLLM weight-transfer group formed with 2 engine(s)") >= 2  # formed again with the new one
