@@ -148,6 +148,11 @@ def reduce_stats(stats: Stats, epochs: int) -> dict[str, float]:
 RANK_COUNTS = ("media_mismatched_groups", "stale_tokens_masked")
 
 
+# How long a trainer that has trained every step keeps pushing the last version to engines that do
+# not hold it (the launcher gives the driver's final evaluation as long: launch/supervisor.py).
+FINAL_PUSH_S = 120.0
+
+
 class Trainer:
     def __init__(self, cfg: JobConfig, paths: RunPaths, device: torch.device) -> None:
         self.cfg, self.paths = cfg, paths
@@ -173,6 +178,7 @@ class Trainer:
         self.startup: StartupClock | None = None  # main's, until the first step (metrics/startup.jsonl)
         self.delivered = -1  # policy version the engines hold (rank 0's knowledge)
         self.last_engine_check = 0.0
+        self.final_push_since = 0.0  # when every step was trained and no engine held the last version
         self.total = cfg.trainer.total_steps
         # Rank 0 says what it is doing (RUN_DIR/health/trainer.json): the launcher tells a hung
         # phase from a long one by the median step.
@@ -218,7 +224,8 @@ class Trainer:
         if self.stop.requested():
             return Command(Do.STOP)
         awaiting = self.awaiting_eval()
-        if self.state.step >= self.total and not awaiting:
+        finished = self.state.step >= self.total
+        if finished and not awaiting and self.final_version_out():
             return Command(Do.END)
         # Push when the engines lack the current version or their set changed; at most every
         # 0.5 s while no engine takes it (none started yet, all restarting).
@@ -227,7 +234,7 @@ class Trainer:
         ):
             self.last_engine_check = time.monotonic()
             return Command(Do.SYNC)
-        if awaiting:
+        if awaiting or finished:
             return Command(Do.WAIT)
         ro = self.cfg.rollout
         claim = claim_next(self.spool, self.state.step, self.state.version, ro.max_staleness, self.per_token)
@@ -239,6 +246,15 @@ class Trainer:
         if claim.trained_file is None:
             return Command(Do.WAIT)
         return Command(Do.TRAIN, claim.trained_file, claim.trained)
+
+    def final_version_out(self) -> bool:
+        """Rank 0, every step trained: an engine holds the last version, which the driver's final
+        evaluation needs (the last step's push may have found none: a restarted engine still
+        starting), or none took it within FINAL_PUSH_S, what the launcher allows that evaluation."""
+        if self.delivered == self.state.version:
+            return True
+        self.final_push_since = self.final_push_since or time.monotonic()
+        return time.monotonic() - self.final_push_since > FINAL_PUSH_S
 
     def sync(self) -> None:
         try:
