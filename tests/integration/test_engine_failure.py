@@ -73,7 +73,7 @@ def test_a_killed_engine_is_restarted_and_rejoins_weight_sync(tmp_path):
         time.sleep(0.2)
     (job.run_dir / "control" / "stop").write_text("stop")  # a clean stop, as on Ctrl-C
     assert job.wait(timeout_s=120) == 75, job.text()[-3000:]
-    assert "engine-0 ended (exit -9); restarting (1/5)" in job.text()
+    assert "engine-0 ended (killed by SIGKILL); restarting (1/5)" in job.text()
     assert not (job.run_dir / "control" / "stop").exists()  # served: a resubmission trains on
     assert int(record["weight_version"]) >= steps_at_rejoin - 1
     assert trainer_log.read_text().count("formed with 2 engine(s)") >= 2  # re-formed with the new engine
