@@ -9,6 +9,7 @@ RUN_DIR/
   weights/version                       the policy version the engines hold, and how many
   weights/lora/vN                       the last versions' PEFT adapter folders (trainer.lora.sync adapter)
   weights/files/vN  vN-delta            a version's safetensors, whole or as a delta (weights.channel file)
+  weights/quarantine/ID.json            engines out of service: their weights differ from the trainer's
   ckpt/step-N  ckpt/latest              checkpoints (CkptDirs, relax_hpc.ckpt)
   metrics/train|rollout|eval.jsonl      the record of the run (reward_failures.jsonl: failed rewards;
                                         startup.jsonl: each process's start-up, metrics/startup.py)
@@ -71,6 +72,12 @@ class RunPaths:
     def weight_files(self) -> Path:
         """Each version's safetensors the engines load from disk (weights.channel file)."""
         return self.weights / "files"
+
+    @property
+    def weights_quarantine(self) -> Path:
+        """ID.json per engine process whose weights differ from the trainer's (weights.verify_every):
+        out of service until a push matches it (relax_hpc.protocol.registry.Quarantine)."""
+        return self.weights / "quarantine"
 
     @property
     def ckpt(self) -> Path:

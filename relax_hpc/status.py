@@ -10,7 +10,8 @@ It works on a live run, a finished or stopped one, and one whose Slurm job is st
 and total, reward, the last evaluation, samples/s, staleness, where the time of a step goes, each
 engine's health, the launcher's starts and the roles' restarts with their causes, the Slurm job's
 state (squeue; once ended, sacct or the controller's record), the last checkpoint, an ETA, the
-GPU- and CPU-hours per role (metrics.accounting) and the nodes left out as bad (launch.badnodes).
+GPU- and CPU-hours per role (metrics.accounting), the nodes left out as bad (launch.badnodes) and
+the engines out of service because their weights differ from the trainer's (weights.verify_every).
 It reads files and asks engines' /health; it changes nothing.
 """
 
@@ -22,6 +23,7 @@ import socket
 import statistics
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +44,7 @@ from relax_hpc.metrics.jsonl import read_jsonl
 from relax_hpc.metrics.summary import completed_steps, guard_reason, step_records
 from relax_hpc.paths import RunPaths
 from relax_hpc.protocol.client import EngineClient
-from relax_hpc.protocol.registry import read_records
+from relax_hpc.protocol.registry import read_quarantine, read_records
 
 RECENT = 20  # steps the rates and the ETA average over
 STALE_S = 30.0  # a heartbeat this old has stopped (the launcher's and the driver's beat every 5 s)
@@ -170,6 +172,7 @@ def collect(run_dir: Path) -> dict[str, Any]:
         "fencing": {"generation": Lease(paths.root).generation, "refused_writes": len(refused_writes(paths.root))},
         "guard": guard_reason(paths),
         "bad_nodes": _bad_nodes(events, cfg.launch.slurm.bad_node_failures),
+        "weights_check": _weights_check(paths, events),
     }
     facts["usage"] = accounting.accounting(paths, live=facts["state"] == "running")
     checkpoint = latest_dir(paths.ckpt)
@@ -195,6 +198,32 @@ def _bad_nodes(events: list[dict[str, Any]], threshold: int) -> dict[str, Any]:
         "bad": badnodes.bad_nodes(events, threshold),
         "excluded": excluded[-1].get("nodes", []) if excluded else [],
     }
+
+
+def _weights_check(paths: RunPaths, events: list[dict[str, Any]]) -> dict[str, Any]:
+    """The engines out of service because their weights differ from the trainer's (weights.
+    verify_every), and the last mismatch and recovery the run recorded."""
+    checks = [e for e in events if e.get("event") in ("weights_mismatch", "weights_recovered")]
+    held = [asdict(m) for m in read_quarantine(paths.weights_quarantine).values()]
+    mismatches = [e for e in checks if e["event"] == "weights_mismatch"]
+    return {"held_out": held, "mismatches": len(mismatches), "last": checks[-1] if checks else None}
+
+
+def _weights_line(check: dict[str, Any]) -> str | None:
+    if check["held_out"]:
+        return "weights:     " + "; ".join(
+            f"engine {m['engine_id']} OUT OF SERVICE since v{m['version']}: {m['differ']} of {m['checked']} tensors "
+            f"differ from the trainer's ({', '.join(m['tensors'][:2])}); back once a push matches it"
+            for m in check["held_out"]
+        )
+    last = check["last"]
+    if last is None:
+        return None
+    what = "back" if last["event"] == "weights_recovered" else "differed"
+    return (
+        f"weights:     no engine held out; {check['mismatches']} mismatch(es) so far, the last: "
+        f"engine {last['engine']} {what} at v{last['version']}"
+    )
 
 
 def _eval_facts(paths: RunPaths, wanted: set[tuple[str, str]]) -> dict[str, Any]:
@@ -280,6 +309,8 @@ def render(facts: dict[str, Any]) -> str:
         f"starts:      {facts['starts']}" + (f"; stops asked: {'; '.join(facts['stops'])}" if facts["stops"] else "")
     )
     lines += [f"restart:     {_role_exit(e)}" for e in exits[-5:]]
+    if "weights_check" in facts and (weights := _weights_line(facts["weights_check"])) is not None:
+        lines.append(weights)
     if "checkpoint" in facts:
         lines.append(f"checkpoint:  {facts['checkpoint']} ({_duration(facts['checkpoint_age_s'])} ago)")
     fencing = facts["fencing"]

@@ -22,6 +22,7 @@ RESUMABLE_CHANGES = (
     "rollout.request_timeout_s",
     "rollout.max_engine_restarts",
     "weights.timeout_s",
+    "weights.verify_every",
 )
 
 
@@ -627,6 +628,17 @@ class WeightsConfig(Section):
     linear weights to patch in place) and loads every tensor from it; over nccl the engines run
     vLLM's sparse_nccl, which patches in place but takes nothing whole, so a whole push there
     sends every element's index too (3 times the bytes of bf16)."""
+    verify_every: int = Field(default=10, ge=0)
+    """Check every Nth push (0: never): each engine that took the version reports a digest of every
+    tensor it holds, computed from its live weights by its own checker (SGLang's and the built-in
+    engine's /weights_checker, vLLM's /weight_checker), and the trainer compares them with its own
+    digests of what it pushed, in the engine's layout; with LoRA adapter sync, the adapter's
+    tensors (the built-in engine). An engine that differs is an error event in
+    metrics/events.jsonl and takes no new requests (the driver re-issues what it answers) until a
+    push matches it whole (every push is checked meanwhile) or it restarts; `status` says so.
+    Tensors an engine keeps no raw copy of (vLLM's CPU build prepacks some layers) or holds as
+    tensor-parallel shards are listed as not checked. The digests cost about one pass over the
+    model's bytes on each side per check (BENCHMARKS.md, "Weights verified inside a run")."""
 
 
 class CheckpointConfig(Section):

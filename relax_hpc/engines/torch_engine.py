@@ -57,6 +57,7 @@ from relax_hpc.protocol import routes as R
 from relax_hpc.protocol.registry import EngineRecord, remove_record, write_record
 from relax_hpc.weights.buckets import BucketPlan
 from relax_hpc.weights.catchup import SNAPSHOT, CaughtUp, SnapshotReq, Stamp, catch_up, encode, plan_of
+from relax_hpc.weights.digests import checker_answer, engine_digests
 from relax_hpc.weights.files import DELTA_FORMAT, Loaded, load_folder
 from relax_hpc.weights.group import SideGroup
 from relax_hpc.weights.lora import AdapterMerger
@@ -430,6 +431,31 @@ class TorchEngine:
                 raise EngineBusy("the weights are being updated or are released; ask again")
             return encode(self.params, plans[req.bucket], Stamp(self.weight_version, self.weights_epoch, len(plans)))
 
+    def check_weights(self, req: P.CheckWeightsReqInput) -> dict[str, Any]:
+        """SGLang's /weights_checker, action checksum (relax_hpc.weights.verify): the digest
+        (relax_hpc.weights.digests.held_hash) of every tensor a push writes, as the engine holds
+        it (its parameters and the LoRA tensors received beside them; with adapter sync, the
+        adapter of the version it serves), read under the model lock at one version, which the
+        answer says with the hash."""
+        if req.action != "checksum":
+            raise P.ProtocolError(f"weights_checker action {req.action!r}: the built-in engine answers checksum only")
+        skip = req.skip_tensor_list or []
+        if self.adapter_folders:  # adapter sync: the adapter of the version (none for version 0, the base)
+            version = self.weight_version
+            name = P.adapter_name(int(version))
+            with self._cv:
+                tensors = dict(self._adapter(name)) if name is not None else {}
+        else:
+            with self._model_lock:
+                if self.released or not self.whole:
+                    raise EngineBusy("the weights are being updated or are released; ask again")
+                version = self.weight_version
+                tensors = {n: t for n, t in self.update_targets.items() if not any(s in n for s in skip)}
+                checksums, how = engine_digests(tensors)
+                return checker_answer(checksums, how, version)
+        checksums, how = engine_digests({n: t for n, t in tensors.items() if not any(s in n for s in skip)})
+        return checker_answer(checksums, how, version)
+
     def catch_up(self, registry: Path, engine_id: str, api_key: str, bucket_bytes: int) -> tuple[CaughtUp | None, str]:
         """At start, before the engine registers: copy the weights of the engine at the highest
         version (what was copied, or None and why not; the engine then keeps its own)."""
@@ -736,6 +762,7 @@ _ACTIONS: dict[R.Route, _Action] = {
     R.RELEASE_MEMORY_OCCUPATION: _Action(TorchEngine.release_memory, _message(None)),
     R.RESUME_MEMORY_OCCUPATION: _Action(TorchEngine.resume_memory, _message(None)),
     R.UPDATE_WEIGHTS_FROM_DISTRIBUTED: _Action(TorchEngine.update_from_distributed, _UPDATED),
+    R.WEIGHTS_CHECKER: _Action(TorchEngine.check_weights),
 }
 
 

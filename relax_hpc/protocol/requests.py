@@ -207,6 +207,18 @@ class UpdateWeightVersionReqInput:
     abort_all_requests: bool = True
 
 
+@dataclass
+class CheckWeightsReqInput:
+    """POST /weights_checker: `checksum` answers each tensor's digest as the engine holds it
+    (relax_hpc.weights.verify reads the answer); SGLang's other actions (snapshot, compare,
+    reset_tensors) are its own tests' and the built-in engine refuses them."""
+
+    action: str = "checksum"
+    allow_quant_error: bool = False
+    skip_tensor_list: list[str] | None = None
+    selector: Literal["target", "draft", "all"] = "all"
+
+
 def adapter_name(version: int) -> str | None:
     """The LoRA adapter an engine serves policy version `version` with, as a request's lora_path
     names it (adapter sync, trainer.lora.sync adapter); None: the base model, version 0."""

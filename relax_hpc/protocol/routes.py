@@ -43,6 +43,7 @@ RESUME_MEMORY_OCCUPATION = Route("POST", "/resume_memory_occupation", P.ResumeMe
 LOAD_LORA_ADAPTER = Route("POST", "/load_lora_adapter", P.LoadLoRAAdapterReqInput)
 UNLOAD_LORA_ADAPTER = Route("POST", "/unload_lora_adapter", P.UnloadLoRAAdapterReqInput)
 UPDATE_WEIGHT_VERSION = Route("POST", "/update_weight_version", P.UpdateWeightVersionReqInput)
+WEIGHTS_CHECKER = Route("POST", "/weights_checker", P.CheckWeightsReqInput)  # relax_hpc.weights.verify
 
 # Every route of the protocol (each constant above), by (method, path): what the built-in engine serves.
 ROUTES: dict[tuple[str, str], Route] = {(r.method, r.path): r for r in list(globals().values()) if isinstance(r, Route)}

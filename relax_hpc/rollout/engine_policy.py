@@ -10,7 +10,9 @@ With LoRA adapter sync (relax_hpc.weights.adapters) a request names the adapter 
 version (lora_path), and its answer counts as that version, every token of it (vLLM stamps tokens
 with the engine's version, which a push moves while the old adapter answers). A vLLM engine
 (rollout.engine vllm) is asked through relax_hpc.protocol.vllm.VllmClient, which answers in
-SGLang's shape with each token's own version.
+SGLang's shape with each token's own version. An engine the trainer found holding other weights
+than it pushed (relax_hpc.weights.verify: a marker in RUN_DIR/weights/quarantine) gets no new
+request, and what it answers meanwhile is re-issued to another engine.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from relax_hpc.envs.context import GenerateCall
 from relax_hpc.paths import RunPaths, draining
 from relax_hpc.protocol import requests as P
 from relax_hpc.protocol.client import EngineClient, EngineRequestError, EngineUnavailable
-from relax_hpc.protocol.registry import EngineRecord, read_records
+from relax_hpc.protocol.registry import EngineRecord, read_quarantine, read_records
 from relax_hpc.protocol.requests import adapter_name
 from relax_hpc.protocol.vllm import client_class
 
@@ -65,6 +67,7 @@ class EnginePool:
         self.timeout_s = timeout_s
         self.client_class = client_class(kind)
         self.engines: list[Engine] = []
+        self._held: dict[str, str] = {}  # engine id -> the process held out of service (quarantine)
         self._last = 0.0
 
     def refresh(self, force: bool = False, every: float = 0.5) -> None:
@@ -73,8 +76,9 @@ class EnginePool:
         self._last = time.monotonic()
         engines = []
         leaving = draining(self.paths)  # elastic engines asked to leave: nothing new for them
+        self._held = {m.engine_id: m.instance for m in read_quarantine(self.paths.weights_quarantine).values()}
         for record in read_records(self.paths.engines):
-            if record.engine_id in leaving or record.evaluates != self.evaluation:
+            if record.engine_id in leaving or record.evaluates != self.evaluation or self.held_out(record):
                 continue
             client = self.client_class(record.url, self.api_key, self.timeout_s)
             try:
@@ -82,6 +86,11 @@ class EnginePool:
             except (EngineUnavailable, EngineRequestError, ValueError):
                 continue
         self.engines = engines
+
+    def held_out(self, record: EngineRecord) -> bool:
+        """The trainer found this engine's weights other than it pushed: out of service (as of
+        the last refresh)."""
+        return self._held.get(record.engine_id) == record.instance
 
     def eligible(self, min_version: int) -> list[Engine]:
         return [e for e in self.engines if e.version >= min_version]
@@ -228,6 +237,12 @@ class EnginePolicy:
                 continue
             finally:
                 self._load[engine.record.instance] -= 1
+            self.pool.refresh()
+            if self.pool.held_out(engine.record):  # sampled with weights other than the trainer's
+                log.warning("engine %s is out of service (its weights differ); re-issuing", engine.record.engine_id)
+                self.pool.mark_down(engine)
+                self.reissued += len(calls)
+                continue
             if self.adapters:  # the answer is the named adapter's, whatever the engine loaded since
                 for o in outputs:  # (vLLM's per-token versions follow the base weights' version)
                     o["meta_info"]["weight_version"] = str(engine.version)

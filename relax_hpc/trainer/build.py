@@ -1,12 +1,15 @@
 """What the config picks once for the trainer: its backend (imported lazily: megatron-core is an
-optional dependency) and its weight channel."""
+optional dependency), its weight channel and the check of what the engines hold after a push."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from relax_hpc.config.schema import JobConfig, LoraConfig
+from relax_hpc.config.schema import JobConfig, LoraConfig, WeightsConfig
 from relax_hpc.models.lora import write_adapter_folder
 from relax_hpc.paths import RunPaths
 from relax_hpc.protocol.client import EngineClient
@@ -19,7 +22,10 @@ from relax_hpc.weights.files import ClientSettings, FileChannel
 from relax_hpc.weights.layout import EngineLayout
 from relax_hpc.weights.sender import WeightSender
 from relax_hpc.weights.sharded import ShardedChannel, ShardedColocatedChannel
+from relax_hpc.weights.verify import WeightCheck
 from relax_hpc.weights.vllm_channel import VllmSender
+
+Events = Callable[[dict[str, Any]], None]  # a record for RUN_DIR/metrics/events.jsonl
 
 
 def build_backend(job: JobConfig, device: torch.device) -> Backend:
@@ -46,9 +52,7 @@ def build_channel(job: JobConfig, paths: RunPaths, backend: Backend, device: tor
         speaks = client_class(job.rollout.engine)  # the engines' adapter routes
         publisher = _publisher(job.trainer.lora, job.model.path, paths, timeout_s, speaks) if rank == 0 else None
         return AdapterChannel(publisher)
-    # SGLang and vLLM load the HF checkpoint's layout; the built-in engine the trainer's own.
-    convert = backend.checkpoint_layout() if job.rollout.engine in ("sglang", "vllm") else None
-    layout = EngineLayout(backend.parameter_specs(), convert)
+    layout = engine_layout(job.rollout.engine, backend)
     bucket_bytes = int(job.weights.bucket_mb * 2**20)
     if job.weights.channel == "file":
         # Every rank of the torch backend holds each full tensor in turn and writes its share; the
@@ -82,6 +86,28 @@ def build_channel(job: JobConfig, paths: RunPaths, backend: Backend, device: tor
         stages, relay, senders = backend.weight_stages(), job.weights.relay, job.weights.senders
         return ShardedChannel(sender, layout, bucket_bytes, stages, job.engine_catch_up, concurrent, relay, senders)
     return BroadcastChannel(sender if rank == 0 else None, layout, bucket_bytes, job.engine_catch_up)
+
+
+def engine_layout(engine: str, backend: Backend) -> EngineLayout:
+    """What engines of kind `engine` (rollout.engine) call the pushed tensors: SGLang and vLLM
+    load the HF checkpoint's layout; the built-in engine the trainer's own."""
+    convert = backend.checkpoint_layout() if engine in ("sglang", "vllm") else None
+    return EngineLayout(backend.parameter_specs(), convert)
+
+
+def build_check(
+    weights: WeightsConfig, engine: str, adapters: bool, paths: RunPaths, backend: Backend, device: torch.device,
+    events: Events,
+) -> WeightCheck | None:  # fmt: skip
+    """Rank 0's check of what the engines of kind `engine` hold after a push (weights.verify_every;
+    None: off, or another rank). Adapter sync (`adapters`) pushes PEFT's names: no layout."""
+    if weights.verify_every == 0 or dist.get_rank() != 0:
+        return None
+    layout = None if adapters else engine_layout(engine, backend)
+    return WeightCheck(
+        engine, weights.verify_every, paths.engines, paths.weights_quarantine, events, paths.read_token(),
+        weights.timeout_s, layout, device,
+    )  # fmt: skip
 
 
 def _publisher(

@@ -46,7 +46,7 @@ from relax_hpc.metrics.timing import PeakMemory, PhaseTimer
 from relax_hpc.paths import RunPaths, write_atomic
 from relax_hpc.trainer.backend import Backend
 from relax_hpc.trainer.batching import share_of
-from relax_hpc.trainer.build import build_backend, build_channel
+from relax_hpc.trainer.build import build_backend, build_channel, build_check
 from relax_hpc.trainer.claims import claim_next, read_claimed
 from relax_hpc.trainer.offload import OptimizerOffload
 from relax_hpc.weights.sender import WeightSyncError
@@ -169,6 +169,11 @@ class Trainer:
         )
         self.evaluated = -1  # with export_version=best: the newest version rank 0 saw evaluated
         self.channel = build_channel(cfg, paths, self.backend, device)  # weights to the engines
+        # Rank 0: what the engines hold after a push, against what it pushed (weights.verify_every).
+        self.check = build_check(
+            cfg.weights, cfg.rollout.engine, cfg.lora_adapters, paths, self.backend, device,
+            lambda record: log_event(paths, record),
+        )  # fmt: skip
         # launch.colocate_offload: the optimizer state waits in host memory while the engines generate.
         self.offload = OptimizerOffload(
             self.backend.optimizers(), device, enabled=cfg.launch.colocate_offload == "optimizer"
@@ -230,7 +235,9 @@ class Trainer:
         # Push when the engines lack the current version or their set changed; at most every
         # 0.5 s while no engine takes it (none started yet, all restarting).
         if time.monotonic() - self.last_engine_check > 0.5 and (
-            self.delivered != self.state.version or self.channel.engines_changed(self.delivered)
+            self.delivered != self.state.version
+            or self.channel.engines_changed(self.delivered)
+            or (self.check is not None and self.check.wants_push())  # an engine out of service: push again
         ):
             self.last_engine_check = time.monotonic()
             return Command(Do.SYNC)
@@ -257,8 +264,9 @@ class Trainer:
         return time.monotonic() - self.final_push_since > FINAL_PUSH_S
 
     def sync(self) -> None:
+        params = self.check.params(self.backend.full_parameters) if self.check else self.backend.full_parameters
         try:
-            engines = self.channel.push(self.backend.full_parameters, self.state.version)
+            engines = self.channel.push(params, self.state.version)
         except WeightSyncError as e:
             log.warning("%s; retrying with the engines that answer", e)
             return
@@ -266,6 +274,8 @@ class Trainer:
             self.engines_served = engines
             self.delivered = self.state.version
             self.announce_version(engines)
+            if self.check is not None:  # a due push's digests against the engines'
+                self.check.pushed(self.state.version)
 
     def announce_version(self, engines: int) -> None:
         """Announce the delivered version in RUN_DIR/weights (a record for humans and tools)."""
@@ -458,6 +468,13 @@ def save_checkpoint(ckpt: Checkpointer, backend: Backend, step: int, trainer_sta
     if dist.get_rank() == 0:
         log.info("checkpoint step %d %s", step, "saved" if ok else "FAILED (previous kept)")
     return ok
+
+
+def log_event(paths: RunPaths, record: dict[str, Any]) -> None:
+    """A record in RUN_DIR/metrics/events.jsonl (rare: a writer of its own, closed at once)."""
+    writer = JsonlWriter(paths.events_metrics)
+    writer.log(record)
+    writer.close()
 
 
 def log_start(metrics: JsonlWriter, step: int, world: int) -> None:

@@ -127,6 +127,7 @@ class Job:
             "--config",
             str(config),
             f"run.dir={run_dir}",
+            "weights.verify_every=1",  # every push's weights checked in the engines (default: every 10th)
             *overrides,
         ]
         self.output = run_dir.parent / f"{run_dir.name}-submit.log"

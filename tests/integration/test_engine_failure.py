@@ -82,3 +82,9 @@ def test_a_killed_engine_is_restarted_and_rejoins_weight_sync(tmp_path):
     assert (restarted["outcome"], restarted["seed"]) == ("copied", "engine-1"), caught
     assert int(restarted["version"]) > 0 and restarted["bytes"] > 1e6
     assert [s["step"] for s in job.steps()] == list(range(1, job.steps()[-1]["step"] + 1))
+    # Every push checked in the engines (weights.verify_every=1 in the tests' jobs), none differed,
+    # and the last one reached the restarted engine's caught-up weights too.
+    checks = [line for line in trainer_log.read_text().splitlines() if " verified on " in line]
+    assert checks and all(": 0 differ; 24 tensors compared, 0 not checked" in line for line in checks), checks
+    assert " verified on 2 engine(s)" in checks[-1]
+    assert not [e for e in read_jsonl(job.run_dir / "metrics" / "events.jsonl") if e["event"] == "weights_mismatch"]

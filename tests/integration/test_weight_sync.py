@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -189,3 +190,91 @@ def _prompts():
 
     tokenizer = AutoTokenizer.from_pretrained(REPO / "assets" / "tiny-qwen3-addition")
     return [tokenizer(p)["input_ids"] for p, _ in addition_problems()]
+
+
+def test_an_engine_whose_weights_differ_is_held_out_until_a_push_matches(tmp_path, engines):
+    """weights.verify_every (relax_hpc.weights.verify), as the trainer's rank 0 runs it around its
+    channel's push, against two built-in engines. A push of version 2 reaches both, then a real
+    push of version 2 with one element of one tensor changed reaches engine-1 alone (as a channel
+    that left one engine wrong would): the check finds that tensor, and only on engine-1, with an
+    error event; engine-1 reports version -1, the driver sends it nothing new, and a request in
+    flight there comes back re-issued from engine-0; `status` says engine-1 is out of service. The
+    next push matches it whole: it is back, the event says so, and so does `status`."""
+    cfg, paths = make_run(tmp_path / "run", "weights.verify_every=1", "rollout.request_timeout_s=20")
+    records = {r.engine_id: r for r in engines(cfg, paths, 2).wait_registered(2)}
+    token = paths.read_token()
+    from relax_hpc.config.load import read_frozen
+    from relax_hpc.envs.context import GenerateCall
+    from relax_hpc.rollout.driver import Driver
+    from relax_hpc.status import collect, render
+    from relax_hpc.trainer.loop import log_event
+    from relax_hpc.weights.channel import BroadcastChannel
+    from relax_hpc.weights.layout import EngineLayout
+    from relax_hpc.weights.sender import WeightSender
+    from relax_hpc.weights.verify import WeightCheck
+
+    # The weights as loaded (engine-0's, read through its inspection route: no model to load here).
+    original, _ = decode(EngineClient(records["engine-0"].url, token, 30).fetch(SNAPSHOT, SnapshotReq(0, 2**40, True)))
+    layout = EngineLayout([(n, t.shape, t.dtype) for n, t in original.items()])
+
+    def channel(registry):
+        return BroadcastChannel(WeightSender(registry, token, "gloo", 30.0), layout, 2**16)
+
+    both = channel(paths.engines)
+    alone = tmp_path / "engine-1-alone"  # a registry of engine-1 only: a push that reaches it alone
+    alone.mkdir()
+    (alone / "engine-1.json").write_bytes((paths.engines / "engine-1.json").read_bytes())
+    check = WeightCheck("torch", 1, paths.engines, paths.weights_quarantine, lambda r: log_event(paths, r), token,
+                        30.0, None, torch.device("cpu"))  # fmt: skip
+
+    def push(version, params):
+        assert both.push(check.params(lambda: iter(params.items())), version) == 2
+        return {v.engine: v for v in check.pushed(version)}
+
+    verdicts = push(1, original)
+    assert all(v.matches and v.checked == len(original) for v in verdicts.values()) and len(verdicts) == 2
+
+    second = {n: t + 0.01 for n, t in original.items()}
+    assert both.push(check.params(lambda: iter(second.items())), 2) == 2
+    corrupted = dict(second, **{"model.norm.weight": second["model.norm.weight"].clone()})
+    corrupted["model.norm.weight"][3] += 1.0  # one element
+    assert channel(alone).push(lambda: iter(corrupted.items()), 2) == 1
+    # A request at engine-1 while it is found out: held there (generation paused), answered after.
+    EngineClient(records["engine-1"].url, token, 10).post("/pause_generation", P.PauseGenerationReqInput("in_place"))
+    driver = Driver(read_frozen(paths.config), paths)
+    driver.pool.refresh(force=True)
+    driver.policy._load = {records["engine-0"].instance: 5}  # engine-1 the least loaded: it gets the chunk
+    calls = [GenerateCall(ids, {"max_new_tokens": 4, "sampling_seed": k})
+             for k, ids in enumerate(driver.prompt_ids[:3])]  # fmt: skip
+    answered: dict = {}
+    thread = threading.Thread(target=lambda: answered.update(out=driver.policy._run_chunk(calls)), daemon=True)
+    thread.start()
+    time.sleep(0.5)
+    try:
+        assert thread.is_alive()  # waiting at engine-1
+        verdicts = {v.engine: v for v in check.pushed(2)}
+        assert verdicts["engine-0"].matches
+        assert (verdicts["engine-1"].differ, verdicts["engine-1"].checked) == (["model.norm.weight"], len(original))
+        (mismatch,) = [e for e in read_jsonl(paths.events_metrics) if e["event"] == "weights_mismatch"]
+        assert (mismatch["level"], mismatch["engine"], mismatch["version"]) == ("error", "engine-1", 2)
+        assert mismatch["tensors"] == ["model.norm.weight"] and mismatch["instance"] == records["engine-1"].instance
+        assert EngineClient(records["engine-1"].url, token, 10).weight_version() == "-1"  # no version of the trainer's
+        time.sleep(0.5)  # the driver's pool reads the registry at most every 0.5 s
+    finally:  # engine-1 answers the request it held (also when the check failed: no thread left waiting)
+        EngineClient(records["engine-1"].url, token, 10).post("/continue_generation", P.ContinueGenerationReqInput())
+    thread.join(timeout=60)
+    assert not thread.is_alive() and len(answered["out"]) == 3
+    assert driver.policy.reissued == 3  # engine-1's answer, sampled with its wrong weights, went again to engine-0
+    driver.pool.refresh(force=True)
+    assert [e.record.engine_id for e in driver.pool.engines] == ["engine-0"]
+    line = f"engine engine-1 OUT OF SERVICE since v2: 1 of {len(original)} tensors differ from the trainer's"
+    assert line in render(collect(paths.root))
+
+    verdicts = push(3, {n: t + 0.02 for n, t in original.items()})  # the next push, whole: it matches engine-1
+    assert all(v.matches for v in verdicts.values())
+    recovered = [e for e in read_jsonl(paths.events_metrics) if e["event"] == "weights_recovered"]
+    assert [(e["engine"], e["version"], e["why"]) for e in recovered] == [("engine-1", 3, "matched")]
+    driver.pool.refresh(force=True)
+    assert [e.record.engine_id for e in driver.pool.engines] == ["engine-0", "engine-1"]
+    text = render(collect(paths.root))
+    assert "weights:     no engine held out; 1 mismatch(es) so far, the last: engine engine-1 back at v3" in text

@@ -57,8 +57,10 @@ from relax_hpc.rollout.engine_policy import EnginePolicy
 from relax_hpc.rollout.rounds import sampling_params
 from relax_hpc.rollout.teacher import scoring_request
 from relax_hpc.weights.buckets import BucketPlan, pack
+from relax_hpc.weights.digests import checker_answer, engine_digests
 from relax_hpc.weights.files import write_dense
 from relax_hpc.weights.tensors import bucket_records, deserialize, serialize, serialize_bucket
+from relax_hpc.weights.verify import sglang_answer
 from tests.sglang_import import import_sglang
 
 REPO = Path(__file__).resolve().parents[2]
@@ -145,6 +147,8 @@ def sent_requests(cfg) -> list[Any]:
         P.UpdateWeightVersionReqInput("3", abort_all_requests=False),
         P.UnloadLoRAAdapterReqInput("v1"),
         dataclasses.replace(policy_request([GenerateCall([5, 6, 7], sampling)]), lora_path=adapter_name(3)),
+        # weights verified after a push (relax_hpc/weights/verify.py): every tensor's digest
+        P.CheckWeightsReqInput(),
     ]
 
 
@@ -385,6 +389,27 @@ def test_sglangs_disk_loader_reads_a_version_folder_as_the_sent_tensors(sglang, 
         glob.glob(str(tmp_path / "*.safetensors")), str(tmp_path), "model.safetensors.index.json"
     )
     assert_sent(sorted(weights.safetensors_weights_iterator(files), key=lambda nt: names.index(nt[0])))
+
+
+def test_sglangs_weight_checker_answer_reads_as_the_check_expects(sglang):
+    """/weights_checker {action: checksum}: SGLang's answer (its scheduler's ChecksumInfo per rank,
+    turned to JSON as its tokenizer manager does) gives the check each tensor's digest; the
+    built-in engine's answer has SGLang's wire shape; tensor-parallel shards are not compared.
+    (SGLang's GPU hash itself: tests/unit/test_weight_verify.py.)"""
+    import msgspec  # SGLang's wire format: installed with it
+
+    checksums = {"model.norm.weight": "0ff038a16fd659f2", "lm_head.weight": "529b391785386001"}
+    info = sglang.io.ParallelismInfo(role="target", tp_rank=0, tp_size=1, dp_rank=0, dp_size=1, pp_rank=0,
+                                     pp_size=1, rank=0, size=1)  # fmt: skip
+    rank = sglang.io.ChecksumInfo(checksums=checksums, per_gpu_checksum="x", parallelism_info=[info])
+    answer = {"success": True, "message": "Success.", "ranks": [msgspec.to_builtins(rank)], "per_engine_checksum": "y"}
+    reported = sglang_answer(json.loads(json.dumps(answer)), "7", "mix64")
+    assert reported.digests == checksums and reported.why_not is None and reported.version == "7"
+    ours = checker_answer(*engine_digests({"model.norm.weight": torch.ones(3)}), "7")
+    for their_rank in ours["ranks"]:
+        msgspec.convert(their_rank, sglang.io.ChecksumInfo)  # SGLang's wire classes take the built-in engine's answer
+    sharded = json.loads(json.dumps(answer).replace('"tp_size": 1', '"tp_size": 2'))
+    assert sglang_answer(sharded, "7", "mix64").why_not == "tensor-parallel shards"
 
 
 def test_every_request_class_is_sent_above():
