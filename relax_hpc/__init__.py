@@ -4,4 +4,4 @@ Roles are processes (trainer ranks under torchrun, rollout engines, the rollout 
 the shared filesystem is the contract between them. See docs/DESIGN.md for the map.
 """
 
-__version__ = "0.20.0"
+__version__ = "0.21.0"
