@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from relax_hpc.config import load_config
 from relax_hpc.launch.commands import local_commands
@@ -120,6 +121,10 @@ class Job:
 
     def __init__(self, run_dir: Path, *overrides: str, config: Path = CONFIG) -> None:
         self.run_dir = run_dir
+        # An RL job checks every push's weights in the engines (default: every 10th); sft and eval
+        # jobs push none, and refuse the weights section.
+        kind = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("kind=")), None)
+        pushes = (kind or yaml.safe_load(config.read_text()).get("kind", "rl")) == "rl"
         self.argv = [
             sys.executable,
             "-m",
@@ -127,7 +132,7 @@ class Job:
             "--config",
             str(config),
             f"run.dir={run_dir}",
-            "weights.verify_every=1",  # every push's weights checked in the engines (default: every 10th)
+            *(["weights.verify_every=1"] if pushes else []),
             *overrides,
         ]
         self.output = run_dir.parent / f"{run_dir.name}-submit.log"
