@@ -78,6 +78,9 @@ class EvalJob:
         self.sinks = open_sinks(self.cfg.metrics, self.paths, self.cfg.model_dump(mode="json"), training=False)
         try:
             return self.score_what_is_left()
+        except KeyboardInterrupt:  # only where nothing was left to score: score_all reports its own
+            self.say("interrupted: run the same command to write the outputs")
+            return EXIT_STOPPED
         finally:
             for sink in self.sinks:
                 sink.close()
@@ -115,22 +118,25 @@ class EvalJob:
                     for dataset in datasets:
                         results.log(asyncio.run(self.score(model, folder, dataset, policy)))
                         self.write_outputs()
+            self.say(f"every pair scored: {self.paths.eval_results}\n\n{self.write_outputs()}")
         except EvalError as e:
             self.say(f"eval failed: {e}")
             return 1
         except KeyboardInterrupt:
             self.say("interrupted: run the same command to resume at the first pair not scored")
             return EXIT_STOPPED
-        self.say(f"every pair scored: {self.paths.eval_results}\n\n{self.write_outputs()}")
         return 0
 
     def write_outputs(self) -> str:
         """RUN_DIR/eval/table.md and RUN_DIR/plots/eval.png from the record as it is now, and its
-        new figures to the metric sinks; returns the table."""
-        text = table(read_jsonl(self.paths.eval_results))
-        write_atomic(self.paths.eval_table, text.encode())
-        eval_figure(self.paths, self.paths.plots)
-        forward_eval_results(self.paths, self.sinks, [m.name for m in self.cfg.eval.models])
+        new figures to the metric sinks; returns the table. An interrupt waits for the end: one
+        that lands in a C extension's import (matplotlib's Agg, on the first figure) surfaces as
+        ImportError, not KeyboardInterrupt, and a sink's cursor must move with what it was sent."""
+        with self.interrupts.held():
+            text = table(read_jsonl(self.paths.eval_results))
+            write_atomic(self.paths.eval_table, text.encode())
+            eval_figure(self.paths, self.paths.plots)
+            forward_eval_results(self.paths, self.sinks, [m.name for m in self.cfg.eval.models])
         return text
 
     def model_folder(self, model: EvalModelConfig) -> str:

@@ -3,7 +3,11 @@ validation at submit."""
 
 from __future__ import annotations
 
+import io
 import itertools
+import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -185,3 +189,51 @@ def test_an_eval_job_s_figures_reach_tensorboard_once_at_each_model_s_position(t
     greedy = [(e.step, round(e.value, 6)) for e in accumulator.Scalars("eval/sums/greedy_accuracy")]
     assert greedy == [(0, 0.1), (1, 0.2), (2, 0.9)]
     assert [e.step for e in accumulator.Scalars("eval/sums/pass_at_k")] == [0, 1]
+
+
+class SignallingSink:
+    """A metric sink that interrupts its own job (SIGTERM to this process) when sent a figure."""
+
+    def __init__(self) -> None:
+        self.scalars: list[tuple[str, str, float, int]] = []
+
+    def scalar(self, title: str, name: str, value: float, iteration: int) -> None:
+        self.scalars.append((title, name, value, iteration))
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def flush(self) -> None:
+        pass
+
+    def finished(self, paths: RunPaths) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_an_interrupt_while_the_outputs_are_written_waits_for_their_end(tmp_path):
+    """An eval job interrupted inside write_outputs finishes the table, the figure and the sinks'
+    cursor, then stops: CI saw one land in matplotlib's import of its Agg module, which turned it
+    into ImportError and ended the job with a traceback instead of exit 75."""
+    from relax_hpc.evaluate import EvalJob  # transformers: only this test
+    from relax_hpc.metrics.jsonl import JsonlWriter
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        cfg = eval_config(f"run.dir={tmp_path / 'eval'}")
+        paths = RunPaths(tmp_path / "eval")
+        paths.create()
+        paths.eval_results.parent.mkdir(parents=True, exist_ok=True)
+        JsonlWriter(paths.eval_results).log({"model": "teacher", "dataset": "addition", "greedy_accuracy": 0.5, "k": 1,
+                                             "problems": 4, "samples": 4, "seconds": 1.0})  # fmt: skip
+        job, sink = EvalJob(cfg, paths, out=io.StringIO()), SignallingSink()
+        job.sinks = [sink]
+        with pytest.raises(KeyboardInterrupt):
+            job.write_outputs()
+        assert sink.scalars == [("eval/addition", "greedy_accuracy", 0.5, 1)]
+        assert json.loads(paths.sinks_cursor.read_text())["eval_results"] > 0  # the cursor moved with the figure
+        assert "| teacher | 0.500 |" in paths.eval_table.read_text()
+        assert (paths.plots / "eval.png").is_file()
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
