@@ -67,6 +67,8 @@ class Role:
     ran_s: float = 0.0  # how long its processes ran, up to the last one's end (accounting)
     cpu_s: float = 0.0  # their CPU time, with every process below them (launch.cputime; local roles)
     accrued: bool = True  # the current process's time is in ran_s
+    counted_alive: tuple[float, float] | None = None  # (when, CPU s): accrued while it ran; settle() adds its stop
+    recorded: tuple[float, float] = (0.0, 0.0)  # the ran_s and cpu_s that usage records already hold
     ended: bool = False  # the current process was killed and its steps ended (or given up): once
 
     @property
@@ -77,9 +79,18 @@ class Role:
     def accrue(self) -> None:
         """Count the current process's time, once (when it is found ended, or the run's start ends)."""
         if not self.accrued:
-            self.ran_s += time.time() - self.started_at
-            self.cpu_s += self._process_cpu_s()
+            now, cpu_s = time.time(), self._process_cpu_s()
+            self.ran_s += now - self.started_at
+            self.cpu_s += cpu_s
             self.accrued = True
+            self.counted_alive = (now, cpu_s) if self.proc is not None and self.proc.poll() is None else None
+
+    def settle(self) -> None:
+        """Once the process counted while it ran has ended: add what its stop took since."""
+        if self.counted_alive is not None and self.proc is not None and self.proc.poll() is not None:
+            (then, cpu_s), self.counted_alive = self.counted_alive, None
+            self.ran_s += time.time() - then
+            self.cpu_s += max(0.0, self._process_cpu_s() - cpu_s)
 
     @property
     def measured(self) -> bool:
@@ -346,20 +357,29 @@ class Supervisor:
             if self.new_owner is None:  # the record is the new owner's
                 self._log_usage(roles.values())  # before the stop: the metric sinks forward it as they stop
             self._stop_all(roles.values())
+            if self.new_owner is None:  # the stop's own time (5-13 % of a short run's CPU): the next start forwards it
+                self._log_usage(roles.values(), stop=True)
 
-    def _log_usage(self, roles: Iterable[Role]) -> None:
-        """How long each role ran in this start, what it was given, and the CPU time its processes
-        used (local roles); the launcher's and the fork server's own CPU time since the last
-        record (metrics.accounting)."""
+    def _log_usage(self, roles: Iterable[Role], stop: bool = False) -> None:
+        """How long each role ran in this start since the last record, what it was given, and the
+        CPU time its processes used (local roles); the launcher's and the fork server's own CPU
+        time since the last record (metrics.accounting sums the records). `stop`: the record of
+        what the roles' stop took, after it; roles it cost nothing are left out."""
         threads = self.cfg.launch.threads_per_process
         usage = {}
         for role in roles:
             role.accrue()
-            used = {"s": round(role.ran_s, 3), **({"cpu_s": round(role.cpu_s, 3)} if role.measured else {})}
+            role.settle()
+            s, cpu_s = role.ran_s - role.recorded[0], role.cpu_s - role.recorded[1]
+            role.recorded = (role.ran_s, role.cpu_s)
+            if stop and s <= 0:
+                continue
+            used = {"s": round(s, 3), **({"cpu_s": round(cpu_s, 3)} if role.measured else {})}
             usage[role.name] = used | given(role.argv, threads)
         own = self_cpu_s() + (self.forks.own_cpu_s() if self.forks is not None else 0.0)
         launcher_cpu_s, self.own_cpu_s = own - self.own_cpu_s, own
-        self.events.log({"event": "usage", "roles": usage, "launcher_cpu_s": round(launcher_cpu_s, 3)})
+        stopped = {"stop": True} if stop else {}
+        self.events.log({"event": "usage", **stopped, "roles": usage, "launcher_cpu_s": round(launcher_cpu_s, 3)})
 
     def _role_failed(self, role: Role, record: dict) -> None:
         """Log a role's exit; a node that this failure makes bad is said (launch.badnodes)."""

@@ -74,7 +74,8 @@ def from_sacct_rows(rows: list[dict[str, str]], elastic_jobs: set[str]) -> tuple
 
 
 def from_events(events: list[dict[str, Any]]) -> dict[str, Any]:
-    """Hours per role kind from the launcher's `usage` events (one per start of the run). CPU:
+    """Hours per role kind from the launcher's `usage` events (two per start of the run: until
+    its roles' stop, then the stop's own), which add up. CPU:
     the CPU time its processes used (`cpu_s`, launch.cputime), where the launcher could measure it,
     and the launcher's own (with the fork server's); else (job steps on other nodes) the seconds x
     the CPUs it was given. GPU: the seconds it held its GPUs x their number."""

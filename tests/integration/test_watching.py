@@ -115,25 +115,30 @@ def test_tensorboard_holds_one_run_across_the_restart(watched):
 
 
 def test_usage_per_role_comes_from_the_launchers_events_without_slurm(watched):
-    """The local executor: each start's usage event, added up per role kind: the CPU time (user +
-    system) of every process of the run, never more than the kernel counted for both starts and
-    at least 80 % of it. The rest is the roles' stop, after the record (written before the stop so
-    that the metric sinks forward it): 5 % of the total alone, 12.6 % once under CI's load, so the
-    issue's 10 % does not hold there until the stop's own time is recorded. The old wall time x
-    threads recorded 3.5x the kernel's count. No GPU here. The summary says so, and TensorBoard
-    got it as each start's sinks stopped."""
+    """The local executor: each start's two usage events (what ran until the stop, written before
+    it so that the metric sinks forward it, then what the stop itself took), added up per role
+    kind: the CPU time (user + system) of every process of the run, within 10 % of what the
+    kernel counted for both starts and never more. The stop's own record matters: without it the
+    record was 5 % short alone and 12.6 % under CI's load; the old wall time x threads recorded
+    3.5x the kernel's count. No GPU here. The summary says so, and TensorBoard got all but the
+    last stop's record as each start's sinks stopped (the next start would forward that one)."""
     events = read_jsonl(watched["paths"].events_metrics)
     usage = [e for e in events if e["event"] == "usage"]
     starts, ends = [e for e in events if e["event"] == "start"], [e for e in events if e["event"] == "end"]
-    assert len(usage) == len(starts) == 2
-    for used, start, end in zip(usage, starts, ends, strict=True):
+    kinds = [(e["event"], e.get("stop", False)) for e in events if e["event"] in ("start", "usage")]
+    assert kinds == [("start", False), ("usage", False), ("usage", True)] * 2, kinds
+    ran = [u for u in usage if not u.get("stop")]
+    for used, start, end in zip(ran, starts, ends, strict=True):
         assert set(used["roles"]) == {"trainer", "driver", "engine-0", "engine-1", "metrics"}
         assert all(0 < r["s"] <= end["time"] - start["time"] and r["gpus"] == 0 for r in used["roles"].values())
         assert all(r["cpu_s"] > 0 for r in used["roles"].values()) and used["launcher_cpu_s"] > 0
+    stops = [u for u in usage if u.get("stop")]
+    assert all(r["cpu_s"] >= 0 and r["s"] > 0 for u in stops for r in u["roles"].values())
+    assert any(r["cpu_s"] > 0 for u in stops for r in u["roles"].values())  # a stop costs something
     recorded = sum(sum(r["cpu_s"] for r in u["roles"].values()) + u["launcher_cpu_s"] for u in usage)
-    assert 0.8 * watched["cpu_s"] <= recorded <= 1.01 * watched["cpu_s"], (recorded, watched["cpu_s"])
+    assert 0.9 * watched["cpu_s"] <= recorded <= 1.01 * watched["cpu_s"], (recorded, watched["cpu_s"])
     facts = accounting(watched["paths"])
-    trainer = sum(u["roles"]["trainer"]["cpu_s"] for u in usage) / 3600
+    trainer = sum(u["roles"].get("trainer", {}).get("cpu_s", 0.0) for u in usage) / 3600
     assert facts["source"] == "events" and facts["roles"]["trainer"]["cpu_h"] == pytest.approx(trainer)
     assert facts["total"]["cpu_h"] == pytest.approx(recorded / 3600)
     assert (
@@ -149,7 +154,8 @@ def test_usage_per_role_comes_from_the_launchers_events_without_slurm(watched):
     accumulator = EventAccumulator(str(watched["paths"].tensorboard))
     accumulator.Reload()
     points = [e.value for e in accumulator.Scalars("usage/trainer_cpu_h")]
-    assert len(points) == 2 and points[0] < points[1] == pytest.approx(trainer, rel=1e-3)
+    forwarded = trainer - usage[-1]["roles"].get("trainer", {}).get("cpu_s", 0.0) / 3600
+    assert len(points) == 2 and points[0] < points[1] == pytest.approx(forwarded, rel=1e-3)
 
 
 def test_clearml_keeps_one_task_across_the_restart(watched):
