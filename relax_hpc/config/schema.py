@@ -636,9 +636,11 @@ class WeightsConfig(Section):
     tensors (the built-in engine). An engine that differs is an error event in
     metrics/events.jsonl and takes no new requests (the driver re-issues what it answers) until a
     push matches it whole (every push is checked meanwhile) or it restarts; `status` says so.
-    Tensors an engine keeps no raw copy of (vLLM's CPU build prepacks some layers) or holds as
-    tensor-parallel shards are listed as not checked. The digests cost about one pass over the
-    model's bytes on each side per check (BENCHMARKS.md, "Weights verified inside a run")."""
+    Layers vLLM's CPU build prepacks (no raw copy to digest) are checked through what they
+    compute: the engine and a model of the pushed tensors on the trainer's rank 0 score the same 8
+    tokens, whose log-probabilities must agree (1e-3 in fp32). Tensor-parallel shards are listed as
+    not checked. The digests cost about one pass over the model's bytes on each side per check
+    (BENCHMARKS.md, "Weights verified inside a run")."""
 
 
 class CheckpointConfig(Section):

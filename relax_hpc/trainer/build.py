@@ -97,16 +97,17 @@ def engine_layout(engine: str, backend: Backend) -> EngineLayout:
 
 def build_check(
     weights: WeightsConfig, engine: str, adapters: bool, paths: RunPaths, backend: Backend, device: torch.device,
-    events: Events,
+    events: Events, model_path: str,
 ) -> WeightCheck | None:  # fmt: skip
     """Rank 0's check of what the engines of kind `engine` hold after a push (weights.verify_every;
-    None: off, or another rank). Adapter sync (`adapters`) pushes PEFT's names: no layout."""
+    None: off, or another rank). Adapter sync (`adapters`) pushes PEFT's names: no layout, and no
+    probe of the model (`model_path`: its HF config, for the layers an engine cannot digest)."""
     if weights.verify_every == 0 or dist.get_rank() != 0:
         return None
     layout = None if adapters else engine_layout(engine, backend)
     return WeightCheck(
         engine, weights.verify_every, paths.engines, paths.weights_quarantine, events, paths.read_token(),
-        weights.timeout_s, layout, device,
+        weights.timeout_s, layout, device, None if adapters else model_path,
     )  # fmt: skip
 
 

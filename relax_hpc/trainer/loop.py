@@ -172,7 +172,7 @@ class Trainer:
         # Rank 0: what the engines hold after a push, against what it pushed (weights.verify_every).
         self.check = build_check(
             cfg.weights, cfg.rollout.engine, cfg.lora_adapters, paths, self.backend, device,
-            lambda record: log_event(paths, record),
+            lambda record: log_event(paths, record), cfg.model.path,
         )  # fmt: skip
         # launch.colocate_offload: the optimizer state waits in host memory while the engines generate.
         self.offload = OptimizerOffload(

@@ -13,7 +13,9 @@ engine's layout and with the engine's hash (`KINDS`, one entry per rollout.engin
 - vLLM answers POST /weight_checker (VllmTransfer.checksums): the sha256 of each tensor's bytes,
   named as SGLang's and prefixed by its worker's place (dp0:pp0:pcp0:tp0:). Its CPU build
   prepacks some linear layers for oneDNN and keeps no raw weight (the digest of nothing): those
-  are listed as not checked (comparing their log-probabilities instead is not built).
+  are compared through what they compute instead (`Probe`): the engine scores a fixed sequence
+  of tokens, and rank 0 scores it with a model made of the tensors it pushed; their
+  log-probabilities must agree within the pushed dtype's tolerance (PROBE_ATOL).
 
 The check is written once, above the weight channels (relax_hpc.weights.channel): the trainer
 hands its channel a tapped parameter stream (WeightCheck.params) that digests each tensor before
@@ -179,6 +181,14 @@ def ask_sglang(record: EngineRecord, api_key: str, timeout_s: float, how: Hash) 
     return sglang_answer(answer, str(version), how)
 
 
+def score_vllm(record: EngineRecord, api_key: str, timeout_s: float, ids: list[int]) -> list[float]:
+    """vLLM's log-probability of each token of `ids` after the first (prompt_logprobs)."""
+    answer = EngineClient(record.url, api_key, timeout_s).call(
+        "POST", V.GENERATE, V.generate_body(V.scoring_request("probe", ids))
+    )
+    return [entry[0] for entry in V.scored_answer(answer, ids, 0)["meta_info"]["input_token_logprobs"][1:]]
+
+
 def ask_vllm(record: EngineRecord, api_key: str, timeout_s: float, how: Hash) -> Reported:
     version = str(V.VllmClient(record.url, api_key, timeout_s).weight_version())
     # VllmTransfer wraps the route; its transport is never opened for a checksum.
@@ -213,13 +223,74 @@ class Kind:
     hash: Hash | None
     ask: Callable[[EngineRecord, str, float, Hash], Reported]
     relabel: Callable[[EngineRecord, str, float], None]
+    score: Callable[[EngineRecord, str, float, list[int]], list[float]] | None = None  # for tensors it cannot digest
 
 
 KINDS: dict[str, Kind] = {
     "torch": Kind(lambda: same_view, None, ask_sglang, relabel_sglang),
     "sglang": Kind(FusedView, "mix64", ask_sglang, relabel_sglang),
-    "vllm": Kind(FusedView, "sha256", ask_vllm, relabel_vllm),
+    "vllm": Kind(FusedView, "sha256", ask_vllm, relabel_vllm, score_vllm),
 }
+
+
+# -- what the digests cannot see: the log-probabilities of a probe ---------------------------------------
+
+PROBE_TOKENS = 8  # 7 positions, each of which every layer computes: enough to see a stale one
+PROBE_ATOL = {torch.float32: 1e-3, torch.float64: 1e-3}  # fp32 on both sides agreed within 1e-5 here
+PROBE_ATOL_HALF = 0.1  # bf16/fp16: the engine computes in them, rank 0 in fp32 from the same bits
+PROBED = "log-probabilities (layers without a digest)"  # the name a differing probe is listed under
+
+
+class Probe:
+    """Rank 0's scoring of a fixed token sequence with a model of the pushed tensors (the engine
+    layout: HF names), copied into it while the stream is digested. Used only for an engine kind
+    that scores (`Kind.score`) and only with the trainer on the CPU: there vLLM's build prepacks
+    layers; on GPUs it keeps every raw weight, and a copy of the model would cost memory that the
+    digests do not. The model is made once (fp32) and refilled at each checked push."""
+
+    def __init__(self, model_path: str) -> None:
+        self.model_path = model_path
+        self.model: torch.nn.Module | None = None
+        self.params: dict[str, torch.Tensor] = {}
+        self.filled: set[str] = set()
+        self.dtypes: set[torch.dtype] = set()
+        self.ids: list[int] = []
+        self._answer: torch.Tensor | None = None
+
+    def begin(self) -> None:
+        """A checked push's stream starts."""
+        if self.model is None:
+            from transformers import AutoConfig, AutoModelForCausalLM  # only where a probe is made
+
+            config = AutoConfig.from_pretrained(self.model_path)
+            self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+            self.params = dict(self.model.named_parameters())  # a tied output layer is listed once
+            self.ids = torch.randint(
+                config.vocab_size, (PROBE_TOKENS,), generator=torch.Generator().manual_seed(0)
+            ).tolist()
+        self.filled, self.dtypes, self._answer = set(), set(), None
+
+    def keep(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self.params:
+            with torch.no_grad():
+                self.params[name].copy_(tensor)
+            self.filled.add(name)
+            self.dtypes.add(tensor.dtype)
+
+    def tolerance(self) -> float:
+        return max((PROBE_ATOL.get(d, PROBE_ATOL_HALF) for d in self.dtypes), default=PROBE_ATOL_HALF)
+
+    def answer(self) -> tuple[list[int], torch.Tensor]:
+        """(the probe's tokens, rank 0's log-probability of each after the first), once per push;
+        ValueError where the push did not fill the model."""
+        if self._answer is None:
+            assert self.model is not None
+            if set(self.params) - self.filled:
+                raise ValueError(f"the push lacks {sorted(set(self.params) - self.filled)[:3]} of the model")
+            with torch.no_grad():
+                logp = torch.log_softmax(self.model(torch.tensor([self.ids])).logits[0, :-1].float(), dim=-1)
+            self._answer = logp.gather(-1, torch.tensor(self.ids[1:])[:, None]).squeeze(-1)
+        return self.ids, self._answer
 
 
 # -- the comparison --------------------------------------------------------------------------------
@@ -237,6 +308,7 @@ class Verdict:
     differ: list[str] = field(default_factory=list)
     not_checked: list[str] = field(default_factory=list)
     skipped: str | None = None
+    probe_gap: float | None = None  # the largest log-probability difference of the probe, where scored
 
     @property
     def matches(self) -> bool:
@@ -261,6 +333,12 @@ def compare(record: EngineRecord, expected: Mapping[str, str], reported: Reporte
     return verdict
 
 
+def probed(verdicts: list[Verdict]) -> str:
+    """The log line's note of the probe: the largest log-probability gap, where one was scored."""
+    gaps = [v.probe_gap for v in verdicts if v.probe_gap is not None]
+    return f" but through the probe's log-probabilities (largest gap {max(gaps):.2e})" if gaps else ""
+
+
 # -- the trainer's side ----------------------------------------------------------------------------
 
 
@@ -280,8 +358,12 @@ class WeightCheck:
         timeout_s: float,
         layout: EngineLayout | None,
         device: torch.device,
+        model_path: str | None = None,
     ) -> None:
         self.kind, self.every = KINDS[kind], every
+        # `model_path`: the HF config a Probe's model is made from (None: no probe; adapter sync).
+        scores = self.kind.score is not None and device.type == "cpu" and model_path is not None
+        self.probe = Probe(model_path) if scores and model_path is not None else None
         self.registry, self.quarantine, self._event = registry, quarantine, events
         self.api_key, self.timeout_s, self.layout = api_key, timeout_s, layout
         self.hash: Hash = self.kind.hash or ("mix64" if device.type == "cuda" else "mh64")
@@ -311,12 +393,16 @@ class WeightCheck:
         def stream() -> Iterator[Named]:
             self.expected, self.digest_s = {}, 0.0
             view = self.kind.view()
+            if self.probe is not None:
+                self.probe.begin()
             for name, tensor in full_parameters():
                 if tensor is not None:
                     start = time.perf_counter()
                     pairs = [(name, tensor)] if self.layout is None else self.layout.tensors([(name, tensor)])
                     for engine_name, engine_tensor in pairs:
                         assert engine_tensor is not None
+                        if self.probe is not None:
+                            self.probe.keep(engine_name, engine_tensor)
                         for held, parts in view(engine_name, engine_tensor):
                             self.expected[held] = digest(parts, self.hash)
                     self.digest_s += time.perf_counter() - start
@@ -350,20 +436,39 @@ class WeightCheck:
             if isinstance(answer, str):
                 verdicts.append(Verdict(record.engine_id, record.instance, "", skipped=answer))
             else:
-                verdicts.append(compare(record, self.expected, answer, str(version)))
+                verdict = compare(record, self.expected, answer, str(version))
+                if verdict.skipped is None and answer.unchecked:
+                    self._compare_probe(record, verdict)
+                verdicts.append(verdict)
         self._act(verdicts, records, version)
         seconds = time.perf_counter() - start
         compared = [v for v in verdicts if v.skipped is None]
         log.info(
-            "weights v%d verified on %d engine(s): %d differ; %d tensors compared, %d not checked "
+            "weights v%d verified on %d engine(s): %d differ; %d tensors compared, %d not checked%s "
             "(digests %.3f s, engines %.3f s)",
             version, len(compared), sum(1 for v in compared if v.differ), max((v.checked for v in compared), default=0),
-            max((len(v.not_checked) for v in compared), default=0), self.digest_s, seconds,
+            max((len(v.not_checked) for v in compared), default=0), probed(compared), self.digest_s, seconds,
         )  # fmt: skip
         for v in verdicts:
             if v.skipped is not None:
                 log.info("weights v%d: engine %s not compared: %s", version, v.engine, v.skipped)
         return verdicts
+
+    def _compare_probe(self, record: EngineRecord, verdict: Verdict) -> None:
+        """The tensors the engine gave no digest of, through the probe's log-probabilities: a gap
+        above the tolerance counts as one differing entry (PROBED)."""
+        if self.probe is None or self.kind.score is None:
+            return
+        try:
+            ids, mine = self.probe.answer()
+            theirs = torch.tensor(self.kind.score(record, self.api_key, self.timeout_s, ids))
+        except (EngineUnavailable, EngineRequestError, KeyError, TypeError, ValueError) as e:
+            log.info("engine %s: the probe was not scored (%s)", record.engine_id, e)
+            return
+        verdict.probe_gap = float((theirs - mine).abs().max())
+        verdict.checked += 1
+        if verdict.probe_gap > self.probe.tolerance():
+            verdict.differ.append(PROBED)
 
     def _act(self, verdicts: list[Verdict], records: list[EngineRecord], version: int) -> None:
         held_out = read_quarantine(self.quarantine)

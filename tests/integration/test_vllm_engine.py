@@ -8,7 +8,9 @@ One server for the module (its start-up takes most of a minute on two cores), st
 - a push through vLLM's own weight-transfer routes (relax_hpc.weights.vllm_channel, received by
   the gloo engine that vLLM loads through relax_hpc's plugin) leaves the engine's weights equal to
   the trainer's bit for bit (vLLM's weight checker against digests of the pushed tensors), and
-  the engine then samples with them (its log-probabilities are the trainer model's);
+  the engine then samples with them (its log-probabilities are the trainer model's), and the
+  run's weight check compares the layers vLLM's CPU build prepacks (no digest) through the
+  log-probabilities of a probe;
 - adapter sync (trainer.lora.sync adapter; the server runs with LoRA enabled) makes the engine
   serve each version's PEFT folder: the driver's samples report the version whose adapter sampled
   them, with the log-probabilities of the trainer's LoRA model, and a request naming the previous
@@ -55,6 +57,7 @@ from relax_hpc.weights.files import ClientSettings, FileChannel
 from relax_hpc.weights.layout import EngineLayout
 from relax_hpc.weights.lora import SCALING
 from relax_hpc.weights.sender import WeightSyncError, free_port
+from relax_hpc.weights.verify import PROBED, WeightCheck, vllm_answer
 from relax_hpc.weights.vllm_channel import GlooTransport, VllmSender, VllmTransfer
 from tests.integration.conftest import REPO, make_run, wait_wrapper_record
 
@@ -191,6 +194,42 @@ def test_a_push_through_vllms_routes_is_bit_exact_and_used(server: Server) -> No
         channel.push(original.items(), version=2)
         assert channel.checksums()[0] == before
     finally:
+        channel.close()
+
+
+def test_layers_without_a_digest_are_checked_through_the_log_probabilities(server: Server, tmp_path: Path) -> None:
+    """vLLM's CPU build prepacks some linear layers and keeps no raw weight of them (its checker's
+    digest of nothing). The run's weight check (weights.verify_every) scores a probe on the
+    engine and with a model of the pushed tensors: a push that left one such layer stale (the
+    previous version's values, as a prepacked handle never rebuilt would) takes the engine out of
+    service, where the digests alone saw every tensor they can see match."""
+    model = AutoModelForCausalLM.from_pretrained(server.cfg.model.path, dtype=torch.float32).eval()
+    original = {n: p.detach().clone() for n, p in model.named_parameters()}
+    generator = torch.Generator().manual_seed(11)
+    pushed = {n: t + torch.randn(t.shape, generator=generator) * 0.02 for n, t in original.items()}
+    events: list[dict] = []
+    check = WeightCheck("vllm", 1, server.paths.engines, tmp_path / "quarantine.json", events.append,
+                        server.paths.read_token(), 120.0, None, torch.device("cpu"), server.cfg.model.path)  # fmt: skip
+    transport = GlooTransport("127.0.0.1", free_port("127.0.0.1"), 120.0)
+    channel = VllmTransfer([server.client.url], server.paths.read_token(), transport, 2**20, 120.0)
+    try:
+        prepacked = sorted(vllm_answer(channel.checksums()[0], "0").unchecked & set(original))
+        assert prepacked, "vLLM's CPU build gave a digest of every layer: nothing to probe"
+        channel.connect()
+        channel.push(check.params(lambda: iter(pushed.items()))(), version=11)
+        [verdict] = check.pushed(11)
+        assert verdict.matches and verdict.probe_gap is not None and verdict.probe_gap < 1e-3, verdict
+        assert set(prepacked) <= set(verdict.not_checked) and not events
+
+        stale = dict(pushed, **{prepacked[0]: original[prepacked[0]]})  # one layer as the version before
+        list(check.params(lambda: iter(pushed.items()))())  # the trainer's digests: what it meant to push
+        channel.push(stale.items(), version=12)
+        [verdict] = check.pushed(12)
+        assert verdict.differ == [PROBED] and verdict.probe_gap is not None and verdict.probe_gap > 1e-3, verdict
+        assert [e["event"] for e in events] == ["weights_mismatch"] and events[0]["tensors"] == [PROBED]
+        assert server.client.call("GET", V.WEIGHT_INFO) == {"weight_version": "-1"}  # out of service
+    finally:
+        channel.push(original.items(), version=13)
         channel.close()
 
 

@@ -17,7 +17,11 @@ digests and compared (WeightCheck.pushed). Medians over `--repeat` rounds:
   verify_s - push_s): the digests partly overlap the push, but on a loaded machine this
   difference is mostly noise;
 - amortised_share: (digest_s + verify_s) / (every x push_s), the check's share of the push time
-  over `every` pushes, counting the trainer's digests whole (as if they overlapped nothing).
+  over `every` pushes, counting the trainer's digests whole (as if they overlapped nothing);
+- probe_s, probe_share: rank 0's side of the log-probability probe that a vLLM engine on the
+  CPU adds for the layers it prepacks (verify.Probe: the pushed tensors copied into an fp32
+  model, 8 tokens scored), timed on the same tensors, and its share as above; the engine's
+  side (one 8-token prompt scored by vLLM) is not in it.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from weight_sync import two_engines  # the full-sync benchmark's engines
 from relax_hpc.paths import RunPaths
 from relax_hpc.weights.channel import BroadcastChannel
 from relax_hpc.weights.layout import EngineLayout
-from relax_hpc.weights.verify import WeightCheck
+from relax_hpc.weights.verify import Probe, WeightCheck
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = REPO / "assets" / "tiny-qwen3-addition"  # configs/tiny-grpo.yaml's model.path
@@ -89,6 +93,8 @@ def main() -> None:
                 "torch", args.every, paths.engines, paths.weights_quarantine, lambda _: None, paths.read_token(),
                 600.0, None, torch.device("cpu"),
             )  # fmt: skip
+            probe = Probe(str(model_dir))
+            probe.begin()  # the model is made once, at the first checked push
             assert channel.push(stream, 1) == 2  # forms the group
             rounds, version = [], 1
             for r in range(args.repeat):
@@ -107,8 +113,14 @@ def main() -> None:
                     else:
                         assert check.pushed(version) == []
                 extra = times["checked"] + times["verify"] - times["plain"]
+                start = time.perf_counter()
+                probe.begin()
+                for name, tensor in params:
+                    probe.keep(name, tensor)
+                probe.answer()
                 rounds.append({"push_s": times["plain"], "checked_push_s": times["checked"], "digest_s": check.digest_s,
-                               "verify_s": times["verify"], "extra_s": extra})  # fmt: skip
+                               "verify_s": times["verify"], "extra_s": extra,
+                               "probe_s": time.perf_counter() - start})  # fmt: skip
     med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
     print(
         json.dumps(
@@ -125,6 +137,7 @@ def main() -> None:
                 **{f"{k}_median": round(v, 4) for k, v in med.items()},
                 "every": args.every,
                 "amortised_share": round((med["digest_s"] + med["verify_s"]) / (args.every * med["push_s"]), 4),
+                "probe_share": round(med["probe_s"] / (args.every * med["push_s"]), 4),
             }
         )
     )
