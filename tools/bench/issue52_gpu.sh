@@ -12,10 +12,14 @@
 # Each size gets the time left before DEADLINE seconds from the start, so the call ends inside the
 # device's 10 minutes; a size cut short still leaves its finished runs' `# run` lines in run.log,
 # and the sizes not reached are named in results.jsonl, for a second call.
-# $OUT: results.jsonl (each size's JSON, then a line per size with its exit status and seconds),
+# $OUT: results.jsonl (each size's JSON, then a line per size with its exit status and seconds;
+# rc 1 and `error` where some backend of the size has no finished run, its JSON naming it under
+# `failed`, rc 124 where the deadline cut it: on the H100 of 2026-12-05 every 1.7B and 4B run ran out
+# of memory and the lines still said rc 0),
 # run.log (everything else), env.txt (card, versions, date), traces.tar (the gzipped Chrome traces;
 # in 15 MiB pieces traces.tar.part-* if larger, since the device returns files of 16 MiB at most).
-# WHL: a folder of wheels (megatron-core, pydantic and its parts, transformers) installed first.
+# WHL: a folder of wheels installed first (megatron-core, pydantic and its parts, transformers, and
+# setproctitle, soundfile, cffi, pycparser, which the device image lacks).
 # CPU=1 checks the script itself on a machine without a GPU: each part runs a toy size
 # (vl-tiny) on the torch backend instead, PYTHON naming the interpreter (default python3).
 set -uo pipefail
@@ -60,9 +64,15 @@ size() {  # NAME, then train_throughput.py's arguments for it
   echo "=== $name: $* (${left} s left)" >>"$log"
   timeout "$left" $PY tools/bench/train_throughput.py --repeats 3 --profile 2 --profile-dir "$OUT/traces" "$@" \
     >/tmp/issue52-size.out 2>>"$log"
-  local rc=$?
+  local rc=$? error=
   grep '^{' /tmp/issue52-size.out >>"$OUT/results.jsonl"
-  echo "{\"part\": \"$name\", \"rc\": $rc, \"seconds\": $((SECONDS - start)), \"gpu_gib\": $gib}" >>"$OUT/results.jsonl"
+  case $rc in
+    0) ;;
+    124) error=', "error": "cut at the deadline: its finished runs are the # run lines in run.log"' ;;
+    1) error=', "error": "no finished run for a backend (the JSON names it under failed; run.log)"' ;;
+    *) error=', "error": "train_throughput.py failed (run.log)"' ;;
+  esac
+  echo "{\"part\": \"$name\", \"rc\": $rc, \"seconds\": $((SECONDS - start)), \"gpu_gib\": $gib$error}" >>"$OUT/results.jsonl"
 }
 
 for part in ${*:-0.6b 1.7b 4b}; do

@@ -34,6 +34,13 @@ Memory options: --recompute recomputes each layer's activations in the backward 
 trainer.megatron.recompute; torch: trainer.gradient_checkpointing); --microbatch-tokens bounds the
 megatron backend's packed micro-batches (the torch backend runs the batch at once). A backend that
 runs out of memory reports `error`; `max_memory_gib` is the peak allocated by torch.
+
+The parent process never touches the GPU: the random model is made and saved by a short child
+process (on the CPU with --cpu), and the card's name comes from nvidia-smi. (On the H100 of
+2026-12-05 the parent made the model on the GPU and held its CUDA context, 610 MiB, through every
+run, and the 1.7B and 4B runs ran out of memory by less than that margin's worth.) The exit status
+is 1 when some (size, backend) has no finished run, its JSON then naming it under `failed`
+(the same day every 1.7B and 4B run died and the script still exited 0).
 """
 
 from __future__ import annotations
@@ -96,6 +103,8 @@ def vision_flops_per_sample(size: str, image_tokens: int) -> float:
 
 
 def make_model(size: str, folder: Path, device: str = "cuda") -> None:
+    """Save a random model of `size` in `folder`: bf16 on a GPU, float32 on the CPU. The parent
+    calls it through `model_in_child` for a GPU run, so that no CUDA context stays behind."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
@@ -119,6 +128,32 @@ def make_model(size: str, folder: Path, device: str = "cuda") -> None:
     del model
     if device == "cuda":
         torch.cuda.empty_cache()  # the workers need it: the 4B shape peaks near 80 GiB
+
+
+def model_in_child(size: str, folder: Path) -> None:
+    """make_model(size, folder, "cuda") in a process of its own: the parent holds no GPU memory."""
+    argv = [sys.executable, __file__, "--make-model", "--size", size, "--model", str(folder)]
+    out = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=1200)
+    if out.returncode:
+        raise SystemExit(f"making the {size} model failed:\n{(out.stderr or out.stdout)[-3000:]}")
+
+
+def gpu_name() -> str:
+    """The first visible card's name, from nvidia-smi (torch.cuda would open a context here)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    names = out.stdout.strip().splitlines()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    index = int(visible) if visible.isdigit() and int(visible) < len(names) else 0
+    return names[index].strip() if names else "unknown"
 
 
 def random_batch(args: argparse.Namespace) -> Any:
@@ -267,6 +302,7 @@ def main() -> None:
     parser.add_argument("--image-tokens", type=int, default=256, help="merged tokens of each sample's picture (vl-*)")
     parser.add_argument("--cpu", action="store_true", help="check the script on a CPU (toy sizes, torch backend)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--make-model", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--size", help=argparse.SUPPRESS)
     parser.add_argument("--backend", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -275,12 +311,21 @@ def main() -> None:
         args.profile = 1  # the earlier meaning of --profile-dir alone: one profiled step
     if args.worker:
         return worker(args)
-    import torch
+    if args.make_model:
+        return make_model(args.size, Path(args.model), "cuda")
+    import torch  # for its version only: no CUDA call in this process
 
+    gpu = "cpu" if args.cpu else gpu_name()
+    failed = []  # (size, backend) with no finished run
     for size in args.sizes.split(","):
         with tempfile.TemporaryDirectory() as tmp:
-            make_model(size, Path(tmp), "cpu" if args.cpu else "cuda")
+            if args.cpu:
+                make_model(size, Path(tmp), "cpu")
+            else:
+                model_in_child(size, Path(tmp))
             results = {b: repeated(size, b, Path(tmp), args) for b in args.backends.split(",")}
+        failed_here = [b for b, r in results.items() if "error" in r]
+        failed += [f"{size} {b}" for b in failed_here]
         ratio = {}  # tokens/s, megatron's over torch's, where both ran
         if all("tokens_per_s" in results.get(b, {}) for b in ("megatron", "torch")):
             ratio["megatron_over_torch"] = round(
@@ -298,14 +343,18 @@ def main() -> None:
                     "image_tokens": args.image_tokens if size in VISION else 0,
                     "flops_per_token": flops_per_token(SHAPES[size], args.seq)
                     + vision_flops_per_sample(size, args.image_tokens) / args.seq,
-                    "gpu": torch.cuda.get_device_name(0) if not args.cpu else "cpu",
+                    "gpu": gpu,
                     "torch": torch.__version__,
                     **results,
                     **ratio,
+                    **({"failed": failed_here} if failed_here else {}),
                 }
             ),
             flush=True,
         )
+    if failed:
+        print(f"no finished run: {', '.join(failed)}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":
