@@ -4,4 +4,9 @@ Roles are processes (trainer ranks under torchrun, rollout engines, the rollout 
 the shared filesystem is the contract between them. See docs/DESIGN.md for the map.
 """
 
-__version__ = "0.21.0"
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("relax_hpc")  # pyproject.toml's, the one place it is written
+except PackageNotFoundError:  # imported from a source tree that pip never installed (PYTHONPATH)
+    __version__ = "unknown"

@@ -37,6 +37,7 @@ from relax_hpc.launch.elastic import (
     ENDED,
     ElasticEngines,
     ScaleOp,
+    in_flight,
     load_ops,
     new_id,
     op_state,
@@ -224,23 +225,15 @@ def drain(paths: RunPaths, engines: list[str], timeout_s: float) -> None:
         marker.write_text("draining\n")
     deadline = time.monotonic() + timeout_s
     time.sleep(6.0)  # a driver heartbeat (every 5 s) that no longer counts them as eligible
-    while time.monotonic() < deadline and any(_in_flight(paths).get(e, 0) for e in engines):
+    while time.monotonic() < deadline and any(in_flight(paths).get(e, 0) for e in engines):
         time.sleep(1.0)
     token = paths.read_token()
     for record in read_records(paths.engines):
-        if record.engine_id in engines and _in_flight(paths).get(record.engine_id, 0):
+        if record.engine_id in engines and in_flight(paths).get(record.engine_id, 0):
             with contextlib.suppress(EngineUnavailable, EngineRequestError):  # gone already: its work is re-issued
                 EngineClient(record.url, token, 10.0).post(R.ABORT_REQUEST.path, P.AbortReq(abort_all=True))
     for engine_id in engines:
         paths.drain_marker(engine_id).write_text("done\n")
-
-
-def _in_flight(paths: RunPaths) -> dict[str, int]:
-    try:
-        load: dict[str, int] = json.loads(paths.health("driver").read_text()).get("load", {})
-    except (OSError, ValueError):
-        return {}
-    return load
 
 
 def listing(paths: RunPaths, as_json: bool) -> str:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-import mimetypes
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -107,10 +106,6 @@ def sniff_mime(kind: Kind, data: bytes) -> str:
     if data[:4] == b"OggS":
         return "audio/ogg"
     return "audio/wav"
-
-
-def guess_mime(path: str) -> str | None:
-    return mimetypes.guess_type(path)[0]
 
 
 def decode_image(data: bytes) -> Image.Image:

@@ -223,15 +223,6 @@ def pack_routing(routed: list[np.ndarray | None], lengths: list[int]) -> np.ndar
     return out
 
 
-def routing_of(batch: SampleBatch, i: int) -> np.ndarray | None:
-    """Sample i's choices as int64, -1 where none was recorded (None: the batch has none)."""
-    if batch.routed_experts is None:
-        return None
-    rows = batch.routed_experts[batch.offsets[i] : batch.offsets[i + 1]].astype(np.int64)
-    rows[rows == np.iinfo(batch.routed_experts.dtype).max] = -1
-    return rows
-
-
 def _pack_media(media: Mapping[int, Sequence[tuple[MediaKind, bytes]]]) -> dict[str, np.ndarray]:
     items = [(group, kind, data) for group, group_items in media.items() for kind, data in group_items]
     if not items:
