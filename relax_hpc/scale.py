@@ -82,7 +82,7 @@ def submit_elastic(cfg: JobConfig, paths: RunPaths, op: ScaleOp, dry_run: bool) 
     from relax_hpc.launch.submission import HetSlurmExecutor, _role_options, submission_text
 
     sl = cfg.launch.slurm
-    per_engine = cfg.rollout.sglang.tp_size if cfg.rollout.engine == "sglang" else 1
+    per_engine = cfg.rollout.kind.gpus_per_engine(cfg.rollout) or 1
     gpus = op.engines * per_engine if sl.rollout.gpus_per_node else 0
     node = SlurmRoleConfig(
         nodes=1, gpus_per_node=gpus, partition=sl.rollout.partition, constraint=sl.rollout.constraint
@@ -116,8 +116,8 @@ def scale_out(paths: RunPaths, args: argparse.Namespace) -> str:
     cfg = read_frozen(paths.config)
     if cfg.kind != "rl":
         raise ScaleError(f"{paths.root} is a kind={cfg.kind} run: it has no rollout engines to add")
-    if cfg.rollout.engine == "vllm":  # an added engine's state is read from SGLang's /model_info
-        raise ScaleError(f"{paths.root} runs vLLM engines: elastic scaling does not take them yet")
+    if not cfg.rollout.kind.elastic:  # an added engine's state is read from SGLang's /model_info
+        raise ScaleError(f"{paths.root} runs {cfg.rollout.kind.label} engines: elastic scaling does not take them yet")
     ops = load_ops(paths)
     if args.id and any(o.id == args.id and _state(paths, o) not in ENDED for o in ops):
         return f"{args.id}: already requested ({_state(paths, next(o for o in ops if o.id == args.id))}); nothing to do"

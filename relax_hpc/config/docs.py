@@ -80,7 +80,10 @@ def _section(defaults: BaseModel, prefix: str, top: str = "top level") -> list[s
             nested.append((optional(), f"{prefix}{name}."))
             continue
         default = "required" if field.is_required() else f"`{getattr(defaults, name)!r}`"
-        lines.append(f"| `{prefix}{name}` | {_type_name(annotation)} | {default} | {doc} |")
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        choices = extra.get("choices")  # a str option checked against a table (rollout.engine)
+        kind = " \\| ".join(f"`{c}`" for c in choices) if isinstance(choices, list) else _type_name(annotation)
+        lines.append(f"| `{prefix}{name}` | {kind} | {default} | {doc} |")
     if len(lines) == 3:
         lines = []
     for sub, sub_prefix in nested:

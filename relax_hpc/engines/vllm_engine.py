@@ -38,8 +38,9 @@ import json
 import os
 from pathlib import Path
 
+from relax_hpc.config.engines import VLLM_LORA_RANKS
 from relax_hpc.config.path_options import VENV_VLLM_PYTHON
-from relax_hpc.config.schema import VLLM_LORA_RANKS, JobConfig, VllmConfig
+from relax_hpc.config.schema import JobConfig, VllmConfig
 from relax_hpc.engines import sglang_engine
 from relax_hpc.engines.sglang_engine import INITIAL_WEIGHT_VERSION, EngineFailed, Wrapper
 from relax_hpc.protocol import vllm as V

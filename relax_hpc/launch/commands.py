@@ -50,16 +50,17 @@ def engine_args(
     own); `device`: the engine's GPU (colocated engines share a trainer rank's)."""
     name, pool = engine_name(cfg, index) if engine_id is None else (engine_id, "policy")
     port = cfg.rollout.base_port + index if cfg.rollout.base_port and engine_id is None else 0
-    if cfg.rollout.engine in ("sglang", "vllm"):
-        # A supervisor of one SGLang or vLLM server; it builds the server's arguments from
+    kind = cfg.rollout.kind
+    if kind.supervised:
+        # A supervisor of one server (SGLang's, vLLM's); it builds the server's arguments from
         # RUN_DIR/config.yaml (vLLM's runs in rollout.vllm.python, the supervisor here).
         return [
-            "-m", f"relax_hpc.engines.{cfg.rollout.engine}_engine", "--run-dir", str(paths.root), "--engine-id", name,
+            "-m", kind.module, "--run-dir", str(paths.root), "--engine-id", name,
             "--host", host, "--port", str(port), "--pool", pool, *(["--device", device] if device else []),
         ]  # fmt: skip
     model = cfg.served_model(pool)
     return [
-        "-m", "relax_hpc.engines.torch_engine", "--run-dir", str(paths.root), "--engine-id", name,
+        "-m", kind.module, "--run-dir", str(paths.root), "--engine-id", name,
         "--model-path", model, "--dtype", cfg.model.dtype, "--host", host,
         "--port", str(port), "--threads", str(cfg.launch.threads_per_process),
         "--weights-timeout-s", str(cfg.weights.timeout_s), "--pool", pool, *(["--device", device] if device else []),

@@ -157,7 +157,7 @@ class ElasticEngines:
 
 
 def _gpus(cfg: JobConfig, index: int, visible: int) -> str:
-    per = cfg.rollout.sglang.tp_size if cfg.rollout.engine == "sglang" else 1
+    per = cfg.rollout.kind.gpus_per_engine(cfg.rollout) or 1
     return f"{index * per}-{(index + 1) * per - 1}" if visible >= (index + 1) * per else NO_GPU
 
 

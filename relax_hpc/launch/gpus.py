@@ -86,7 +86,7 @@ def sglang_sizes(cfg: JobConfig) -> list[int] | None:
     """Per engine process (engine_pools' order), the GPUs an SGLang engine takes: its
     tensor-parallel size, algo.teacher.tp_size for a teacher engine when set, else
     rollout.sglang.tp_size. None for the built-in engine, which takes a share of what there is."""
-    if cfg.rollout.engine != "sglang":
+    if cfg.rollout.kind.gpus_per_engine(cfg.rollout) is None:
         return None
     own = {"teacher": cfg.algo.teacher.tp_size}
     return [own.get(pool) or cfg.rollout.sglang.tp_size for _, pool, n in engine_pools(cfg) for _ in range(n)]

@@ -18,6 +18,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from relax_hpc.config.engines import engine_kind
 from relax_hpc.config.schema import MegatronConfig
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe")
@@ -301,11 +302,11 @@ def check_megatron_job(model_dir: str, par: MegatronConfig, engine: str | None =
     except (ValueError, AttributeError) as e:
         return [f"trainer.backend=megatron: {e}"]
     problems = megatron_problems(arch, par, te)
-    if arch.moe and engine == "torch":
+    if arch.moe and engine is not None and not engine_kind(engine).hf_layout:
         # megatron exports the checkpoint's layout (one tensor per expert, what SGLang loads); the
         # built-in engine holds transformers' in-memory one, whose experts are fused.
         problems.append(
-            "rollout.engine=torch with trainer.backend=megatron and an MoE model: the built-in engine holds "
-            "transformers' fused experts and megatron sends one tensor per expert; use rollout.engine=sglang"
+            f"rollout.engine={engine} with trainer.backend=megatron and an MoE model: {engine_kind(engine).label} "
+            "holds transformers' fused experts and megatron sends one tensor per expert; use rollout.engine=sglang"
         )
     return problems

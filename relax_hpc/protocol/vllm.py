@@ -45,6 +45,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from relax_hpc.config.engines import engine_kind
 from relax_hpc.protocol import requests as P
 from relax_hpc.protocol.client import EngineClient
 
@@ -320,4 +321,4 @@ class VllmClient(EngineClient):
 
 def client_class(engine: str) -> type[EngineClient]:
     """The client that speaks the API of rollout.engine's kind (vLLM's, or SGLang's)."""
-    return VllmClient if engine == "vllm" else EngineClient
+    return VllmClient if engine_kind(engine).api == "vllm" else EngineClient

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from relax_hpc.config.engines import engine_kind
 from relax_hpc.config.schema import JobConfig, LoraConfig, WeightsConfig
 from relax_hpc.models.lora import write_adapter_folder
 from relax_hpc.paths import RunPaths
@@ -61,7 +62,7 @@ def build_channel(job: JobConfig, paths: RunPaths, backend: Backend, device: tor
         client = ClientSettings(token, timeout_s, job.rollout.partial, client_class(job.rollout.engine))
         registry = paths.engines if rank == 0 else None
         return FileChannel(paths.weight_files, layout, bucket_bytes, writers, registry, client, job.weights.delta)
-    if job.rollout.engine == "vllm":  # partial rollout: in-flight requests return, the driver continues them
+    if job.rollout.kind.api == "vllm":  # partial rollout: in-flight requests return, the driver continues them
         pause: PauseMode = "abort" if job.rollout.partial else "keep"
         backend_ = job.weights.backend
         if rank != 0:
@@ -82,7 +83,7 @@ def build_channel(job: JobConfig, paths: RunPaths, backend: Backend, device: tor
     sender = WeightSender(paths.engines, token, group_backend, timeout_s, job.rollout.partial)
     if job.weights.channel == "sharded":  # every rank sends its share over a group of its own
         # SGLang's weight updates take turns (one connection, in order), and so do relayed broadcasts.
-        concurrent = job.rollout.engine == "torch" and not job.weights.relay
+        concurrent = job.rollout.kind.concurrent_updates and not job.weights.relay
         stages, relay, senders = backend.weight_stages(), job.weights.relay, job.weights.senders
         return ShardedChannel(sender, layout, bucket_bytes, stages, job.engine_catch_up, concurrent, relay, senders)
     return BroadcastChannel(sender if rank == 0 else None, layout, bucket_bytes, job.engine_catch_up)
@@ -91,7 +92,7 @@ def build_channel(job: JobConfig, paths: RunPaths, backend: Backend, device: tor
 def engine_layout(engine: str, backend: Backend) -> EngineLayout:
     """What engines of kind `engine` (rollout.engine) call the pushed tensors: SGLang and vLLM
     load the HF checkpoint's layout; the built-in engine the trainer's own."""
-    convert = backend.checkpoint_layout() if engine in ("sglang", "vllm") else None
+    convert = backend.checkpoint_layout() if engine_kind(engine).hf_layout else None
     return EngineLayout(backend.parameter_specs(), convert)
 
 
