@@ -1,0 +1,33 @@
+"""Every RUN_DIR/config.yaml that release 0.20.0 froze (one per shipped job config, made by
+tools/freeze_configs.py with that release's code and kept under tests/data/frozen-0.20.0) still
+loads: a run started by it resumes only if its frozen config does. Each loads to the settings it
+froze; keys added since take their defaults."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from relax_hpc.config.load import read_frozen
+
+FROZEN = sorted((Path(__file__).resolve().parents[1] / "data" / "frozen-0.20.0").glob("*.yaml"))
+
+
+def _leaves(tree: object, prefix: str = "") -> dict[str, object]:
+    if isinstance(tree, dict):
+        return {k: v for key, value in tree.items() for k, v in _leaves(value, f"{prefix}{key}.").items()}
+    return {prefix.rstrip("."): tree}
+
+
+def test_every_shipped_config_was_frozen():
+    assert len(FROZEN) >= 30, FROZEN
+
+
+@pytest.mark.parametrize("frozen", FROZEN, ids=[p.stem for p in FROZEN])
+def test_a_config_frozen_by_0_20_0_loads_to_what_it_froze(frozen: Path):
+    cfg = read_frozen(frozen)
+    now = _leaves(cfg.model_dump(mode="json"))
+    then = _leaves(yaml.safe_load(frozen.read_text()))
+    assert {key: value for key, value in then.items() if now.get(key, object()) != value} == {}
