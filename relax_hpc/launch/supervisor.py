@@ -37,6 +37,7 @@ from relax_hpc.launch.health import HealthMonitor
 from relax_hpc.launch.notify import Notifier
 from relax_hpc.launch.recover import LAUNCHER_STOP, recover
 from relax_hpc.launch.steps import PROCESS_WAIT_S, ROUND_S, JobStep, end_steps
+from relax_hpc.metrics.accounting import role_kind
 from relax_hpc.metrics.heartbeat import Beating
 from relax_hpc.metrics.jsonl import JsonlWriter, read_jsonl
 from relax_hpc.metrics.progress import Progress
@@ -47,7 +48,29 @@ EXIT_COMPLETED, EXIT_FAILED, EXIT_STOPPED = 0, 1, 75
 EXIT_SUPERSEDED = EXIT_FENCED  # another launcher took the run over: this one stopped, writing nothing
 TRAINER_EXIT_GRACE_S = 5.0  # after its stop record, for the trainer's own exit
 LAUNCHER_BEAT_S = 5.0  # the launcher's heartbeat (status: a run whose heartbeats stopped has ended)
-ENGINE_ROLES = ("engine", "judge", "teacher")  # prefixes of the engine roles' names
+
+
+@dataclass(frozen=True)
+class RoleKind:
+    """How the supervisor treats the roles of one kind (a role is named KIND, or KIND-N)."""
+
+    restarts: Callable[[JobConfig], int]  # a crashed process is restarted this often, then the run gives up
+    engine: bool = False  # an HTTP engine: health-checked, counted as serving once registered and answering
+    pushed_to: bool = False  # it takes the trainer's weight pushes (the rollout engines)
+    helper: bool = False  # failing too often leaves it behind, not the run; it stops after the usage record
+    finishes: bool = False  # exit 0 is its end, not a failure (the driver, after the final evaluation)
+
+
+ROLE_KINDS: dict[str, RoleKind] = {
+    "trainer": RoleKind(lambda cfg: 3),  # its failures restart the whole run from the checkpoint
+    # A driver resumes from the spool, so restarting it is cheap; a few tries cover a crash
+    # without hiding a driver that cannot run at all.
+    "driver": RoleKind(lambda cfg: 3, finishes=True),
+    "engine": RoleKind(lambda cfg: cfg.rollout.max_engine_restarts, engine=True, pushed_to=True),
+    "judge": RoleKind(lambda cfg: cfg.rollout.max_engine_restarts, engine=True),
+    "teacher": RoleKind(lambda cfg: cfg.rollout.max_engine_restarts, engine=True),
+    "metrics": RoleKind(lambda cfg: 3, helper=True),  # the metric sinks only copy the JSONL records
+}
 
 
 @dataclass
@@ -70,6 +93,10 @@ class Role:
     counted_alive: tuple[float, float] | None = None  # (when, CPU s): accrued while it ran; settle() adds its stop
     recorded: tuple[float, float] = (0.0, 0.0)  # the ran_s and cpu_s that usage records already hold
     ended: bool = False  # the current process was killed and its steps ended (or given up): once
+
+    @property
+    def kind(self) -> RoleKind:
+        return ROLE_KINDS[role_kind(self.name)]
 
     @property
     def nodes(self) -> list[str]:
@@ -307,13 +334,11 @@ class Supervisor:
         env = child_env(self.cfg)
         ro = self.cfg.rollout
         roles = {
-            # A driver resumes from the spool, so restarting it is cheap; a few tries cover a crash
-            # without hiding a driver that cannot run at all.
             name: Role(
                 name,
                 argv,
                 logs / f"{name}.log",
-                ro.max_engine_restarts if name.startswith(ENGINE_ROLES) else 3,
+                ROLE_KINDS[role_kind(name)].restarts(self.cfg),
                 step=JobStep(self.slurm_job, step_name(self.cfg, name), self.step_round_s) if self.slurm_job else None,
                 forks=self.forks,
             )
@@ -348,7 +373,7 @@ class Supervisor:
         self.notifier.send("resumed" if recovery.step else "started", f"at step {recovery.step}; logs in {logs}")
         # A role the run does not have (an sft job's driver) started "in the future": never overdue.
         started = lambda name: roles[name].started_at if name in roles else float("inf")  # noqa: E731
-        engines = [name for name in roles if name.startswith(ENGINE_ROLES)]
+        engines = [name for name, role in roles.items() if role.kind.engine]
         monitor = HealthMonitor(self.paths, self.cfg.launch.health, started, engines)
         try:
             return self._supervise(roles, env, monitor)
@@ -412,12 +437,10 @@ class Supervisor:
         progress = Progress(
             self.paths, self.cfg.trainer.total_steps, self.out, log_every_s=self.cfg.metrics.progress_every_s
         )
-        engines = [r for n, r in roles.items() if n.startswith("engine")]
-        # Judge and teacher engines: restarted like rollout engines, never pushed to.
-        side_engines = [r for n, r in roles.items() if n.startswith(("judge", "teacher"))]
-        trainer, driver = roles["trainer"], roles.get("driver")  # an sft job has no driver
-        helpers = [r for n, r in roles.items() if n == "metrics"]
-        others = [*engines, *side_engines, *([driver] if driver else []), *helpers]  # all but the trainer
+        trainer = roles["trainer"]
+        engines = [r for r in roles.values() if r.kind.pushed_to]  # the rollout engines, which serve the driver
+        helpers = [r for r in roles.values() if r.kind.helper]
+        others = [r for r in roles.values() if r is not trainer]
         serving = lambda: len({r.name for r in engines if r.alive()} & monitor.serving())  # noqa: E731
         started = time.monotonic()
         trainer_done_at: float | None = None
@@ -443,16 +466,14 @@ class Supervisor:
                 if time.monotonic() < role.not_before:
                     continue
                 code = role.returncode
-                if role is driver and code == 0:
-                    continue  # the driver finishes after the final evaluation
+                if role.kind.finishes and code == 0:
+                    continue
                 if code and (line := no_space(role.log_tail(5))):
                     return self._stop_for_space(role, line, progress)
                 if self._lost_run(progress):
                     return EXIT_SUPERSEDED, False
                 give_up = role.restarts >= role.max_restarts
-                if give_up and role in helpers:
-                    # The metric sinks only copy the JSONL record: a sink that keeps failing is
-                    # reported and left behind, and the run goes on.
+                if give_up and role.kind.helper:  # reported and left behind; the run goes on
                     role.abandoned = True
                     self._role_failed(role, {"exit": code, "restarts": role.restarts, "action": "abandon"})
                     self.say(f"\n{role.name} failed {role.restarts + 1} times (exit {code}); the run goes on "
@@ -525,8 +546,9 @@ class Supervisor:
             # of the teardown (gloo's threads at exit): nothing is lost.
             trainer_done_at = trainer_done_at or time.monotonic()
             completed = self._training_completed()
-            # Training is over: give the driver time for its final evaluation, then stop.
-            if not completed or not (driver and driver.alive()) or time.monotonic() - trainer_done_at > 120:
+            # Training is over: give the roles that finish (the driver's final evaluation) time, then stop.
+            finishing = any(r.kind.finishes and r.alive() for r in others)
+            if not completed or not finishing or time.monotonic() - trainer_done_at > 120:
                 progress.show(serving(), len(engines), force=True)
                 progress.finish()
                 return (EXIT_COMPLETED if completed else EXIT_STOPPED), False
