@@ -15,7 +15,9 @@
 # its log} (on 2026-12-05 every tiny/vision run died at import and results.jsonl held none of them).
 # Each run gets at most the time left before DEADLINE seconds from the start (a tiny or vision run
 # 240 s, a test file 300 s), so the call ends inside the device's 10 minutes; what is not reached is
-# named in results.jsonl as skipped.
+# named in results.jsonl as skipped. All three do not fit one call: on the H100 of 2026-12-05 tiny
+# and vision took about 365 s of a 480 s DEADLINE, the test files before it 117 s (and the whole of
+# tests/gpu in one process 158 s the call before), so give `tiny vision` and `tests` a call each.
 # $OUT: results.jsonl (one JSON per run), env.txt (card, torch, date), run.log, tiny1-3.log,
 # vision.log, gpu_tests.log (every test file's output, one after another): 8 files at most.
 # WHL: a folder of wheels installed first (megatron-core, pydantic and its parts, transformers, and
@@ -102,6 +104,10 @@ text = open(log, errors="replace").read()
 lines = text.splitlines()
 last = next((l for l in reversed(lines) if re.search(r"\d+ (passed|failed|error|skipped|deselected)|no tests ran", l)), "")
 count = lambda k: sum(int(n) for n in re.findall(rf"(\d+) {k}", last))
+if not last:  # cut (124) before pytest's summary: count its progress characters instead
+    dots = "".join(l.split(" ")[0] for l in lines if re.fullmatch(r"[.FEsxX]+( +\[ *\d+%\])?", l))
+    count = lambda k: {"passed": dots.count("."), "failed": dots.count("F"), "errors?": dots.count("E"),
+                       "skipped": dots.count("s")}[k]
 line = {"run": f, "exit": code, "seconds": seconds, "passed": count("passed"), "failed": count("failed"),
         "errors": count("errors?"), "skipped": count("skipped"), "summary": last.strip("= ")}
 failures = [l[:400] for l in lines if l.startswith(("FAILED ", "ERROR "))]
