@@ -16,15 +16,15 @@ from relax_hpc.paths import RunPaths
 from relax_hpc.protocol.client import EngineClient
 from relax_hpc.protocol.vllm import PauseMode, client_class
 from relax_hpc.trainer.backend import Backend, BackendConfig
-from relax_hpc.weights.adapters import AdapterPublisher
-from relax_hpc.weights.channel import AdapterChannel, BroadcastChannel, ColocatedChannel, VllmChannel, WeightChannel
-from relax_hpc.weights.colocated import ColocatedSender
+from relax_hpc.weights.adapters import AdapterChannel, AdapterPublisher
+from relax_hpc.weights.channel import WeightChannel
+from relax_hpc.weights.colocated import ColocatedChannel, ColocatedSender
 from relax_hpc.weights.files import ClientSettings, FileChannel
 from relax_hpc.weights.layout import EngineLayout
-from relax_hpc.weights.sender import WeightSender
+from relax_hpc.weights.sender import BroadcastChannel, WeightSender
 from relax_hpc.weights.sharded import ShardedChannel, ShardedColocatedChannel
 from relax_hpc.weights.verify import WeightCheck
-from relax_hpc.weights.vllm_channel import VllmSender
+from relax_hpc.weights.vllm_channel import VllmChannel, VllmSender
 
 Events = Callable[[dict[str, Any]], None]  # a record for RUN_DIR/metrics/events.jsonl
 

@@ -34,6 +34,7 @@ from relax_hpc.protocol import routes as R
 from relax_hpc.protocol.client import EngineClient, EngineRequestError, EngineUnavailable
 from relax_hpc.protocol.registry import EngineRecord, read_records
 from relax_hpc.protocol.requests import adapter_name
+from relax_hpc.weights.channel import FullParameters, QuietHooks
 from relax_hpc.weights.sender import answering, engine_key
 
 log = logging.getLogger("relax_hpc.weights")
@@ -137,3 +138,18 @@ class AdapterPublisher:
         # An engine that never loaded it (started since) says so; one that died is the next push's.
         with contextlib.suppress(EngineUnavailable, EngineRequestError):
             client.unload_adapter(name)
+
+
+class AdapterChannel(QuietHooks):
+    """Only the LoRA adapters travel, as PEFT folders (relax_hpc.weights.adapters); every rank
+    takes part in the gathers, rank 0 (whose `publisher` is not None) publishes."""
+
+    def __init__(self, publisher: AdapterPublisher | None) -> None:
+        self.publisher = publisher
+
+    def push(self, full_parameters: FullParameters, version: int) -> int:
+        return push_adapter(self.publisher, full_parameters(), version)
+
+    def engines_changed(self, delivered: int) -> bool:
+        assert self.publisher is not None, "rank 0 decides"
+        return self.publisher.engine_set_changed()

@@ -40,13 +40,16 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 
 from relax_hpc import fence
 from relax_hpc.protocol import requests as P
 from relax_hpc.protocol import routes as R
 from relax_hpc.protocol.client import EngineClient, RequestPipeline
 from relax_hpc.protocol.registry import EngineRecord, read_records
-from relax_hpc.weights.buckets import BucketPacker, BucketPlan, stream_buckets
+from relax_hpc.weights.buckets import BucketPacker, BucketPlan, plan_buckets, stream_buckets
+from relax_hpc.weights.channel import FullParameters, PhaseTimer
+from relax_hpc.weights.layout import EngineLayout
 from relax_hpc.weights.tensors import FLATTENED_BUCKET, bucket_records, serialize, serialize_bucket
 
 
@@ -249,3 +252,36 @@ def _answered(pipes: list[RequestPipeline]) -> None:
 def _close(pipes: list[RequestPipeline]) -> None:
     for pipe in pipes:
         pipe.close()
+
+
+class ColocatedChannel:
+    """Every rank serves the engines on its device by reference (relax_hpc.weights.colocated);
+    the engines release their memory before each step and take it back with the push."""
+
+    def __init__(self, sender: ColocatedSender, layout: EngineLayout, bucket_bytes: int) -> None:
+        self.sender, self.layout = sender, layout
+        self.buckets: list[BucketPlan] = plan_buckets(layout.specs(), bucket_bytes)
+        self.resume_s = self.update_s = 0.0  # the last push's parts
+
+    def push(self, full_parameters: FullParameters, version: int) -> int:
+        params = self.layout.tensors(full_parameters())
+        mine, self.resume_s, self.update_s = self.sender.push(self.buckets, params, version)
+        everyone: list[int] = [0] * self.sender.world
+        dist.all_gather_object(everyone, mine)
+        return sum(everyone)
+
+    def engines_changed(self, delivered: int) -> bool:
+        """An engine (re)started since the last push: it reports another version."""
+        return any(int(r.weight_version) != delivered for r in read_records(self.sender.registry))
+
+    def before_step(self, timer: PhaseTimer) -> None:
+        with timer.phase("release"):  # the engines free the device for the step
+            self.sender.release()
+
+    def record(self, phases: dict[str, float], device: torch.device) -> dict[str, float]:
+        """The push is the engines' memory coming back, then the update by reference; and what
+        the trainer still holds on the device while the engines generate (mem_held_gb)."""
+        out = {"time_resume": self.resume_s, "time_update": self.update_s, "time_release": phases.get("release", 0.0)}
+        if device.type == "cuda":
+            out["mem_held_gb"] = round(torch.cuda.memory_allocated(device) / 2**30, 3)
+        return out

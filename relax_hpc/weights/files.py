@@ -39,7 +39,7 @@ from relax_hpc.protocol import requests as P
 from relax_hpc.protocol.client import EngineClient, EngineRequestError, EngineUnavailable
 from relax_hpc.protocol.registry import EngineRecord, read_records
 from relax_hpc.weights.buckets import DTYPES, BucketPlan, assign, pack, plan_buckets, unpack
-from relax_hpc.weights.channel import FullParameters, _Quiet
+from relax_hpc.weights.channel import FullParameters, QuietHooks
 from relax_hpc.weights.delta import Patch, SparseDelta, diff, split
 from relax_hpc.weights.layout import EngineLayout
 from relax_hpc.weights.sender import WeightSyncError
@@ -156,7 +156,7 @@ class _Written:
     elements: int = 0  # elements compared
 
 
-class FileChannel(_Quiet):
+class FileChannel(QuietHooks):
     """Every writing rank writes its buckets; rank 0 (whose `registry` is not None) renames the
     version into place, has each engine load it, and cleans up. See the module docstring."""
 

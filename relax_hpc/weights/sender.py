@@ -39,8 +39,10 @@ from relax_hpc.protocol import requests as P
 from relax_hpc.protocol import routes as R
 from relax_hpc.protocol.client import EngineClient, EngineRequestError, EngineUnavailable, RequestPipeline
 from relax_hpc.protocol.registry import EngineRecord, read_records
-from relax_hpc.weights.buckets import BucketPacker, BucketPlan
+from relax_hpc.weights.buckets import BucketPacker, BucketPlan, plan_buckets
+from relax_hpc.weights.channel import FullParameters, QuietHooks
 from relax_hpc.weights.group import Abandoned, SideGroup
+from relax_hpc.weights.layout import EngineLayout
 
 log = logging.getLogger("relax_hpc.weights")
 
@@ -55,7 +57,7 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
@@ -155,10 +157,10 @@ class WeightSender:
     def group_request(self, engines: list[EngineRecord], relays: int = 0) -> P.InitWeightsUpdateGroupReqInput:
         """A new group of this rank (rank 0 of it, hosting its store), `relays` more trainer ranks
         (ranks 1 to relays: they pass each broadcast on) and `engines` (the ranks after)."""
-        master = "127.0.0.1" if relays == 0 and all(_is_loopback(r.host) for r in engines) else socket.getfqdn()
+        master = "127.0.0.1" if relays == 0 and all(is_loopback(r.host) for r in engines) else socket.getfqdn()
         return P.InitWeightsUpdateGroupReqInput(
             master_address=master,
-            master_port=free_port(master if _is_loopback(master) else ""),
+            master_port=free_port(master if is_loopback(master) else ""),
             rank_offset=relays + 1,
             world_size=relays + 1 + len(engines),
             group_name=f"relax-{uuid.uuid4().hex[:12]}",
@@ -398,3 +400,28 @@ def _send_buckets(
         packer.consumed(sender.broadcast(flat))
     if packer is not None:
         packer.drain()
+
+
+class BroadcastChannel(QuietHooks):
+    """Rank 0 broadcasts the buckets to every engine (relax_hpc.weights.sender); every rank takes
+    part in the parameters' gathers. `sender` is None on the other ranks. With `catch_up`, a new
+    engine copies the weights from another engine at its start (relax_hpc.weights.catchup)."""
+
+    def __init__(
+        self, sender: WeightSender | None, layout: EngineLayout, bucket_bytes: int, catch_up: bool = False
+    ) -> None:
+        self.sender, self.layout, self.catch_up = sender, layout, catch_up
+        self.buckets: list[BucketPlan] = plan_buckets(layout.specs(), bucket_bytes)
+
+    def push(self, full_parameters: FullParameters, version: int) -> int:
+        return push(self.sender, self.buckets, lambda: self.layout.tensors(full_parameters()), version)
+
+    def engines_changed(self, delivered: int) -> bool:
+        """An engine started, restarted or left. With catch-up, only when an engine that answers
+        holds another version: one that caught up holds `delivered` and needs no push (the group
+        takes it in at the next push). Version 0 is the trainer's to push: an engine that did not
+        catch up reports 0 too."""
+        assert self.sender is not None, "rank 0 decides"
+        if self.catch_up and delivered > 0:
+            return any(r.weight_version != str(delivered) for r in self.sender.live_engines())
+        return self.sender.engine_set_changed()

@@ -49,10 +49,10 @@ from relax_hpc import fence
 from relax_hpc.protocol.client import EngineRequestError, EngineUnavailable
 from relax_hpc.protocol.registry import EngineRecord
 from relax_hpc.weights.buckets import BucketPacker, BucketPlan, BufferRing, pack, plan_buckets, stream_buckets
-from relax_hpc.weights.channel import BroadcastChannel, ColocatedChannel, FullParameters
-from relax_hpc.weights.colocated import ColocatedSender
+from relax_hpc.weights.channel import FullParameters
+from relax_hpc.weights.colocated import ColocatedChannel, ColocatedSender
 from relax_hpc.weights.layout import EngineLayout, Spec
-from relax_hpc.weights.sender import WeightSender, WeightSyncError, engine_key
+from relax_hpc.weights.sender import BroadcastChannel, WeightSender, WeightSyncError, engine_key
 
 log = logging.getLogger("relax_hpc.weights")
 

@@ -63,9 +63,11 @@ from relax_hpc.protocol.client import EngineClient, EngineRequestError, EngineUn
 from relax_hpc.protocol.registry import EngineRecord, read_records
 from relax_hpc.weights import nccl_lib
 from relax_hpc.weights.buckets import DTYPES, BucketPlan, pack, plan_buckets
+from relax_hpc.weights.channel import FullParameters, PhaseTimer
 from relax_hpc.weights.delta import SparseDelta, diff, split
 from relax_hpc.weights.group import Abandoned, SideGroup
-from relax_hpc.weights.sender import WeightSyncError, _is_loopback, answering, engine_key, free_port
+from relax_hpc.weights.layout import EngineLayout
+from relax_hpc.weights.sender import WeightSyncError, answering, engine_key, free_port, is_loopback
 
 log = logging.getLogger("relax_hpc.weights")
 Named = tuple[str, torch.Tensor | None]
@@ -578,8 +580,8 @@ class VllmSender:
             return (SparseNcclTransport if backend == V.SPARSE_NCCL_TRANSFER else NcclTransport)(
                 self.device, self.timeout_s
             )
-        host = "127.0.0.1" if all(_is_loopback(r.host) for r in engines) else socket.getfqdn()
-        return GlooTransport(host, free_port(host if _is_loopback(host) else ""), self.timeout_s, self.delta)
+        host = "127.0.0.1" if all(is_loopback(r.host) for r in engines) else socket.getfqdn()
+        return GlooTransport(host, free_port(host if is_loopback(host) else ""), self.timeout_s, self.delta)
 
     def drop(self, resume: bool = True) -> None:
         """Leave the group; `resume`: let its engines generate again, woken whole if they sleep
@@ -622,3 +624,45 @@ def _failed(futures: list[Future[Any]]) -> bool:
 
 def _results(futures: list[Future[Any]]) -> list[Any]:
     return [f.result() for f in futures]
+
+
+class VllmChannel:
+    """Rank 0 pushes to vLLM engines through vLLM's weight-transfer API (relax_hpc.weights.
+    vllm_channel) in the HF checkpoint's layout, which vLLM's load_weights takes; every rank takes
+    part in the parameters' gathers. `sender` is None on the other ranks. Colocated
+    (VllmSender.colocated), rank 0 puts the engines to sleep before each step."""
+
+    def __init__(self, sender: VllmSender | None, layout: EngineLayout, bucket_bytes: int) -> None:
+        self.sender, self.layout = sender, layout
+        self.buckets: list[BucketPlan] = plan_buckets(layout.specs(), bucket_bytes)
+
+    def push(self, full_parameters: FullParameters, version: int) -> int:
+        params = iter(self.layout.tensors(full_parameters()))
+        try:
+            return 0 if self.sender is None else self.sender.push(params, self.buckets, version)
+        finally:
+            for _ in params:  # every rank gathers every parameter, also after a failure: keep the collectives matched
+                pass
+
+    def engines_changed(self, delivered: int) -> bool:
+        assert self.sender is not None, "rank 0 decides"
+        return self.sender.engine_set_changed()
+
+    def before_step(self, timer: PhaseTimer) -> None:
+        if self.sender is not None and self.sender.colocated:
+            with timer.phase("release"):  # the engines sleep through the step
+                self.sender.release()
+
+    def record(self, phases: dict[str, float], device: torch.device) -> dict[str, float]:
+        """Colocated, the time the engines took to sleep; with weights.delta, the last push's bytes
+        sent and the share of elements that changed."""
+        if self.sender is None:
+            return {}
+        out = {"time_release": phases.get("release", 0.0)} if self.sender.colocated else {}
+        last = self.sender.last
+        if self.sender.delta and last.elements:
+            out |= {
+                "weights_sent_mb": round(last.sent / 2**20, 3),
+                "weights_changed_share": last.changed / last.elements,
+            }
+        return out

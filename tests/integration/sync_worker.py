@@ -42,14 +42,14 @@ from relax_hpc.protocol.requests import GenerateReqInput
 from relax_hpc.trainer.backend import BackendConfig
 from relax_hpc.trainer.build import build_channel
 from relax_hpc.trainer.torch_backend import TorchBackend
-from relax_hpc.weights.adapters import AdapterPublisher
+from relax_hpc.weights.adapters import AdapterChannel, AdapterPublisher
 from relax_hpc.weights.buckets import plan_buckets
-from relax_hpc.weights.channel import AdapterChannel, BroadcastChannel, ColocatedChannel, WeightChannel
-from relax_hpc.weights.colocated import ColocatedSender
+from relax_hpc.weights.channel import WeightChannel
+from relax_hpc.weights.colocated import ColocatedChannel, ColocatedSender
 from relax_hpc.weights.files import FileChannel
 from relax_hpc.weights.layout import EngineLayout
 from relax_hpc.weights.lora import merge_all
-from relax_hpc.weights.sender import WeightSender, WeightSyncError
+from relax_hpc.weights.sender import BroadcastChannel, WeightSender, WeightSyncError
 from relax_hpc.weights.sharded import ShardedChannel, ShardedColocatedChannel, shares
 
 

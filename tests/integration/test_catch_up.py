@@ -17,9 +17,8 @@ from relax_hpc.protocol import requests as P
 from relax_hpc.protocol.client import EngineClient, EngineUnavailable
 from relax_hpc.protocol.registry import read_records
 from relax_hpc.weights.catchup import SNAPSHOT, SnapshotReq, catch_up, decode
-from relax_hpc.weights.channel import BroadcastChannel
 from relax_hpc.weights.layout import EngineLayout
-from relax_hpc.weights.sender import WeightSender
+from relax_hpc.weights.sender import BroadcastChannel, WeightSender
 from tests.integration.conftest import make_run
 
 pytestmark = pytest.mark.integration

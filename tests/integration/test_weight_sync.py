@@ -208,9 +208,8 @@ def test_an_engine_whose_weights_differ_is_held_out_until_a_push_matches(tmp_pat
     from relax_hpc.rollout.driver import Driver
     from relax_hpc.status import collect, render
     from relax_hpc.trainer.loop import log_event
-    from relax_hpc.weights.channel import BroadcastChannel
     from relax_hpc.weights.layout import EngineLayout
-    from relax_hpc.weights.sender import WeightSender
+    from relax_hpc.weights.sender import BroadcastChannel, WeightSender
     from relax_hpc.weights.verify import WeightCheck
 
     # The weights as loaded (engine-0's, read through its inspection route: no model to load here).

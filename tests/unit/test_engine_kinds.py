@@ -20,7 +20,8 @@ from relax_hpc.config.engines import ENGINE_KINDS
 from relax_hpc.launch.commands import engine_args
 from relax_hpc.paths import RunPaths
 from relax_hpc.trainer.build import build_backend, build_channel
-from relax_hpc.weights.channel import BroadcastChannel, VllmChannel
+from relax_hpc.weights.sender import BroadcastChannel
+from relax_hpc.weights.vllm_channel import VllmChannel
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "tiny-grpo.yaml"

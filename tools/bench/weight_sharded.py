@@ -36,9 +36,9 @@ from relax_hpc.paths import RunPaths
 from relax_hpc.protocol.client import EngineClient
 from relax_hpc.protocol.registry import read_records
 from relax_hpc.weights.buckets import plan_buckets
-from relax_hpc.weights.channel import BroadcastChannel, WeightChannel
+from relax_hpc.weights.channel import WeightChannel
 from relax_hpc.weights.layout import EngineLayout
-from relax_hpc.weights.sender import WeightSender
+from relax_hpc.weights.sender import BroadcastChannel, WeightSender
 from relax_hpc.weights.sharded import ShardedChannel
 
 sys.path.insert(0, str(Path(__file__).parent))

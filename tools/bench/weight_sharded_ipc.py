@@ -41,8 +41,7 @@ from relax_hpc.protocol.client import EngineClient
 from relax_hpc.protocol.registry import read_records
 from relax_hpc.weights.buckets import plan_buckets
 from relax_hpc.weights.catchup import SNAPSHOT, SnapshotReq, decode
-from relax_hpc.weights.channel import ColocatedChannel
-from relax_hpc.weights.colocated import ColocatedSender
+from relax_hpc.weights.colocated import ColocatedChannel, ColocatedSender
 from relax_hpc.weights.layout import EngineLayout
 from relax_hpc.weights.sharded import ShardedColocatedChannel, shares
 

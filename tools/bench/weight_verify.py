@@ -40,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from weight_sync import two_engines  # the full-sync benchmark's engines
 
 from relax_hpc.paths import RunPaths
-from relax_hpc.weights.channel import BroadcastChannel
 from relax_hpc.weights.layout import EngineLayout
+from relax_hpc.weights.sender import BroadcastChannel
 from relax_hpc.weights.verify import Probe, WeightCheck
 
 REPO = Path(__file__).resolve().parents[2]
