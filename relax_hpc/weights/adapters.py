@@ -35,7 +35,7 @@ from relax_hpc.protocol.client import EngineClient, EngineRequestError, EngineUn
 from relax_hpc.protocol.registry import EngineRecord, read_records
 from relax_hpc.protocol.requests import adapter_name
 from relax_hpc.weights.channel import FullParameters, QuietHooks
-from relax_hpc.weights.sender import answering, engine_key
+from relax_hpc.weights.sender import answering, same_engines
 
 log = logging.getLogger("relax_hpc.weights")
 
@@ -93,7 +93,7 @@ class AdapterPublisher:
         rollout.engine vllm, whose adapter routes are vLLM's)."""
         self.registry, self.folders, self.write = registry, folders, write
         self.api_key, self.timeout_s, self.client_class = api_key, timeout_s, client_class
-        self.members: list[tuple[str, str]] = []  # (engine id, instance) served by the last push
+        self.members: list[EngineRecord] = []  # the engines the last push served
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="adapters")
 
     def _client(self, record: EngineRecord) -> EngineClient:
@@ -105,7 +105,7 @@ class AdapterPublisher:
     def engine_set_changed(self) -> bool:
         """True when the engines that answer differ from those the last push served (a new or
         restarted engine serves the base model until it gets the current adapter)."""
-        return engine_key(self._live()) != self.members
+        return not same_engines(self._live(), self.members)
 
     def publish(self, version: int, adapter: Adapter) -> int:
         """Write version's folder (none for version 0: the base) and have every live engine load
@@ -116,7 +116,7 @@ class AdapterPublisher:
             folder = write_version(self.folders, version, lambda out: self.write(out, adapter))
         engines = self._live()
         served = list(self._pool.map(lambda r: self._serve(r, version, folder), engines))
-        self.members = engine_key([r for r, ok in zip(engines, served, strict=True) if ok])
+        self.members = [r for r, ok in zip(engines, served, strict=True) if ok]
         return len(self.members)
 
     def _serve(self, record: EngineRecord, version: int, folder: Path | None) -> bool:

@@ -66,12 +66,37 @@ def engine_key(records: list[EngineRecord]) -> list[tuple[str, str]]:
     return sorted((r.engine_id, r.instance) for r in records)
 
 
+def same_engines(some: list[EngineRecord], others: list[EngineRecord]) -> bool:
+    """Whether two lists hold the same engine processes, in any order."""
+    return engine_key(some) == engine_key(others)
+
+
 def answering(
     records: list[EngineRecord], pool: ThreadPoolExecutor, client: Callable[[EngineRecord], EngineClient]
 ) -> list[EngineRecord]:
     """The engines of `records` that answer /health (asked all at once)."""
     alive = list(pool.map(lambda r: client(r).healthy(), records))
     return [r for r, ok in zip(records, alive, strict=True) if ok]
+
+
+class TrustedRegistry:
+    """The registry a sender last found with every engine answering /health. While it stays the
+    same, a sender with a group takes its members as the engines without asking again: that spares
+    a round trip on every push, and a vLLM server busy with a step's requests may answer /health
+    late (every missed probe would form the group again). An engine that died since refuses the
+    push's first request instead."""
+
+    def __init__(self) -> None:
+        self.key: list[tuple[str, str]] | None = None
+
+    def trusts(self, records: list[EngineRecord]) -> bool:
+        return self.key is not None and engine_key(records) == self.key
+
+    def update(self, records: list[EngineRecord], answered: list[EngineRecord]) -> None:
+        self.key = engine_key(records) if len(answered) == len(records) else None
+
+    def forget(self) -> None:
+        self.key = None
 
 
 class MemberWatch:
@@ -133,7 +158,7 @@ class WeightSender:
         self._pipelines: list[RequestPipeline] = []  # one per member, during a push
         # The sharded channel's concurrent push: by group name, one more connection per member.
         self._lanes: dict[str, list[RequestPipeline]] = {}
-        self._trusted: list[tuple[str, str]] | None = None  # see engines_for_push()
+        self.trusted = TrustedRegistry()
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="weights")
         self._watch: MemberWatch | None = None
 
@@ -143,7 +168,7 @@ class WeightSender:
 
     def engine_set_changed(self) -> bool:
         """True when the engines that answer differ from the current group's members."""
-        return engine_key(self.live_engines()) != engine_key(self.members)
+        return not same_engines(self.live_engines(), self.members)
 
     def _client(self, record: EngineRecord) -> EngineClient:
         return EngineClient(record.url, self.api_key, self.timeout_s)
@@ -236,25 +261,20 @@ class WeightSender:
         if not engines:
             self.drop_group()
             return 0
-        if self.group is None or engine_key(engines) != engine_key(self.members):
+        if self.group is None or not same_engines(engines, self.members):
             self.form_group(engines)
         self.open_push()
         return len(self.members)
 
     def engines_for_push(self) -> list[EngineRecord]:
-        """The engines a push goes to: the group's members while the registry is the one they were
-        trusted from, else the registry's engines that answer /health.
-
-        A registry whose engines all answered /health is trusted as long as it stays the same,
-        which spares a round trip on every push: an engine that died since then refuses the
-        pipeline, and the push fails before any broadcast.
-        """
+        """The engines a push goes to: the group's members while the registry is trusted
+        (TrustedRegistry), else the registry's engines that answer /health."""
         fence.check("weight push")
         records = read_records(self.registry)
-        if self.group is not None and engine_key(records) == self._trusted:
+        if self.group is not None and self.trusted.trusts(records):
             return self.members
         engines = self.live_engines(records)
-        self._trusted = engine_key(records) if len(engines) == len(records) else None
+        self.trusted.update(records, engines)
         return engines
 
     def open_push(self) -> None:

@@ -52,7 +52,7 @@ from relax_hpc.weights.buckets import BucketPacker, BucketPlan, BufferRing, pack
 from relax_hpc.weights.channel import FullParameters
 from relax_hpc.weights.colocated import ColocatedChannel, ColocatedSender
 from relax_hpc.weights.layout import EngineLayout, Spec
-from relax_hpc.weights.sender import BroadcastChannel, WeightSender, WeightSyncError, engine_key
+from relax_hpc.weights.sender import BroadcastChannel, WeightSender, WeightSyncError, same_engines
 
 log = logging.getLogger("relax_hpc.weights")
 
@@ -200,7 +200,7 @@ class ShardedChannel(BroadcastChannel):
         decision: list[tuple[list[EngineRecord], bool] | None] = [None]
         if self.rank == 0:
             engines = self.sender.engines_for_push()
-            regroup = self.sender.group is None or engine_key(engines) != engine_key(self.sender.members)
+            regroup = self.sender.group is None or not same_engines(engines, self.sender.members)
             decision = [(engines, regroup)]
         dist.broadcast_object_list(decision, src=0)
         assert decision[0] is not None, "rank 0 decided"

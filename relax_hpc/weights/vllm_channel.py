@@ -67,7 +67,7 @@ from relax_hpc.weights.channel import FullParameters, PhaseTimer
 from relax_hpc.weights.delta import SparseDelta, diff, split
 from relax_hpc.weights.group import Abandoned, SideGroup
 from relax_hpc.weights.layout import EngineLayout
-from relax_hpc.weights.sender import WeightSyncError, answering, engine_key, free_port, is_loopback
+from relax_hpc.weights.sender import TrustedRegistry, WeightSyncError, answering, free_port, is_loopback, same_engines
 
 log = logging.getLogger("relax_hpc.weights")
 Named = tuple[str, torch.Tensor | None]
@@ -504,7 +504,7 @@ class VllmSender:
         self.asleep = False  # the group's engines sleep (released for a step, not yet pushed to)
         self.members: list[EngineRecord] = []
         self.channel: VllmTransfer | None = None
-        self._trusted: list[tuple[str, str]] | None = None  # see engine_set_changed
+        self.trusted = TrustedRegistry()
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="vllm-health")
 
     def live_engines(self, records: list[EngineRecord]) -> list[EngineRecord]:
@@ -512,25 +512,23 @@ class VllmSender:
         return answering(records, self._pool, client)
 
     def engine_set_changed(self) -> bool:
-        """Whether the engines that answer differ from the group's members. A registry whose
-        engines all answered when the group was formed is trusted while it stays the same: a
-        vLLM server busy with a step's requests may answer /health late, and every probe that
-        missed would form the group again (a dead engine fails the next push instead)."""
+        """Whether the engines that answer differ from the group's members (a trusted registry,
+        TrustedRegistry, is taken as unchanged)."""
         records = read_records(self.registry)
-        if self.channel is not None and engine_key(records) == self._trusted:
+        if self.channel is not None and self.trusted.trusts(records):
             return False
-        return engine_key(self.live_engines(records)) != engine_key(self.members)
+        return not same_engines(self.live_engines(records), self.members)
 
     def push(self, params: Iterator[Named], plans: list[BucketPlan], version: int) -> int:
         """The engines that answer take `version`; returns how many. Raises WeightSyncError when
         the transfer failed (the group is dropped first)."""
         try:
             records = read_records(self.registry)
-            if self.channel is None or engine_key(records) != self._trusted:
+            if self.channel is None or not self.trusted.trusts(records):
                 engines = self.live_engines(records)
-                if self.channel is None or engine_key(engines) != engine_key(self.members):
+                if self.channel is None or not same_engines(engines, self.members):
                     self._form(engines)
-                self._trusted = engine_key(records) if len(engines) == len(records) else None
+                self.trusted.update(records, engines)
             if self.channel is None:
                 return 0
             self.channel.push(params, version, self.pause, plans, asleep=self.asleep)
@@ -591,7 +589,8 @@ class VllmSender:
                 self.channel.resume()
                 self.asleep = False
             self.channel.close()
-        self.channel, self.members, self._trusted = None, [], None
+        self.channel, self.members = None, []
+        self.trusted.forget()
 
 
 def _start_update(client: EngineClient) -> None:
