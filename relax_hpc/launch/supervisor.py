@@ -37,7 +37,6 @@ from relax_hpc.launch.health import HealthMonitor
 from relax_hpc.launch.notify import Notifier
 from relax_hpc.launch.recover import LAUNCHER_STOP, recover
 from relax_hpc.launch.steps import PROCESS_WAIT_S, ROUND_S, JobStep, end_steps
-from relax_hpc.metrics.accounting import role_kind
 from relax_hpc.metrics.heartbeat import Beating
 from relax_hpc.metrics.jsonl import JsonlWriter, read_jsonl
 from relax_hpc.metrics.progress import Progress
@@ -52,7 +51,7 @@ LAUNCHER_BEAT_S = 5.0  # the launcher's heartbeat (status: a run whose heartbeat
 
 @dataclass(frozen=True)
 class RoleKind:
-    """How the supervisor treats the roles of one kind (a role is named KIND, or KIND-N)."""
+    """How the supervisor treats the roles of one kind (a role is named KIND or KIND-...)."""
 
     restarts: Callable[[JobConfig], int]  # a crashed process is restarted this often, then the run gives up
     engine: bool = False  # an HTTP engine: health-checked, counted as serving once registered and answering
@@ -71,6 +70,11 @@ ROLE_KINDS: dict[str, RoleKind] = {
     "teacher": RoleKind(lambda cfg: cfg.rollout.max_engine_restarts, engine=True),
     "metrics": RoleKind(lambda cfg: 3, helper=True),  # the metric sinks only copy the JSONL records
 }
+
+
+def kind_of(name: str) -> RoleKind:
+    """A role's entry: its name up to the first '-' (engine-3 and engine-eval-0 are engines)."""
+    return ROLE_KINDS[name.split("-", 1)[0]]
 
 
 @dataclass
@@ -96,7 +100,7 @@ class Role:
 
     @property
     def kind(self) -> RoleKind:
-        return ROLE_KINDS[role_kind(self.name)]
+        return kind_of(self.name)
 
     @property
     def nodes(self) -> list[str]:
@@ -338,7 +342,7 @@ class Supervisor:
                 name,
                 argv,
                 logs / f"{name}.log",
-                ROLE_KINDS[role_kind(name)].restarts(self.cfg),
+                kind_of(name).restarts(self.cfg),
                 step=JobStep(self.slurm_job, step_name(self.cfg, name), self.step_round_s) if self.slurm_job else None,
                 forks=self.forks,
             )
