@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import contextlib
 import errno
 import functools
 import json
@@ -31,7 +30,7 @@ import threading
 import time
 import uuid
 from collections import ChainMap
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -47,29 +46,20 @@ from relax_hpc import fence
 from relax_hpc.data.media import Kind, MediaError, MediaRef
 from relax_hpc.data.processor import Processed, ProcessorError, media_processor
 from relax_hpc.engines.sampling import Completion, SamplingSpec, input_logprobs, sample
+from relax_hpc.engines.torch_weights import EngineBusy, EngineWeights
 from relax_hpc.metrics.jsonl import JsonlWriter
 from relax_hpc.metrics.startup import StartupClock
 from relax_hpc.models.hf import EngineParameters, load_policy, torch_dtype
-from relax_hpc.models.lora import read_adapter_folder
 from relax_hpc.paths import RunPaths
 from relax_hpc.protocol import requests as P
 from relax_hpc.protocol import routes as R
 from relax_hpc.protocol.registry import EngineRecord, remove_record, write_record
-from relax_hpc.weights.buckets import BucketPlan
-from relax_hpc.weights.catchup import SNAPSHOT, CaughtUp, SnapshotReq, Stamp, catch_up, encode, plan_of
-from relax_hpc.weights.digests import checker_answer, engine_digests
-from relax_hpc.weights.files import DELTA_FORMAT, Loaded, load_folder
+from relax_hpc.weights.catchup import SNAPSHOT, SnapshotReq
 from relax_hpc.weights.group import SideGroup
 from relax_hpc.weights.lora import AdapterMerger
 from relax_hpc.weights.receiver import BucketReceiver
-from relax_hpc.weights.tensors import FLATTENED_BUCKET, PayloadError, deserialize
 
 log = logging.getLogger("relax_hpc.engine")
-MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")  # SGLang's (srt/constants.py)
-
-
-class EngineBusy(RuntimeError):
-    """The request cannot be served now (HTTP 503), e.g. while the weights are released."""
 
 
 @dataclass
@@ -134,7 +124,9 @@ def _media_of(req: P.GenerateReqInput, batched: bool, n: int) -> list[list[tuple
     return out
 
 
-class TorchEngine:
+class TorchEngine(EngineWeights):
+    """The request queue and the model; the weights' routes are EngineWeights'."""
+
     def __init__(self, model_path: str, dtype: str, device: str = "cpu", weights_timeout_s: float = 60.0) -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.device = torch.device(device)
@@ -168,11 +160,11 @@ class TorchEngine:
         self.adapter_folders: dict[str, Path] = {}
         self.adapters: dict[str, dict[str, torch.Tensor]] = {}
         self.serving: dict[str, torch.Tensor] | None = None
-        self._model_lock = threading.Lock()
-        self._cv = threading.Condition()
-        self._pending: list[_Job] = []
+        self.model_lock = threading.Lock()
+        self.queue = threading.Condition()
+        self.pending: list[_Job] = []
         self._paused = False
-        self._running: list[_Job] = []  # the batch being sampled (an abort stops it mid-way)
+        self.running: list[_Job] = []  # the batch being sampled (an abort stops it mid-way)
         self.sampled: Callable[[], None] = lambda: None  # after each batch (serve: the start-up record)
         threading.Thread(target=self._schedule_loop, name="scheduler", daemon=True).start()
 
@@ -204,10 +196,10 @@ class TorchEngine:
         routed_from = req.routed_experts_start_len if req.return_routed_experts else None
         job = _Job(prompts, list(specs), list(seeds), rids, logprob, inputs, req.return_prompt_token_ids, routed_from)
         job.input_from = self._input_from(job, per_item(req.logprob_start_len, -1))
-        with self._cv:
+        with self.queue:
             job.adapter = None if req.lora_path is None else self._adapter(req.lora_path)
-            self._pending.append(job)
-            self._cv.notify()
+            self.pending.append(job)
+            self.queue.notify()
         job.done.wait()
         outputs = [self._output(job, i) for i in range(n)]
         return outputs if batched else outputs[0]
@@ -288,13 +280,13 @@ class TorchEngine:
 
     def _schedule_loop(self) -> None:
         while True:
-            with self._cv:
-                self._cv.wait_for(lambda: self._pending and not self._paused)
-                adapter = self._pending[0].adapter  # a batch is sampled with one adapter
-                jobs = [j for j in self._pending if j.adapter is adapter]
-                self._pending = [j for j in self._pending if j.adapter is not adapter]
-                self._running = jobs
-            with self._model_lock:
+            with self.queue:
+                self.queue.wait_for(lambda: self.pending and not self._paused)
+                adapter = self.pending[0].adapter  # a batch is sampled with one adapter
+                jobs = [j for j in self.pending if j.adapter is adapter]
+                self.pending = [j for j in self.pending if j.adapter is not adapter]
+                self.running = jobs
+            with self.model_lock:
                 if adapter is not self.serving:
                     self.lora.apply(adapter)
                     self.serving = adapter
@@ -313,8 +305,8 @@ class TorchEngine:
                 )
                 self._score_inputs(jobs)  # under the same lock: the same weights as the sampling
                 version = self.weight_version
-            with self._cv:
-                self._running = []
+            with self.queue:
+                self.running = []
             start = 0
             for job in jobs:
                 job.completions = completions[start : start + len(job.prompts)]
@@ -340,292 +332,36 @@ class TorchEngine:
         """Waiting requests are answered at once with no tokens; running ones stop at their next
         decoding step with the tokens they have (both: finish_reason abort, as SGLang answers).
         rid matches a request's rid or is a prefix of it (SGLang's prefix rule)."""
-        with self._cv:
+        with self.queue:
             keep = []
-            for job in self._pending:
+            for job in self.pending:
                 if req.abort_all or any(r.startswith(req.rid or "\0") for r in job.rids):
                     job.aborted = True
                     job.done.set()
                 else:
                     keep.append(job)
-            self._pending = keep
-            for job in self._running:
+            self.pending = keep
+            for job in self.running:
                 if req.abort_all or any(r.startswith(req.rid or "\0") for r in job.rids):
                     job.aborted = True
 
     def pause(self, req: P.PauseGenerationReqInput) -> None:
-        with self._cv:
+        with self.queue:
             self._paused = True
         if req.mode == "abort":
             self.abort(P.AbortReq(abort_all=True))
         # The running batch (if any) finishes: taking the model lock waits for it.
-        with self._model_lock:
+        with self.model_lock:
             pass
 
     def resume(self) -> None:
-        with self._cv:
+        with self.queue:
             self._paused = False
-            self._cv.notify()
-
-    # -- LoRA adapters ----------------------------------------------------------------------------
-
-    def _adapter(self, name: str) -> dict[str, torch.Tensor]:
-        """Under the queue's lock: a request's adapter, loaded again from its folder if unloaded since."""
-        if name not in self.adapters:
-            if name not in self.adapter_folders:
-                raise P.ProtocolError(f"LoRA adapter {name!r} has never been loaded; loaded: {sorted(self.adapters)}")
-            self.adapters[name] = read_adapter_folder(self.adapter_folders[name])
-        return self.adapters[name]
-
-    def load_adapter(self, req: P.LoadLoRAAdapterReqInput) -> None:
-        folder = Path(req.lora_path)
-        try:
-            adapter = read_adapter_folder(folder)
-        except (OSError, KeyError, ValueError) as e:
-            raise P.ProtocolError(f"LoRA adapter {req.lora_name!r}: cannot read {folder}: {e}") from None
-        with self._cv:
-            if req.lora_name in self.adapters:
-                raise P.ProtocolError(f"Failed to load LoRA adapter {req.lora_name} because it is already loaded")
-            self.adapters[req.lora_name], self.adapter_folders[req.lora_name] = adapter, folder
-
-    def unload_adapter(self, req: P.UnloadLoRAAdapterReqInput) -> None:
-        """At once: the requests queued with the adapter hold its tensors until they are sampled."""
-        with self._cv:
-            if self.adapters.pop(req.lora_name, None) is None:
-                raise P.ProtocolError(f"LoRA with name {req.lora_name} does not exist; loaded: {sorted(self.adapters)}")
-
-    def update_version(self, req: P.UpdateWeightVersionReqInput) -> bool:
-        """Report `new_version` from now on: after an adapter load, or once every rank's buckets of
-        a sharded colocated push are in (the weights are then all of it). Returns True: it changed
-        the weight version."""
-        if req.abort_all_requests:
-            self.abort(P.AbortReq(abort_all=True))
-        with self._model_lock:  # between batches, as a pushed version
-            self._holds(req.new_version)
-        return True
-
-    # -- weights --------------------------------------------------------------------------------
-
-    def _writing(self) -> None:
-        """Under the model lock, before a write into the weights: a copy under way is stale, and
-        the weights are not one version until `_holds`."""
-        self.weights_epoch += 1
-        self.whole = False
-
-    def _holds(self, version: str) -> None:
-        """Under the model lock, once the weights are all of `version`."""
-        self.weight_version, self.whole = version, True
-
-    def weights_snapshot(self, req: SnapshotReq) -> bytearray:
-        """One bucket of the weights for an engine catching up (or, `inspect`, for a check of
-        them), stamped with the version and epoch it was read at (relax_hpc.weights.catchup)."""
-        if (self.adapter_folders or self.lora.adapter) and not req.inspect:
-            raise P.ProtocolError("catch-up copies whole weights; this engine serves LoRA adapters")
-        if req.bucket_bytes <= 0:
-            raise P.ProtocolError(f"bucket_bytes must be positive, got {req.bucket_bytes}")
-        plans = plan_of(self.params, req.bucket_bytes)
-        if not 0 <= req.bucket < len(plans):
-            raise P.ProtocolError(f"bucket {req.bucket}: the weights are {len(plans)} buckets")
-        with self._model_lock:  # the bucket is serialised under it: one version
-            if self.released or not self.whole:
-                raise EngineBusy("the weights are being updated or are released; ask again")
-            return encode(self.params, plans[req.bucket], Stamp(self.weight_version, self.weights_epoch, len(plans)))
-
-    def check_weights(self, req: P.CheckWeightsReqInput) -> dict[str, Any]:
-        """SGLang's /weights_checker, action checksum (relax_hpc.weights.verify): the digest
-        (relax_hpc.weights.digests.held_hash) of every tensor a push writes, as the engine holds
-        it (its parameters and the LoRA tensors received beside them; with adapter sync, the
-        adapter of the version it serves), read under the model lock at one version, which the
-        answer says with the hash."""
-        if req.action != "checksum":
-            raise P.ProtocolError(f"weights_checker action {req.action!r}: the built-in engine answers checksum only")
-        skip = req.skip_tensor_list or []
-        if self.adapter_folders:  # adapter sync: the adapter of the version (none for version 0, the base)
-            version = self.weight_version
-            name = P.adapter_name(int(version))
-            with self._cv:
-                tensors = dict(self._adapter(name)) if name is not None else {}
-        else:
-            with self._model_lock:
-                if self.released or not self.whole:
-                    raise EngineBusy("the weights are being updated or are released; ask again")
-                version = self.weight_version
-                tensors = {n: t for n, t in self.update_targets.items() if not any(s in n for s in skip)}
-                checksums, how = engine_digests(tensors)
-                return checker_answer(checksums, how, version)
-        checksums, how = engine_digests({n: t for n, t in tensors.items() if not any(s in n for s in skip)})
-        return checker_answer(checksums, how, version)
-
-    def catch_up(self, registry: Path, engine_id: str, api_key: str, bucket_bytes: int) -> tuple[CaughtUp | None, str]:
-        """At start, before the engine registers: copy the weights of the engine at the highest
-        version (what was copied, or None and why not; the engine then keeps its own)."""
-        done, staged, why = catch_up(registry, engine_id, api_key, self.params, bucket_bytes, self.weights_timeout_s)
-        if done is not None:
-            with self._model_lock, torch.no_grad():
-                self._writing()
-                Loaded(whole=staged).apply(self.params)
-                self._holds(done.version)
-        return done, why
+            self.queue.notify()
 
     def model_info(self) -> dict[str, Any]:
         info = {"model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True}
         return {**info, "weight_version": self.weight_version}
-
-    def init_group(self, req: P.InitWeightsUpdateGroupReqInput) -> None:
-        old = self.groups.pop(req.group_name, None)
-        if old is not None:
-            old.close()
-        self.groups[req.group_name] = SideGroup(
-            req.master_address,
-            req.master_port,
-            req.rank_offset,
-            req.world_size,
-            req.group_name,
-            req.backend,
-            self.weights_timeout_s,
-        )
-
-    def destroy_group(self, req: P.DestroyWeightsUpdateGroupReqInput) -> None:
-        """An update still waiting in this group's broadcast gives up (the trainer abandoned the
-        push: a member failed), releasing the model; the group is let go off this thread."""
-        group = self.groups.pop(req.group_name, None)
-        self.receivers.pop(req.group_name, None)
-        if group is not None:
-            group.cancel()
-            group.close_soon()
-
-    def weights_by_name(self, req: P.GetWeightsByNameReqInput) -> list[Any] | float:
-        if req.name not in self.params:
-            raise P.ProtocolError(f"no parameter named {req.name!r}")
-        with self._model_lock:
-            param = self.params[req.name].detach()
-            return param[: req.truncate_size].tolist() if param.dim() else param.item()
-
-    def update_from_tensor(self, req: P.UpdateWeightsFromTensorReqInput) -> bool:
-        """Copy tensors mapped from the trainer's memory into the parameters (this engine's
-        tensor-parallel rank 0 payload). Returns whether it changed the weight version."""
-        if not self.updating:
-            raise P.ProtocolError(
-                "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
-            )
-        if req.load_format not in (None, "direct", FLATTENED_BUCKET):
-            raise P.ProtocolError(
-                f"load_format {req.load_format!r}: the torch engine takes None, direct or {FLATTENED_BUCKET}"
-            )
-        try:
-            named = deserialize(req.serialized_named_tensors[0], req.load_format)
-        except PayloadError as e:
-            raise P.ProtocolError(str(e)) from None
-        unknown = [name for name, _ in named if name not in self.params]
-        if unknown:
-            raise P.ProtocolError(f"unknown parameter names {unknown[:5]}")
-        with self._model_lock, torch.no_grad():
-            self._writing()
-            torch._foreach_copy_([self.params[n] for n, _ in named], [t.to(self.device) for _, t in named])
-            if self.device.type == "cuda":  # the answer says the bytes are copied: the sender reuses the buffer
-                torch.cuda.current_stream(self.device).synchronize()
-            if req.weight_version is None:
-                return False
-            self._holds(req.weight_version)
-            return True
-
-    def update_from_disk(self, req: P.UpdateWeightFromDiskReqInput) -> bool:
-        """Load a version's folder (weights.channel file): whole, or a delta of the version held
-        (load_format relax_delta), read and checked in full before any weight changes, then
-        copied in between batches. Returns whether it changed the weight version."""
-        if req.load_format not in (None, "safetensors", DELTA_FORMAT):
-            raise P.ProtocolError(
-                f"load_format {req.load_format!r}: the torch engine takes None, safetensors or {DELTA_FORMAT}"
-            )
-        if self.lora.adapter or self.released:
-            raise P.ProtocolError("update_weights_from_disk loads whole weights: not with LoRA or released memory")
-        if req.abort_all_requests:
-            self.abort(P.AbortReq(abort_all=True))
-        folder = Path(req.model_path)
-        if not folder.is_dir():
-            raise P.ProtocolError(f"no folder {folder}")
-        with self._model_lock, torch.no_grad():  # between batches: a completion never mixes two versions
-            loaded = load_folder(folder, self.params, req.load_format == DELTA_FORMAT, self.weight_version)
-            self._writing()
-            loaded.apply(self.params)
-            if req.weight_version is None:
-                return False
-            self._holds(req.weight_version)
-            return True
-
-    def release_memory(self, req: P.ReleaseMemoryOccupationReqInput) -> None:
-        """Free the weights' memory while the trainer trains on the same device (colocation): the
-        engine must be idle; a released engine refuses /generate until resumed and updated."""
-        tags = set(req.tags or MEMORY_TAGS)
-        if unknown := tags - set(MEMORY_TAGS):
-            raise P.ProtocolError(f"unknown memory tags {sorted(unknown)}; SGLang's are {list(MEMORY_TAGS)}")
-        with self._cv:
-            if self._pending or self._running:
-                raise P.ProtocolError("release_memory_occupation needs an idle engine: pause generation first")
-        with self._model_lock:
-            if "weights" in tags and not self.released:
-                self.released = {name: (p.shape, p.dtype) for name, p in self.params.items()}
-                for p in self.params.values():
-                    p.data = torch.empty(0, dtype=p.dtype, device=self.device)
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-
-    def resume_memory(self, req: P.ResumeMemoryOccupationReqInput) -> None:
-        """Allocate the released weights again (no values: the next update fills them)."""
-        tags = set(req.tags or MEMORY_TAGS)
-        with self._model_lock:
-            if "weights" in tags and self.released:
-                self._writing()  # no values until the next update
-                for name, (shape, dtype) in self.released.items():
-                    self.params[name].data = torch.empty(shape, dtype=dtype, device=self.device)
-                self.released = {}
-
-    def begin_update(self, req: P.BeginWeightUpdateReqInput) -> None:
-        if req.selector == "draft":
-            raise P.ProtocolError("selector 'draft': the torch engine has no draft model")
-        self.updating = True
-
-    def end_update(self) -> None:
-        with self._model_lock:
-            for receiver in list(self.receivers.values()):
-                receiver.settle(wait=False)
-        self.updating = False
-
-    @contextlib.contextmanager
-    def _write_guard(self) -> Iterator[None]:
-        """Around a copy into the weights: between generation batches, the weights marked written."""
-        with self._model_lock:
-            self._writing()
-            yield
-
-    def update_from_distributed(self, req: P.UpdateWeightsFromDistributedReqInput) -> bool:
-        """Receive one bucket into the parameters. Returns whether it changed the weight version."""
-        if not self.updating:
-            raise P.ProtocolError("call /begin_weight_update before /update_weights_from_distributed")
-        group = self.groups.get(req.group_name)
-        if group is None:
-            raise P.ProtocolError(f"no weight update group named {req.group_name!r}; call /init_weights_update_group")
-        if req.abort_all_requests:
-            self.abort(P.AbortReq(abort_all=True))
-        plan = BucketPlan(req.names, req.dtypes, req.shapes)
-        self.lora.slots(req.names, req.dtypes, req.shapes)
-        # One receiver (buffers, copy stream) per group: the sharded channel's ranks send at once.
-        receiver = self.receivers.setdefault(req.group_name, BucketReceiver(self.update_targets, self.device))
-        # Checked now, raised once received (see BucketReceiver.receive).
-        unknown = receiver.unknown_names(plan)
-        flattened = req.load_format == "flattened_bucket"
-        receiver.receive(group, plan, flattened=flattened, copy=not unknown, guard=self._write_guard)
-        if unknown:
-            raise P.ProtocolError(f"unknown parameter names {unknown[:5]}")
-        if req.weight_version is None:
-            return False
-        with self._model_lock:  # between batches: a completion never mixes two versions
-            for each in list(self.receivers.values()):  # the engine reports the new version only once it holds it
-                each.settle(wait=True)
-            if self.lora.adapter:
-                self.lora.merge()
-            self._holds(req.weight_version)
-            return True
 
 
 class _Handler(BaseHTTPRequestHandler):
