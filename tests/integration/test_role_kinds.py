@@ -27,7 +27,10 @@ def run_with_a_failing_role(tmp_path: Path, kind: RoleKind, monkeypatch: pytest.
     end = f"JsonlWriter(RunPaths(Path({str(paths.root)!r})).train_metrics).log({{'event': 'end', 'completed': True}})"
     trainer = "import time; from pathlib import Path; from relax_hpc.paths import RunPaths; "
     trainer += "from relax_hpc.metrics.jsonl import JsonlWriter; "
-    trainer += f"time.sleep(4); {end}"
+    # It ends once the fake role's fate is recorded (an order of events, not a time), at most in 60 s.
+    events, fate = str(paths.events_metrics), ('"abandon"', '"give_up"')
+    trainer += f"deadline = time.time() + 60\nwhile time.time() < deadline and not any(f in open({events!r}).read() "
+    trainer += f"for f in {fate!r}): time.sleep(0.1)\n{end}"
     commands = {"trainer": [sys.executable, "-c", trainer], "fake-0": [sys.executable, "-c", "raise SystemExit(3)"]}
     code = Supervisor(cfg, paths, lambda: commands, out=io.StringIO()).run()
     return code, [e for e in read_jsonl(paths.events_metrics) if e.get("role") == "fake-0"]
