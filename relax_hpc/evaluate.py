@@ -217,7 +217,7 @@ class EvalJob:
         for first in range(0, len(rows), PROGRESS_PROMPTS):
             chunk = list(range(first, min(first + PROGRESS_PROMPTS, len(rows))))
             indices = [i for i in chunk for _ in range(k)]
-            seeds = [sample_seed(cfg.run.seed, i, j) for i in chunk for j in range(k)]
+            seeds = [sample_seed(cfg.run.seed, i, 0) + j for i in chunk for j in range(k)]  # a group's seeds (plan.py)
             try:  # together: the engines get the greedy and the sampled calls in the same batches
                 chunk_greedy, flat = await asyncio.gather(
                     rounds.evaluation_rewards(chunk, [0] * len(chunk), greedy_sampling),

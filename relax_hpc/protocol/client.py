@@ -154,19 +154,31 @@ class EngineClient:
         finally:
             connection.close()
 
+    def prefix_cache(self) -> tuple[float, float] | None:
+        """The engine's prefix-cache counters so far, (tokens hit, tokens queried); None where
+        the engine reports none (the built-in engine's, SGLang's without --enable-metrics)."""
+        return None
+
     def post(self, route: str, request: object, timeout_s: float | None = None) -> Any:
         return self.call("POST", route, P.to_json(request), timeout_s)
 
     def fetch(self, route: str, request: object) -> bytearray:
         """POST `request` and return the answer's body as sent (a binary answer, not JSON)."""
+        return self._raw("POST", route, P.to_json(request))
+
+    def text(self, route: str) -> str:
+        """GET `route`'s answer as text (not JSON: a Prometheus exposition)."""
+        return self._raw("GET", route).decode(errors="replace")
+
+    def _raw(self, method: str, route: str, body: Any = None) -> bytearray:
         connection = _Connection(self.url, self.api_key, self.timeout_s)
         try:
-            connection.send("POST", route, P.to_json(request))
-            status, body = connection.raw_answer(route)
+            connection.send(method, route, body)
+            status, answer = connection.raw_answer(route)
         finally:
             connection.close()
-        check_status(f"{self.url}{route}", status, body)
-        return body
+        check_status(f"{self.url}{route}", status, answer)
+        return answer
 
     def healthy(self, timeout_s: float = 2.0) -> bool:
         try:

@@ -29,9 +29,14 @@ which imports them from .venv-vllm):
 
 `VllmClient` is the driver's adapter: an EngineClient whose `generate` takes the SGLang-style
 batch the driver builds (relax_hpc.protocol.requests.GenerateReqInput), sends one token-in,
-token-out request per prompt, all at once (vLLM batches concurrent requests itself), and answers
+token-out request per group, all at once (vLLM batches concurrent requests itself), and answers
 in SGLang's shape, with each token's version in `meta_info.token_versions`, and a scoring
-request's (`logprob_start_len`) in SGLang's `input_token_logprobs`. It imports no vLLM.
+request's (`logprob_start_len`) in SGLang's `input_token_logprobs`. A group is a run of
+consecutive prompts alike in all but their seeds, which run on from the first (s, s + 1, ...:
+relax_hpc.rollout.plan): one request with `n` samples and seed s, for which vLLM seeds sample i
+with s + i (vllm/v1/engine/parallel_sampling.py), samples what the prompts sent one by one would.
+vLLM reads the prompt once for the group and batches its samples. The prefix cache's counters
+come from the server's Prometheus /metrics. It imports no vLLM.
 """
 
 from __future__ import annotations
@@ -65,6 +70,8 @@ COLLECTIVE_RPC = "/collective_rpc"
 UPDATE_WEIGHT_VERSION = "/update_weight_version"
 LOAD_LORA_ADAPTER = "/v1/load_lora_adapter"  # served with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1
 UNLOAD_LORA_ADAPTER = "/v1/unload_lora_adapter"
+METRICS = "/metrics"  # Prometheus text; the prefix cache's counters, in tokens:
+PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
 
 PauseMode = Literal["abort", "wait", "keep"]
 # Set by the engine wrapper in the server's environment: each vLLM process then dies with its parent.
@@ -101,6 +108,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     prompt_logprobs: int | None = None  # 0: each prompt token's own log-probability (scoring)
+    n: int = 1  # samples of the prompt, seeded seed, seed + 1, ... (at most the server's max_num_seqs)
 
 
 @dataclass
@@ -143,11 +151,16 @@ class Completion:
 
 
 def generate_request(
-    request_id: str, input_ids: list[int], sampling: dict[str, Any], seed: int | None, adapter: str | None = None
+    request_id: str,
+    input_ids: list[int],
+    sampling: dict[str, Any],
+    seed: int | None,
+    adapter: str | None = None,
+    n: int = 1,
 ) -> GenerateRequest:
-    """The request for one call, from the driver's SGLang-style sampling settings
-    (max_new_tokens, temperature, top_p, top_k: relax_hpc.rollout.rounds.sampling_params; an
-    environment may add stop_token_ids and ignore_eos)."""
+    """The request for `n` samples of one prompt, from the driver's SGLang-style sampling
+    settings (max_new_tokens, temperature, top_p, top_k: relax_hpc.rollout.rounds.sampling_params;
+    an environment may add stop_token_ids and ignore_eos)."""
     top_k = int(sampling.get("top_k", -1))
     params = SamplingParams(
         max_tokens=int(sampling["max_new_tokens"]),
@@ -157,6 +170,7 @@ def generate_request(
         seed=seed,
         stop_token_ids=[int(t) for t in sampling.get("stop_token_ids") or []],
         ignore_eos=bool(sampling.get("ignore_eos", False)),
+        n=n,
     )
     return GenerateRequest(request_id, list(input_ids), params, model=adapter)
 
@@ -189,12 +203,22 @@ def generate_body(request: GenerateRequest) -> dict[str, Any]:
 
 
 def parse_completion(answer: dict[str, Any]) -> Completion:
-    """The first choice of a /inference/v1/generate answer; raises ValueError naming what is
-    missing (an answer without log-probabilities or versions cannot be trained on)."""
-    choices = answer.get("choices") or []
-    if len(choices) != 1:
-        raise ValueError(f"vLLM answered {len(choices)} choices, expected 1")
-    choice = choices[0]
+    """The one choice of a /inference/v1/generate answer (see parse_completions)."""
+    (completion,) = parse_completions(answer, 1)
+    return completion
+
+
+def parse_completions(answer: dict[str, Any], n: int) -> list[Completion]:
+    """The `n` choices of a /inference/v1/generate answer, in the order of their `index` (sample
+    i of the request, seeded seed + i); raises ValueError naming what is missing (an answer
+    without log-probabilities or versions cannot be trained on)."""
+    choices = sorted(answer.get("choices") or [], key=lambda c: int(c.get("index", 0)))
+    if [int(c.get("index", 0)) for c in choices] != list(range(n)):
+        raise ValueError(f"vLLM answered {len(choices)} choices, expected {n}")
+    return [_completion(choice) for choice in choices]
+
+
+def _completion(choice: dict[str, Any]) -> Completion:
     ids = list(choice.get("token_ids") or [])
     content = (choice.get("logprobs") or {}).get("content") or []
     logprobs = [float(entry["logprob"]) for entry in content]
@@ -260,6 +284,38 @@ def _is_set(value: Any) -> bool:
     return value is not None and value is not False
 
 
+def sample_groups(prompts: list[list[int]], params: list[dict[str, Any]]) -> list[tuple[int, int]]:
+    """(first index, n) of each group: a run of consecutive prompts with the same ids and sampling
+    whose seeds run on from the first's (a lone prompt, or one without a seed, is a group of 1)."""
+    groups: list[tuple[int, int]] = []
+    for i in range(len(prompts)):
+        if groups and _continues(groups[-1], i, prompts, params):
+            first, n = groups[-1]
+            groups[-1] = (first, n + 1)
+        else:
+            groups.append((i, 1))
+    return groups
+
+
+def _continues(group: tuple[int, int], i: int, prompts: list[list[int]], params: list[dict[str, Any]]) -> bool:
+    first, n = group
+    a, b = params[first], params[i]
+    seed, other = a.get("sampling_seed"), b.get("sampling_seed")
+    same = {k: v for k, v in a.items() if k != "sampling_seed"} == {k: v for k, v in b.items() if k != "sampling_seed"}
+    return same and prompts[i] == prompts[first] and seed is not None and other == int(seed) + n
+
+
+def prometheus_counters(text: str, names: tuple[str, ...]) -> dict[str, float]:
+    """Each named counter's value in a Prometheus text exposition, summed over its label sets
+    (0 where absent)."""
+    out = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in out:
+            out[name] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
 class VllmClient(EngineClient):
     """An EngineClient for a vLLM server: the version from /weight_info, SGLang-style /generate
     batches as concurrent /inference/v1/generate requests (see the module docstring)."""
@@ -277,19 +333,26 @@ class VllmClient(EngineClient):
             starts = request.logprob_start_len
             starts = starts if isinstance(starts, list) else [starts] * len(prompts)
             futures = [_SENDERS.submit(self._score, ids, int(s)) for ids, s in zip(prompts, starts, strict=True)]
+            answers = [f.result() for f in futures]
         else:
             sampling = request.sampling_params or {}
             params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
             adapter = request.lora_path
-            futures = [_SENDERS.submit(self._one, ids, s, adapter) for ids, s in zip(prompts, params, strict=True)]
-        answers = [f.result() for f in futures]
+            groups = sample_groups(prompts, params)
+            sent = [_SENDERS.submit(self._group, prompts[i], params[i], n, adapter) for i, n in groups]
+            answers = [a for f in sent for a in f.result()]
         return answers if batch else answers[0]
 
-    def _one(self, ids: list[int], sampling: dict[str, Any], adapter: str | None) -> dict[str, Any]:
+    def _group(self, ids: list[int], sampling: dict[str, Any], n: int, adapter: str | None) -> list[dict[str, Any]]:
         seed = sampling.get("sampling_seed")
-        request = generate_request(uuid.uuid4().hex, ids, sampling, None if seed is None else int(seed), adapter)
+        request = generate_request(uuid.uuid4().hex, ids, sampling, None if seed is None else int(seed), adapter, n)
         # Routed experts come with every answer of a server started to return them (routing replay).
-        return sglang_answer(parse_completion(self.call("POST", GENERATE, generate_body(request))))
+        return [sglang_answer(c) for c in parse_completions(self.call("POST", GENERATE, generate_body(request)), n)]
+
+    def prefix_cache(self) -> tuple[float, float]:
+        """The server's prefix-cache counters so far: (tokens hit, tokens queried)."""
+        counters = prometheus_counters(self.text(METRICS), (PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES))
+        return counters[PREFIX_CACHE_HITS], counters[PREFIX_CACHE_QUERIES]
 
     def _score(self, ids: list[int], start: int) -> dict[str, Any]:
         answer = self.call("POST", GENERATE, generate_body(scoring_request(uuid.uuid4().hex, ids)))

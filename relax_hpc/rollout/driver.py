@@ -44,7 +44,7 @@ from relax_hpc.protocol.client import EngineRequestError, EngineUnavailable
 from relax_hpc.protocol.vllm import client_class
 from relax_hpc.rewards import RewardError, make_scorer
 from relax_hpc.rewards.judge import JudgeReward
-from relax_hpc.rollout.engine_policy import EnginePolicy, EnginePool, Stopping
+from relax_hpc.rollout.engine_policy import EnginePolicy, EnginePool, Stopping, hit_rate
 from relax_hpc.rollout.plan import to_sample_batch
 from relax_hpc.rollout.rounds import Rounds
 from relax_hpc.rollout.teacher import TeacherError, TeacherScorer
@@ -130,13 +130,16 @@ class Driver:
 
     async def generate_batch(self, seq: int) -> tuple[SampleBatch, dict]:
         self.policy.min_version = seq - self.ro.max_staleness
+        cache_before = await asyncio.to_thread(self.pool.prefix_cache)
         selection = await self.rounds.plan.select(lambda round_: self.rounds.sample_round(seq, round_))
+        cached = hit_rate(cache_before, await asyncio.to_thread(self.pool.prefix_cache))
         stats = {
             "reward_sampled": selection.sampled_reward,
             "sampling_rounds": selection.rounds,
             "groups_dropped": selection.dropped,
             "groups_topped_up": selection.topped_up,
             **self.rounds.take_stats(),
+            **({} if cached is None else {"prefix_cache_hit_rate": round(cached, 4)}),
         }
         batch = to_sample_batch(seq, selection.groups)
         if self.teacher is not None:  # the selected groups only: dropped ones are never trained

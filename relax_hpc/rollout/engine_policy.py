@@ -1,7 +1,8 @@
 """The policy as the rollout engines serve it: batches of generate calls over HTTP.
 
 A batch of calls is split across the engines that hold an eligible policy version (at least
-`min_version`), one /generate request each, the least loaded first. A request whose engine dies
+`min_version`), one /generate request each, a group's calls and a session's to one engine
+(relax_hpc.rollout.routing). A request whose engine dies
 or times out is re-issued to another one; an answer from an older version, or aborted, is
 re-issued too, unless partial rollout is on: then an aborted answer (the engines abort what is in
 flight when new weights arrive) keeps the tokens it has and continues from them on an engine with
@@ -20,7 +21,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import logging
-import math
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +40,7 @@ from relax_hpc.protocol.client import EngineClient, EngineRequestError, EngineUn
 from relax_hpc.protocol.registry import EngineRecord, read_quarantine, read_records
 from relax_hpc.protocol.requests import adapter_name
 from relax_hpc.protocol.vllm import client_class
+from relax_hpc.rollout.routing import Affinity, assign
 
 log = logging.getLogger("relax_hpc.driver")
 
@@ -98,6 +99,29 @@ class EnginePool:
     def mark_down(self, engine: Engine) -> None:
         self.engines = [e for e in self.engines if e.record.instance != engine.record.instance]
 
+    def prefix_cache(self) -> dict[str, tuple[float, float]]:
+        """Each engine's prefix-cache counters so far, (tokens hit, tokens queried), by instance,
+        for the engines that report them (vLLM's)."""
+        counters = {}
+        for e in self.engines:
+            try:
+                reported = e.client.prefix_cache()
+            except (EngineUnavailable, EngineRequestError):
+                continue
+            if reported is not None:
+                counters[e.record.instance] = reported
+        return counters
+
+
+def hit_rate(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> float | None:
+    """The share of prompt tokens the engines found in their prefix caches between two readings
+    of EnginePool.prefix_cache (engines in both only); None where nothing was queried."""
+    hits = queries = 0.0
+    for instance in before.keys() & after.keys():
+        hits += after[instance][0] - before[instance][0]
+        queries += after[instance][1] - before[instance][1]
+    return hits / queries if queries > 0 else None
+
 
 @dataclass
 class _Progress:
@@ -127,7 +151,7 @@ class _Progress:
             "max_new_tokens": self.budget,
             "sampling_seed": int.from_bytes(digest, "little") >> 2,
         }
-        return GenerateCall(self.call.token_ids + self.tokens, sampling, self.call.media)
+        return GenerateCall(self.call.token_ids + self.tokens, sampling, self.call.media, self.call.session)
 
 
 def token_versions(output: dict) -> list[int]:
@@ -160,6 +184,7 @@ class EnginePolicy:
         self.continued = 0  # partial rollout: answers continued after an abort
         self.threads = ThreadPoolExecutor(max_workers=16, thread_name_prefix="generate")
         self._load: dict[str, int] = {}  # requests in flight per engine instance
+        self.affinity = Affinity()  # which engine holds each episode's session
 
     def load(self) -> dict[str, int]:
         """Requests in flight per engine id (the driver's heartbeat carries it)."""
@@ -174,20 +199,22 @@ class EnginePolicy:
         return [self._sampled(p) for p in progress]
 
     def _round(self, progress: list[_Progress], todo: list[int]) -> list[int]:
-        """Send the unfinished calls, split across the eligible engines; returns those still
-        unfinished (aborted under partial rollout)."""
-        engines = self._wait_for_engines()
-        per_chunk = math.ceil(len(todo) / len(engines))
-        chunks = [todo[k : k + per_chunk] for k in range(0, len(todo), per_chunk)]
-        futures = [
-            self.threads.submit(self._run_chunk, [progress[i].continuation() for i in chunk]) for chunk in chunks
-        ]
+        """Send the unfinished calls, a group's to one engine (relax_hpc.rollout.routing); returns
+        those still unfinished (aborted under partial rollout)."""
+        engines = sorted(self._wait_for_engines(), key=lambda e: self._load.get(e.record.instance, 0))
+        by_instance = {e.record.instance: e for e in engines}
+        calls = [progress[i].continuation() for i in todo]
+        work = assign(calls, list(by_instance), self.affinity)
+        futures = {
+            instance: self.threads.submit(self._run_chunk, by_instance[instance], [calls[k] for k in chunk])
+            for instance, chunk in work.items()
+        }
         unfinished = []
-        for chunk, future in zip(chunks, futures, strict=True):
-            for i, output in zip(chunk, future.result(), strict=True):
-                if not self._absorb(progress[i], output):
-                    unfinished.append(i)
-        return unfinished
+        for instance, chunk in work.items():
+            for k, output in zip(chunk, futures[instance].result(), strict=True):
+                if not self._absorb(progress[todo[k]], output):
+                    unfinished.append(todo[k])
+        return sorted(unfinished)
 
     def _wait_for_engines(self) -> list[Any]:
         wait = 0.1
@@ -220,39 +247,46 @@ class EnginePolicy:
             return_routed_experts=self.routing,
         )
 
-    def _run_chunk(self, calls: list[GenerateCall]) -> list[dict]:
-        """One request on some eligible engine, re-issued until an engine answers it."""
+    def _run_chunk(self, engine: Engine, calls: list[GenerateCall]) -> list[dict]:
+        """One request on `engine`, re-issued to the least loaded eligible engine until one answers
+        it; that one holds the calls' sessions from then on."""
         request = self._request(calls)
-        while True:
-            engine = min(self._wait_for_engines(), key=lambda e: self._load.get(e.record.instance, 0))
-            self._load[engine.record.instance] = self._load.get(engine.record.instance, 0) + 1
-            if self.adapters:
-                request.lora_path = adapter_name(engine.version)
-            try:
-                outputs: list[dict] = engine.client.generate(request)
-            except EngineUnavailable as e:
-                log.warning("engine %s failed (%s); re-issuing %d prompts", engine.record.engine_id, e, len(calls))
-                self.pool.mark_down(engine)
-                self.reissued += len(calls)
-                continue
-            finally:
-                self._load[engine.record.instance] -= 1
-            self.pool.refresh()
-            if self.pool.held_out(engine.record):  # sampled with weights other than the trainer's
-                log.warning("engine %s is out of service (its weights differ); re-issuing", engine.record.engine_id)
-                self.pool.mark_down(engine)
-                self.reissued += len(calls)
-                continue
-            if self.adapters:  # the answer is the named adapter's, whatever the engine loaded since
-                for o in outputs:  # (vLLM's per-token versions follow the base weights' version)
-                    o["meta_info"]["weight_version"] = str(engine.version)
-                    o["meta_info"].pop("token_versions", None)
-            old = any(v < self.min_version for o in outputs for v in token_versions(o))
-            aborted = any(o["meta_info"]["finish_reason"]["type"] == "abort" for o in outputs)
-            if not old and (self.partial or not aborted):
-                return outputs
-            log.warning("engine %s answered from an older version or aborted; re-issuing", engine.record.engine_id)
+        while (outputs := self._ask(engine, request, len(calls))) is None:
             self.reissued += len(calls)
+            engine = min(self._wait_for_engines(), key=lambda e: self._load.get(e.record.instance, 0))
+        self.affinity.hold([c.session for c in calls], engine.record.instance)
+        return outputs
+
+    def _ask(self, engine: Engine, request: P.GenerateReqInput, count: int) -> list[dict] | None:
+        """The engine's answers to `request`, or None where they must be asked elsewhere (the
+        engine failed, is out of service, or answered from an older version or, without partial
+        rollout, aborted)."""
+        self._load[engine.record.instance] = self._load.get(engine.record.instance, 0) + 1
+        if self.adapters:
+            request.lora_path = adapter_name(engine.version)
+        try:
+            outputs: list[dict] = engine.client.generate(request)
+        except EngineUnavailable as e:
+            log.warning("engine %s failed (%s); re-issuing %d prompts", engine.record.engine_id, e, count)
+            self.pool.mark_down(engine)
+            return None
+        finally:
+            self._load[engine.record.instance] -= 1
+        self.pool.refresh()
+        if self.pool.held_out(engine.record):  # sampled with weights other than the trainer's
+            log.warning("engine %s is out of service (its weights differ); re-issuing", engine.record.engine_id)
+            self.pool.mark_down(engine)
+            return None
+        if self.adapters:  # the answer is the named adapter's, whatever the engine loaded since
+            for o in outputs:  # (vLLM's per-token versions follow the base weights' version)
+                o["meta_info"]["weight_version"] = str(engine.version)
+                o["meta_info"].pop("token_versions", None)
+        old = any(v < self.min_version for o in outputs for v in token_versions(o))
+        aborted = any(o["meta_info"]["finish_reason"]["type"] == "abort" for o in outputs)
+        if not old and (self.partial or not aborted):
+            return outputs
+        log.warning("engine %s answered from an older version or aborted; re-issuing", engine.record.engine_id)
+        return None
 
     def _absorb(self, p: _Progress, output: dict) -> bool:
         """Add an answer's tokens to the call; False if the call must continue (aborted)."""

@@ -5,7 +5,10 @@ algo.dynamic_sampling, algo.overlong; relax_hpc.algos.shaping has the formulas).
 Shared by the rollout driver and the single-process loop (relax_hpc.inprocess), so that both build
 batches the same way. Round r of batch `seq` is fully determined by (run seed, seq, r): round 0 is
 the batch's own prompts, later rounds draw from a second prompt order, every sample's seed derives
-from (run seed, seq, its index), and a restart regenerates exactly the same batch.
+from (run seed, seq, its group's index), and a restart regenerates exactly the same batch. A
+group's samples have consecutive seeds (s, s + 1, ...): what vLLM gives the completions of one
+request with n = group_size and seed s (vllm/v1/engine/parallel_sampling.py), so a group sent as
+one request samples what its samples sent one by one would.
 """
 
 from __future__ import annotations
@@ -69,14 +72,15 @@ class BatchPlan:
     def group_id(self, seq: int, round_: int, j: int) -> int:
         return (seq * self.rounds + round_) * self.cfg.rollout.prompts_per_step + j
 
-    def sample_index(self, round_: int, k: int) -> int:
-        """Index of sample k of a round among all samples of its batch (seeds derive from it)."""
-        ro = self.cfg.rollout
-        return round_ * ro.prompts_per_step * ro.group_size + k
-
     def seeds(self, seq: int, round_: int, count: int) -> list[int]:
-        """The sampling seeds of a round's `count` samples (prompt-major, group_size per prompt)."""
-        return [sample_seed(self.cfg.run.seed, seq, self.sample_index(round_, k)) for k in range(count)]
+        """The sampling seeds of a round's `count` samples (prompt-major, group_size per prompt):
+        sample i of the round's group j has its group's seed + i."""
+        ro = self.cfg.rollout
+        first_group = round_ * ro.prompts_per_step
+        return [
+            sample_seed(self.cfg.run.seed, seq, first_group + k // ro.group_size) + k % ro.group_size
+            for k in range(count)
+        ]
 
     def shaped(self, reward: float, trajectory: Trajectory) -> float:
         """The task reward plus the overlong penalty on the trajectory's sampled tokens."""

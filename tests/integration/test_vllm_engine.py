@@ -22,6 +22,10 @@ One server for the module (its start-up takes most of a minute on two cores), st
   trainer's weights bit for bit and samples with them; an engine without its copy refuses one;
 - as a teacher and a judge engine (the same server, asked through the driver's pool client), its
   scoring gives the model's log-probabilities of a completion and its greedy answer the model's;
+- a push clears vLLM's prefix cache (the old weights' keys and values);
+- a group is one request with n samples, each the sample its seed gives alone; a group aborted
+  mid-way continues each sample alone; an episode's turns stay on the engine that answered its
+  first, whose prefix cache then answers, and move when that engine leaves;
 - SIGTERM stops the wrapper and the server and removes the record.
 """
 
@@ -33,9 +37,12 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -48,7 +55,7 @@ from relax_hpc.models.lora import add_adapters, scaling, sync_name, write_adapte
 from relax_hpc.protocol import requests as P
 from relax_hpc.protocol import vllm as V
 from relax_hpc.protocol.client import EngineClient, EngineRequestError, EngineUnavailable, PoolClient
-from relax_hpc.protocol.registry import read_records
+from relax_hpc.protocol.registry import read_records, remove_record, write_record
 from relax_hpc.rollout.engine_policy import EnginePolicy, EnginePool
 from relax_hpc.rollout.teacher import completion_logprobs
 from relax_hpc.weights.adapters import AdapterPublisher
@@ -66,11 +73,14 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 STARTUP_S = 600.0  # two shared cores: vLLM's start-up took 40-120 s here
 # Adapter sync on a vLLM engine: the server starts with --enable-lora (vllm_engine.server_args).
 LORA = ("rollout.engine=vllm", "trainer.lora.rank=4", "trainer.lora.target_modules=[q_proj,v_proj,gate_proj,down_proj]")
+# vLLM's CPU backend caches prefixes in blocks of 128 tokens by default, more than the tiny model's
+# 64 positions: blocks of 32 let its prefix cache work here.
+SMALL_BLOCKS = "rollout.vllm.extra_args=[--block-size,'32']"
 
 
 class Server:
     def __init__(self, run_dir: Path) -> None:
-        self.cfg, self.paths = make_run(run_dir, *LORA)
+        self.cfg, self.paths = make_run(run_dir, *LORA, SMALL_BLOCKS)
         self.log = run_dir / "engine-0.log"
         argv = [sys.executable, "-m", "relax_hpc.engines.vllm_engine", "--run-dir", str(run_dir)]
         argv += ["--engine-id", "engine-0"]
@@ -184,8 +194,13 @@ def test_a_push_through_vllms_routes_is_bit_exact_and_used(server: Server) -> No
             for p in model.parameters():
                 p.add_(torch.randn(p.shape, generator=generator) * 0.05)
         pushed = {n: p.detach().clone() for n, p in model.named_parameters()}
+        long_prompt = list(range(3, 45))  # one whole block of 32 tokens to cache
+        server.generate(long_prompt, seed=1)
+        assert _cache_hits(server, lambda: server.generate(long_prompt, seed=2)) >= 32  # a cached prefix
         channel.connect()
         channel.push(pushed.items(), version=1)  # 64 KiB buckets: several /update_weights per push
+        # The push cleared the cache: the old weights' keys and values are not the new ones'.
+        assert _cache_hits(server, lambda: server.generate(long_prompt, seed=3)) == 0
         _check_bits(channel.checksums()[0], pushed)
         assert server.client.call("GET", V.WEIGHT_INFO) == {"weight_version": "1"}
 
@@ -231,6 +246,14 @@ def test_layers_without_a_digest_are_checked_through_the_log_probabilities(serve
     finally:
         channel.push(original.items(), version=13)
         channel.close()
+
+
+def _cache_hits(server: Server, ask: Callable[[], object]) -> float:
+    """The prompt tokens vLLM's prefix cache answered while `ask` ran."""
+    client = V.VllmClient(server.client.url, server.paths.read_token(), 30.0)
+    before = client.prefix_cache()[0]
+    ask()
+    return client.prefix_cache()[0] - before
 
 
 def _samples_as(server: Server, model: torch.nn.Module, version: int) -> None:
@@ -502,6 +525,112 @@ def test_adapter_sync_serves_each_version_with_its_own_adapter(server: Server) -
     old = client.generate(request)
     mine = _logprobs(models[1], prompt, old["output_ids"])
     assert torch.allclose(mine, torch.tensor([lp for lp, _, _ in old["meta_info"]["output_token_logprobs"]]), atol=1e-4)
+
+
+class _Counting(V.VllmClient):
+    """A vLLM client that counts its generate requests and the samples each asks for."""
+
+    asked: ClassVar[list[int]] = []
+
+    def call(self, method: str, route: str, body: Any = None, timeout_s: float | None = None) -> Any:
+        if route == V.GENERATE:
+            self.asked.append(body["sampling_params"]["n"])
+        return super().call(method, route, body, timeout_s)
+
+
+def test_a_group_is_one_request_and_each_sample_is_what_its_seed_samples_alone(server: Server) -> None:
+    """A group of 4 (seeds 20-23) is one request with n=4; each sample's tokens, log-probabilities
+    and versions are those of the same prompt sent alone with its seed."""
+    client = _Counting(server.client.url, server.paths.read_token(), 60.0)
+    prompt, sampling = [5, 6, 7, 8, 9], {"max_new_tokens": 8, "temperature": 1.0, "ignore_eos": True}
+    version = int(client.weight_version())
+    _Counting.asked = []
+    request = P.GenerateReqInput(
+        input_ids=[prompt] * 4, sampling_params=[sampling | {"sampling_seed": 20 + i} for i in range(4)]
+    )
+    answers = client.generate(request)
+    assert _Counting.asked == [4]
+    alone = [
+        client.generate(P.GenerateReqInput(input_ids=prompt, sampling_params=sampling | {"sampling_seed": 20 + i}))
+        for i in range(4)
+    ]
+    assert _Counting.asked == [4, 1, 1, 1, 1]
+    assert len({tuple(a["output_ids"]) for a in alone}) > 1  # the seeds sample different completions
+    for answer, own in zip(answers, alone, strict=True):
+        assert answer["output_ids"] == own["output_ids"]
+        logprobs = [lp for lp, _, _ in answer["meta_info"]["output_token_logprobs"]]
+        own_logprobs = [lp for lp, _, _ in own["meta_info"]["output_token_logprobs"]]
+        assert np.allclose(logprobs, own_logprobs, atol=1e-5)
+        assert answer["meta_info"]["token_versions"] == [version] * len(own["output_ids"])
+
+
+def test_an_abort_mid_group_continues_each_sample_alone_to_its_budget(server: Server) -> None:
+    """Partial rollout: a group aborted mid-way (a push's /pause?mode=abort) keeps what each sample
+    has, and each continues alone (n=1) with the rest of its budget. The abort must land while the
+    group runs, which a fast engine can outrun: up to 5 tries."""
+    pool = EnginePool(server.paths, 60.0, kind="vllm")
+    pool.client_class = _Counting
+    budget = 56  # the tiny model's 64 positions, less the prompt
+    calls = [
+        GenerateCall([5, 6, 7, 8], {"max_new_tokens": budget, "ignore_eos": True, "sampling_seed": 30 + i})
+        for i in range(4)
+    ]
+    for _ in range(5):
+        policy = EnginePolicy(pool, decode=lambda ids: "", partial=True)
+        _Counting.asked = []
+        answered = threading.Event()
+        pausing = threading.Thread(target=_abort_once_running, args=(server, answered))
+        pausing.start()
+        sampled = policy.generate(calls)
+        answered.set()
+        pausing.join()
+        if policy.continued:
+            break
+    assert policy.continued >= 1, "the abort never landed mid-group"
+    assert _Counting.asked == [4] + [1] * policy.continued  # each aborted sample continues alone
+    for s in sampled:
+        assert len(s.token_ids) == len(s.logprobs) == len(s.versions) == budget
+
+
+def _abort_once_running(server: Server, answered: threading.Event) -> None:
+    """/pause?mode=abort, then /resume, as soon as the server runs requests (none: once answered)."""
+    client = V.VllmClient(server.client.url, server.paths.read_token(), 30.0)
+    running = "vllm:num_requests_running"
+    while not V.prometheus_counters(client.text(V.METRICS), (running,))[running]:
+        if answered.is_set():
+            return
+    client.call("POST", f"{V.PAUSE}?mode=abort")
+    client.call("POST", V.RESUME)
+
+
+def test_an_episodes_turns_stay_on_one_engine_and_move_when_it_leaves(server: Server) -> None:
+    """Two engines (two records of the server): each episode's second turn goes where its first
+    did, whose prefix cache holds the first turn (vLLM's hits rise); when that engine leaves
+    the registry its sessions move to the other one."""
+    record = read_records(server.paths.engines)[0]
+    twin = replace(record, engine_id="engine-1", instance="twin")
+    write_record(server.paths.engines, twin)
+    try:
+        policy = EnginePolicy(EnginePool(server.paths, 60.0, kind="vllm"), decode=lambda ids: "")
+        prompts = [list(range(3, 40)), list(range(4, 41))]
+        turn = [
+            GenerateCall(p, {"max_new_tokens": 4, "sampling_seed": 1}, session=f"ep{k}") for k, p in enumerate(prompts)
+        ]
+        first = policy.generate(turn)
+        held = [policy.affinity.engine_of(f"ep{k}") for k in range(2)]
+        assert set(held) == {record.instance, "twin"}  # one episode per engine
+        second = [  # in the other order: routed by load alone, each would go to the other engine
+            GenerateCall(c.token_ids + s.token_ids, {"max_new_tokens": 4, "sampling_seed": 2}, session=c.session)
+            for c, s in reversed(list(zip(turn, first, strict=True)))
+        ]
+        assert _cache_hits(server, lambda: policy.generate(second)) >= 2 * 32  # each first turn's block
+        assert [policy.affinity.engine_of(f"ep{k}") for k in range(2)] == held
+        remove_record(server.paths.engines, "engine-1", "twin")
+        policy.pool.refresh(force=True)
+        policy.generate(second)
+        assert [policy.affinity.engine_of(f"ep{k}") for k in range(2)] == [record.instance] * 2
+    finally:
+        remove_record(server.paths.engines, "engine-1", "twin")
 
 
 def test_sigterm_stops_the_server_and_removes_the_record(server: Server) -> None:

@@ -74,6 +74,19 @@ def test_rounds_are_a_pure_function_of_the_batch_and_round():
     assert len(ids) == 4 * 3 * 3  # unique across batches, rounds and prompts
 
 
+def test_a_groups_seeds_run_on_from_its_first_and_no_two_samples_share_one():
+    """What lets a group be one request with n samples (vLLM seeds sample i with seed + i)."""
+    p = plan("algo.dynamic_sampling.enabled=true")
+    g = p.cfg.rollout.group_size
+    seeds = p.seeds(5, 1, 3 * g)
+    for j in range(3):
+        group = seeds[j * g : (j + 1) * g]
+        assert group == list(range(group[0], group[0] + g))
+    everything = [s for seq in range(4) for r in range(3) for s in p.seeds(seq, r, 3 * g)]
+    assert len(set(everything)) == len(everything)  # across batches, rounds and groups
+    assert p.seeds(5, 1, 3 * g) == seeds and all(0 <= s < 2**63 for s in everything)
+
+
 def test_overlong_completions_lose_reward_linearly_in_the_buffer():
     p = plan("algo.overlong.buffer=2", "algo.overlong.penalty=0.5")  # limit 4 tokens: penalty from 3
 

@@ -63,3 +63,25 @@ def test_no_new_token_is_sampled_for_max_new_tokens_0():
     prompts = [tok("3+4=")["input_ids"]] * 2
     scoring, sampled = sample(model, prompts, specs, [1, 2], tok.eos_token_id, tok.pad_token_id)
     assert (scoring.output_ids, scoring.finish_reason) == ([], "length") and len(sampled.output_ids) == 2
+
+
+def test_a_groups_rows_share_one_prefill_and_sample_as_they_would_alone():
+    """Rows with the same prompt (a group) are prefilled once: the first forward pass reads each
+    distinct prompt once, and every row still samples what it samples alone with its seed."""
+    torch.manual_seed(2)
+    tok = build_char_tokenizer()
+    model = Qwen3ForCausalLM(tiny_qwen3_config(tok)).eval()
+    p, q = tok("12+34=")["input_ids"], tok("5+6=")["input_ids"]
+    prompts, seeds = [q, p, p, q, p], [7, 1, 2, 8, 3]
+    spec = SamplingSpec(max_new_tokens=5, temperature=1.0, ignore_eos=True)
+    rows_read: list[int] = []
+    hook = model.register_forward_pre_hook(
+        lambda _, args, kwargs: rows_read.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
+    together = sample(model, prompts, [spec] * 5, seeds, tok.eos_token_id, tok.pad_token_id)
+    hook.remove()
+    assert rows_read[0] == 2 and set(rows_read[1:]) == {5}  # the prefill reads p and q once each
+    for prompt, seed, got in zip(prompts, seeds, together, strict=True):
+        alone = sample(model, [prompt], [spec], [seed], tok.eos_token_id, tok.pad_token_id)[0]
+        assert got.output_ids == alone.output_ids
+        assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(alone.logprobs), atol=1e-5)

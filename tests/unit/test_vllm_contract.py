@@ -117,7 +117,7 @@ def probed(cfg: Any) -> dict[str, Any]:
     routed = cfg.model_copy(update={"algo": cfg.algo.model_copy(update={"off_policy": replay})})
     assert Path(python).exists(), f"{python} is missing: bash tools/install.sh --vllm"
     sent = {
-        "generate": V.generate_body(V.generate_request("req-1", [1, 2, 3], SAMPLING, seed=42, adapter="v3")),
+        "generate": V.generate_body(V.generate_request("req-1", [1, 2, 3], SAMPLING, seed=42, adapter="v3", n=4)),
         "score": V.generate_body(V.scoring_request("req-2", [5, 6, 7])),
         "load_lora": P.to_json(V.LoadLoRAAdapterRequest("v3", "/run/weights/lora/v3", load_inplace=True)),
         "unload_lora": P.to_json(V.UnloadLoRAAdapterRequest("v1")),
@@ -162,6 +162,7 @@ def test_generate_request_is_vllms_and_every_setting_lands(probed: dict[str, Any
         "stop_token_ids": [],
         "ignore_eos": False,
         "prompt_logprobs": None,
+        "n": 4,  # a group of 4 samples in one request, seeded 42, 43, 44, 45 by vLLM
     }
 
 

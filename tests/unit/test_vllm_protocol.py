@@ -59,6 +59,40 @@ def test_top_k_off_is_vllms_zero_and_the_seed_is_the_calls() -> None:
     assert V.generate_request("r", [1], {"max_new_tokens": 3, "top_k": 5}, seed=9).sampling_params.top_k == 5
 
 
+def test_a_group_is_one_request_when_its_seeds_run_on_and_nothing_else_differs() -> None:
+    """Consecutive prompts alike but for seeds s, s + 1, ... are one request with n samples;
+    another prompt, other sampling, a seed out of step or none start a group of their own."""
+    a, b = [1, 2, 3], [1, 2, 4]
+    base = {"max_new_tokens": 8, "temperature": 1.0}
+    params = [{**base, "sampling_seed": s} for s in (10, 11, 12, 40, 41, 50, 52)]
+    prompts = [a, a, a, b, b, b, b]
+    assert V.sample_groups(prompts, params) == [(0, 3), (3, 2), (5, 1), (6, 1)]
+    hotter = [params[0], {**params[1], "temperature": 0.5}]
+    assert V.sample_groups([a, a], hotter) == [(0, 1), (1, 1)]
+    unseeded = [dict(base), dict(base)]
+    assert V.sample_groups([a, a], unseeded) == [(0, 1), (1, 1)]
+
+
+def test_a_groups_answer_is_its_choices_in_the_order_of_their_index() -> None:
+    one = choice()["choices"][0]
+    answer = {"choices": [{**one, "index": 1, "token_ids": [6, 7]}, {**one, "index": 0}]}
+    assert [c.token_ids for c in V.parse_completions(answer, 2)] == [[4, 5], [6, 7]]
+    with pytest.raises(ValueError, match="answered 2 choices, expected 3"):
+        V.parse_completions(answer, 3)
+
+
+def test_the_prefix_caches_counters_are_read_from_prometheus_text() -> None:
+    text = (
+        "# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.\n"
+        "# TYPE vllm:prefix_cache_hits_total counter\n"
+        'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 48.0\n'
+        'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 64.0\n'
+        'vllm:prefix_cache_queries_created{engine="0",model_name="m"} 1.7e9\n'
+    )
+    counters = V.prometheus_counters(text, (V.PREFIX_CACHE_HITS, V.PREFIX_CACHE_QUERIES, "absent_total"))
+    assert counters == {V.PREFIX_CACHE_HITS: 48.0, V.PREFIX_CACHE_QUERIES: 64.0, "absent_total": 0.0}
+
+
 def test_the_drivers_view_of_an_answer_keeps_each_tokens_version() -> None:
     """VllmClient answers in SGLang's shape; the driver takes each token's version from it (a
     request that spanned a push under pause mode keep has two)."""

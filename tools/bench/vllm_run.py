@@ -1,6 +1,6 @@
 """A whole run on vLLM engines against the same run on the built-in engine, one after the other.
 
-    python tools/bench/vllm_run.py [--steps 40]
+    python tools/bench/vllm_run.py [--steps 40] [--parent CHECKOUT]
 
 The run is CI's (tests/integration/test_vllm_run.py, without the kill): the embedded default on
 9 of the 100 problems, 9 prompts x 16 samples per step, on-policy, 2 engines, 2 trainer ranks,
@@ -8,7 +8,10 @@ The run is CI's (tests/integration/test_vllm_run.py, without the kill): the embe
 first trained step (start-up: engines, trainer, driver, first batch), the steps' mean rollout
 samples/s and seconds per step after the first, the mean reward of the last 10 steps, and the
 largest logprob_diff_abs (trainer against engine log-probabilities of the sampled tokens: how
-exactly the engines hold the trainer's weights). Prints one JSON object.
+exactly the engines hold the trainer's weights). With `--parent`, a checkout of another commit
+(`git worktree add /tmp/parent HEAD~1`) makes the same two runs first, from its own code (its
+folder on PYTHONPATH), and `vllm_rollout_ratio` is this checkout's vLLM rollout samples/s over
+the parent's. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ from relax_hpc.metrics.jsonl import read_jsonl
 REPO = Path(__file__).resolve().parents[2]
 
 
-def one_run(tmp: Path, engine: str, steps: int) -> dict[str, Any]:
-    rows = (REPO / "assets" / "addition.jsonl").read_text().splitlines()
+def one_run(tmp: Path, engine: str, steps: int, repo: Path = REPO) -> dict[str, Any]:
+    rows = (repo / "assets" / "addition.jsonl").read_text().splitlines()
+    tmp.mkdir(parents=True, exist_ok=True)
     data = tmp / "addition-9.jsonl"
     data.write_text("\n".join(rows[::12]) + "\n")
     run_dir = tmp / f"run-{engine}"
@@ -40,7 +44,8 @@ def one_run(tmp: Path, engine: str, steps: int) -> dict[str, Any]:
         "rollout.eval_every=0", f"ckpt.every_steps={steps}",
     ]  # fmt: skip
     started, started_at = time.monotonic(), time.time()  # the records' times are epoch seconds
-    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=1800, check=False)
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    done = subprocess.run(argv, cwd=repo, env=env, capture_output=True, text=True, timeout=1800, check=False)
     wall_s = time.monotonic() - started
     if done.returncode != 0:
         raise RuntimeError(f"{engine} run failed ({done.returncode}):\n{done.stdout[-3000:]}")
@@ -60,11 +65,20 @@ def one_run(tmp: Path, engine: str, steps: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--parent", type=Path, default=None, help="a checkout whose same runs come first")
     args = parser.parse_args()
     out: dict[str, Any] = {"steps": args.steps, "load_before": os.getloadavg()}
     with tempfile.TemporaryDirectory() as tmp:
+        if args.parent is not None:
+            parent = args.parent.resolve()
+            out["parent"] = {"checkout": str(parent), **{e: one_run(Path(tmp) / "parent", e, args.steps, parent)
+                                                          for e in ("torch", "vllm")}}  # fmt: skip
         for engine in ("torch", "vllm"):
             out[engine] = one_run(Path(tmp), engine, args.steps)
+    if args.parent is not None:
+        out["vllm_rollout_ratio"] = round(
+            out["vllm"]["rollout_samples_per_s"] / out["parent"]["vllm"]["rollout_samples_per_s"], 2
+        )
     out["load_after"] = os.getloadavg()
     print(json.dumps(out))
 
