@@ -32,12 +32,13 @@ def test_prompts_of_a_killed_engine_are_reissued(tmp_path, engines):
     driver = Driver(read_frozen(paths.config), paths)
     driver.pool.refresh(force=True)
     policy = driver.policy
-    policy._load = {records["engine-1"].instance: 5}  # make engine-0 the least loaded: it gets the chunk
+    victim_engine = next(e for e in policy.pool.engines if e.record.engine_id == "engine-0")
     calls = [
-        GenerateCall(ids, {"max_new_tokens": 4, "sampling_seed": k}) for k, ids in enumerate(driver.prompt_ids[:6])
+        GenerateCall(ids, {"max_new_tokens": 4, "sampling_seed": k}, session=f"episode-{k}")
+        for k, ids in enumerate(driver.prompt_ids[:6])
     ]
     result: dict = {}
-    thread = threading.Thread(target=lambda: result.update(out=policy._run_chunk(calls)))
+    thread = threading.Thread(target=lambda: result.update(out=policy._run_chunk(victim_engine, calls)))
     thread.start()
     time.sleep(1.0)
     assert thread.is_alive()  # waiting on the paused engine
@@ -46,6 +47,8 @@ def test_prompts_of_a_killed_engine_are_reissued(tmp_path, engines):
     assert not thread.is_alive()
     assert policy.reissued == 6
     assert len(result["out"]) == 6 and all(o["meta_info"]["finish_reason"]["type"] != "abort" for o in result["out"])
+    # The sessions moved with their calls: engine-1 answered them, and holds them now.
+    assert {policy.affinity.engine_of(c.session) for c in calls} == {records["engine-1"].instance}
 
 
 def test_a_killed_engine_is_restarted_and_rejoins_weight_sync(tmp_path):
