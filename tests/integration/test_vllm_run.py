@@ -12,7 +12,8 @@ run proves all of it, so the servers start once (most of this test's time is the
 - the killed engine (kill -9 of its wrapper: its vLLM processes die with it, none is left behind)
   is restarted by the launcher, rejoins the weight-transfer group and receives
   the current weights; its prompts in flight are re-issued; every step is trained once and no
-  sample is lost or trained twice.
+  sample is lost or trained twice; every batch holds its 9 groups of 16 whole (each group is one
+  vLLM request: rollout.engine_policy's routing and protocol/vllm's n samples).
 
 The run stops (control/stop, as on Ctrl-C) at step LEARN_STEPS or once the restarted engine has
 served a few steps, whichever is later: a vLLM restart takes 40-90 s here, depending on the load.
@@ -24,12 +25,14 @@ import json
 import os
 import signal
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from relax_hpc.config import load_config
 from relax_hpc.engines.vllm_engine import engine_python
+from relax_hpc.exchange.spool import read_batch
 from tests.integration.conftest import CONFIG, REPO, Job
 from tests.runs import assert_nothing_lost_or_repeated, vllm_processes
 
@@ -95,6 +98,9 @@ def test_the_default_learns_on_vllm_and_survives_a_killed_engine(tmp_path: Path)
     steps = job.steps()
     assert len(steps) >= LEARN_STEPS and [s["step"] for s in steps] == list(range(1, len(steps) + 1))
     assert_nothing_lost_or_repeated(job.run_dir, len(steps))
+    for manifest in (job.run_dir / "spool" / "claimed").glob("step-*/*.json"):  # whole groups, each one request:
+        sizes = Counter(read_batch(manifest.with_suffix("")).group_ids.tolist())  # none cut, lost or doubled
+        assert len(sizes) == 9 and set(sizes.values()) == {16}, sizes  # by the kill's re-issue
     assert all(s["time_release"] > 0 for s in steps)  # every step put the engines to sleep first
     engine_1 = (job.run_dir / "logs" / "0" / "engine-1.log").read_text()
     assert engine_1.count("sleep mode is not supported on CPU") >= len(steps)  # vLLM's word at each sleep and wake

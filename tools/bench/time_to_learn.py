@@ -1,20 +1,23 @@
 """Time to learn (issue 27, target 2): seconds from the command to the embedded default's first
 10-step mean reward of at least 0.8, per seed, the whole system as the README runs it.
 
-    python tools/bench/time_to_learn.py [--seeds 0 1 2] [--steps 260] [key=value ...]
+    python tools/bench/time_to_learn.py [--seeds 0 1 2] [--steps 260] [--engines torch vllm] [key=value ...]
 
 Runs `python -m relax_hpc.submit --config configs/tiny-grpo.yaml run.seed=S` plus the overrides,
 one seed after the other (each run has the machine's cores to itself), and measures from the
 moment its command starts to the train.jsonl record of the step that completes the first 10-step
 window at or above 0.8 (the batch reward: the samples' mean, temperature 1). The baseline, in the
 same invocation, is a bare `python -c 'import torch, transformers'`: what any job pays before
-its first line, on the same machine at the same moment. Prints one JSON object.
+its first line, on the same machine at the same moment. With `--engines`, each seed runs once per
+rollout.engine, one after the other (seed by seed), and `ratio` gives each seed's time of every
+engine over the first engine's. Prints one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 import tempfile
@@ -22,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from video import finish_run  # a sibling script (tools/bench is no package)
+from video import finish_run, first_crossing  # a sibling script (tools/bench is no package)
 
 REPO = Path(__file__).resolve().parents[2]
 LEVEL = 0.8
@@ -35,26 +38,54 @@ def bare_import_s() -> float:
     return round(time.monotonic() - start, 2)
 
 
+def stop_at_level(run_dir: Path, process: subprocess.Popen[bytes]) -> None:
+    """Ctrl-C the run once its 10-step mean reward reaches LEVEL (what is measured is then known)."""
+    train = run_dir / "metrics" / "train.jsonl"
+    while process.poll() is None:
+        time.sleep(1.0)
+        lines = train.read_text().splitlines() if train.exists() else []
+        rewards = [r["reward"] for r in map(json.loads, lines) if "reward" in r]
+        if first_crossing(rewards, LEVEL) is not None:
+            process.send_signal(signal.SIGINT)
+            return
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=260, help="trainer.total_steps of each run")
     parser.add_argument("--out", type=Path, default=None, help="where the runs go (a temporary folder)")
+    parser.add_argument("--engines", nargs="+", default=["torch"], help="rollout.engine of each seed's runs")
+    parser.add_argument("--stop-at-level", action="store_true", help="stop each run once it reaches the level")
     parser.add_argument("overrides", nargs="*", help="key=value overrides of configs/tiny-grpo.yaml")
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="time-to-learn-"))
     out.mkdir(parents=True, exist_ok=True)
     runs = {}
     for seed in args.seeds:
-        run_dir = out / f"seed{seed}"
-        command = [
-            sys.executable, "-m", "relax_hpc.submit", "--config", str(REPO / "configs/tiny-grpo.yaml"),
-            f"run.dir={run_dir}", f"run.seed={seed}", f"trainer.total_steps={args.steps}", *args.overrides,
-        ]  # fmt: skip
-        with (out / f"seed{seed}.log").open("wb") as log:
-            start = time.time()
-            process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-            runs[seed] = finish_run(run_dir, start, process, LEVEL)
+        for engine in args.engines:
+            name = f"{engine} seed{seed}" if args.engines != ["torch"] else f"seed{seed}"
+            run_dir = out / name.replace(" ", "-")
+            command = [
+                sys.executable, "-m", "relax_hpc.submit", "--config", str(REPO / "configs/tiny-grpo.yaml"),
+                f"run.dir={run_dir}", f"run.seed={seed}", f"trainer.total_steps={args.steps}",
+                f"rollout.engine={engine}", *args.overrides,
+            ]  # fmt: skip
+            with (out / f"{run_dir.name}.log").open("wb") as log:
+                start = time.time()
+                process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+                if args.stop_at_level:
+                    stop_at_level(run_dir, process)
+                runs[name] = finish_run(run_dir, start, process, LEVEL)
+    ratio = {
+        f"{engine} seed{seed}": round(
+            runs[f"{engine} seed{seed}"]["s_to_level"] / runs[f"{first} seed{seed}"]["s_to_level"], 2
+        )
+        for first in args.engines[:1]
+        for engine in args.engines[1:]
+        for seed in args.seeds
+        if runs[f"{engine} seed{seed}"]["s_to_level"] and runs[f"{first} seed{seed}"]["s_to_level"]
+    }
     reached = [r["s_to_level"] for r in runs.values()]
     print(
         json.dumps(
@@ -65,6 +96,7 @@ def main() -> None:
                 "met": all(s is not None and s <= TARGET_S for s in reached),
                 "bare_import_s": bare_import_s(),
                 "runs": runs,
+                **({"ratio": ratio} if ratio else {}),
                 "out": str(out),
             }
         )
