@@ -47,7 +47,7 @@ from relax_hpc.protocol import vllm as V
 from relax_hpc.protocol.client import EngineRequestError, EngineUnavailable
 
 MODULE = "vllm.entrypoints.openai.api_server"
-MIDDLEWARE = "relax_hpc.engines.vllm_auth.require_token"
+MIDDLEWARE = "relax_hpc.engines.vllm_auth.RequireToken"
 MAX_LORAS = 2  # adapters in one batch: the current version's and the one before
 
 

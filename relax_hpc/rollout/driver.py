@@ -82,6 +82,7 @@ class Driver:
         self.stopping = False
         self.startup: StartupClock | None = None  # main's, until the first published batch
         self.position = 0  # the next batch to generate (for the heartbeat)
+        self.prefix_cache: dict[str, tuple[float, float]] = {}  # the engines' counters after the last batch
         self.policy = EnginePolicy(
             self.pool,
             lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
@@ -130,9 +131,10 @@ class Driver:
 
     async def generate_batch(self, seq: int) -> tuple[SampleBatch, dict]:
         self.policy.min_version = seq - self.ro.max_staleness
-        cache_before = await asyncio.to_thread(self.pool.prefix_cache)
         selection = await self.rounds.plan.select(lambda round_: self.rounds.sample_round(seq, round_))
-        cached = hit_rate(cache_before, await asyncio.to_thread(self.pool.prefix_cache))
+        # One reading per batch: since the last batch's (an engine's /metrics is not free to render).
+        cache, self.prefix_cache = self.prefix_cache, await asyncio.to_thread(self.pool.prefix_cache)
+        cached = hit_rate(cache, self.prefix_cache)
         stats = {
             "reward_sampled": selection.sampled_reward,
             "sampling_rounds": selection.rounds,

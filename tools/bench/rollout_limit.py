@@ -20,6 +20,10 @@ but `--prompts` prompts per step and, for vLLM, a KV cache of --kv-cache-mib in 
 (the CPU's default of 128 holds a whole block per sample: 64 MiB of them hold two samples of
 the 0.5b shape at once).
 
+`--split SHAPE`: instead, when a group is split: one prompt of 16 samples per batch on two
+built-in engines of one thread each, the driver's batches timed with the group halved across
+them (the routing's rule when a round has fewer groups than engines) and sent whole to one.
+
 Shapes: `tiny`, the embedded default's model; `0.1b` (16 layers, hidden 768, 12 heads of 64,
 4 KV heads, MLP 2048: 0.10B) and `0.5b` (Qwen3-0.6B's body: 28 layers, hidden 1024, 16 heads of
 128, 8 KV heads, MLP 3072: 0.44B), random-init Qwen3s with the embedded default's character
@@ -52,8 +56,14 @@ from relax_hpc.data.processor import prompt_encoder
 from relax_hpc.data.prompts import load_data
 from relax_hpc.engines.sampling import SamplingSpec, sample
 from relax_hpc.engines.vllm_engine import engine_python, server_args, server_env
+from relax_hpc.launch.commands import local_commands
+from relax_hpc.launch.supervisor import child_env
+from relax_hpc.paths import RunPaths
+from relax_hpc.protocol.registry import read_records
+from relax_hpc.rollout import routing
 from relax_hpc.rollout.driver import Driver
 from relax_hpc.rollout.plan import BatchPlan
+from relax_hpc.submit import freeze
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "tiny-grpo.yaml"
@@ -183,6 +193,41 @@ def driver_seconds(run_dir: Path, engine: str, overrides: list[str], batches_: i
         proc.wait(timeout=120)
 
 
+def split_seconds(run_dir: Path, model: Path, batches_: int, halved: bool) -> float:
+    """Seconds of the driver's batches 1..batches_ of one group on two built-in engines, the group
+    halved across them or whole on one (relax_hpc.rollout.routing's halving turned off)."""
+    overrides = [f"model.path={model}", "rollout.prompts_per_step=1", "rollout.max_staleness=1000",
+                 "rollout.num_engines=2", "launch.threads_per_process=1"]  # fmt: skip
+    cfg = load_config(CONFIG, [f"run.dir={run_dir}", *overrides], base_dir=REPO)
+    paths = RunPaths(run_dir)
+    freeze(cfg, paths)
+    commands = local_commands(cfg, paths)
+    env = {**child_env(cfg), "PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen(commands[f"engine-{k}"], env=env, stdout=subprocess.DEVNULL) for k in range(2)]
+    whole = routing._halved
+    try:
+        while len(read_records(paths.engines)) < 2:
+            time.sleep(0.2)
+        if not halved:
+            routing._halved = lambda units, engines: list(units)
+        driver = Driver(cfg, paths)
+        driver.rounds.sampling["ignore_eos"] = True
+
+        async def timed() -> float:
+            await driver.generate_batch(0)
+            started = time.monotonic()
+            for seq in range(1, batches_ + 1):
+                await driver.generate_batch(seq)
+            return time.monotonic() - started
+
+        return asyncio.run(timed())
+    finally:
+        routing._halved = whole
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["tiny", "0.1b", "0.5b"], choices=["tiny", *SHAPES])
@@ -191,7 +236,15 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=2, help="timed batches, after one warm-up")
     parser.add_argument("--threads", type=int, default=2, help="the engine's threads (launch.threads_per_process)")
     parser.add_argument("--kv-cache-mib", type=int, default=2048, help="rollout.vllm.kv_cache_mib")
+    parser.add_argument("--split", choices=["tiny", *SHAPES], default=None, help="time a group halved or whole")
     args = parser.parse_args()
+    if args.split is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            model = model_folder(args.split, Path(tmp))
+            times = {h: split_seconds(Path(tmp) / f"split-{h}", model, args.batches, h) for h in (True, False)}
+        print(json.dumps({"split": args.split, "batches": args.batches, "halved_s": round(times[True], 3),
+                          "whole_s": round(times[False], 3), "load": os.getloadavg()}))  # fmt: skip
+        return
     out: dict[str, Any] = {"prompts": args.prompts, "batches": args.batches, "load_before": os.getloadavg()}
     with tempfile.TemporaryDirectory() as tmp:
         for shape in args.shapes:

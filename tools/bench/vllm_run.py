@@ -1,6 +1,6 @@
 """A whole run on vLLM engines against the same run on the built-in engine, one after the other.
 
-    python tools/bench/vllm_run.py [--steps 40] [--parent CHECKOUT]
+    python tools/bench/vllm_run.py [--steps 40] [--parent CHECKOUT] [key=value ...]
 
 The run is CI's (tests/integration/test_vllm_run.py, without the kill): the embedded default on
 9 of the 100 problems, 9 prompts x 16 samples per step, on-policy, 2 engines, 2 trainer ranks,
@@ -31,7 +31,7 @@ from relax_hpc.metrics.jsonl import read_jsonl
 REPO = Path(__file__).resolve().parents[2]
 
 
-def one_run(tmp: Path, engine: str, steps: int, repo: Path = REPO) -> dict[str, Any]:
+def one_run(tmp: Path, engine: str, steps: int, repo: Path = REPO, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
     rows = (repo / "assets" / "addition.jsonl").read_text().splitlines()
     tmp.mkdir(parents=True, exist_ok=True)
     data = tmp / "addition-9.jsonl"
@@ -41,7 +41,7 @@ def one_run(tmp: Path, engine: str, steps: int, repo: Path = REPO) -> dict[str, 
         sys.executable, "-m", "relax_hpc.submit", "--config", "configs/tiny-grpo.yaml", f"run.dir={run_dir}",
         f"rollout.engine={engine}", "rollout.vllm.max_model_len=64", f"data.path={data}",
         "rollout.prompts_per_step=9", "rollout.max_staleness=0", f"trainer.total_steps={steps}",
-        "rollout.eval_every=0", f"ckpt.every_steps={steps}",
+        "rollout.eval_every=0", f"ckpt.every_steps={steps}", *overrides,
     ]  # fmt: skip
     started, started_at = time.monotonic(), time.time()  # the records' times are epoch seconds
     env = {**os.environ, "PYTHONPATH": str(repo)}
@@ -66,15 +66,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--parent", type=Path, default=None, help="a checkout whose same runs come first")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides of every run")
     args = parser.parse_args()
     out: dict[str, Any] = {"steps": args.steps, "load_before": os.getloadavg()}
     with tempfile.TemporaryDirectory() as tmp:
         if args.parent is not None:
             parent = args.parent.resolve()
-            out["parent"] = {"checkout": str(parent), **{e: one_run(Path(tmp) / "parent", e, args.steps, parent)
-                                                          for e in ("torch", "vllm")}}  # fmt: skip
+            runs = {e: one_run(Path(tmp) / "parent", e, args.steps, parent, args.overrides) for e in ("torch", "vllm")}
+            out["parent"] = {"checkout": str(parent), **runs}
         for engine in ("torch", "vllm"):
-            out[engine] = one_run(Path(tmp), engine, args.steps)
+            out[engine] = one_run(Path(tmp), engine, args.steps, REPO, args.overrides)
     if args.parent is not None:
         out["vllm_rollout_ratio"] = round(
             out["vllm"]["rollout_samples_per_s"] / out["parent"]["vllm"]["rollout_samples_per_s"], 2
