@@ -173,21 +173,26 @@ def vllm_limit(cfg: Any, work: list[dict[str, list]], threads: int) -> float:
     return float(json.loads(done.stdout.strip().splitlines()[-1])["seconds"])
 
 
+def timed_batches(driver: Driver, batches_: int) -> float:
+    """Seconds of the driver's generate_batch over batches 1..batches_, after batch 0 (warm-up),
+    every sample max_new_tokens long."""
+    driver.rounds.sampling["ignore_eos"] = True
+
+    async def timed() -> float:
+        await driver.generate_batch(0)
+        started = time.monotonic()
+        for seq in range(1, batches_ + 1):
+            await driver.generate_batch(seq)
+        return time.monotonic() - started
+
+    return asyncio.run(timed())
+
+
 def driver_seconds(run_dir: Path, engine: str, overrides: list[str], batches_: int) -> float:
     """Seconds of the driver's generate_batch over batches 1..batches_, on one engine server."""
     proc, _, _, (cfg, paths) = start(engine, run_dir, overrides)
     try:
-        driver = Driver(cfg, paths)
-        driver.rounds.sampling["ignore_eos"] = True
-
-        async def timed() -> float:
-            await driver.generate_batch(0)
-            started = time.monotonic()
-            for seq in range(1, batches_ + 1):
-                await driver.generate_batch(seq)
-            return time.monotonic() - started
-
-        return asyncio.run(timed())
+        return timed_batches(Driver(cfg, paths), batches_)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
@@ -210,17 +215,7 @@ def split_seconds(run_dir: Path, model: Path, batches_: int, halved: bool) -> fl
             time.sleep(0.2)
         if not halved:
             routing._halved = lambda units, engines: list(units)
-        driver = Driver(cfg, paths)
-        driver.rounds.sampling["ignore_eos"] = True
-
-        async def timed() -> float:
-            await driver.generate_batch(0)
-            started = time.monotonic()
-            for seq in range(1, batches_ + 1):
-                await driver.generate_batch(seq)
-            return time.monotonic() - started
-
-        return asyncio.run(timed())
+        return timed_batches(Driver(cfg, paths), batches_)
     finally:
         routing._halved = whole
         for proc in procs:
