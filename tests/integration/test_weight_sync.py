@@ -242,11 +242,13 @@ def test_an_engine_whose_weights_differ_is_held_out_until_a_push_matches(tmp_pat
     EngineClient(records["engine-1"].url, token, 10).post("/pause_generation", P.PauseGenerationReqInput("in_place"))
     driver = Driver(read_frozen(paths.config), paths)
     driver.pool.refresh(force=True)
-    driver.policy._load = {records["engine-0"].instance: 5}  # engine-1 the least loaded: it gets the chunk
+    engine_1 = next(e for e in driver.pool.engines if e.record.engine_id == "engine-1")  # the chunk goes there
     calls = [GenerateCall(ids, {"max_new_tokens": 4, "sampling_seed": k})
              for k, ids in enumerate(driver.prompt_ids[:3])]  # fmt: skip
     answered: dict = {}
-    thread = threading.Thread(target=lambda: answered.update(out=driver.policy._run_chunk(calls)), daemon=True)
+    thread = threading.Thread(
+        target=lambda: answered.update(out=driver.policy._run_chunk(engine_1, calls)), daemon=True
+    )
     thread.start()
     time.sleep(0.5)
     try:

@@ -118,7 +118,7 @@ def job_config(model: Path, engine: str, args: argparse.Namespace) -> list[str]:
     ]  # fmt: skip
 
 
-def batches(cfg: Any, args: argparse.Namespace) -> list[dict[str, list]]:
+def batches(cfg: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     """The prompts (token ids, as the driver encodes them) and each group's first seed of batches
     0..--batches, as the plan gives them."""
     rows = load_data(cfg.data, None)
@@ -131,7 +131,7 @@ def batches(cfg: Any, args: argparse.Namespace) -> list[dict[str, list]]:
     return out
 
 
-def torch_limit(cfg: Any, work: list[dict[str, list]], threads: int) -> float:
+def torch_limit(cfg: Any, work: list[dict[str, Any]], threads: int) -> float:
     """Seconds of the built-in engine's sampler over the timed batches, each whole (as its
     scheduler takes a batch's requests)."""
     torch.set_num_threads(threads)
@@ -139,7 +139,7 @@ def torch_limit(cfg: Any, work: list[dict[str, list]], threads: int) -> float:
     tokenizer = PreTrainedTokenizerFast.from_pretrained(cfg.model.path)
     g, spec = cfg.rollout.group_size, SamplingSpec(max_new_tokens=cfg.rollout.max_new_tokens, ignore_eos=True)
 
-    def run(batch: dict[str, list]) -> float:
+    def run(batch: dict[str, Any]) -> float:
         rows = [p for p in batch["prompts"] for _ in range(g)]
         seeds = [s + i for s in batch["seeds"] for i in range(g)]
         started = time.monotonic()
@@ -150,7 +150,7 @@ def torch_limit(cfg: Any, work: list[dict[str, list]], threads: int) -> float:
     return sum(run(b) for b in work[1:])
 
 
-def vllm_limit(cfg: Any, work: list[dict[str, list]], threads: int) -> float:
+def vllm_limit(cfg: Any, work: list[dict[str, Any]], threads: int) -> float:
     """Seconds of vLLM's LLM.generate over the timed batches, set up as the server is."""
     vc, argv = cfg.rollout.vllm, server_args(cfg, "127.0.0.1", 0)
     block_size = int(argv[argv.index("--block-size") + 1]) if "--block-size" in argv else None
