@@ -8,8 +8,9 @@ task a push aborts the generations in flight (/pause?mode=abort) and the driver 
 the new weights, every token keeping the version that sampled it.
 
 A push lands mid-batch when generating a batch takes longer than a trainer step, so the engine
-serves one sequence at a time (--max-num-seqs 1: 1.4-2 s a batch here, against a step of 0.4-0.7
-s idle). The driver runs at most 2 batches ahead: during the first step (group formation, first
+serves one group of 2 samples at a time (rollout.vllm.max_num_seqs 2; each group is one request of
+n=2; before group requests, --max-num-seqs 1 took 1.4-2 s a batch here, against a step of
+0.4-0.7 s idle). The driver runs at most 2 batches ahead: during the first step (group formation, first
 push: 3-6 s) it fills its whole lead at version 0, and with 8 ahead the six trained batches were
 all version 0 (measured); with 2, batches 1-5 straddled pushes.
 """
@@ -32,7 +33,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 STEPS = 6
 PARTIAL_ON_VLLM = (
     "rollout.engine=vllm", "rollout.num_engines=1", "rollout.vllm.max_model_len=64",
-    "rollout.vllm.extra_args=['--max-num-seqs','1']", "rollout.partial=true", "rollout.max_staleness=2",
+    "rollout.vllm.max_num_seqs=2", "rollout.partial=true", "rollout.max_staleness=2",
     "rollout.env.name=long_tail", "rollout.env.settings={long_share: 0.5, long_tokens: 56}",
     "rollout.max_new_tokens=56", "rollout.prompts_per_step=9", "rollout.group_size=2",
     f"trainer.total_steps={STEPS}", "ckpt.keep_trained_batches=true",
