@@ -870,7 +870,7 @@ class LaunchConfig(Section):
     fork_roles: bool = True
     """With the local executor: start the roles (engines, driver, trainer) as forks of one
     process that imported their modules once, instead of a fresh interpreter each, which spends
-    seconds of CPU importing torch and transformers (relax_hpc.launch.forkserver). Roles in a
+    seconds of CPU importing torch and transformers (relax_hpc.forkserver). Roles in a
     container or on a GPU slice always start fresh. `false`: every role starts fresh."""
     container: Annotated[str | None, PathOption("image", "build it: see containers/README.md")] = None
     """Run every role inside this container image (an Apptainer .sif file, or a charliecloud

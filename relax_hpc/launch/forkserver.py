@@ -1,4 +1,5 @@
-"""Warm starts for the `local` executor: roles forked from one process that imported them once.
+"""Warm starts for the `local` executor: roles forked from one process that imported them once
+(the launcher's side; the server is relax_hpc.forkserver, an entry point).
 
 Every role of a run on this machine (engines, driver, trainer) is `python -m relax_hpc.<role>`,
 and each fresh interpreter spends seconds of CPU importing torch and transformers before it does
@@ -23,13 +24,9 @@ container, on a GPU slice or in another interpreter start as before (`forkable`)
 from __future__ import annotations
 
 import contextlib
-import gc
-import importlib
 import json
 import os
 import queue
-import runpy
-import selectors
 import shlex
 import signal
 import subprocess
@@ -41,9 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-import setproctitle
 
-from relax_hpc.launch.cputime import rusage_cpu_s, tree_cpu_s
+from relax_hpc.launch.cputime import tree_cpu_s
 from relax_hpc.launch.gpus import NO_GPU
 
 ROLE_MODULES = frozenset(
@@ -209,7 +205,7 @@ class ForkServer:
             self._replies, self.log_path, self._ready = queue.Queue(), log_path, False
             with log_path.open("ab") as log:
                 self._proc = subprocess.Popen(
-                    [sys.executable, "-m", __name__, *self.modules],
+                    [sys.executable, "-m", "relax_hpc.forkserver", *self.modules],
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=self.env,
                     start_new_session=True, text=True,
                 )  # fmt: skip
@@ -235,94 +231,3 @@ def _create_time(pid: int) -> float | None:
         process = psutil.Process(pid)
         return None if process.status() == psutil.STATUS_ZOMBIE else process.create_time()
     return None
-
-
-# --- the server ---------------------------------------------------------------------------------
-
-
-def main(modules: Sequence[str]) -> None:
-    replies = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)  # what an import prints goes to the server's log, not into the replies
-    for name in modules:
-        importlib.import_module(name)
-        # Imported for its imports only: the child runs it afresh as __main__, as `python -m`
-        # does, which never has the module under its own name before it runs.
-        del sys.modules[name]
-    # What the imports made stays out of every collection, in the server and in its children
-    # (Python's advice for a pre-fork server): a child's collections neither scan it nor write to
-    # its pages, which then stay shared.
-    gc.freeze()
-    print(json.dumps({"ready": True}), file=replies)
-    request = _serve(replies)  # returns only in a forked child
-    _run_role(request)
-
-
-def _serve(replies: Any) -> dict[str, Any]:
-    wakeup_r, wakeup_w = os.pipe()
-    os.set_blocking(wakeup_w, False)
-    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that the wakeup fd is written
-    signal.set_wakeup_fd(wakeup_w)
-    selector = selectors.DefaultSelector()
-    selector.register(sys.stdin, selectors.EVENT_READ)
-    selector.register(wakeup_r, selectors.EVENT_READ)
-    while True:
-        for key, _ in selector.select():
-            if key.fileobj == wakeup_r:
-                os.read(wakeup_r, 4096)
-                _report_exits(replies)
-                continue
-            line = sys.stdin.readline()
-            if not line:  # the launcher closed its end: leave the children running
-                sys.exit(0)
-            request = json.loads(line)
-            try:
-                pid = os.fork()
-            except OSError as err:
-                print(json.dumps({"error": f"fork failed: {err}"}), file=replies)
-                continue
-            if pid == 0:
-                signal.set_wakeup_fd(-1)
-                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                selector.close()
-                for fd in (wakeup_r, wakeup_w, replies.fileno()):
-                    os.close(fd)
-                return request
-            print(json.dumps({"pid": pid}), file=replies)
-
-
-def _report_exits(replies: Any) -> None:
-    while True:
-        try:
-            pid, status, usage = os.wait4(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        exited = {"exited": pid, "code": os.waitstatus_to_exitcode(status), "cpu_s": rusage_cpu_s(usage)}
-        print(json.dumps(exited), file=replies)
-
-
-def _run_role(request: dict[str, Any]) -> None:
-    """In the child: become the role's process, then run its module as `python -m` would."""
-    os.setsid()  # as subprocess's start_new_session: Ctrl-C reaches the launcher alone
-    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    for fd, target in ((devnull, 0), (log, 1), (log, 2)):
-        os.dup2(fd, target)
-    os.close(log)
-    os.close(devnull)
-    argv = request["argv"]
-    # Before the environment changes: setproctitle makes room for a long title in the memory of
-    # the environment the process started with.
-    setproctitle.setproctitle(shlex.join(argv))
-    os.environ.clear()
-    os.environ.update(request["env"])
-    if "numpy" in sys.modules:  # a fresh interpreter seeds numpy's global generator anew
-        sys.modules["numpy"].random.seed()
-    sys.argv = [argv[2], *argv[3:]]
-    # An exception or SystemExit leaves through the interpreter's own exit, as under `python -m`.
-    runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

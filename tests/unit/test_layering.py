@@ -15,7 +15,11 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "relax_hpc"
 ROLES = {"engines", "rollout", "trainer", "launch"}
-ENTRY_POINTS = {"submit", "inprocess", "status", "plot", "scale", "evaluate", "pipeline", "__init__"}
+ENTRY_POINTS = {"submit", "inprocess", "status", "plot", "scale", "evaluate", "pipeline", "forkserver", "__init__"}
+# Where a module may be imported by a name computed at run time, which no import rule sees: the
+# fork server (the role modules the launcher names, launch.forkserver.ROLE_MODULES) and the options
+# naming a user's own object (module:attribute).
+DYNAMIC_IMPORTS = {"forkserver.py", "config/references.py"}
 # The shared layers, lowest first: a layer imports only layers of a lower rank.
 RANKS = [
     {"cli"},  # how an entry point exits (a closed pipe, a full disk): imports nothing of the package
@@ -45,10 +49,25 @@ TAKES_JOB_CONFIG = {
 JOB_CONFIG_CEILING = 58  # the whole package's count: it may shrink (then lower this), not grow
 
 
+def _import_module_calls(tree: ast.AST) -> list[ast.Call]:
+    return [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and (node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", ""))
+        == "import_module"
+    ]
+
+
 def _imports(path: Path) -> set[str]:
-    """Every relax_hpc module a file imports, at any depth of the file (lazy imports count)."""
+    """Every relax_hpc module a file imports, at any depth of the file (lazy imports count, and
+    importlib.import_module of a literal name)."""
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    for call in _import_module_calls(tree):
+        if call.args and isinstance(call.args[0], ast.Constant) and str(call.args[0].value).startswith("relax_hpc"):
+            out.add(str(call.args[0].value))
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name.startswith("relax_hpc")}
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("relax_hpc"):
@@ -122,6 +141,30 @@ def test_no_role_imports_another_role_and_no_shared_layer_imports_a_role():
     assert offences == []
 
 
+def test_modules_imported_by_computed_names_only_where_listed():
+    """An import_module of a name computed at run time escapes every rule above, so it is allowed
+    only in DYNAMIC_IMPORTS; the fork server's names are checked instead (next test)."""
+    offences = [
+        f"{path.relative_to(PACKAGE)}:{call.lineno}"
+        for path, _ in _files()
+        if str(path.relative_to(PACKAGE)) not in DYNAMIC_IMPORTS
+        for call in _import_module_calls(ast.parse(path.read_text()))
+        if not (call.args and isinstance(call.args[0], ast.Constant))
+    ]
+    assert offences == []
+
+
+def test_the_fork_server_imports_only_role_modules_and_lives_above_them():
+    """The fork server imports what the launcher names: its modules are roles' modules, so it is an
+    entry point (above the roles), and launch/, itself a role, only names them in commands."""
+    from relax_hpc.launch.forkserver import ROLE_MODULES
+
+    assert ROLE_MODULES and all(_top(m) in ROLES - {"launch"} | {"metrics"} for m in ROLE_MODULES)
+    assert all((PACKAGE.parent / (m.replace(".", "/") + ".py")).is_file() for m in ROLE_MODULES)
+    assert "forkserver" in ENTRY_POINTS and (PACKAGE / "forkserver.py").is_file()
+    assert not any(_import_module_calls(ast.parse((PACKAGE / "launch" / "forkserver.py").read_text())))
+
+
 def test_a_shared_layer_imports_only_lower_ranked_layers():
     offences = []
     for path, owner in _files():
@@ -165,3 +208,4 @@ def test_the_rule_is_not_vacuous():
     assert _top("relax_hpc.engines.torch_engine") == "engines"
     assert "relax_hpc.ckpt.layout" in _imports(PACKAGE / "metrics" / "summary.py")
     assert "relax_hpc.models.tiny" in _imports(PACKAGE / "models" / "tiny_multimodal.py")
+    assert "relax_hpc.trainer.torch_backend" in _imports(PACKAGE / "trainer" / "main.py")  # import_module("...")

@@ -28,7 +28,7 @@ import psutil
 # The first pattern that a command line matches names its role (order matters: a role's
 # arguments hold RUN_DIRs under /tmp/pytest-of-..., so pytest itself comes after the roles).
 ROLES = (
-    ("relax_hpc.launch.forkserver", "fork server"),
+    ("relax_hpc.forkserver", "fork server"),
     ("relax_hpc.trainer.main", "trainer rank"), ("torch.distributed.run", "torchrun agent"),
     ("torch_engine", "built-in engine"), ("vllm", "vLLM"), ("relax_hpc.rollout.driver", "driver"),
     ("relax_hpc.inprocess", "in-process learning run"), ("relax_hpc.metrics.sinks", "metrics role"),

@@ -67,9 +67,9 @@ def tree_cpu(root: psutil.Process) -> dict[str, float]:
 
 def role_name(argv: list[str], pid: int) -> str:
     """A readable name for a process of the job, from its command line (a forked role's is one
-    string, its title: relax_hpc.launch.forkserver)."""
+    string, its title: relax_hpc.forkserver)."""
     argv = " ".join(argv).split()
-    if "relax_hpc.launch.forkserver" in argv:
+    if "relax_hpc.forkserver" in argv:
         return "forkserver"
     if "relax_hpc.submit" in argv:
         return "launcher"
