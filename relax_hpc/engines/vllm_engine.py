@@ -40,7 +40,7 @@ from pathlib import Path
 
 from relax_hpc.config.engines import VLLM_LORA_RANKS
 from relax_hpc.config.path_options import VENV_VLLM_PYTHON
-from relax_hpc.config.schema import JobConfig, VllmConfig
+from relax_hpc.config.schema import DeltaOption, JobConfig, VllmConfig
 from relax_hpc.engines import sglang_engine
 from relax_hpc.engines.sglang_engine import INITIAL_WEIGHT_VERSION, EngineFailed, Wrapper
 from relax_hpc.protocol import vllm as V
@@ -69,12 +69,13 @@ def server_args(cfg: JobConfig, host: str, port: int, pool: str = "policy", devi
     colocated engine's GPU, whose memory it releases around each step (sleep mode; vLLM refuses
     the flag on the CPU, whose sleep only pauses scheduling)."""
     vc = cfg.rollout.vllm
+    delta = isinstance(cfg.weights, DeltaOption) and cfg.weights.delta
     argv = [
         "--model", cfg.served_model(pool), "--host", host, "--port", str(port),
         "--dtype", cfg.model.dtype, "--seed", str(cfg.run.seed),
         "--kv-cache-memory-bytes", str(vc.kv_cache_mib * 2**20),
         "--enable-scale-out", "--logprobs-mode", "processed_logprobs",
-        "--weight-transfer-config", json.dumps({"backend": V.transfer_backend(cfg.weights.backend, cfg.weights.delta)}),
+        "--weight-transfer-config", json.dumps({"backend": V.transfer_backend(cfg.weights.backend, delta)}),
         "--middleware", MIDDLEWARE,
         "--disable-uvicorn-access-log",  # a line per request: thousands per step, in the engine's log
     ]  # fmt: skip

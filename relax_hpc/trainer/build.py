@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from relax_hpc.config.engines import engine_kind
-from relax_hpc.config.schema import JobConfig, LoraConfig, WeightsConfig
+from relax_hpc.config.schema import DeltaOption, FileWeights, JobConfig, LoraConfig, ShardedWeights, WeightsConfig
 from relax_hpc.models.lora import write_adapter_folder
 from relax_hpc.paths import RunPaths
 from relax_hpc.protocol.client import EngineClient
@@ -54,37 +54,38 @@ def build_channel(job: JobConfig, paths: RunPaths, backend: Backend, device: tor
         publisher = _publisher(job.trainer.lora, job.model.path, paths, timeout_s, speaks) if rank == 0 else None
         return AdapterChannel(publisher)
     layout = engine_layout(job.rollout.engine, backend)
-    bucket_bytes = int(job.weights.bucket_mb * 2**20)
-    if job.weights.channel == "file":
+    weights = job.weights
+    bucket_bytes = int(weights.bucket_mb * 2**20)
+    delta = isinstance(weights, DeltaOption) and weights.delta
+    if isinstance(weights, FileWeights):
         # Every rank of the torch backend holds each full tensor in turn and writes its share; the
         # megatron backend gives rank 0 alone the full tensors (Backend.full_parameters): it writes all.
         writers = world if job.trainer.backend == "torch" else 1
         client = ClientSettings(token, timeout_s, job.rollout.partial, client_class(job.rollout.engine))
         registry = paths.engines if rank == 0 else None
-        return FileChannel(paths.weight_files, layout, bucket_bytes, writers, registry, client, job.weights.delta)
+        return FileChannel(paths.weight_files, layout, bucket_bytes, writers, registry, client, delta)
     if job.rollout.kind.api == "vllm":  # partial rollout: in-flight requests return, the driver continues them
         pause: PauseMode = "abort" if job.rollout.partial else "keep"
-        backend_ = job.weights.backend
+        backend_ = weights.backend
         if rank != 0:
             return VllmChannel(None, layout, bucket_bytes)
         colocated = job.launch.colocate  # the engines sleep through each step
         return VllmChannel(
-            VllmSender(paths.engines, token, timeout_s, bucket_bytes, pause, backend_, device, colocated,
-                       job.weights.delta),
+            VllmSender(paths.engines, token, timeout_s, bucket_bytes, pause, backend_, device, colocated, delta),
             layout, bucket_bytes,
         )  # fmt: skip
     if job.launch.colocate:
         by_reference = ColocatedSender(paths.engines, token, timeout_s, rank, world)
-        if job.weights.channel == "sharded":  # every rank hands its share to every engine of the node
+        if isinstance(weights, ShardedWeights):  # every rank hands its share to every engine of the node
             return ShardedColocatedChannel(by_reference, layout, bucket_bytes, backend.weight_stages())
         return ColocatedChannel(by_reference, layout, bucket_bytes)
     auto = "nccl" if device.type == "cuda" else "gloo"
-    group_backend = job.weights.backend if job.weights.backend != "auto" else auto
+    group_backend = weights.backend if weights.backend != "auto" else auto
     sender = WeightSender(paths.engines, token, group_backend, timeout_s, job.rollout.partial)
-    if job.weights.channel == "sharded":  # every rank sends its share over a group of its own
+    if isinstance(weights, ShardedWeights):  # every rank sends its share over a group of its own
         # SGLang's weight updates take turns (one connection, in order), and so do relayed broadcasts.
-        concurrent = job.rollout.kind.concurrent_updates and not job.weights.relay
-        stages, relay, senders = backend.weight_stages(), job.weights.relay, job.weights.senders
+        concurrent = job.rollout.kind.concurrent_updates and not weights.relay
+        stages, relay, senders = backend.weight_stages(), weights.relay, weights.senders
         return ShardedChannel(sender, layout, bucket_bytes, stages, job.engine_catch_up, concurrent, relay, senders)
     return BroadcastChannel(sender if rank == 0 else None, layout, bucket_bytes, job.engine_catch_up)
 

@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from relax_hpc.config.load import read_frozen
-from relax_hpc.config.schema import JobConfig
+from relax_hpc.config.schema import FileWeights, JobConfig
 from relax_hpc.engines.sampling import SamplingSpec, sample
 from relax_hpc.launch.commands import local_commands
 from relax_hpc.launch.supervisor import child_env
@@ -126,11 +126,11 @@ def push_files(channel: WeightChannel, cfg: JobConfig, paths: RunPaths, backend:
     """Two versions through the file channel; with weights.delta six, each a sparse change of the
     one before: the second engine is stopped during the third push (it misses it) and killed as the
     fifth is written and loaded, then started again (as the launcher would) for the sixth."""
-    second = None
-    if dist.get_rank() == 0 and cfg.weights.delta:
+    second, delta = None, isinstance(cfg.weights, FileWeights) and cfg.weights.delta
+    if dist.get_rank() == 0 and delta:
         second = sorted(read_records(paths.engines), key=lambda r: r.engine_id)[1]
     out = Pushed()
-    for pushed in range(version - (5 if cfg.weights.delta else 1), version + 1):
+    for pushed in range(version - (5 if delta else 1), version + 1):
         if out.served:
             perturb(backend.model, share=0.02)
         if second is not None and pushed == version - 3:

@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from relax_hpc.config.schema import ShardedWeights
 from relax_hpc.metrics.jsonl import read_jsonl
 from relax_hpc.protocol import requests as P
 from relax_hpc.protocol.client import EngineClient
@@ -77,7 +78,8 @@ def test_engines_hold_the_trainer_weights_after_a_push(tmp_path, engines, path, 
     reporting the version once both halves are in."""
     # 0.05 MiB buckets: the 1.2 MB model travels in many buckets, as a large model would.
     cfg, paths = make_run(tmp_path / "run", "weights.bucket_mb=0.05", *overrides)
-    ranks = 4 if cfg.weights.relay else 2  # relays: three of them in every rank's group
+    relay = isinstance(cfg.weights, ShardedWeights) and cfg.weights.relay
+    ranks = 4 if relay else 2  # relays: three of them in every rank's group
     group = engines(cfg, paths, 2)
     out, log = tmp_path / "expected.json", tmp_path / "worker.log"
     # Output to a file, not a pipe: torch's shared-memory manager (CPU tensors shared by name)
@@ -118,7 +120,7 @@ def test_engines_hold_the_trainer_weights_after_a_push(tmp_path, engines, path, 
             assert sum(expected["shares"]) == total and len(expected["shares"]) == ranks
             assert max(expected["shares"]) <= total / ranks + largest  # each rank its share, to within a tensor
             # weights.relay: rank 0 is in the other ranks' groups too, passing their buckets on
-            assert expected["relayed_groups"] == (ranks - 1 if cfg.weights.relay else 0)
+            assert expected["relayed_groups"] == (ranks - 1 if relay else 0)
         elif path == "sharded-colocated":  # both ranks hand their halves to both engines, twice
             assert sum(expected["shares"]) == expected["bytes"]
             assert max(expected["shares"]) <= expected["bytes"] / 2 + expected["largest_tensor"]

@@ -8,10 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from relax_hpc.config import ConfigError, load_config
 from relax_hpc.config.load import read_frozen, to_yaml
 from relax_hpc.config.path_options import SHIPPED_ASSETS, bind_sources, path_problems, python_command, tiny_policy_hint
+from relax_hpc.config.schema import BroadcastWeights, FileWeights, ShardedWeights
 from relax_hpc.engines.vllm_engine import engine_python, server_args, server_env, visible_gpu
 from relax_hpc.launch.gpus import visible_gpu_count
 from relax_hpc.paths import RunPaths
@@ -397,8 +399,8 @@ def test_visible_gpus_are_counted_without_torch():
             "weights.delta with launch.colocate",
         ),
         (["weights.delta=true", "rollout.engine=vllm", "trainer.lora.rank=4"], "weights.delta with trainer.lora"),
-        (["weights.relay=true"], "weights.relay is a mode of the sharded channel's groups"),
-        (["weights.senders=node"], "weights.senders=node is a mode of the sharded channel's groups"),
+        (["weights.relay=true"], "weights.relay: an option of weights.channel=sharded only"),
+        (["weights.senders=node"], "weights.senders: an option of weights.channel=sharded only"),
         (
             ["weights.channel=sharded", "weights.relay=true", "launch.colocate=true", "rollout.max_staleness=0"],
             "without launch.colocate",
@@ -426,7 +428,10 @@ def test_visible_gpus_are_counted_without_torch():
         ),
         (["weights.channel=sharded", "trainer.lora.rank=4"], "weights.channel=sharded with trainer.lora"),
         (["weights.channel=sharded", "rollout.engine=vllm"], "weights.channel=sharded with rollout.engine=vllm"),
-        (["weights.channel=sharded", "weights.delta=true"], "weights.delta with weights.channel=sharded"),
+        (
+            ["weights.channel=sharded", "weights.delta=true"],
+            "weights.delta: an option of weights.channel=broadcast or weights.channel=file only",
+        ),
     ],
     ids=[
         "delta-broadcast-builtin",
@@ -451,6 +456,34 @@ def test_weight_channel_combinations_that_cannot_work_are_refused(overrides, mes
         load_config(None, overrides)
 
 
+@pytest.mark.parametrize("order", [1, -1], ids=["channel-first", "option-first"])
+def test_a_channel_s_own_options_are_set_flat_in_either_order(order):
+    cfg = load_config(None, ["weights.channel=sharded", "weights.relay=true", "weights.senders=node"][::order])
+    assert isinstance(cfg.weights, ShardedWeights) and (cfg.weights.relay, cfg.weights.senders) == (True, "node")
+    assert "relay" in to_yaml(cfg) and "delta" not in to_yaml(cfg)  # its dump holds its own options only
+
+
+def test_an_unknown_channel_is_refused_naming_the_channels():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["weights.channel=multicast"])
+    assert str(info.value).splitlines()[1].strip() == (
+        "weights.channel: 'multicast' is not one of 'broadcast', 'sharded', 'file'"
+    )
+
+
+def test_a_frozen_file_s_other_channel_options_load_only_at_their_defaults(tmp_path):
+    """0.20.0 froze every channel's options in every config: at their defaults they did nothing."""
+    frozen = tmp_path / "config.yaml"
+    frozen.write_text(
+        yaml.safe_dump({"weights": {"channel": "file", "relay": False, "senders": "rank", "delta": True}})
+    )
+    cfg = read_frozen(frozen)
+    assert isinstance(cfg.weights, FileWeights) and cfg.weights.delta
+    frozen.write_text(yaml.safe_dump({"weights": {"channel": "file", "relay": True}}))
+    with pytest.raises(ConfigError, match=re.escape("weights.relay: an option of weights.channel=sharded only")):
+        read_frozen(frozen)
+
+
 def test_the_sharded_channel_colocated_on_one_node_is_accepted():
     cfg = load_config(None, ["weights.channel=sharded", "launch.colocate=true", "rollout.max_staleness=0"])
     assert (cfg.weights.channel, cfg.launch.colocate) == ("sharded", True)
@@ -458,13 +491,13 @@ def test_the_sharded_channel_colocated_on_one_node_is_accepted():
 
 def test_the_file_channel_with_delta_is_accepted():
     cfg = load_config(None, ["weights.channel=file", "weights.delta=true"])
-    assert (cfg.weights.channel, cfg.weights.delta) == ("file", True)
+    assert isinstance(cfg.weights, FileWeights) and cfg.weights.delta
 
 
 @pytest.mark.parametrize("backend, transfer", [("auto", "relax_gloo"), ("nccl", "sparse_nccl")])
 def test_a_delta_broadcast_to_vllm_is_accepted_and_picks_its_transfer_engine(backend, transfer):
     cfg = load_config(None, ["weights.delta=true", "rollout.engine=vllm", f"weights.backend={backend}"])
-    assert (cfg.weights.channel, cfg.weights.delta) == ("broadcast", True)
+    assert isinstance(cfg.weights, BroadcastWeights) and cfg.weights.delta
     assert transfer_backend(cfg.weights.backend, cfg.weights.delta) == transfer
 
 
@@ -472,3 +505,12 @@ def test_an_enum_error_lists_the_allowed_values_once():
     with pytest.raises(ConfigError) as info:
         load_config(None, ["rollout.engine=vLLM"])
     assert str(info.value).count("'sglang'") == 1, info.value
+
+
+def test_every_refusal_of_the_rules_table_is_reported_at_once_one_line_each():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["launch.colocate=true", "weights.channel=file"])
+    lines = [line.strip() for line in str(info.value).splitlines()[1:]]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("launch.colocate: engines and trainer take turns on the same devices")
+    assert lines[1].startswith("weights.channel=file with launch.colocate")
