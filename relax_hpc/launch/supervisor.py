@@ -438,18 +438,18 @@ class Supervisor:
             self._kill(role)
 
     def _supervise(self, roles: dict[str, Role], env: dict[str, str], monitor: HealthMonitor) -> tuple[int, bool]:
+        """Watch the roles until the run ends: restart the ones that die, stop on request, end
+        with the trainer. Returns the launcher's exit code and whether the whole run restarts."""
         progress = Progress(
             self.paths, self.cfg.trainer.total_steps, self.out, log_every_s=self.cfg.metrics.progress_every_s
         )
         trainer = roles["trainer"]
         engines = [r for r in roles.values() if r.kind.pushed_to]  # the rollout engines, which serve the driver
-        helpers = [r for r in roles.values() if r.kind.helper]
         others = [r for r in roles.values() if r is not trainer]
         serving = lambda: len({r.name for r in engines if r.alive()} & monitor.serving())  # noqa: E731
         started = time.monotonic()
         trainer_done_at: float | None = None
         health_checked = 0.0
-        backoff = self.cfg.launch.health.restart_backoff_s
         while True:
             time.sleep(0.2)
             if self.kill_requested:
@@ -464,88 +464,15 @@ class Supervisor:
             for role in others:
                 if role.alive() or role.abandoned or trainer_done_at is not None or self.stop_requested:
                     continue
-                if role.not_before == 0.0:  # just found dead: the restart waits out the back-off
-                    role.accrue()
-                    role.not_before = time.monotonic() + min(60.0, backoff * 2**role.restarts) * bool(role.restarts)
-                if time.monotonic() < role.not_before:
-                    continue
-                code = role.returncode
-                if role.kind.finishes and code == 0:
-                    continue
-                if code and (line := no_space(role.log_tail(5))):
-                    return self._stop_for_space(role, line, progress)
-                if self._lost_run(progress):
-                    return EXIT_SUPERSEDED, False
-                give_up = role.restarts >= role.max_restarts
-                if give_up and role.kind.helper:  # reported and left behind; the run goes on
-                    role.abandoned = True
-                    self._role_failed(role, {"exit": code, "restarts": role.restarts, "action": "abandon"})
-                    self.say(f"\n{role.name} failed {role.restarts + 1} times (exit {code}); the run goes on "
-                             f"without it (see {role.log_path})\n")  # fmt: skip
-                    continue
-                action = "give_up" if give_up else "restart"
-                self._role_failed(role, {"exit": code, "restarts": role.restarts, "action": action})
-                cause = exit_cause(code, role.hung)
-                if give_up:
-                    progress.finish()
-                    self.say(
-                        f"\n{role.name} failed {role.restarts + 1} times ({cause}); giving up.\n"
-                        f"last lines of {role.log_path}:\n{role.log_tail()}\n"
-                    )
-                    return EXIT_FAILED, False
-                role.restarts += 1
-                self.say(f"\n{role.name} ended ({cause}); restarting ({role.restarts}/{role.max_restarts})\n")
-                role.hung, role.not_before = None, 0.0
-                self._kill(role)  # what its process left behind: a Slurm step outlives its srun
-                role.start({**env, **self.lease.grant(role.name)})
+                if (ended := self._tend_dead(role, env, progress)) is not None:
+                    return ended
             progress.show(serving(), len(engines))
-            end = progress.trainer_end
-            if self.stop_requested and end is None and not progress.steps_this_start:
-                # Nothing trained since this start: the checkpoint it resumed from is what a stop
-                # would write, so stop now instead of waiting out the trainer's start-up.
-                progress.finish()
-                self.say("no step trained since this start: stopping now; the next start resumes where this one did\n")
-                started = trainer.proc is not None
-                self._stop_all([trainer])
-                how = (
-                    "ended (SIGTERM) with nothing to checkpoint; a SignalException above is torchrun's word for it"
-                    if started
-                    else "not started"
-                )
-                trainer.note(f"launcher: the run was asked to stop before this start trained a step; trainer {how}")
-                return EXIT_STOPPED, False
-            if self.stop_requested and end is not None and not end["completed"]:
-                # The checkpoint is complete once the trainer writes its stop record: end soon
-                # rather than wait for all of its teardown (seconds that a preempted job may not
-                # have), but give torchrun a moment to leave by itself: one ended by SIGTERM
-                # leaves a traceback in trainer.log that reads like a crash.
-                progress.finish()
-                for role in others:  # their teardown overlaps the trainer's
-                    if role not in helpers:  # the sinks stop after the usage event (_log_usage)
-                        role.signal(signal.SIGTERM)
-                if trainer.proc is not None:
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        trainer.proc.wait(timeout=TRAINER_EXIT_GRACE_S)
-                return EXIT_STOPPED, False
+            if self.stop_requested and (ended := self._stop_now(trainer, others, progress)) is not None:
+                return ended
             if trainer.alive():
                 continue
-            if trainer.returncode != 0 and progress.trainer_end is None and self.stop_requested:
-                # Slurm's SIGTERM (a requeue, a cancel) reaches the job steps as well as the
-                # launcher: a trainer that died of it before its stop record (in its start-up)
-                # was stopped, not failed; the next start resumes from the last checkpoint.
-                progress.finish()
-                self.say(f"\ntrainer ended (exit {trainer.returncode}) before its checkpoint; stopping\n")
-                return EXIT_STOPPED, False
-            if trainer.returncode != 0 and progress.trainer_end is None and self._lost_run(progress):
-                return EXIT_SUPERSEDED, False
-            if trainer.returncode != 0 and progress.trainer_end is None and (line := no_space(trainer.log_tail(5))):
-                return self._stop_for_space(trainer, line, progress)
             if trainer.returncode != 0 and progress.trainer_end is None:
-                progress.finish()
-                cause = exit_cause(trainer.returncode, trainer.hung)
-                self._role_failed(trainer, {"exit": trainer.returncode, "restarts": 0, "action": "restart_run"})
-                self.say(f"\ntrainer failed ({cause}); last lines of {trainer.log_path}:\n{trainer.log_tail()}\n")
-                return EXIT_FAILED, True
+                return self._trainer_failed(trainer, progress)
             # A non-zero exit after its end record (which follows its last checkpoint) is a fault
             # of the teardown (gloo's threads at exit): nothing is lost.
             trainer_done_at = trainer_done_at or time.monotonic()
@@ -556,6 +483,98 @@ class Supervisor:
                 progress.show(serving(), len(engines), force=True)
                 progress.finish()
                 return (EXIT_COMPLETED if completed else EXIT_STOPPED), False
+
+    def _tend_dead(self, role: Role, env: dict[str, str], progress: Progress) -> tuple[int, bool] | None:
+        """A role other than the trainer found dead: after its back-off, restart it, leave it behind
+        (a helper out of restarts), or end the run (the launcher's exit code, and no restart)."""
+        if role.not_before == 0.0:  # just found dead: the restart waits out the back-off
+            role.accrue()
+            backoff = self.cfg.launch.health.restart_backoff_s
+            role.not_before = time.monotonic() + min(60.0, backoff * 2**role.restarts) * bool(role.restarts)
+        if time.monotonic() < role.not_before:
+            return None
+        code = role.returncode
+        if role.kind.finishes and code == 0:
+            return None
+        if code and (line := no_space(role.log_tail(5))):
+            return self._stop_for_space(role, line, progress)
+        if self._lost_run(progress):
+            return EXIT_SUPERSEDED, False
+        give_up = role.restarts >= role.max_restarts
+        if give_up and role.kind.helper:  # reported and left behind; the run goes on
+            role.abandoned = True
+            self._role_failed(role, {"exit": code, "restarts": role.restarts, "action": "abandon"})
+            self.say(f"\n{role.name} failed {role.restarts + 1} times (exit {code}); the run goes on "
+                     f"without it (see {role.log_path})\n")  # fmt: skip
+            return None
+        action = "give_up" if give_up else "restart"
+        self._role_failed(role, {"exit": code, "restarts": role.restarts, "action": action})
+        cause = exit_cause(code, role.hung)
+        if give_up:
+            progress.finish()
+            self.say(
+                f"\n{role.name} failed {role.restarts + 1} times ({cause}); giving up.\n"
+                f"last lines of {role.log_path}:\n{role.log_tail()}\n"
+            )
+            return EXIT_FAILED, False
+        role.restarts += 1
+        self.say(f"\n{role.name} ended ({cause}); restarting ({role.restarts}/{role.max_restarts})\n")
+        role.hung, role.not_before = None, 0.0
+        self._kill(role)  # what its process left behind: a Slurm step outlives its srun
+        role.start({**env, **self.lease.grant(role.name)})
+        return None
+
+    def _stop_now(self, trainer: Role, others: list[Role], progress: Progress) -> tuple[int, bool] | None:
+        """A stop was asked: end the run if the checkpoint it needs is written (or none is), else
+        None (the trainer is still on its way to it)."""
+        end = progress.trainer_end
+        if end is None and not progress.steps_this_start:
+            # Nothing trained since this start: the checkpoint it resumed from is what a stop
+            # would write, so stop now instead of waiting out the trainer's start-up.
+            progress.finish()
+            self.say("no step trained since this start: stopping now; the next start resumes where this one did\n")
+            started = trainer.proc is not None
+            self._stop_all([trainer])
+            how = (
+                "ended (SIGTERM) with nothing to checkpoint; a SignalException above is torchrun's word for it"
+                if started
+                else "not started"
+            )
+            trainer.note(f"launcher: the run was asked to stop before this start trained a step; trainer {how}")
+            return EXIT_STOPPED, False
+        if end is not None and not end["completed"]:
+            # The checkpoint is complete once the trainer writes its stop record: end soon
+            # rather than wait for all of its teardown (seconds that a preempted job may not
+            # have), but give torchrun a moment to leave by itself: one ended by SIGTERM
+            # leaves a traceback in trainer.log that reads like a crash.
+            progress.finish()
+            for role in others:  # their teardown overlaps the trainer's
+                if not role.kind.helper:  # the sinks stop after the usage event (_log_usage)
+                    role.signal(signal.SIGTERM)
+            if trainer.proc is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    trainer.proc.wait(timeout=TRAINER_EXIT_GRACE_S)
+            return EXIT_STOPPED, False
+        return None
+
+    def _trainer_failed(self, trainer: Role, progress: Progress) -> tuple[int, bool]:
+        """The trainer exited non-zero before its end record."""
+        if self.stop_requested:
+            # Slurm's SIGTERM (a requeue, a cancel) reaches the job steps as well as the
+            # launcher: a trainer that died of it before its stop record (in its start-up)
+            # was stopped, not failed; the next start resumes from the last checkpoint.
+            progress.finish()
+            self.say(f"\ntrainer ended (exit {trainer.returncode}) before its checkpoint; stopping\n")
+            return EXIT_STOPPED, False
+        if self._lost_run(progress):
+            return EXIT_SUPERSEDED, False
+        if line := no_space(trainer.log_tail(5)):
+            return self._stop_for_space(trainer, line, progress)
+        progress.finish()
+        cause = exit_cause(trainer.returncode, trainer.hung)
+        self._role_failed(trainer, {"exit": trainer.returncode, "restarts": 0, "action": "restart_run"})
+        self.say(f"\ntrainer failed ({cause}); last lines of {trainer.log_path}:\n{trainer.log_tail()}\n")
+        return EXIT_FAILED, True
 
     def _stop_for_space(self, role: Role, line: str, progress: Progress) -> tuple[int, bool]:
         """A role could not write for lack of space: a restart would fail the same way, so the run
