@@ -20,6 +20,7 @@ trainer is killed and the run restarted from its checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -133,6 +134,10 @@ class HealthMonitor:
         return []
 
     def _oldest_ready(self, now: float) -> float:
-        """When the oldest batch waiting in the spool was published (now: none waits)."""
-        times = [p.stat().st_mtime for p in SpoolDirs(self.paths.spool).ready.glob("b*.h5")]
+        """When the oldest batch waiting in the spool was published (now: none waits). A batch
+        the trainer claims between the listing and its stat is no longer waiting: passed over."""
+        times = []
+        for path in SpoolDirs(self.paths.spool).ready.glob("b*.h5"):
+            with contextlib.suppress(FileNotFoundError):
+                times.append(path.stat().st_mtime)
         return min(times, default=now)

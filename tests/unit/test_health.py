@@ -53,6 +53,18 @@ def test_a_trainer_waiting_beside_ready_batches_is_hung(tmp_path):
     assert "with batches ready" in finding.cause
 
 
+def test_a_batch_claimed_while_the_monitor_looks_is_passed_over(tmp_path):
+    """The trainer claims (renames) a ready batch between the monitor's listing of the folder and
+    its stat of the file: the listing then names a file that is gone, here a dangling link. The
+    monitor passes it over; it raised FileNotFoundError and ended the launcher (CI at 73a6c78)."""
+    now = time.time()
+    health, paths = monitor(tmp_path, started=now - 1000)
+    StepClock(Heartbeat(paths, "trainer")).phase("wait")
+    ready = Spool(paths.spool).publish(make_batch(0), writer="test").parent
+    (ready / "b000000007.h5").symlink_to(ready / "claimed-meanwhile.h5")
+    assert all(f.role != "trainer" for f in health.findings(now + 1))  # a fresh batch: not yet hung
+
+
 def test_a_silent_driver_is_hung_but_a_new_one_has_its_grace(tmp_path):
     now = time.time()
     health, paths = monitor(tmp_path, started=now - 1000)
