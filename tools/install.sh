@@ -22,7 +22,7 @@ export PIP_CONSTRAINT="$PWD/constraints.txt" PIP_DISABLE_PIP_VERSION_CHECK=1
 source tools/uv_env.sh
 install() { .venv/bin/uv pip install --python .venv/bin/python --quiet -c constraints.txt "$@"; }
 install torch==2.13.0
-install -e ".[test,megatron,dev,sinks,notify]"
+install -e ".[test,megatron,dev,sinks,notify,agents]"
 # SGLang without its dependencies (they pin torch 2.14.1 and GPU kernels), plus the light packages
 # its request classes and argument parser import: the section of constraints.txt between the
 # sglang markers, which also pins them. The contract and launcher tests import it; nothing runs it.

@@ -31,6 +31,7 @@ from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
 
 from relax_hpc.envs.calculator import write_task
 from relax_hpc.models.tiny import (
+    CALCULATOR_CHAT_TEMPLATE,
     addition_problems,
     build_char_tokenizer,
     format_warmup_rows,
@@ -69,7 +70,9 @@ def main() -> None:
         model = Qwen3ForCausalLM(tiny_qwen3_config(tokenizer))
         loss = tool_warmup(model, tokenizer, args.tool_warmup_steps, args.seed)
         print(f"calculator warm-up: {args.tool_warmup_steps} steps, final loss {loss:.3f}")
+        tokenizer.chat_template = CALCULATOR_CHAT_TEMPLATE  # its agents' conversations (relax_hpc.agents)
         save(model, tokenizer, args.out / "tiny-qwen3-calculator")
+        tokenizer.chat_template = None
         data = write_task(args.out / "calculator.jsonl", size=300, seed=args.seed)
         print(f"wrote {args.out / 'tiny-qwen3-calculator'} and {data}")
 

@@ -19,12 +19,15 @@ from relax_hpc.envs.long_tail import LongTail
 from relax_hpc.envs.single_turn import single_turn
 
 BUILTIN: dict[str, Any] = {"single_turn": single_turn, "calculator": Calculator, "long_tail": LongTail}
+# Built-ins of packages above this one, imported when named: `agent` runs an OpenAI-API agent
+# through the gateway (relax_hpc.agents.env), which a run of another environment never imports.
+BUILTIN_ELSEWHERE = {"agent": "relax_hpc.agents.env:AgentEnv"}
 
 
 def resolve(name: str) -> Any:
     """The object `name` designates: a built-in, or `module:attribute` (imported)."""
     try:
-        return resolve_reference(name, BUILTIN)
+        return resolve_reference(BUILTIN_ELSEWHERE.get(name, name), BUILTIN)
     except BadReference as e:
         raise EnvError(f"rollout.env.name {name!r}: {e}") from None
 

@@ -123,6 +123,8 @@ class Context(Protocol):
     settings: Mapping[str, Any]
     evaluation: bool  # greedy scoring of the dataset, not training
     seed: int  # the episode's seed (its first generate call samples with it)
+    sampling: Mapping[str, Any]  # the episode's sampling settings (rollout.*; greedy in evaluations)
+    tokenizer: Any  # the model's tokenizer: its chat template and special tokens
 
     async def generate(
         self, token_ids: list[int], sampling: Mapping[str, Any] | None = None, media: bool = False

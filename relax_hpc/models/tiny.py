@@ -19,6 +19,89 @@ EOS_TOKEN = "<|im_end|>"
 ALPHABET = "0123456789+-*=?() abcdefghijklmnopqrstuvwxyz"
 
 
+# The calculator model's chat template (relax_hpc.agents: an agent drives it through the gateway):
+# every message is its text alone, and an assistant's calculator call is "(op)", so a conversation
+# renders to exactly the tokens relax_hpc.envs.calculator trains (prompt, "(+)", the tool's output
+# "936 ", the answer).
+CALCULATOR_CHAT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' and m.tool_calls -%}"
+    "{{ m.content or '' }}{%- for c in m.tool_calls -%}({{ c.function.arguments.op }}){%- endfor -%}"
+    "{%- else -%}{{ m.content }}{%- endif -%}"
+    "{%- endfor -%}"
+)
+
+
+# A chat template of Qwen3's shape, written by this project (no hub here; it has not been
+# byte-compared with Qwen's own): a system turn that lists the tools in <tools></tools> and asks
+# for <tool_call> blocks, role turns between <|im_start|> and <|im_end|>, an assistant's calls as
+# <tool_call> JSON, consecutive tool results as <tool_response> blocks of one user turn, and the
+# <think> block of an assistant turn kept only after the last user message (so a later turn
+# rewrites an earlier one: the gateway's segment split).
+QWEN3_SHAPED_CHAT_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if messages[0].role == 'system' -%}{{- messages[0].content + '\\n\\n' -}}{%- endif -%}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' -}}"
+    "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": '
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' -}}"
+    "{%- elif messages[0].role == 'system' -%}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'user' -%}"
+    "{{- '<|im_start|>user\\n' + m.content + '<|im_end|>\\n' -}}"
+    "{%- elif m.role == 'assistant' -%}"
+    "{%- set content = m.content or '' -%}"
+    "{%- if '</think>' in content and loop.index0 < ns.last_user -%}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}"
+    "{%- endif -%}"
+    "{{- '<|im_start|>assistant\\n' + content -}}"
+    "{%- for call in m.tool_calls or [] -%}"
+    "{%- if loop.first and content -%}{{- '\\n' -}}{%- endif -%}"
+    "{%- if not loop.first -%}{{- '\\n' -}}{%- endif -%}"
+    '{{- \'<tool_call>\\n{"name": "\' + call.function.name + \'", "arguments": \' -}}'
+    "{{- (call.function.arguments | tojson) + '}\\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- elif m.role == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
+    "{{- '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' -}}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+QWEN3_ADDED = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")
+
+
+def build_qwen3_chat_tokenizer() -> PreTrainedTokenizerFast:
+    """The character tokenizer with Qwen3's chat tokens as single tokens, and the Qwen3-shaped
+    template: what the gateway's format tests render with (no Qwen3 tokenizer without a hub). As
+    in Qwen3's, <|im_start|> and <|im_end|> are special (decoding skips them) and the tool and
+    think tags are added tokens that decoding keeps, so a parser reads them."""
+    alphabet = sorted(set(ALPHABET + "ABCDEFGHIJKLMNOPQRSTUVWXYZ\n\"{}[]:,.#<>/_'!"))
+    vocab = {PAD_TOKEN: 0, EOS_TOKEN: 1, "<|im_start|>": 2}
+    for ch in alphabet:
+        vocab.setdefault(ch, len(vocab))
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD_TOKEN))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")  # newlines too
+    core.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token=PAD_TOKEN, eos_token=EOS_TOKEN, clean_up_tokenization_spaces=False,
+        additional_special_tokens=["<|im_start|>"],
+    )  # fmt: skip
+    tokenizer.add_tokens(list(QWEN3_ADDED))
+    tokenizer.chat_template = QWEN3_SHAPED_CHAT_TEMPLATE
+    return tokenizer
+
+
 def build_char_tokenizer() -> PreTrainedTokenizerFast:
     """A character-level tokenizer: one token per character of ALPHABET, plus pad and eos."""
     vocab = {PAD_TOKEN: 0, EOS_TOKEN: 1}

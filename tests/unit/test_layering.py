@@ -27,6 +27,7 @@ RANKS = [
     {"fence"},  # one writer per run: every writing layer above checks it
     {"data", "protocol", "algos"},
     {"exchange", "envs", "rewards", "weights"},
+    {"agents"},  # the agent gateway: an environment's episodes through OpenAI's API (envs names it)
     {"models"},
     {"ckpt"},
     {"metrics"},
@@ -184,7 +185,8 @@ def test_a_shared_layer_imports_only_lower_ranked_layers():
 def test_the_driver_imports_no_torch():
     """Importing the driver module in a fresh interpreter leaves torch unimported: torch costs
     seconds of CPU on every start and restart of a run, and the driver never needs it."""
-    code = "import sys, relax_hpc.rollout.driver; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    modules = "relax_hpc.rollout.driver, relax_hpc.agents.env"  # the agent gateway runs in the driver
+    code = f"import sys, {modules}; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
     env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
