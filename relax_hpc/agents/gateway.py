@@ -37,6 +37,7 @@ from relax_hpc.agents.toolcalls import Parsed, Parser
 from relax_hpc.agents.transcript import BadMessages, Tokenizer, Transcript
 
 MAX_BODY = 8 * 2**20  # bytes of one request body
+BACKLOG = 1024  # connections waiting to be accepted: a round's episodes connect at once
 APIS: tuple[Api, ...] = (ChatCompletions(), Responses(), Messages())
 
 
@@ -60,22 +61,26 @@ class Gateway:
         self.tokenizer, self.parser, self.model = tokenizer, parser, model
         self._secret = secrets.token_bytes(32)
         self._sessions: dict[str, Session] = {}
-        self._runner: web.AppRunner | None = None
+        self._starting: asyncio.Task[None] | None = None  # the server's start on `_loop`
         self._loop: asyncio.AbstractEventLoop | None = None
         self.base_url = ""
 
     async def start(self) -> None:
-        """Serve on this event loop (again, if an earlier one served on another loop)."""
+        """Serve on this event loop (again, if an earlier one served on another loop). Every
+        episode of a round calls it at once: they all wait for the one start."""
         loop = asyncio.get_running_loop()
-        if self._runner is not None and self._loop is loop:
-            return
+        if self._starting is None or self._loop is not loop:
+            self._loop, self._starting = loop, loop.create_task(self._listen())
+        await self._starting
+
+    async def _listen(self) -> None:
         app = web.Application(client_max_size=MAX_BODY)
         for api in APIS:
             app.router.add_post(api.route, functools.partial(self._serve, api=api))
         app.router.add_get("/v1/models", self._models)
-        self._runner, self._loop = web.AppRunner(app, access_log=None), loop
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0, backlog=BACKLOG)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]  # aiohttp keeps the bound socket there
         self.base_url = f"http://127.0.0.1:{port}/v1"

@@ -105,7 +105,9 @@ class Transcript:
         self._messages: list[dict[str, Any]] = []  # what the current segment's tokens stand for
         self._tools: Any = None
         self._tail = ""  # the template's text after the last sampled token
+        self._rendered = ""  # the template's text of `_messages`
         self._pending: list[dict[str, Any]] | None = None  # the request being answered
+        self._asked = ""  # the template's text of `_pending`, with the generation prompt
 
     @property
     def current(self) -> Trajectory | None:
@@ -121,16 +123,14 @@ class Transcript:
             self.current is not None and known < len(normalized) and tools == self._tools
             and all(_same(a, b) for a, b in zip(self._messages, normalized[:known], strict=False))
         )  # fmt: skip
-        if goes_on:
-            base = self._render(self._messages, generation=False)
-            full = self._render(normalized, generation=True, tools=tools)
-            if full.startswith(base):
-                assert self.current is not None
-                self.current.add_observation(self._encode(self._tail + full[len(base) :]))
-                self._pending = normalized
-                return self.current.ids
-        self.segments.append(Trajectory(prompt_ids=self._encode(self._render(normalized, True, tools))))
-        self._tools, self._pending = tools, normalized
+        full = self._render(normalized, generation=True, tools=tools)
+        self._pending, self._asked = normalized, full
+        if goes_on and full.startswith(self._rendered):
+            assert self.current is not None
+            self.current.add_observation(self._encode(self._tail + full[len(self._rendered) :]))
+            return self.current.ids
+        self.segments.append(Trajectory(prompt_ids=self._encode(full)))
+        self._tools = tools
         return self.segments[-1].ids
 
     def record(self, sampled: Sampled, parsed: Parsed) -> dict[str, Any]:
@@ -138,10 +138,10 @@ class Transcript:
         assert self.current is not None and self._pending is not None, "prompt() first"
         self.current.add_sampled(sampled)
         message = assistant_message(parsed)
-        asked = self._render(self._pending, generation=True)
         self._messages, self._pending = [*self._pending, message], None
-        rendered = self._render(self._messages, generation=False)
-        self._tail = self._closing(rendered[len(asked) :] if rendered.startswith(asked) else "", sampled)
+        self._rendered = self._render(self._messages, generation=False)
+        turn = self._rendered[len(self._asked) :] if self._rendered.startswith(self._asked) else ""
+        self._tail = self._closing(turn, sampled)
         return message
 
     def _closing(self, turn: str, sampled: Sampled) -> str:

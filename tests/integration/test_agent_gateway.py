@@ -14,6 +14,7 @@ from typing import Any
 
 import anthropic
 import httpx
+import numpy as np
 import openai
 import pytest
 from anthropic import AsyncAnthropic
@@ -267,7 +268,8 @@ def _trained(run_dir: Path) -> list:
 def test_an_sdk_agent_trains_the_tokens_the_built_in_calculator_environment_trains(tmp_path):
     """Two short on-policy runs of one seed: configs/tiny-agentic-grpo.yaml (the built-in
     environment) and configs/tiny-agent-openai.yaml (the same task through the openai SDK and the
-    gateway). Every trained batch is the same: tokens, loss masks, log-probabilities, rewards."""
+    gateway). Every trained batch is the same: tokens, loss masks and rewards exactly, the engine's
+    log-probabilities to float rounding."""
     short = ("trainer.total_steps=3", "rollout.prompts_per_step=8", "rollout.max_staleness=0",
              "rollout.eval_every=0", "ckpt.keep_trained_batches=true")  # fmt: skip
     batches = {}
@@ -280,5 +282,7 @@ def test_an_sdk_agent_trains_the_tokens_the_built_in_calculator_environment_trai
     for a, b in zip(built_in, agent, strict=True):
         assert a.tokens.tolist() == b.tokens.tolist() and a.loss_mask.tolist() == b.loss_mask.tolist()
         assert a.rewards.tolist() == b.rewards.tolist()
-        assert a.rollout_logprobs.tolist() == b.rollout_logprobs.tolist()
+        # The engines batch the agent's requests as they come over HTTP, not as one round: the
+        # log-probabilities differ in float rounding (about 1e-6), the seeded tokens do not.
+        assert np.allclose(a.rollout_logprobs, b.rollout_logprobs, atol=1e-4)
     assert any(0 in m for m in (b.loss_mask.tolist() for b in agent))  # tool outputs among them
