@@ -245,6 +245,20 @@ async def garbage_agent(base_url: str, api_key: str, row: dict) -> float | None:
     return 1.0  # it claims success; the gateway refused its requests
 
 
+def test_a_round_s_episodes_start_the_gateway_together(driver):
+    """Every episode of a round asks a new environment's gateway to start at once: all of them get
+    its address (those after the first once had none while it was binding, and failed)."""
+    env = AgentEnv({"agent": "relax_hpc.agents.examples.calculator_openai:solve", "parser": "calculator"})
+    contexts = driver.rounds._contexts(list(range(16)), list(range(16)), False)
+
+    async def run():
+        return await asyncio.gather(*(env.rollout(ctx.row, ctx) for ctx in contexts))
+
+    episodes = asyncio.run(run())
+    assert [t.status for (t, *_) in episodes].count("failed") == 0
+    assert all(t.metrics["agent_requests"] >= 1 for (t, *_) in episodes)
+
+
 @pytest.mark.parametrize("agent, cause", [("crashing", "error"), ("hanging", "timeout"), ("garbage", "refused")])
 def test_a_bad_agent_fails_its_own_episode(driver, agent, cause):
     """An agent that raises, hangs past its limit or sends garbage ends its episode as failed,
