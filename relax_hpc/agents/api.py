@@ -6,7 +6,7 @@ answer whole or as server-sent events, and write an error in the API's own shape
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -44,7 +44,11 @@ class Done:
     prompt_tokens: int
     sampled: Sampled
     parsed: Parsed
-    token_text: list[str]  # each sampled token's text (logprobs' `token`)
+    decode: Callable[[list[int]], str]  # token ids to text, special tokens kept
+
+    def token_text(self) -> list[str]:
+        """Each sampled token's text (logprobs' `token`): decoded only for an answer that asks."""
+        return [self.decode([t]) for t in self.sampled.token_ids]
 
     @property
     def completion_tokens(self) -> int:

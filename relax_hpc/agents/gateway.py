@@ -155,8 +155,9 @@ class Gateway:
         parsed = self.parser.parse(text) if turn.parse_tools else Parsed(text, [])
         session.parse_failures += parsed.failed
         session.transcript.record(sampled, parsed)
-        pieces = [self.tokenizer.decode([t], skip_special_tokens=False) for t in sampled.token_ids]
-        return Done(model, len(prompt), sampled, parsed, pieces)
+        return Done(
+            model, len(prompt), sampled, parsed, lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)
+        )
 
     def _sampling(self, turn: Turn, session: Session) -> dict[str, Any]:
         """The request's sampling settings within the episode's: the run samples at its own

@@ -76,6 +76,6 @@ class ChatCompletions:
     def _logprobs(done: Done) -> dict[str, Any]:
         content = [
             {"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": []}
-            for text, logprob in zip(done.token_text, done.sampled.logprobs, strict=True)
+            for text, logprob in zip(done.token_text(), done.sampled.logprobs, strict=True)
         ]
         return {"content": content, "refusal": None}
